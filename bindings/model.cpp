@@ -1,0 +1,3 @@
+#include "bindings/common.hpp"
+
+void bind_model(nb::module_ &m) {}

@@ -1,0 +1,103 @@
+// The llaisys._core extension: error translation, build info, memory, streams and events.
+#include "bindings/common.hpp"
+#include "llaisys/common.hpp"
+#include "llaisys/memory.hpp"
+#include "llaisys/stream.hpp"
+
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+
+using namespace llaisys;
+
+static nb::dict build_info() {
+    nb::dict d;
+    d["version"] = LLAISYS_VERSION;
+    d["cuda"] = cuda_compiled();
+#ifdef LLAISYS_WITH_CUDA
+    d["cuda_version"] = LLAISYS_CUDA_VERSION;
+    d["cuda_archs"] = LLAISYS_CUDA_ARCHS;
+#else
+    d["cuda_version"] = nb::none();
+    d["cuda_archs"] = nb::none();
+#endif
+    d["compiler"] = LLAISYS_CXX_COMPILER;
+    d["cpu_flags"] = LLAISYS_CPU_FLAGS;
+#ifdef LLAISYS_WITH_OPENMP
+    d["openmp"] = true;
+#else
+    d["openmp"] = false;
+#endif
+    return d;
+}
+
+static nb::dict stats_dict(const std::string &device) {
+    const MemoryStats s = memory_stats(Device::parse(device));
+    nb::dict d;
+    d["allocated"] = s.allocated;
+    d["reserved"] = s.reserved;
+    d["peak"] = s.peak_allocated;
+    d["device_mallocs"] = s.num_device_mallocs;
+    d["device_frees"] = s.num_device_frees;
+    return d;
+}
+
+void bind_runtime(nb::module_ &m) {
+    m.def("build_info", &build_info, "What this build of llaisys contains.");
+    m.def("cuda_device_count", &cuda_device_count);
+    m.def("memory_stats", &stats_dict, nb::arg("device"),
+          "Bytes allocated, reserved, peak, and the number of device mallocs/frees on `device`.");
+    m.def("reset_peak_memory_stats", [](const std::string &d) { reset_peak_memory(Device::parse(d)); },
+          nb::arg("device"));
+    m.def("empty_cache", [](const std::string &d) { empty_cache(Device::parse(d)); }, nb::arg("device"),
+          "Returns cached, unused device memory to the driver.");
+    m.def("synchronize", [](const std::string &d) {
+        const Device dev = Device::parse(d);
+        nb::gil_scoped_release release;
+        synchronize(dev);
+    }, nb::arg("device"), "Waits for all work on `device`; raises errors reported by kernels.");
+
+    nb::class_<Stream>(m, "Stream")
+        .def_prop_ro("device", [](const Stream &s) { return s.device().str(); })
+        .def_prop_ro("handle", [](const Stream &s) { return reinterpret_cast<uintptr_t>(s.handle()); })
+        .def("synchronize", [](const Stream &s) {
+            nb::gil_scoped_release release;
+            s.synchronize();
+        })
+        .def("__eq__", [](const Stream &a, const Stream &b) { return a == b; })
+        .def("__repr__", [](const Stream &s) {
+            return "Stream(device=" + s.device().str() + ", handle=" + std::to_string(uintptr_t(s.handle())) + ")";
+        });
+    m.def("current_stream", [](const std::string &d) { return current_stream(Device::parse(d)); }, nb::arg("device"));
+    m.def("new_stream", [](const std::string &d) { return new_stream(Device::parse(d)); }, nb::arg("device"));
+    m.def("set_current_stream", &set_current_stream, nb::arg("stream"));
+
+    nb::class_<Event>(m, "Event")
+        .def("__init__", [](Event *e, const std::string &d, bool timing) { new (e) Event(Device::parse(d), timing); },
+             nb::arg("device"), nb::arg("timing") = false)
+        .def("record", &Event::record, nb::arg("stream"))
+        .def("wait", &Event::wait, nb::arg("stream"))
+        .def("synchronize", [](const Event &e) {
+            nb::gil_scoped_release release;
+            e.synchronize();
+        })
+        .def("query", &Event::query)
+        .def("elapsed_ms", &Event::elapsed_ms, nb::arg("end"));
+}
+
+NB_MODULE(_core, m) {
+    m.doc() = "llaisys C++ core";
+    nb::register_exception_translator([](const std::exception_ptr &p, void *) {
+        try {
+            std::rethrow_exception(p);
+        } catch (const TypeError &e) {
+            PyErr_SetString(PyExc_TypeError, e.what());
+        } catch (const OutOfMemoryError &e) {
+            PyErr_SetString(PyExc_MemoryError, e.what());
+        }
+    });
+    bind_runtime(m);
+    bind_tensor(m);
+    bind_ops(m);
+    bind_model(m);
+}

@@ -1,0 +1,32 @@
+// llaisys._core.ops: every operator in its out-parameter form. Arguments are documented in
+// cpp/include/llaisys/ops.hpp; llaisys.functional has the allocating forms.
+#include "bindings/common.hpp"
+#include "llaisys/ops.hpp"
+
+#include <nanobind/stl/string.h>
+
+using namespace llaisys;
+
+void bind_ops(nb::module_ &m) {
+    nb::module_ o = m.def_submodule("ops", "Operators writing into caller-provided outputs.");
+    // Kernels run with the GIL released so other Python threads keep going during long CPU ops.
+    using G = nb::call_guard<nb::gil_scoped_release>;
+    o.def("add", &ops::add, nb::arg("out"), nb::arg("a"), nb::arg("b"), G());
+    o.def("cast", &ops::cast, nb::arg("out"), nb::arg("x"), G());
+    o.def("rearrange", &ops::rearrange, nb::arg("out"), nb::arg("x"), G());
+    o.def("argmax", &ops::argmax, nb::arg("max_idx"), nb::arg("max_val"), nb::arg("x"), G());
+    o.def("embedding", &ops::embedding, nb::arg("out"), nb::arg("ids"), nb::arg("weight"), G());
+    o.def("linear", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias) {
+        ops::linear(out, x, w, bias ? *bias : Tensor());
+    }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), G());
+    o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
+    o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
+          nb::arg("eps"), G());
+    o.def("rope", &ops::rope, nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
+    o.def("self_attention", &ops::self_attention, nb::arg("out"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
+          nb::arg("scale"), G());
+    o.def("swiglu", &ops::swiglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), G());
+    o.def("sample", &ops::sample, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"),
+          nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());
+    o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
+}

@@ -1,0 +1,46 @@
+// Operators. Each writes into caller-provided outputs, validates its arguments (raising an exception
+// that names the op and the problem), enqueues on the current stream of the tensors' device and
+// never synchronizes. Float ops take f32, f16 or bf16 and accumulate in f32; ids are i64 or i32.
+// Inputs may have any strides; outputs may too unless an op says otherwise.
+#pragma once
+#include "llaisys/tensor.hpp"
+
+#include <cstdint>
+
+namespace llaisys::ops {
+
+// out = a + b (same shape, dtype and device; out may alias a or b).
+void add(const Tensor &out, const Tensor &a, const Tensor &b);
+// out = x converted to out's dtype: between f32, f16 and bf16, or from i32/i64 to a float dtype.
+void cast(const Tensor &out, const Tensor &x);
+// out = x between any strides (what Tensor::contiguous and copy_ use); same dtype, device and shape.
+void rearrange(const Tensor &out, const Tensor &x);
+// Over the last dim of x [..., V]: max_idx [...] (i64) and max_val [...] (x's dtype); ties -> first.
+void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x);
+// out [n, D] = weight [V, D] rows picked by ids [n]. An id outside [0, V) raises (on CUDA at the next
+// synchronize, through a device-side flag, so the op needs no host sync).
+void embedding(const Tensor &out, const Tensor &ids, const Tensor &weight);
+// out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]); bias may be an undefined Tensor.
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias);
+// out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
+void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps);
+// residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs.
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps);
+// Rotary embedding on x [seq, heads, head_dim] with positions pos_ids [seq] (i64/i32), non-interleaved
+// halves (HF convention). out may alias x.
+void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta);
+// Causal GQA attention. q [qlen, nh, hd], k/v [kvlen, nkvh, hd] (v may have its own head dim),
+// out [qlen, nh, hd_v]. Query i sees key j iff j <= i + kvlen - qlen.
+void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale);
+// out = up * gate * sigmoid(gate), in f32.
+void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
+// Samples one token per row of logits [B, V] into out_ids [B] (i64). Per-row parameters live on the
+// logits' device: temperature [B] f32 (0 = greedy), top_k [B] i32 (0 = off), top_p [B] f32 (1 = off),
+// min_p [B] f32 (0 = off). The same (seed, offset) gives the same tokens.
+void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
+            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset);
+// HF's repetition penalty in place: for each id in ids [B, n] (i64, -1 = padding, no duplicates per
+// row) logits[b, id] is divided by penalty if positive, multiplied if negative.
+void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);
+
+} // namespace llaisys::ops

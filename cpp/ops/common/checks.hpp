@@ -1,0 +1,120 @@
+// Argument checks and dtype dispatch shared by every op.cpp. Each check names the op, so a user sees
+// e.g. "rms_norm: weight must have shape [896], got [512]".
+#pragma once
+#include "llaisys/common.hpp"
+#include "llaisys/tensor.hpp"
+
+#include <initializer_list>
+#include <string>
+
+namespace llaisys::ops::detail {
+
+inline void check_defined(const char *op, const char *name, const Tensor &t) {
+    LLAISYS_CHECK(t.defined(), std::invalid_argument, op, ": ", name, " is an undefined tensor");
+}
+
+inline void check_same_device(const char *op, std::initializer_list<const Tensor *> ts) {
+    const Device d = (*ts.begin())->device();
+    for (const Tensor *t : ts)
+        LLAISYS_CHECK(t->device() == d, std::invalid_argument, op, ": all tensors must be on one device, got ",
+                      d.str(), " and ", t->device().str());
+}
+
+inline void check_dtype(const char *op, const char *name, const Tensor &t, DType want) {
+    LLAISYS_CHECK(t.dtype() == want, TypeError, op, ": ", name, " must be ", dtype_name(want), ", got ",
+                  dtype_name(t.dtype()));
+}
+
+inline void check_same_dtype(const char *op, const char *name, const Tensor &t, const Tensor &ref) {
+    LLAISYS_CHECK(t.dtype() == ref.dtype(), TypeError, op, ": ", name, " must have dtype ", dtype_name(ref.dtype()),
+                  " like the other operands, got ", dtype_name(t.dtype()));
+}
+
+inline void check_float(const char *op, const char *name, const Tensor &t) {
+    LLAISYS_CHECK(is_float(t.dtype()), TypeError, op, ": ", name, " must be f32, f16 or bf16, got ",
+                  dtype_name(t.dtype()));
+}
+
+inline void check_index(const char *op, const char *name, const Tensor &t) {
+    LLAISYS_CHECK(t.dtype() == DType::I64 || t.dtype() == DType::I32, TypeError, op, ": ", name,
+                  " must be i64 or i32, got ", dtype_name(t.dtype()));
+}
+
+inline void check_shape(const char *op, const char *name, const Tensor &t, const Shape &want) {
+    LLAISYS_CHECK(t.shape() == want, std::invalid_argument, op, ": ", name, " must have shape ", shape_str(want),
+                  ", got ", shape_str(t.shape()));
+}
+
+inline void check_ndim(const char *op, const char *name, const Tensor &t, int ndim) {
+    LLAISYS_CHECK(t.ndim() == ndim, std::invalid_argument, op, ": ", name, " must be ", ndim, "-D, got shape ",
+                  shape_str(t.shape()));
+}
+
+[[noreturn]] inline void unsupported(const char *op, DType dtype, Device device) {
+    throw TypeError(::llaisys::detail::concat(op, ": dtype ", dtype_name(dtype), " is not supported on ", device.str()));
+}
+
+// The no-CUDA branch of a dispatch: a CPU-only build cannot hold CUDA tensors, but keep the message clear.
+[[noreturn]] inline void cuda_not_compiled(const char *op) {
+    throw NotCompiledError(::llaisys::detail::concat(op, ": this build of llaisys has no CUDA backend"));
+}
+
+template <typename T>
+struct type_tag {
+    using type = T;
+};
+
+// Calls fn(type_tag<T>{}) with T = float, f16_t or bf16_t for the given float dtype.
+template <typename Fn>
+void dispatch_float(const char *op, DType dtype, Device device, Fn &&fn) {
+    switch (dtype) {
+    case DType::F32: return fn(type_tag<float>{});
+    case DType::F16: return fn(type_tag<f16_t>{});
+    case DType::BF16: return fn(type_tag<bf16_t>{});
+    default: unsupported(op, dtype, device);
+    }
+}
+
+// Calls fn(type_tag<T>{}) with T = int64_t or int32_t.
+template <typename Fn>
+void dispatch_index(const char *op, DType dtype, Device device, Fn &&fn) {
+    switch (dtype) {
+    case DType::I64: return fn(type_tag<int64_t>{});
+    case DType::I32: return fn(type_tag<int32_t>{});
+    default: unsupported(op, dtype, device);
+    }
+}
+
+// Runs fn(dst) where dst is `out` itself when contiguous, else a contiguous temporary that is copied
+// into `out` afterwards. Kernels then only ever write dense rows.
+template <typename Fn>
+void with_contiguous_out(const Tensor &out, Fn &&fn) {
+    if (out.is_contiguous()) return fn(out);
+    Tensor tmp = Tensor::empty(out.shape(), out.dtype(), out.device());
+    fn(tmp);
+    Tensor(out).copy_(tmp);
+}
+
+} // namespace llaisys::ops::detail
+
+// Runs the CPU or the CUDA implementation for `device`; a CPU-only build never references the latter.
+#ifdef LLAISYS_WITH_CUDA
+#define LLAISYS_DEVICE_DISPATCH(op, device, cpu_call, cuda_call)                                       \
+    do {                                                                                               \
+        if ((device).is_cpu()) {                                                                       \
+            cpu_call;                                                                                  \
+        } else {                                                                                       \
+            ::llaisys::DeviceGuard device_guard_(device);                                              \
+            cuda_call;                                                                                 \
+        }                                                                                              \
+    } while (0)
+#else
+#define LLAISYS_DEVICE_DISPATCH(op, device, cpu_call, cuda_call)                                       \
+    do {                                                                                               \
+        if ((device).is_cpu()) {                                                                       \
+            cpu_call;                                                                                  \
+        } else {                                                                                       \
+            ::llaisys::ops::detail::cuda_not_compiled(op);                                             \
+        }                                                                                              \
+    } while (0)
+#endif

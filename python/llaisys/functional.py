@@ -1,0 +1,88 @@
+"""Allocating forms of the operators: each returns a new tensor on the inputs' device."""
+from __future__ import annotations
+
+from . import ops
+from ._tensor import Tensor, empty, tensor
+
+
+def _like(shape, x: Tensor, dtype: str | None = None) -> Tensor:
+    return empty(list(shape), dtype or x.dtype, x.device)
+
+
+def add(a: Tensor, b: Tensor) -> Tensor:
+    out = _like(a.shape, a)
+    ops.add(out, a, b)
+    return out
+
+
+def cast(x: Tensor, dtype: str) -> Tensor:
+    out = _like(x.shape, x, dtype)
+    ops.cast(out, x)
+    return out
+
+
+def argmax(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(indices i64, values) of the maximum over the last dim."""
+    idx, val = _like(x.shape[:-1], x, "i64"), _like(x.shape[:-1], x)
+    ops.argmax(idx, val, x)
+    return idx, val
+
+
+def embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    out = _like((*ids.shape, weight.shape[-1]), weight)
+    ops.embedding(out, ids, weight)
+    return out
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    out = _like((*x.shape[:-1], weight.shape[0]), x)
+    ops.linear(out, x, weight, bias)
+    return out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    out = _like(x.shape, x)
+    ops.rms_norm(out, x, weight, eps)
+    return out
+
+
+def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
+    """residual += x (in place); returns rms_norm(residual)."""
+    out = _like(x.shape, x)
+    ops.add_rms_norm(out, residual, x, weight, eps)
+    return out
+
+
+def rope(x: Tensor, pos_ids: Tensor, theta: float = 10000.0) -> Tensor:
+    out = _like(x.shape, x)
+    ops.rope(out, x, pos_ids, theta)
+    return out
+
+
+def self_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out = _like((q.shape[0], q.shape[1], v.shape[-1]), q)
+    ops.self_attention(out, q, k, v, scale)
+    return out
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    out = _like(gate.shape, gate)
+    ops.swiglu(out, gate, up)
+    return out
+
+
+def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+           seed: int = 0, offset: int = 0) -> Tensor:
+    """One token id per row of logits [B, V], with the same parameters for every row."""
+    import numpy as np
+
+    rows = logits.shape[0]
+    dev = logits.device
+    out = _like((rows,), logits, "i64")
+    ops.sample(out, logits,
+               tensor(np.full(rows, temperature, np.float32), dev), tensor(np.full(rows, top_k, np.int32), dev),
+               tensor(np.full(rows, top_p, np.float32), dev), tensor(np.full(rows, min_p, np.float32), dev),
+               seed, offset)
+    return out

@@ -1,0 +1,24 @@
+"""Operators in their out-parameter form: ``ops.linear(out, x, weight, bias)``.
+
+Every op validates its arguments (raising TypeError/ValueError/IndexError naming the op), runs on
+the tensors' device, enqueues on its current stream and never synchronizes. Semantics are documented
+in cpp/include/llaisys/ops.hpp; :mod:`llaisys.functional` has forms that allocate the output.
+"""
+from ._core import ops as _ops
+
+add = _ops.add
+cast = _ops.cast
+rearrange = _ops.rearrange
+argmax = _ops.argmax
+embedding = _ops.embedding
+linear = _ops.linear
+rms_norm = _ops.rms_norm
+add_rms_norm = _ops.add_rms_norm
+rope = _ops.rope
+self_attention = _ops.self_attention
+swiglu = _ops.swiglu
+sample = _ops.sample
+repetition_penalty = _ops.repetition_penalty
+
+__all__ = ["add", "cast", "rearrange", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
+           "self_attention", "swiglu", "sample", "repetition_penalty"]
