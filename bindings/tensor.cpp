@@ -64,8 +64,10 @@ nb::ndarray<Extra...> as_ndarray(const Tensor &t) {
                                  to_dlpack(t.dtype()), int(t.device().type), t.device().index);
 }
 
-Tensor import_ndarray(nb::ndarray<nb::ro> a) {
-    const DType dtype = from_dlpack_dtype(a.dtype());
+// `as_dtype` reinterprets raw bits of the same width (NumPy has no bf16: ml_dtypes arrays come as uint16).
+Tensor import_ndarray(nb::ndarray<nb::ro> a, const std::string &as_dtype) {
+    const bool raw16 = a.dtype() == nb::dtype<uint16_t>() && as_dtype == "bf16";
+    const DType dtype = raw16 ? DType::BF16 : from_dlpack_dtype(a.dtype());
     const Device device = from_dlpack_device(a.device_type(), a.device_id());
     check_device_available(device);
     Shape shape(a.ndim());
@@ -176,6 +178,6 @@ void bind_tensor(nb::module_ &m) {
     m.def("zeros", [](const Shape &shape, const std::string &dtype, const std::string &device) {
         return Tensor::zeros(shape, dtype_from_name(dtype), Device::parse(device));
     }, nb::arg("shape"), nb::arg("dtype") = "f32", nb::arg("device") = "cpu");
-    m.def("_import", &import_ndarray, nb::arg("array"),
+    m.def("_import", &import_ndarray, nb::arg("array"), nb::arg("as_dtype") = "",
           "Wraps a DLPack capsule or an object with the buffer protocol without copying.");
 }

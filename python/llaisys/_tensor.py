@@ -33,7 +33,7 @@ def tensor(array, device: str = "cpu") -> Tensor:
     if not isinstance(array, np.ndarray):
         array = np.asarray(array)
     if _is_bf16(array.dtype):
-        t = _core._import(array.view(np.uint16)).view_dtype("bf16")
+        t = _core._import(array.view(np.uint16), "bf16")
     else:
         t = _core._import(array)
     return t if device == "cpu" else t.to(device)

@@ -1,0 +1,18 @@
+import os
+import sys
+
+import pytest
+
+# Tests import helpers from this folder (tests/utils.py).
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    import llaisys
+
+    if llaisys.cuda_is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA build and a GPU (run `pytest -m cuda` on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,59 @@
+"""Shared test helpers: devices, dtypes, the tolerance table, random inputs and poisoned outputs.
+
+References are NumPy float64 formulas written in each test; inputs are drawn in float64, rounded to
+the tested dtype, and the reference is computed from the rounded values, so only the op's own
+arithmetic is measured.
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import llaisys
+
+# Every op test runs on the CPU, and on CUDA when `pytest -m cuda` runs on a GPU machine.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+FLOAT_DTYPES = ["f32", "f16", "bf16"]
+
+NP_DTYPE = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "i32": np.int32, "i64": np.int64,
+            "u8": np.uint8, "bool": np.bool_}
+
+# The one tolerance table: |out - ref| <= atol + rtol * |ref|. Outputs are rounded to the dtype
+# (bf16 has 8 mantissa bits: 2^-8 ~ 3.9e-3 relative; f16 has 11: 4.9e-4), accumulation is f32.
+TOL = {
+    "f32": dict(atol=1e-5, rtol=1e-5),
+    "f16": dict(atol=1e-3, rtol=2e-3),
+    "bf16": dict(atol=8e-3, rtol=1.6e-2),
+}
+
+
+def rand(shape, dtype="f32", device="cpu", seed=0, scale=1.0):
+    """(llaisys tensor, float64 copy of exactly the values it holds)."""
+    rng = np.random.default_rng(seed)
+    a = (rng.standard_normal(shape) * scale).astype(NP_DTYPE[dtype])
+    return llaisys.tensor(a, device), a.astype(np.float64)
+
+
+def poisoned(shape, dtype="f32", device="cpu"):
+    """An output tensor pre-filled with NaN (floats) or a sentinel (ints): every element must be written."""
+    t = llaisys.empty(list(shape), dtype, device)
+    t.fill_(float("nan") if dtype in FLOAT_DTYPES else -7)
+    return t
+
+
+def to_f64(t) -> np.ndarray:
+    return np.asarray(t.to("cpu").numpy()).astype(np.float64)
+
+
+def assert_close(out, ref, dtype, atol=None, rtol=None):
+    """Compare an op's output (llaisys tensor or array) with a float64 reference under TOL[dtype]."""
+    got = to_f64(out) if isinstance(out, llaisys.Tensor) else np.asarray(out, np.float64)
+    tol = dict(TOL[dtype])
+    if atol is not None:
+        tol["atol"] = atol
+    if rtol is not None:
+        tol["rtol"] = rtol
+    assert got.shape == ref.shape, f"shape {got.shape} != reference {ref.shape}"
+    assert not np.isnan(got).any() or np.isnan(ref).any(), "output has NaN (an element was not written?)"
+    np.testing.assert_allclose(got, ref, **tol)
