@@ -1,3 +1,63 @@
+// llaisys._core.Qwen2: the model class the Python engine drives.
 #include "bindings/common.hpp"
+#include "llaisys/qwen2.hpp"
 
-void bind_model(nb::module_ &m) {}
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+using namespace llaisys;
+using namespace llaisys::models;
+
+namespace {
+Qwen2Config config_from_dict(const nb::dict &d) {
+    auto get = [&](const char *key) -> nb::handle {
+        if (!d.contains(key)) throw std::invalid_argument(std::string("Qwen2 config is missing '") + key + "'");
+        return d[key];
+    };
+    Qwen2Config c;
+    c.vocab_size = nb::cast<int64_t>(get("vocab_size"));
+    c.hidden_size = nb::cast<int64_t>(get("hidden_size"));
+    c.intermediate_size = nb::cast<int64_t>(get("intermediate_size"));
+    c.num_layers = nb::cast<int64_t>(get("num_hidden_layers"));
+    c.num_heads = nb::cast<int64_t>(get("num_attention_heads"));
+    c.num_kv_heads = nb::cast<int64_t>(get("num_key_value_heads"));
+    c.head_dim = nb::cast<int64_t>(get("head_dim"));
+    c.rms_norm_eps = nb::cast<float>(get("rms_norm_eps"));
+    c.rope_theta = nb::cast<float>(get("rope_theta"));
+    c.tie_word_embeddings = nb::cast<bool>(get("tie_word_embeddings"));
+    return c;
+}
+} // namespace
+
+void bind_model(nb::module_ &m) {
+    using G = nb::call_guard<nb::gil_scoped_release>;
+    nb::class_<SamplingParams>(m, "SamplingParams")
+        .def(nb::init<>())
+        .def_rw("temperature", &SamplingParams::temperature)
+        .def_rw("top_k", &SamplingParams::top_k)
+        .def_rw("top_p", &SamplingParams::top_p)
+        .def_rw("min_p", &SamplingParams::min_p)
+        .def_rw("repetition_penalty", &SamplingParams::repetition_penalty)
+        .def_rw("penalty_ids", &SamplingParams::penalty_ids);
+
+    nb::class_<Qwen2>(m, "Qwen2")
+        .def("__init__", [](Qwen2 *self, const nb::dict &config, const std::string &dtype, const std::string &device,
+                            int64_t max_seq_len, int num_slots) {
+            new (self) Qwen2(config_from_dict(config), dtype_from_name(dtype), Device::parse(device), max_seq_len,
+                             num_slots);
+        }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("max_seq_len"), nb::arg("num_slots") = 1)
+        .def("load_weight", &Qwen2::load_weight, nb::arg("name"), nb::arg("value"), G())
+        .def("missing_weights", &Qwen2::missing_weights)
+        .def("forward", &Qwen2::forward, nb::arg("slots"), nb::arg("tokens"), nb::arg("all_logits") = false, G(),
+             "Appends tokens to each slot's context; returns last-token logits [B, vocab] (or every token's "
+             "with all_logits), not synchronized.")
+        .def("forward_sample", &Qwen2::forward_sample, nb::arg("slots"), nb::arg("tokens"), nb::arg("params"),
+             nb::arg("seed"), nb::arg("offset"), G(), "forward() then one sampled token id per slot.")
+        .def("cache_length", [](Qwen2 &q, int slot) { return q.cache().length(slot); }, nb::arg("slot"))
+        .def("truncate", [](Qwen2 &q, int slot, int64_t n) { q.cache().truncate(slot, n); }, nb::arg("slot"),
+             nb::arg("length"))
+        .def_prop_ro("max_seq_len", [](Qwen2 &q) { return q.cache().capacity(); })
+        .def_prop_ro("num_slots", [](Qwen2 &q) { return q.cache().num_slots(); })
+        .def_prop_ro("dtype", [](const Qwen2 &q) { return std::string(dtype_name(q.dtype())); })
+        .def_prop_ro("device", [](const Qwen2 &q) { return q.device().str(); });
+}

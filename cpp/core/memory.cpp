@@ -97,6 +97,19 @@ void memcpy(void *dst, Device dst_device, const void *src, Device src_device, si
     throw NotCompiledError("copy to or from a CUDA device: this build of llaisys has no CUDA backend");
 #endif
 }
+
+void memcpy_async(void *dst, Device dst_device, const void *src, Device src_device, size_t n) {
+    if (n == 0) return;
+    if (dst_device.is_cpu() && src_device.is_cpu()) {
+        std::memcpy(dst, src, n);
+        return;
+    }
+#ifdef LLAISYS_WITH_CUDA
+    cuda::memcpy(dst, src, n, current_stream(dst_device.is_cuda() ? dst_device : src_device), false);
+#else
+    throw NotCompiledError("copy to or from a CUDA device: this build of llaisys has no CUDA backend");
+#endif
+}
 } // namespace runtime
 
 } // namespace llaisys

@@ -11,6 +11,9 @@ namespace llaisys::runtime {
 // Copies n bytes between any two devices. Copies that touch host memory are finished when this
 // returns (the host may reuse the buffer); device-to-device copies are ordered on the current stream.
 void memcpy(void *dst, Device dst_device, const void *src, Device src_device, size_t n);
+// Like memcpy but never waits: host memory must be pinned and stay untouched until the copy has run
+// (order it with an Event). Used by the model's input staging so a decode step has no extra host sync.
+void memcpy_async(void *dst, Device dst_device, const void *src, Device src_device, size_t n);
 
 #ifdef LLAISYS_WITH_CUDA
 namespace cuda {

@@ -1,0 +1,105 @@
+// The Qwen2 decoder: embedding -> N x (RMSNorm -> QKV (+bias) -> RoPE -> causal GQA attention over the
+// KV cache -> O proj -> residual -> RMSNorm -> gate/up -> SwiGLU -> down -> residual) -> final norm ->
+// LM head (tied or untied). A step takes several sequences at once, each with its own cached context.
+#pragma once
+#include "llaisys/tensor.hpp"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace llaisys::models {
+
+struct Qwen2Config {
+    int64_t vocab_size = 0;
+    int64_t hidden_size = 0;
+    int64_t intermediate_size = 0;
+    int64_t num_layers = 0;
+    int64_t num_heads = 0;
+    int64_t num_kv_heads = 0;
+    int64_t head_dim = 0;
+    float rms_norm_eps = 1e-6f;
+    float rope_theta = 10000.f;
+    bool tie_word_embeddings = false;
+    void validate() const; // ValueError naming the inconsistent field
+};
+
+// Keys and values of every sequence slot. Callers only see views: rows(layer, slot, start, n) are where
+// a step writes its new keys/values and, from 0, what attention reads. The layout (today one dense
+// [max_seq, nkvh, hd] block per layer and slot) can change, e.g. to paged blocks, behind this interface.
+class KVCache {
+public:
+    KVCache(int64_t num_layers, int num_slots, int64_t max_seq_len, int64_t num_kv_heads, int64_t head_dim,
+            DType dtype, Device device);
+    int num_slots() const { return int(lengths_.size()); }
+    int64_t capacity() const { return max_seq_len_; }
+    int64_t length(int slot) const;
+    void truncate(int slot, int64_t length); // keep the first `length` positions (multi-turn prefix reuse)
+    void advance(int slot, int64_t n);       // called once a step has written n new positions everywhere
+    Tensor keys(int layer, int slot, int64_t start, int64_t n) const;   // [n, nkvh, hd]
+    Tensor values(int layer, int slot, int64_t start, int64_t n) const; // [n, nkvh, hd]
+
+private:
+    void check_slot(int slot) const;
+    Tensor k_, v_; // [layers, slots, max_seq, nkvh, hd]
+    int64_t max_seq_len_;
+    std::vector<int64_t> lengths_;
+};
+
+struct SamplingParams {
+    float temperature = 0.f; // 0 = greedy
+    int32_t top_k = 0;       // 0 = off
+    float top_p = 1.f;       // 1 = off
+    float min_p = 0.f;       // 0 = off
+    float repetition_penalty = 1.f;
+    std::vector<int64_t> penalty_ids; // distinct ids seen so far, penalised when repetition_penalty != 1
+};
+
+class Qwen2 {
+public:
+    Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_seq_len, int num_slots = 1);
+    ~Qwen2();
+
+    // Takes the weight named as in HF checkpoints ("model.layers.3.mlp.up_proj.weight"), copying or
+    // converting it to the model's dtype and device. Unknown names and wrong shapes raise.
+    void load_weight(const std::string &name, const Tensor &value);
+    std::vector<std::string> missing_weights() const;
+
+    // Appends tokens[i] to the context of slots[i] (for every i) and returns the logits of each
+    // sequence's last token, [B, vocab] in the model dtype on the model device (not synchronized);
+    // with all_logits, the logits of every token instead, [total tokens, vocab].
+    Tensor forward(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens,
+                   bool all_logits = false);
+    // forward(), then one token per sequence sampled on the device; only the ids are copied back.
+    std::vector<int64_t> forward_sample(const std::vector<int> &slots,
+                                        const std::vector<std::vector<int64_t>> &tokens,
+                                        const std::vector<SamplingParams> &params, uint64_t seed, uint64_t offset);
+
+    KVCache &cache() { return *cache_; }
+    const Qwen2Config &config() const { return config_; }
+    DType dtype() const { return dtype_; }
+    Device device() const { return device_; }
+
+    struct Layer;   // one decoder layer's weights (models/qwen2/layer.hpp)
+    struct Staging; // pinned-memory input uploads
+
+private:
+    void check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const;
+    void check_ready() const;
+    Tensor *weight_slot(const std::string &name, Shape &shape);
+    Tensor attention(int layer, const Tensor &x, const Tensor &pos, const std::vector<int> &slots,
+                     const std::vector<std::vector<int64_t>> &tokens);
+    Tensor mlp(int layer, const Tensor &x);
+    Tensor last_rows(const Tensor &x, const std::vector<std::vector<int64_t>> &tokens);
+
+    Qwen2Config config_;
+    DType dtype_;
+    Device device_;
+    Tensor embed_, final_norm_, lm_head_;
+    std::vector<Layer> layers_;
+    std::unique_ptr<KVCache> cache_;
+    std::unique_ptr<Staging> staging_;
+};
+
+} // namespace llaisys::models

@@ -1,0 +1,20 @@
+#pragma once
+#include "llaisys/qwen2.hpp"
+#include "models/qwen2/staging.hpp"
+
+namespace llaisys::models {
+
+// One decoder layer's weights, in the model dtype on the model device.
+struct Qwen2::Layer {
+    Tensor input_norm;                 // [H]
+    Tensor wq, bq, wk, bk, wv, bv;     // [nh*hd, H], [nh*hd]; [nkvh*hd, H], [nkvh*hd] (k and v)
+    Tensor wo;                         // [H, nh*hd]
+    Tensor post_norm;                  // [H]
+    Tensor w_gate, w_up, w_down;       // [I, H], [I, H], [H, I]
+};
+
+struct Qwen2::Staging : InputStaging {
+    using InputStaging::InputStaging;
+};
+
+} // namespace llaisys::models

@@ -1,0 +1,203 @@
+// The Qwen2 forward pass. Every op enqueues on the device's current stream; the only host syncs are
+// the ones the caller asks for (reading sampled ids back, or synchronizing before reading logits).
+#include "llaisys/qwen2.hpp"
+
+#include "core/runtime.hpp"
+#include "llaisys/ops.hpp"
+#include "models/qwen2/layer.hpp"
+
+#include <cmath>
+#include <set>
+
+namespace llaisys::models {
+
+void Qwen2Config::validate() const {
+    auto positive = [](int64_t v, const char *name) {
+        LLAISYS_CHECK(v > 0, std::invalid_argument, "Qwen2Config: ", name, " must be positive, got ", v);
+    };
+    positive(vocab_size, "vocab_size");
+    positive(hidden_size, "hidden_size");
+    positive(intermediate_size, "intermediate_size");
+    positive(num_layers, "num_hidden_layers");
+    positive(num_heads, "num_attention_heads");
+    positive(num_kv_heads, "num_key_value_heads");
+    positive(head_dim, "head_dim");
+    LLAISYS_CHECK(num_heads % num_kv_heads == 0, std::invalid_argument, "Qwen2Config: num_attention_heads (",
+                  num_heads, ") must be a multiple of num_key_value_heads (", num_kv_heads, ")");
+    LLAISYS_CHECK(head_dim % 2 == 0, std::invalid_argument, "Qwen2Config: head_dim must be even, got ", head_dim);
+    LLAISYS_CHECK(rms_norm_eps > 0 && rope_theta > 0, std::invalid_argument,
+                  "Qwen2Config: rms_norm_eps and rope_theta must be positive");
+}
+
+Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_seq_len, int num_slots)
+    : config_(config), dtype_(dtype), device_(device) {
+    config_.validate();
+    LLAISYS_CHECK(is_float(dtype), TypeError, "Qwen2: compute dtype must be f32, f16 or bf16, got ", dtype_name(dtype));
+    check_device_available(device);
+    layers_.resize(size_t(config.num_layers));
+    cache_ = std::make_unique<KVCache>(config.num_layers, num_slots, max_seq_len, config.num_kv_heads, config.head_dim,
+                                       dtype, device);
+    staging_ = std::make_unique<Staging>(device);
+}
+
+Qwen2::~Qwen2() = default;
+
+void Qwen2::check_ready() const {
+    const auto missing = missing_weights();
+    LLAISYS_CHECK(missing.empty(), std::invalid_argument, "Qwen2: ", missing.size(), " weight(s) not loaded, e.g. '",
+                  missing.empty() ? "" : missing.front(), "'");
+}
+
+void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const {
+    check_ready();
+    LLAISYS_CHECK(!slots.empty() && slots.size() == tokens.size(), std::invalid_argument,
+                  "Qwen2: need one token list per slot, got ", slots.size(), " slots and ", tokens.size(), " lists");
+    std::set<int> seen;
+    for (size_t i = 0; i < slots.size(); ++i) {
+        const int slot = slots[i];
+        LLAISYS_CHECK(seen.insert(slot).second, std::invalid_argument, "Qwen2: slot ", slot, " appears twice in a step");
+        LLAISYS_CHECK(!tokens[i].empty(), std::invalid_argument, "Qwen2: empty token list for slot ", slot);
+        const int64_t total = cache_->length(slot) + int64_t(tokens[i].size());
+        LLAISYS_CHECK(total <= cache_->capacity(), std::invalid_argument, "Qwen2: slot ", slot, " would hold ", total,
+                      " tokens, more than max_seq_len ", cache_->capacity());
+        for (int64_t id : tokens[i])
+            LLAISYS_CHECK(id >= 0 && id < config_.vocab_size, std::out_of_range, "Qwen2: token id ", id,
+                          " out of range [0, ", config_.vocab_size, ")");
+    }
+}
+
+// x [T, H] -> attention output projected back to [T, H]; writes this step's keys/values into the cache.
+Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::vector<int> &slots,
+                        const std::vector<std::vector<int64_t>> &tokens) {
+    const Layer &L = layers_[size_t(l)];
+    const int64_t T = x.size(0), nh = config_.num_heads, nkvh = config_.num_kv_heads, hd = config_.head_dim;
+    Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
+    Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_);
+    Tensor v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
+    ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq);
+    ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
+    ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
+    ops::rope(q, q, pos, config_.rope_theta);
+    ops::rope(k, k, pos, config_.rope_theta);
+    Tensor attn = Tensor::empty({T, nh, hd}, dtype_, device_);
+    const float scale = 1.f / std::sqrt(float(hd));
+    int64_t offset = 0;
+    for (size_t i = 0; i < slots.size(); ++i) { // each sequence attends to its own cached context
+        const int64_t n = int64_t(tokens[i].size()), start = cache_->length(slots[i]);
+        cache_->keys(l, slots[i], start, n).copy_(k.slice(0, offset, offset + n));
+        cache_->values(l, slots[i], start, n).copy_(v.slice(0, offset, offset + n));
+        ops::self_attention(attn.slice(0, offset, offset + n), q.slice(0, offset, offset + n),
+                            cache_->keys(l, slots[i], 0, start + n), cache_->values(l, slots[i], 0, start + n), scale);
+        offset += n;
+    }
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    ops::linear(out, attn.view({T, nh * hd}), L.wo, Tensor());
+    return out;
+}
+
+// x [T, H] -> down(swiglu(gate(x), up(x))) [T, H]
+Tensor Qwen2::mlp(int l, const Tensor &x) {
+    const Layer &L = layers_[size_t(l)];
+    const int64_t T = x.size(0), I = config_.intermediate_size;
+    Tensor gate = Tensor::empty({T, I}, dtype_, device_), up = Tensor::empty({T, I}, dtype_, device_);
+    ops::linear(gate, x, L.w_gate, Tensor());
+    ops::linear(up, x, L.w_up, Tensor());
+    ops::swiglu(gate, gate, up);
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    ops::linear(out, gate, L.w_down, Tensor());
+    return out;
+}
+
+// The hidden state of each sequence's last token: x [T, H] -> [B, H].
+Tensor Qwen2::last_rows(const Tensor &x, const std::vector<std::vector<int64_t>> &tokens) {
+    if (tokens.size() == 1) return x.slice(0, x.size(0) - 1, x.size(0));
+    Tensor out = Tensor::empty({int64_t(tokens.size()), x.size(1)}, dtype_, device_);
+    int64_t end = 0;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        end += int64_t(tokens[i].size());
+        out.slice(0, int64_t(i), int64_t(i) + 1).copy_(x.slice(0, end - 1, end));
+    }
+    return out;
+}
+
+Tensor Qwen2::forward(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens,
+                      bool all_logits) {
+    check_step(slots, tokens);
+    DeviceGuard guard(device_);
+    std::vector<int64_t> ids, pos;
+    for (size_t i = 0; i < slots.size(); ++i) {
+        const int64_t start = cache_->length(slots[i]);
+        for (size_t j = 0; j < tokens[i].size(); ++j) {
+            ids.push_back(tokens[i][j]);
+            pos.push_back(start + int64_t(j));
+        }
+    }
+    const int64_t T = int64_t(ids.size()), H = config_.hidden_size;
+    const Tensor ids_d = staging_->upload(ids, DType::I64), pos_d = staging_->upload(pos, DType::I64);
+    Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
+    Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
+    ops::embedding(h, ids_d, embed_);
+    Tensor mlp_out;
+    for (int l = 0; l < int(layers_.size()); ++l) {
+        const Layer &L = layers_[size_t(l)];
+        if (l == 0) ops::rms_norm(x, h, L.input_norm, config_.rms_norm_eps);
+        else ops::add_rms_norm(x, h, mlp_out, L.input_norm, config_.rms_norm_eps);
+        const Tensor attn_out = attention(l, x, pos_d, slots, tokens);
+        ops::add_rms_norm(x, h, attn_out, L.post_norm, config_.rms_norm_eps);
+        mlp_out = mlp(l, x);
+    }
+    ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.rms_norm_eps);
+    for (size_t i = 0; i < slots.size(); ++i) cache_->advance(slots[i], int64_t(tokens[i].size()));
+    const Tensor last = all_logits ? x : last_rows(x, tokens);
+    Tensor logits = Tensor::empty({last.size(0), config_.vocab_size}, dtype_, device_);
+    ops::linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor());
+    return logits;
+}
+
+// One repetition_penalty call per distinct penalty value; each covers the rows using that value
+// (ids [B, n] padded with -1, so other rows are untouched).
+static void apply_repetition_penalties(const Tensor &logits, const std::vector<SamplingParams> &params,
+                                       InputStaging &staging) {
+    std::set<float> penalties;
+    size_t width = 0;
+    for (const SamplingParams &p : params)
+        if (p.repetition_penalty != 1.f && !p.penalty_ids.empty()) {
+            penalties.insert(p.repetition_penalty);
+            width = std::max(width, p.penalty_ids.size());
+        }
+    const int64_t B = int64_t(params.size());
+    for (float penalty : penalties) {
+        std::vector<int64_t> ids(size_t(B) * width, -1);
+        for (size_t b = 0; b < params.size(); ++b)
+            if (params[b].repetition_penalty == penalty)
+                std::copy(params[b].penalty_ids.begin(), params[b].penalty_ids.end(), ids.begin() + int64_t(b * width));
+        ops::repetition_penalty(logits, staging.upload(ids, DType::I64).view({B, int64_t(width)}), penalty);
+    }
+}
+
+std::vector<int64_t> Qwen2::forward_sample(const std::vector<int> &slots,
+                                           const std::vector<std::vector<int64_t>> &tokens,
+                                           const std::vector<SamplingParams> &params, uint64_t seed, uint64_t offset) {
+    LLAISYS_CHECK(params.size() == slots.size(), std::invalid_argument, "Qwen2: need sampling parameters per slot, got ",
+                  params.size(), " for ", slots.size(), " slots");
+    const Tensor logits = forward(slots, tokens);
+    DeviceGuard guard(device_);
+    const int64_t B = int64_t(slots.size());
+    apply_repetition_penalties(logits, params, *staging_);
+    std::vector<float> temperature, top_p, min_p;
+    std::vector<int32_t> top_k;
+    for (const SamplingParams &p : params) {
+        temperature.push_back(p.temperature);
+        top_k.push_back(p.top_k);
+        top_p.push_back(p.top_p);
+        min_p.push_back(p.min_p);
+    }
+    Tensor out = Tensor::empty({B}, DType::I64, device_);
+    ops::sample(out, logits, staging_->upload(temperature, DType::F32), staging_->upload(top_k, DType::I32),
+                staging_->upload(top_p, DType::F32), staging_->upload(min_p, DType::F32), seed, offset);
+    std::vector<int64_t> result(static_cast<size_t>(B));
+    runtime::memcpy(result.data(), Device::cpu(), out.data(), device_, size_t(B) * sizeof(int64_t));
+    return result;
+}
+
+} // namespace llaisys::models

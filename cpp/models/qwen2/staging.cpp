@@ -1,0 +1,29 @@
+#include "models/qwen2/staging.hpp"
+
+#include "core/runtime.hpp"
+
+#include <cstring>
+
+namespace llaisys::models {
+
+InputStaging::InputStaging(Device device, size_t ring) : device_(device), slots_(ring) {}
+
+Tensor InputStaging::upload_bytes(const void *data, size_t nbytes, const Shape &shape, DType dtype) {
+    Tensor out = Tensor::empty(shape, dtype, device_);
+    if (device_.is_cpu()) {
+        std::memcpy(out.data(), data, nbytes);
+        return out;
+    }
+    Slot &slot = slots_[next_];
+    next_ = (next_ + 1) % slots_.size();
+    if (slot.done) slot.done->synchronize(); // the previous copy out of this buffer has run
+    if (!slot.host.defined() || slot.host.numel() < int64_t(nbytes))
+        slot.host = Tensor::empty({int64_t(std::max<size_t>(nbytes, 256))}, DType::U8, Device::cpu(), true);
+    std::memcpy(slot.host.data(), data, nbytes);
+    runtime::memcpy_async(out.data(), device_, slot.host.data(), Device::cpu(), nbytes);
+    if (!slot.done) slot.done = std::make_unique<Event>(device_);
+    slot.done->record(current_stream(device_));
+    return out;
+}
+
+} // namespace llaisys::models

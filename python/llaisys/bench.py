@@ -1,0 +1,189 @@
+"""`llaisys bench`: prefill and decode speed of one sequence, against the weight-bandwidth roofline.
+
+Batch-1 decode reads every weight once per token, so its floor is weight_bytes / copy_bandwidth; the
+copy bandwidth is measured here on the same device (bytes read + written by a large device copy).
+With --shape the model has random weights of a real Qwen2 shape (no download); with --model a real one.
+`--peers` also runs bench/peers.py's HF transformers decode of the same shape in the same process.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from . import _core
+from ._runtime import Event, current_stream, cuda_is_available, memory_stats, synchronize
+from ._tensor import empty, tensor
+
+# Real shapes of the Qwen2 family (HF config values).
+SHAPES = {
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
+}
+BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    H, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (q, H), p + "self_attn.q_proj.bias": (q,),
+                       p + "self_attn.k_proj.weight": (kv, H), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.v_proj.bias": (kv,),
+                       p + "self_attn.o_proj.weight": (H, q), p + "mlp.gate_proj.weight": (I, H),
+                       p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)})
+    return shapes
+
+
+def decode_weight_bytes(c: dict, dtype: str) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (one row is read)."""
+    n = sum(int(np.prod(s)) for name, s in weight_shapes(c).items() if name != "model.embed_tokens.weight")
+    if c["tie_word_embeddings"]:
+        n += c["vocab_size"] * c["hidden_size"]  # the LM head reads the whole table
+    return n * BYTES[dtype]
+
+
+def random_model(c: dict, dtype: str, device: str, max_seq_len: int, seed: int = 0):
+    """A Qwen2 with random weights (scaled like an initialised model), built on `device`."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    shapes = weight_shapes(c)
+    largest = max(int(np.prod(s)) for s in shapes.values())
+    pool = (rng.standard_normal(largest + 4096, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    model = _core.Qwen2({k: v for k, v in c.items() if k != "max_position_embeddings"}, dtype, device, max_seq_len)
+    for i, (name, shape) in enumerate(shapes.items()):
+        n = int(np.prod(shape))
+        start = (i * 4099) % (len(pool) - n + 1)  # distinct windows of one random pool: cheap and not all equal
+        w = pool[start:start + n].reshape(shape)
+        if name.endswith("norm.weight"):
+            w = np.ones(shape, ml_dtypes.bfloat16)
+        model.load_weight(name, tensor(np.ascontiguousarray(w)))
+    return model
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    if device == "cpu":
+        nbytes = 1 << 28
+        a = np.ones(nbytes, np.uint8)
+        b = np.empty_like(a)
+        np.copyto(b, a)
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            np.copyto(b, a)
+            times.append(time.perf_counter() - t)
+        return 2 * nbytes / min(times)
+    a, b = empty((nbytes,), "u8", device).fill_(1), empty((nbytes,), "u8", device)
+    b.copy_(a)
+    start, end = Event(device, timing=True), Event(device, timing=True)
+    stream = current_stream(device)
+    times = []
+    for _ in range(10):
+        start.record(stream)
+        b.copy_(a)
+        end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_ms(end) / 1e3)
+    return 2 * nbytes / float(np.median(times))
+
+
+def _greedy():
+    sp = _core.SamplingParams()
+    sp.temperature = 0.0
+    return sp
+
+
+def run_model(model, vocab: int, device: str, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+    """Times one prefill of prompt_len random tokens, then new_tokens greedy decode steps."""
+    rng = np.random.default_rng(seed)
+    prompt = [int(t) for t in rng.integers(0, vocab, prompt_len)]
+    sp = _greedy()
+    model.truncate(0, 0)
+    model.forward_sample([0], [prompt[: min(8, prompt_len)]], [sp], 0, 0)  # warm-up: kernels, handles, pools
+    model.truncate(0, 0)
+    t0 = time.perf_counter()
+    token = model.forward_sample([0], [prompt], [sp], 0, 0)[0]
+    ttft = time.perf_counter() - t0
+    token = model.forward_sample([0], [[token]], [sp], 0, 1)[0]  # first decode step: warm the decode path
+    mallocs = memory_stats(device)["device_mallocs"] if device != "cpu" else 0
+    t1 = time.perf_counter()
+    for step in range(new_tokens):
+        token = model.forward_sample([0], [[token]], [sp], 0, step + 2)[0]
+    decode_s = time.perf_counter() - t1
+    if device != "cpu":
+        synchronize(device)
+    new_mallocs = (memory_stats(device)["device_mallocs"] - mallocs) if device != "cpu" else 0
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_ms": ttft * 1e3,
+            "prefill_tok_s": prompt_len / ttft, "decode_tok_s": new_tokens / decode_s,
+            "decode_ms_per_token": decode_s / new_tokens * 1e3, "decode_device_mallocs": new_mallocs}
+
+
+def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
+          prompt_len: int = 128, new_tokens: int = 256) -> dict:
+    if device == "auto":
+        device = "cuda:0" if cuda_is_available() else "cpu"
+    elif device == "cuda":
+        device = "cuda:0"
+    max_seq = prompt_len + new_tokens + 16
+    if model is not None:
+        from .engine import Engine
+
+        eng = Engine(model, device=device, dtype=dtype, max_seq_len=max(max_seq, 256))
+        c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
+        net, name = eng._model, model
+    else:
+        shape = shape or "qwen2-0.5b"
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
+        c, name = SHAPES[shape], shape
+        net = random_model(c, dtype, device, max_seq)
+    result = run_model(net, c["vocab_size"], device, prompt_len, new_tokens)
+    bw = copy_bandwidth(device)
+    weight_bytes = decode_weight_bytes(c, dtype)
+    roofline = bw / weight_bytes
+    result.update({"engine": "llaisys", "model": name, "device": device, "dtype": dtype,
+                   "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": weight_bytes, "roofline_tok_s": roofline,
+                   "fraction_of_roofline": result["decode_tok_s"] / roofline})
+    return result
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['engine']:<22} {r['model']:<28} {r['device']:<8} {r['dtype']:<5} "
+            f"prefill {r['prefill_tok_s']:9.1f} tok/s  TTFT {r['ttft_ms']:8.1f} ms  "
+            f"decode {r['decode_tok_s']:8.1f} tok/s ({r['decode_ms_per_token']:.2f} ms/tok)"
+            + (f"  {100 * r['fraction_of_roofline']:.0f}% of roofline" if "fraction_of_roofline" in r else ""))
+
+
+def main(args) -> int:
+    """Entry point of `llaisys bench` (args from the CLI's argparse)."""
+    if getattr(args, "model", None) and getattr(args, "shape", None):
+        raise ValueError("give either --model or --shape, not both")
+    r = bench(shape=args.shape, model=args.model, device=args.device, dtype=args.dtype if args.dtype != "auto" else "bf16",
+              prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    rows = [r]
+    print(format_row(r))
+    print(f"  copy bandwidth {r['copy_bandwidth_gb_s']:.0f} GB/s, {r['weight_bytes'] / 1e9:.2f} GB of weights per "
+          f"token -> roofline {r['roofline_tok_s']:.0f} tok/s; device mallocs during decode: "
+          f"{r['decode_device_mallocs']}")
+    if getattr(args, "peers", False):
+        from . import _peers
+
+        for peer in _peers.run_peers(r, shape=args.shape, model=args.model):
+            rows.append(peer)
+            print(format_row(peer) + f"  (llaisys is {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x)")
+    if getattr(args, "json", None):
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
