@@ -14,6 +14,7 @@ void bind_ops(nb::module_ &m) {
     o.def("add", &ops::add, nb::arg("out"), nb::arg("a"), nb::arg("b"), G());
     o.def("cast", &ops::cast, nb::arg("out"), nb::arg("x"), G());
     o.def("rearrange", &ops::rearrange, nb::arg("out"), nb::arg("x"), G());
+    o.def("index_copy", &ops::index_copy, nb::arg("out"), nb::arg("index"), nb::arg("src"), G());
     o.def("argmax", &ops::argmax, nb::arg("max_idx"), nb::arg("max_val"), nb::arg("x"), G());
     o.def("embedding", &ops::embedding, nb::arg("out"), nb::arg("ids"), nb::arg("weight"), G());
     o.def("linear", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias) {

@@ -1,4 +1,5 @@
 #include "core/runtime.hpp"
+#include "llaisys/graph.hpp"
 #include "llaisys/common.hpp"
 
 #include <cstdlib>
@@ -40,10 +41,20 @@ std::shared_ptr<Storage> allocate_cpu(size_t nbytes) {
 }
 } // namespace
 
+namespace {
+thread_local std::vector<std::shared_ptr<Storage>> *capture_pool = nullptr;
+}
+
+void detail::set_capture_pool(std::vector<std::shared_ptr<Storage>> *pool) { capture_pool = pool; }
+
 std::shared_ptr<Storage> allocate(size_t nbytes, Device device, bool pinned) {
     check_device_available(device);
 #ifdef LLAISYS_WITH_CUDA
-    if (device.is_cuda()) return runtime::cuda::allocate(nbytes, device);
+    if (device.is_cuda()) {
+        auto storage = runtime::cuda::allocate(nbytes, device);
+        if (capture_pool) capture_pool->push_back(storage); // a graph replays into this memory
+        return storage;
+    }
     if (pinned && cuda_device_count() > 0) return runtime::cuda::allocate_pinned(nbytes);
 #endif
     return allocate_cpu(nbytes);

@@ -25,7 +25,8 @@ void reset_peak(Device device);
 void empty_cache(Device device);
 void memcpy(void *dst, const void *src, size_t n, const Stream &stream, bool wait);
 // A per-device int in device memory that kernels set to report bad input (e.g. an embedding id out of
-// range) without a host sync; checked and cleared by synchronize().
+// range: code 1; an index_copy index out of range: code 2) without a host sync; checked and cleared by
+// synchronize().
 int *error_flag(Device device);
 } // namespace cuda
 #endif

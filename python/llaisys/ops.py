@@ -9,6 +9,7 @@ from ._core import ops as _ops
 add = _ops.add
 cast = _ops.cast
 rearrange = _ops.rearrange
+index_copy = _ops.index_copy
 argmax = _ops.argmax
 embedding = _ops.embedding
 linear = _ops.linear
@@ -20,5 +21,5 @@ swiglu = _ops.swiglu
 sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
 
-__all__ = ["add", "cast", "rearrange", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
+__all__ = ["add", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "self_attention", "swiglu", "sample", "repetition_penalty"]

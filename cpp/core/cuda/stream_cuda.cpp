@@ -43,6 +43,8 @@ void check_error_flag(Device device) {
     LLAISYS_CUDA_CHECK(cudaMemset(flag, 0, sizeof(int)));
     if (code == 1) throw std::out_of_range("embedding: an id is out of range of the embedding table (found on " +
                                            device.str() + " at synchronize)");
+    if (code == 2) throw std::out_of_range("index_copy: an index is out of range of the destination (found on " +
+                                           device.str() + " at synchronize)");
     throw std::runtime_error("a CUDA kernel reported error code " + std::to_string(code));
 }
 } // namespace

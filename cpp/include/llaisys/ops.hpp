@@ -15,6 +15,10 @@ void add(const Tensor &out, const Tensor &a, const Tensor &b);
 void cast(const Tensor &out, const Tensor &x);
 // out = x between any strides (what Tensor::contiguous and copy_ use); same dtype, device and shape.
 void rearrange(const Tensor &out, const Tensor &x);
+// out[index[i]] = src[i] along dim 0 (out [R, ...], src [n, ...], index [n] i64/i32 on the device): how
+// a step writes new keys/values into the KV cache at positions held in device memory, so one captured
+// CUDA graph serves every position. An index outside [0, R) raises (on CUDA at the next synchronize).
+void index_copy(const Tensor &out, const Tensor &index, const Tensor &src);
 // Over the last dim of x [..., V]: max_idx [...] (i64) and max_val [...] (x's dtype); ties -> first.
 void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x);
 // out [n, D] = weight [V, D] rows picked by ids [n]. An id outside [0, V) raises (on CUDA at the next
