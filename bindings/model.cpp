@@ -56,6 +56,8 @@ void bind_model(nb::module_ &m) {
         .def("cache_length", [](Qwen2 &q, int slot) { return q.cache().length(slot); }, nb::arg("slot"))
         .def("truncate", [](Qwen2 &q, int slot, int64_t n) { q.cache().truncate(slot, n); }, nb::arg("slot"),
              nb::arg("length"))
+        .def_prop_rw("cuda_graphs", &Qwen2::cuda_graphs, &Qwen2::set_cuda_graphs,
+                     "Replay one captured CUDA graph per decode step (CUDA only).")
         .def_prop_ro("max_seq_len", [](Qwen2 &q) { return q.cache().capacity(); })
         .def_prop_ro("num_slots", [](Qwen2 &q) { return q.cache().num_slots(); })
         .def_prop_ro("dtype", [](const Qwen2 &q) { return std::string(dtype_name(q.dtype())); })

@@ -26,6 +26,8 @@ void bind_ops(nb::module_ &m) {
     o.def("rope", &ops::rope, nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
     o.def("self_attention", &ops::self_attention, nb::arg("out"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
           nb::arg("scale"), G());
+    o.def("self_attention_cached", &ops::self_attention_cached, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),
+          nb::arg("v_cache"), nb::arg("kv_len"), nb::arg("scale"), G());
     o.def("swiglu", &ops::swiglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), G());
     o.def("sample", &ops::sample, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"),
           nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());

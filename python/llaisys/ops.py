@@ -17,9 +17,10 @@ rms_norm = _ops.rms_norm
 add_rms_norm = _ops.add_rms_norm
 rope = _ops.rope
 self_attention = _ops.self_attention
+self_attention_cached = _ops.self_attention_cached
 swiglu = _ops.swiglu
 sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
 
 __all__ = ["add", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
-           "self_attention", "swiglu", "sample", "repetition_penalty"]
+           "self_attention", "self_attention_cached", "swiglu", "sample", "repetition_penalty"]

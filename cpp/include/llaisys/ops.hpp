@@ -36,6 +36,12 @@ void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta
 // Causal GQA attention. q [qlen, nh, hd], k/v [kvlen, nkvh, hd] (v may have its own head dim),
 // out [qlen, nh, hd_v]. Query i sees key j iff j <= i + kvlen - qlen.
 void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale);
+// self_attention over a KV cache whose valid length lives in device memory: k_cache/v_cache
+// [capacity, nkvh, hd], kv_len [1] (i64 or i32, on the device) = valid rows including this step's; the
+// queries q [qlen, nh, hd] are the last qlen positions. Equals self_attention(out, q, k_cache[:len],
+// v_cache[:len], scale) — without the host knowing len, so one captured CUDA graph serves every step.
+void self_attention_cached(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
+                           const Tensor &kv_len, float scale);
 // out = up * gate * sigmoid(gate), in f32.
 void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
 // Samples one token per row of logits [B, V] into out_ids [B] (i64). Per-row parameters live on the

@@ -37,6 +37,9 @@ public:
     int64_t length(int slot) const;
     void truncate(int slot, int64_t length); // keep the first `length` positions (multi-turn prefix reuse)
     void advance(int slot, int64_t n);       // called once a step has written n new positions everywhere
+    // Stores k/v [n, nkvh, hd] at the positions held in `positions` [n] (device i64): position-free on
+    // the host, so a captured CUDA graph can replay the write for any step.
+    void write(int layer, int slot, const Tensor &positions, const Tensor &k, const Tensor &v);
     Tensor keys(int layer, int slot, int64_t start, int64_t n) const;   // [n, nkvh, hd]
     Tensor values(int layer, int slot, int64_t start, int64_t n) const; // [n, nkvh, hd]
 
@@ -76,20 +79,32 @@ public:
                                         const std::vector<std::vector<int64_t>> &tokens,
                                         const std::vector<SamplingParams> &params, uint64_t seed, uint64_t offset);
 
+    // CUDA only: replay one captured graph per decode step (single sequence, one token). On by default
+    // on CUDA; LLAISYS_CUDA_GRAPHS=0 in the environment turns it off.
+    void set_cuda_graphs(bool enabled);
+    bool cuda_graphs() const { return graphs_enabled_; }
+
     KVCache &cache() { return *cache_; }
     const Qwen2Config &config() const { return config_; }
     DType dtype() const { return dtype_; }
     Device device() const { return device_; }
 
-    struct Layer;   // one decoder layer's weights (models/qwen2/layer.hpp)
-    struct Staging; // pinned-memory input uploads
+    struct Layer;       // one decoder layer's weights (models/qwen2/layer.hpp)
+    struct Staging;     // pinned-memory input uploads
+    struct DecodeGraph; // the captured decode step and its fixed input buffers
 
 private:
     void check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const;
     void check_ready() const;
     Tensor *weight_slot(const std::string &name, Shape &shape);
+    // The layers and head for ids/pos (device tensors) of the given sequences. With kv_len defined (one
+    // sequence), attention reads the cache length from it instead of the host: the graph-safe path.
+    Tensor run(const Tensor &ids, const Tensor &pos, const std::vector<int> &slots,
+               const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len, bool all_logits);
     Tensor attention(int layer, const Tensor &x, const Tensor &pos, const std::vector<int> &slots,
-                     const std::vector<std::vector<int64_t>> &tokens);
+                     const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len);
+    Tensor project_out(const Layer &L, const Tensor &attn, int64_t T);
+    Tensor decode_graphed(int slot, int64_t token);
     Tensor mlp(int layer, const Tensor &x);
     Tensor last_rows(const Tensor &x, const std::vector<std::vector<int64_t>> &tokens);
 
@@ -100,6 +115,8 @@ private:
     std::vector<Layer> layers_;
     std::unique_ptr<KVCache> cache_;
     std::unique_ptr<Staging> staging_;
+    std::unique_ptr<DecodeGraph> graph_;
+    bool graphs_enabled_ = false;
 };
 
 } // namespace llaisys::models

@@ -1,3 +1,4 @@
+#include "llaisys/ops.hpp"
 #include "llaisys/qwen2.hpp"
 
 namespace llaisys::models {
@@ -35,6 +36,12 @@ void KVCache::advance(int slot, int64_t n) {
     LLAISYS_CHECK(lengths_[slot] + n <= max_seq_len_, std::invalid_argument, "KVCache: slot ", slot, " would hold ",
                   lengths_[slot] + n, " positions, more than max_seq_len ", max_seq_len_);
     lengths_[slot] += n;
+}
+
+void KVCache::write(int layer, int slot, const Tensor &positions, const Tensor &k, const Tensor &v) {
+    check_slot(slot);
+    ops::index_copy(k_.select(0, layer).select(0, slot), positions, k);
+    ops::index_copy(v_.select(0, layer).select(0, slot), positions, v);
 }
 
 Tensor KVCache::keys(int layer, int slot, int64_t start, int64_t n) const {

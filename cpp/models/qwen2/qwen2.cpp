@@ -3,10 +3,12 @@
 #include "llaisys/qwen2.hpp"
 
 #include "core/runtime.hpp"
+#include "llaisys/graph.hpp"
 #include "llaisys/ops.hpp"
 #include "models/qwen2/layer.hpp"
 
 #include <cmath>
+#include <cstdlib>
 #include <set>
 
 namespace llaisys::models {
@@ -38,6 +40,8 @@ Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_
     cache_ = std::make_unique<KVCache>(config.num_layers, num_slots, max_seq_len, config.num_kv_heads, config.head_dim,
                                        dtype, device);
     staging_ = std::make_unique<Staging>(device);
+    const char *env = std::getenv("LLAISYS_CUDA_GRAPHS");
+    set_cuda_graphs(!(env && std::string(env) == "0"));
 }
 
 Qwen2::~Qwen2() = default;
@@ -66,9 +70,16 @@ void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vec
     }
 }
 
+// attn [T, nh, hd] -> o_proj -> [T, H]
+Tensor Qwen2::project_out(const Layer &L, const Tensor &attn, int64_t T) {
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    ops::linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo, Tensor());
+    return out;
+}
+
 // x [T, H] -> attention output projected back to [T, H]; writes this step's keys/values into the cache.
 Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::vector<int> &slots,
-                        const std::vector<std::vector<int64_t>> &tokens) {
+                        const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = x.size(0), nh = config_.num_heads, nkvh = config_.num_kv_heads, hd = config_.head_dim;
     Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
@@ -81,18 +92,23 @@ Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::ve
     ops::rope(k, k, pos, config_.rope_theta);
     Tensor attn = Tensor::empty({T, nh, hd}, dtype_, device_);
     const float scale = 1.f / std::sqrt(float(hd));
+    if (kv_len.defined()) { // one sequence; its length is read on the device (graph-safe)
+        const int slot = slots[0], cap = int(cache_->capacity());
+        cache_->write(l, slot, pos, k, v);
+        ops::self_attention_cached(attn, q, cache_->keys(l, slot, 0, cap), cache_->values(l, slot, 0, cap), kv_len,
+                                   scale);
+        return project_out(L, attn, T);
+    }
     int64_t offset = 0;
     for (size_t i = 0; i < slots.size(); ++i) { // each sequence attends to its own cached context
         const int64_t n = int64_t(tokens[i].size()), start = cache_->length(slots[i]);
-        cache_->keys(l, slots[i], start, n).copy_(k.slice(0, offset, offset + n));
-        cache_->values(l, slots[i], start, n).copy_(v.slice(0, offset, offset + n));
+        cache_->write(l, slots[i], pos.slice(0, offset, offset + n), k.slice(0, offset, offset + n),
+                      v.slice(0, offset, offset + n));
         ops::self_attention(attn.slice(0, offset, offset + n), q.slice(0, offset, offset + n),
                             cache_->keys(l, slots[i], 0, start + n), cache_->values(l, slots[i], 0, start + n), scale);
         offset += n;
     }
-    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    ops::linear(out, attn.view({T, nh * hd}), L.wo, Tensor());
-    return out;
+    return project_out(L, attn, T);
 }
 
 // x [T, H] -> down(swiglu(gate(x), up(x))) [T, H]
@@ -120,6 +136,28 @@ Tensor Qwen2::last_rows(const Tensor &x, const std::vector<std::vector<int64_t>>
     return out;
 }
 
+Tensor Qwen2::run(const Tensor &ids, const Tensor &pos, const std::vector<int> &slots,
+                  const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len, bool all_logits) {
+    const int64_t T = ids.size(0), H = config_.hidden_size;
+    Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
+    Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
+    ops::embedding(h, ids, embed_);
+    Tensor mlp_out;
+    for (int l = 0; l < int(layers_.size()); ++l) {
+        const Layer &L = layers_[size_t(l)];
+        if (l == 0) ops::rms_norm(x, h, L.input_norm, config_.rms_norm_eps);
+        else ops::add_rms_norm(x, h, mlp_out, L.input_norm, config_.rms_norm_eps);
+        const Tensor attn_out = attention(l, x, pos, slots, tokens, kv_len);
+        ops::add_rms_norm(x, h, attn_out, L.post_norm, config_.rms_norm_eps);
+        mlp_out = mlp(l, x);
+    }
+    ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.rms_norm_eps);
+    const Tensor last = all_logits ? x : last_rows(x, tokens);
+    Tensor logits = Tensor::empty({last.size(0), config_.vocab_size}, dtype_, device_);
+    ops::linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor());
+    return logits;
+}
+
 Tensor Qwen2::forward(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens,
                       bool all_logits) {
     check_step(slots, tokens);
@@ -132,26 +170,45 @@ Tensor Qwen2::forward(const std::vector<int> &slots, const std::vector<std::vect
             pos.push_back(start + int64_t(j));
         }
     }
-    const int64_t T = int64_t(ids.size()), H = config_.hidden_size;
     const Tensor ids_d = staging_->upload(ids, DType::I64), pos_d = staging_->upload(pos, DType::I64);
-    Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
-    Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
-    ops::embedding(h, ids_d, embed_);
-    Tensor mlp_out;
-    for (int l = 0; l < int(layers_.size()); ++l) {
-        const Layer &L = layers_[size_t(l)];
-        if (l == 0) ops::rms_norm(x, h, L.input_norm, config_.rms_norm_eps);
-        else ops::add_rms_norm(x, h, mlp_out, L.input_norm, config_.rms_norm_eps);
-        const Tensor attn_out = attention(l, x, pos_d, slots, tokens);
-        ops::add_rms_norm(x, h, attn_out, L.post_norm, config_.rms_norm_eps);
-        mlp_out = mlp(l, x);
-    }
-    ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.rms_norm_eps);
+    const Tensor logits = run(ids_d, pos_d, slots, tokens, Tensor(), all_logits);
     for (size_t i = 0; i < slots.size(); ++i) cache_->advance(slots[i], int64_t(tokens[i].size()));
-    const Tensor last = all_logits ? x : last_rows(x, tokens);
-    Tensor logits = Tensor::empty({last.size(0), config_.vocab_size}, dtype_, device_);
-    ops::linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor());
     return logits;
+}
+
+void Qwen2::set_cuda_graphs(bool enabled) {
+    graphs_enabled_ = enabled && device_.is_cuda();
+    if (!graphs_enabled_) graph_.reset();
+}
+
+Tensor Qwen2::decode_graphed(int slot, int64_t token) {
+    const std::vector<int> slots{slot};
+    const std::vector<std::vector<int64_t>> tokens{{token}};
+    check_step(slots, tokens);
+    DeviceGuard guard(device_);
+    const int64_t pos = cache_->length(slot), len = pos + 1;
+    const bool fresh = !graph_ || graph_->slot != slot;
+    if (fresh) {
+        graph_ = std::make_unique<DecodeGraph>();
+        graph_->slot = slot;
+        graph_->ids = Tensor::empty({1}, DType::I64, device_);
+        graph_->pos = Tensor::empty({1}, DType::I64, device_);
+        graph_->kv_len = Tensor::empty({1}, DType::I64, device_);
+    }
+    staging_->upload_into(graph_->ids, &token, sizeof token);
+    staging_->upload_into(graph_->pos, &pos, sizeof pos);
+    staging_->upload_into(graph_->kv_len, &len, sizeof len);
+    if (fresh) {
+        // Run once for real (fills the allocator's cache and library handles), then capture the same step;
+        // replaying it below recomputes this step identically.
+        graph_->logits = run(graph_->ids, graph_->pos, slots, tokens, graph_->kv_len, false);
+        graph_->graph = std::make_unique<Graph>(device_);
+        DecodeGraph &g = *graph_;
+        g.graph->capture([&] { g.logits = run(g.ids, g.pos, slots, tokens, g.kv_len, false); });
+    }
+    graph_->graph->replay();
+    cache_->advance(slot, 1);
+    return graph_->logits;
 }
 
 // One repetition_penalty call per distinct penalty value; each covers the rows using that value
@@ -180,7 +237,8 @@ std::vector<int64_t> Qwen2::forward_sample(const std::vector<int> &slots,
                                            const std::vector<SamplingParams> &params, uint64_t seed, uint64_t offset) {
     LLAISYS_CHECK(params.size() == slots.size(), std::invalid_argument, "Qwen2: need sampling parameters per slot, got ",
                   params.size(), " for ", slots.size(), " slots");
-    const Tensor logits = forward(slots, tokens);
+    const bool graphed = graphs_enabled_ && slots.size() == 1 && tokens[0].size() == 1;
+    const Tensor logits = graphed ? decode_graphed(slots[0], tokens[0][0]) : forward(slots, tokens);
     DeviceGuard guard(device_);
     const int64_t B = int64_t(slots.size());
     apply_repetition_penalties(logits, params, *staging_);

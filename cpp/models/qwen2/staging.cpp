@@ -10,9 +10,16 @@ InputStaging::InputStaging(Device device, size_t ring) : device_(device), slots_
 
 Tensor InputStaging::upload_bytes(const void *data, size_t nbytes, const Shape &shape, DType dtype) {
     Tensor out = Tensor::empty(shape, dtype, device_);
+    upload_into(out, data, nbytes);
+    return out;
+}
+
+void InputStaging::upload_into(const Tensor &dst, const void *data, size_t nbytes) {
+    LLAISYS_CHECK(dst.is_contiguous() && size_t(dst.numel()) * dst.element_size() == nbytes, std::invalid_argument,
+                  "InputStaging: destination does not match the ", nbytes, " bytes to upload");
     if (device_.is_cpu()) {
-        std::memcpy(out.data(), data, nbytes);
-        return out;
+        std::memcpy(dst.data(), data, nbytes);
+        return;
     }
     Slot &slot = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
@@ -20,10 +27,9 @@ Tensor InputStaging::upload_bytes(const void *data, size_t nbytes, const Shape &
     if (!slot.host.defined() || slot.host.numel() < int64_t(nbytes))
         slot.host = Tensor::empty({int64_t(std::max<size_t>(nbytes, 256))}, DType::U8, Device::cpu(), true);
     std::memcpy(slot.host.data(), data, nbytes);
-    runtime::memcpy_async(out.data(), device_, slot.host.data(), Device::cpu(), nbytes);
+    runtime::memcpy_async(dst.data(), device_, slot.host.data(), Device::cpu(), nbytes);
     if (!slot.done) slot.done = std::make_unique<Event>(device_);
     slot.done->record(current_stream(device_));
-    return out;
 }
 
 } // namespace llaisys::models

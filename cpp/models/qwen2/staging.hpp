@@ -18,6 +18,8 @@ public:
         return upload_bytes(values.data(), values.size() * sizeof(T), {int64_t(values.size())}, dtype);
     }
     Tensor upload_bytes(const void *data, size_t nbytes, const Shape &shape, DType dtype);
+    // Writes into an existing device tensor (the fixed input buffers a CUDA graph reads).
+    void upload_into(const Tensor &dst, const void *data, size_t nbytes);
 
 private:
     struct Slot {

@@ -1,5 +1,6 @@
 // Weight names (as in HF checkpoints) -> the model's tensors, with strict shape checks.
 #include "llaisys/ops.hpp"
+#include "llaisys/graph.hpp"
 #include "models/qwen2/layer.hpp"
 
 #include <cstdlib>
@@ -64,6 +65,7 @@ Tensor *Qwen2::weight_slot(const std::string &name, Shape &shape) {
 }
 
 void Qwen2::load_weight(const std::string &name, const Tensor &value) {
+    graph_.reset(); // a captured decode step holds the old weights' addresses
     Shape shape;
     Tensor *slot = weight_slot(name, shape);
     LLAISYS_CHECK(slot, std::invalid_argument, "Qwen2: unexpected weight '", name, "'",
