@@ -202,6 +202,7 @@ def test_chat_uses_the_template_and_supports_multi_turn(tiny):
 ])
 def test_bad_generate_arguments_raise_value_error(tiny, bad, err):
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False, max_seq_len=512)
+    bad = dict(bad)  # the parameter dict is shared between the tiny-model variants
     prompt = bad.pop("prompt")
     with pytest.raises(ValueError, match=err):
         eng.generate(prompt, **bad)

@@ -221,8 +221,11 @@ class Engine:
                 feed = [token]
         finally:
             self._sync_cache()
-        if tail is None:  # EOS or length: release what was held back as a possible stop prefix
-            tail = stops.flush()
+        if tail is None:  # EOS or length: a last partial character, then what was held back as a stop prefix
+            tail, hit = stops.feed(detok.flush())
+            tail += "" if hit else stops.flush()
+            if stops.hit:  # a stop string that only completed in this final text
+                finish = "stop"
         yield StreamChunk(tail, pending, finish, self._usage(ids, generated),
                           self._timings(start, first, prefill_len, len(generated)))
 

@@ -1,0 +1,391 @@
+"""The `llaisys` command line: generate, chat, download, models, info, bench.
+
+Heavy modules (the engine, the catalog, the benchmark) are imported inside the commands, so `llaisys --help`
+is instant and a missing optional piece only affects the command that needs it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import traceback
+
+# Errors a user can act on (bad argument, missing file, unsupported model...): one line, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, RuntimeError)
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+MAIN_EPILOG = """\
+examples:
+  llaisys generate "Write a haiku about the sea"     stream a reply from the default model
+  llaisys chat --system "You are a terse assistant"  talk with it (/reset, /exit)
+  llaisys models                                     models you can name with --model
+  llaisys bench --shape qwen2-0.5b                   prefill/decode speed on random weights
+Run `llaisys COMMAND --help` for the options of one command."""
+
+GENERATE_EPILOG = """\
+examples:
+  llaisys generate "Explain a mutex in one sentence"
+  llaisys generate --temperature 0 --max-new-tokens 64 "def fib(n):" --raw
+  echo "Summarise: ..." | llaisys generate -
+  llaisys generate --model ./Qwen2.5-0.5B-Instruct --device cpu --stop "\\n\\n" "List three colours"
+The reply goes to stdout as it is generated; a summary line (tokens, time to first token, tokens/s and why
+generation ended) goes to stderr. Sampling options left out come from the model's generation_config.json."""
+
+CHAT_EPILOG = """\
+in the chat:
+  /reset   forget the conversation        /exit    quit (so do Ctrl-D and Ctrl-C at the prompt)
+  Ctrl-C while a reply is printing stops that reply and returns to the prompt.
+example:
+  llaisys chat --system "Answer in French" --temperature 0.7"""
+
+
+def _sampling_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("sampling (left out: the model's generation_config.json)")
+    g.add_argument("--max-new-tokens", type=int, metavar="N", help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, metavar="T", help="0 = greedy (deterministic); higher = more varied")
+    g.add_argument("--top-k", type=int, metavar="K", help="sample from the K most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, metavar="P", help="sample from the smallest set with probability >= P")
+    g.add_argument("--min-p", type=float, metavar="P", help="drop tokens less likely than P x the top token")
+    g.add_argument("--repetition-penalty", type=float, metavar="R", help="> 1 discourages repeating tokens")
+    g.add_argument("--seed", type=int, metavar="S", help="random seed, for reproducible sampling")
+    g.add_argument("--stop", action="append", metavar="STR",
+                   help="stop when this text appears (repeat for several; \\n and \\t are understood)")
+    return p
+
+
+def _model_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", metavar="M",
+                   help="catalog name (see `llaisys models`), HF model directory, .gguf file or HF repo id "
+                        "(default: the catalog's default model, downloaded on first use)")
+    g.add_argument("--device", default="auto", type=_device, metavar="DEV",
+                   help="auto (a GPU when there is one), cpu, cuda or cuda:N (default auto)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"],
+                   help="compute dtype (default auto = bf16)")
+    g.add_argument("--max-seq-len", type=int, metavar="N", help="context size to reserve (default: up to 8192)")
+    return p
+
+
+def _debug_parent() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="llaisys", formatter_class=fmt, epilog=MAIN_EPILOG,
+        description="llaisys: an LLM inference engine for the Qwen2 family (Qwen2, Qwen2.5, Qwen2.5-Coder, "
+                    "DeepSeek-R1-Distill-Qwen) on CPU or NVIDIA GPUs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    model, sampling, debug = _model_parent(), _sampling_parent(), _debug_parent()
+
+    g = sub.add_parser("generate", parents=[model, sampling, debug], formatter_class=fmt, epilog=GENERATE_EPILOG,
+                       help="complete one prompt, streaming the text",
+                       description="Generate a reply to PROMPT and stream it to stdout. By default PROMPT is sent "
+                                   "as a user turn through the model's chat template.")
+    g.add_argument("prompt", metavar="PROMPT", help='the prompt text, or "-" to read it from stdin')
+    g.add_argument("--system", metavar="TEXT", help="a system message before the prompt")
+    g.add_argument("--raw", action="store_true", help="send PROMPT as plain text, without the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", parents=[model, sampling, debug], formatter_class=fmt, epilog=CHAT_EPILOG,
+                       help="interactive multi-turn chat", description="Chat with a model in the terminal; "
+                       "replies stream as they are generated and the conversation is kept between turns.")
+    c.add_argument("--system", metavar="TEXT", help="a system message that starts the conversation")
+    c.set_defaults(func=cmd_chat)
+
+    d = sub.add_parser("download", parents=[debug], help="fetch a catalog model into the cache",
+                       description="Download a model of the catalog (see `llaisys models`) into the cache "
+                                   "($LLAISYS_HOME or ~/.cache/llaisys) and print its path.")
+    d.add_argument("name", metavar="NAME", help="catalog name, e.g. qwen2.5-coder-0.5b-instruct")
+    d.add_argument("--force", action="store_true", help="download again even if cached")
+    d.set_defaults(func=cmd_download)
+
+    sub.add_parser("models", parents=[debug], help="list the model catalog",
+                   description="List the models of the catalog: --model accepts their names, and "
+                               "`llaisys download NAME` fetches one ahead of time.").set_defaults(func=cmd_models)
+    sub.add_parser("info", parents=[debug], help="show what this build supports and the visible GPUs",
+                   description="Print the build (version, CUDA, compiler) and the visible devices."
+                   ).set_defaults(func=cmd_info)
+    _add_bench(sub, fmt, debug)
+    return parser
+
+
+def _add_bench(sub, fmt, debug) -> None:
+    b = sub.add_parser("bench", parents=[debug], formatter_class=fmt, help="measure prefill and decode speed",
+                       description="Time one prefill and a greedy decode of one sequence and compare decode with "
+                                   "the weight-bandwidth roofline. --shape uses random weights of a real model "
+                                   "shape (no download); --model a real model.",
+                       epilog="examples:\n  llaisys bench --shape qwen2-1.5b --device cuda --json out.json\n"
+                              "  llaisys bench --model qwen2.5-coder-0.5b-instruct --peers")
+    src = b.add_mutually_exclusive_group()
+    src.add_argument("--model", "-m", metavar="M", help="a real model (as for generate)")
+    src.add_argument("--shape", choices=["qwen2-0.5b", "qwen2-1.5b"], help="random weights of this shape "
+                     "(default qwen2-0.5b when --model is not given)")
+    b.add_argument("--device", default="auto", type=_device, metavar="DEV",
+                   help="auto, cpu, cuda or cuda:N (default auto)")
+    b.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"], help="default auto = bf16")
+    b.add_argument("--prompt-len", type=_positive, default=128, metavar="N", help="prompt tokens (default 128)")
+    b.add_argument("--new-tokens", type=_positive, default=256, metavar="N", help="decode steps (default 256)")
+    b.add_argument("--peers", action="store_true", help="also run HF transformers on the same shape")
+    b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    b.set_defaults(func=cmd_bench)
+
+
+def _device(text: str) -> str:
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+# ---- commands ---------------------------------------------------------------------------------------------
+
+def cmd_generate(args) -> int:
+    if args.raw and args.system is not None:
+        raise ValueError("--system needs the chat template, so it cannot be combined with --raw")
+    prompt = read_prompt(args.prompt)
+    eng = make_engine(args)
+    if not args.raw:
+        require_chat_template(eng, "pass --raw to send the prompt as plain text")
+    if args.raw:
+        chunks = eng.stream(prompt, **sampling_kwargs(args))
+    else:
+        chunks = eng.chat(conversation(args.system) + [{"role": "user", "content": prompt}], stream=True,
+                          **sampling_kwargs(args))
+    pieces: list[str] = []
+    last = stream_reply(chunks, sys.stdout, pieces)  # KeyboardInterrupt propagates: exit 130
+    if not "".join(pieces).endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(summary_line(last), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    eng = make_engine(args)
+    require_chat_template(eng, "it cannot chat; use `llaisys generate --raw`")
+    return ChatSession(eng, conversation(args.system), sampling_kwargs(args)).run()
+
+
+def cmd_download(args) -> int:
+    from . import catalog
+
+    print(catalog.download(args.name, force=args.force))
+    return 0
+
+
+def cmd_models(args) -> int:
+    from . import catalog
+
+    entries = getattr(catalog, "CATALOG", {})
+    width = max((len(name) for name in entries), default=0)
+    for name, entry in entries.items():
+        marks = ["default"] if name == catalog.DEFAULT_MODEL else []
+        if hasattr(catalog, "model_path") and os.path.exists(catalog.model_path(name)):
+            marks.append("downloaded")
+        note = f"  ({', '.join(marks)})" if marks else ""
+        print(f"{name:<{width}}  {getattr(entry, 'description', '')}{note}")
+    if hasattr(catalog, "cache_dir"):
+        print(f"cache: {catalog.cache_dir()}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from . import build_info, cuda_device_count
+
+    info = build_info()
+    for key, value in info.items():
+        print(f"{key}: {value}")
+    n = cuda_device_count() if info.get("cuda") else 0
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(n)]
+    print(f"devices: {', '.join(devices)}" + ("" if info.get("cuda") else "  (CPU-only build)"))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args) or 0
+
+
+# ---- streaming and the chat loop -------------------------------------------------------------------------
+
+def read_prompt(arg: str) -> str:
+    """PROMPT itself, or stdin for "-" (less the newline `echo` adds)."""
+    text = sys.stdin.read() if arg == "-" else arg
+    if arg == "-" and text.endswith("\n"):
+        text = text[:-2] if text.endswith("\r\n") else text[:-1]
+    if not text.strip():
+        raise ValueError("the prompt is empty" + (" (nothing on stdin)" if arg == "-" else ""))
+    return text
+
+
+def stream_reply(chunks, out, pieces: list):
+    """Write each chunk's text to `out` as it comes (also appended to `pieces`); return the last chunk.
+    On KeyboardInterrupt the generator is closed first, so the engine restores its cache and stays usable."""
+    last = None
+    try:
+        for chunk in chunks:
+            if chunk.text:
+                out.write(chunk.text)
+                out.flush()
+                pieces.append(chunk.text)
+            last = chunk
+    finally:
+        close = getattr(chunks, "close", None)
+        if close is not None:
+            close()
+    return last
+
+
+def summary_line(last) -> str:
+    usage = getattr(last, "usage", None) or {}
+    t = getattr(last, "timings", None) or {}
+    reason = getattr(last, "finish_reason", None) or "?"
+    return (f"[{usage.get('completion_tokens', 0)} tokens (prompt {usage.get('prompt_tokens', 0)}), "
+            f"TTFT {1e3 * t.get('ttft_s', 0.0):.0f} ms, {t.get('decode_tokens_per_s', 0.0):.1f} tok/s, "
+            f"finish: {reason}]")
+
+
+class ChatSession:
+    """The `llaisys chat` loop: read a line, stream the reply, keep the conversation."""
+
+    HELP = "commands: /reset (forget the conversation), /exit (quit), /help"
+
+    def __init__(self, engine, system: list[dict], sampling: dict):
+        self.engine, self.system, self.sampling = engine, system, sampling
+        self.messages = list(system)
+
+    def run(self) -> int:
+        if sys.stdin.isatty():
+            try:
+                import readline  # noqa: F401  (line editing and history for input())
+            except ImportError:
+                pass
+        name = getattr(self.engine, "source", None) or "the model"
+        print(f"Chatting with {name}. /reset clears the conversation, /exit or Ctrl-D quits, "
+              f"Ctrl-C stops a reply.", file=sys.stderr)
+        while True:
+            try:
+                line = input(">>> ")
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D or Ctrl-C at the prompt: leave
+                print(file=sys.stdout)
+                return 0
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/") and " " not in text:
+                if self.command(text) == "exit":
+                    return 0
+                continue
+            self.turn(text)
+
+    def command(self, text: str) -> str | None:
+        if text in ("/exit", "/quit"):
+            return "exit"
+        if text == "/reset":
+            self.messages = list(self.system)
+            self.engine.reset()
+            print("(conversation cleared)", file=sys.stderr)
+        elif text == "/help":
+            print(self.HELP, file=sys.stderr)
+        else:
+            print(f"unknown command {text}; {self.HELP}", file=sys.stderr)
+        return None
+
+    def turn(self, text: str) -> None:
+        self.messages.append({"role": "user", "content": text})
+        pieces: list[str] = []
+        try:
+            last = stream_reply(self.engine.chat(self.messages, stream=True, **self.sampling), sys.stdout, pieces)
+        except KeyboardInterrupt:  # stop this reply only; keep what was shown as the assistant's turn
+            last = None
+            print("\n[stopped]", file=sys.stderr)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, let the user /reset
+            self.messages.pop()
+            print(f"\nllaisys: error: {e}", file=sys.stderr)
+            return
+        reply = "".join(pieces)
+        if reply:
+            self.messages.append({"role": "assistant", "content": reply})
+        else:
+            self.messages.pop()
+        if last is not None:
+            sys.stdout.write("" if reply.endswith("\n") else "\n")
+            sys.stdout.flush()
+            print(summary_line(last), file=sys.stderr)
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------
+
+def make_engine(args):
+    from . import catalog
+    from .engine import Engine
+
+    model = args.model or catalog.DEFAULT_MODEL
+    return Engine(model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len)
+
+
+def require_chat_template(eng, advice: str) -> None:
+    if not getattr(eng, "chat_template", None):
+        raise ValueError(f"{getattr(eng, 'source', 'the model')} has no chat template; {advice}")
+
+
+def conversation(system: str | None) -> list[dict]:
+    return [{"role": "system", "content": system}] if system is not None else []
+
+
+def sampling_kwargs(args) -> dict:
+    """The sampling options the user gave (None ones are left to the model's generation config)."""
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    out = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.stop:
+        out["stop"] = [_unescape(s) for s in args.stop]
+    return out
+
+
+_ESCAPES = {"\\n": "\n", "\\t": "\t", "\\r": "\r", "\\\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    """Shell users type `--stop '\\n'`: understand \\n, \\t, \\r and \\\\ (other text is left alone)."""
+    return re.sub(r"\\[ntr\\]", lambda m: _ESCAPES[m.group()], text)
+
+
+def _silence_stdout() -> None:
+    # Later writes (and the flush at exit) to a closed pipe would raise again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    try:
+        return args.func(args) or 0
+    except KeyboardInterrupt:
+        print("\nllaisys: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `llaisys generate ... | head -1`: the reader left, nothing to report
+        _silence_stdout()
+        return 0
+    except USER_ERRORS as e:
+        if debug:
+            traceback.print_exc()
+        print(f"llaisys: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

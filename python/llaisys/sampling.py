@@ -1,0 +1,165 @@
+"""Sampling policy: merge the user's sampling arguments with the model's generation_config.json.
+
+An argument left as None takes the model's value, with Hugging Face semantics: when the config does not ask for
+sampling (``do_sample`` false or absent) generation is greedy unless the user sets a temperature > 0; keys the
+config lacks take HF's defaults. temperature 0 means exact greedy (argmax).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+DEFAULT_MAX_NEW_TOKENS = 256
+# HF GenerationConfig defaults, used when generation_config.json lacks a key.
+HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Resolved, validated sampling settings for one request. top_k 0 and min_p 0 mean off."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    seed: int | None
+    ignore_eos: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _bad(name: str, value, rule: str, from_config: bool) -> ValueError:
+    where = " (from generation_config.json)" if from_config else ""
+    return ValueError(f"{name} must be {rule}, got {value!r}{where}")
+
+
+def _real(name, value, ok, rule, from_config=False) -> float:
+    if not _is_real(value) or math.isnan(value) or not ok(float(value)):
+        raise _bad(name, value, rule, from_config)
+    return float(value)
+
+
+def _int(name, value, ok, rule, from_config=False) -> int:
+    if not _is_int(value) or not ok(int(value)):
+        raise _bad(name, value, rule, from_config)
+    return int(value)
+
+
+_CHECKS = {
+    "temperature": (_real, lambda v: 0.0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+    "top_k": (_int, lambda v: 0 <= v <= _INT32_MAX, "an int >= 0 (0 = off)"),
+    "top_p": (_real, lambda v: 0.0 < v <= 1.0, "in (0, 1] (1 = off)"),
+    "min_p": (_real, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 = off)"),
+    "repetition_penalty": (_real, lambda v: 0.0 < v < math.inf, "a finite number > 0 (1 = off)"),
+    "max_new_tokens": (_int, lambda v: v >= 1, "an int >= 1"),
+}
+
+
+def _check(name: str, value, from_config: bool = False):
+    kind, ok, rule = _CHECKS[name]
+    return kind(name, value, ok, rule, from_config)
+
+
+def _from_config(gc: dict, name: str, default):
+    """The config's value for `name` (validated), or `default` when absent or null."""
+    value = gc.get(name)
+    return default if value is None else _check(name, value, from_config=True)
+
+
+def _stops(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    return tuple(dict.fromkeys(items))  # drop duplicates, keep order
+
+
+def _token_ids(ids) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    items = [ids] if _is_int(ids) else ids
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be an int or a list of ints, got {ids!r}")
+    for t in items:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
+    return tuple(dict.fromkeys(int(t) for t in items))
+
+
+def _seed(seed) -> int | None:
+    if seed is None:
+        return None
+    if not _is_int(seed) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def _temperature(gc: dict, temperature) -> float:
+    if temperature is not None:
+        return _check("temperature", temperature)
+    if not gc.get("do_sample"):
+        return 0.0  # HF: no do_sample in the config means greedy decoding
+    return _from_config(gc, "temperature", HF_DEFAULTS["temperature"])
+
+
+def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, temperature=None, top_k=None,
+                     top_p=None, min_p=None, repetition_penalty=None, stop=None, stop_token_ids=None, seed=None,
+                     ignore_eos=False) -> SamplingParams:
+    """Sampling settings for one request: each argument left as None comes from `generation_config`
+    (the model's generation_config.json as a dict), else from HF's defaults. Raises ValueError naming the
+    parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine."""
+    gc = dict(generation_config or {})
+
+    def pick(name, value):
+        return _check(name, value) if value is not None else _from_config(gc, name, HF_DEFAULTS[name])
+
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be True or False, got {ignore_eos!r}")
+    return SamplingParams(
+        max_new_tokens=(_check("max_new_tokens", max_new_tokens) if max_new_tokens is not None
+                        else _from_config(gc, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+        temperature=_temperature(gc, temperature),
+        top_k=pick("top_k", top_k),
+        top_p=pick("top_p", top_p),
+        min_p=pick("min_p", min_p),
+        repetition_penalty=pick("repetition_penalty", repetition_penalty),
+        stop=_stops(stop),
+        stop_token_ids=_token_ids(stop_token_ids),
+        seed=_seed(seed),
+        ignore_eos=ignore_eos,
+    )
+
+
+def eos_union(generation_config: dict | None, tokenizer_eos_ids, extra=()) -> tuple[int, ...]:
+    """Token ids that end generation: generation_config's eos_token_id (an int or a list), the tokenizer's
+    EOS ids and `extra` (the user's stop_token_ids), without duplicates, in that order."""
+    out: list[int] = []
+    for source in ((generation_config or {}).get("eos_token_id"), tokenizer_eos_ids, extra):
+        if source is None:
+            continue
+        for t in ([source] if _is_int(source) else source):
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"EOS token ids must be ints >= 0, got {t!r}")
+            if int(t) not in out:
+                out.append(int(t))
+    return tuple(out)

@@ -1,0 +1,400 @@
+"""The `llaisys` command line, driven through a fake Engine (and fake catalog/bench modules): help texts,
+argument errors, streamed output and the stderr summary, the chat loop (/reset, /exit, Ctrl-C), error exits.
+End-to-end runs with a real model live in the engine tests."""
+import copy
+import io
+import os
+import subprocess
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+
+import llaisys
+from llaisys import cli
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list = field(default_factory=list)
+    finish_reason: str = None
+    usage: dict = None
+    timings: dict = None
+
+
+class FakeEngine:
+    """Records how it was built and called. `script` holds one reply per request: a list of text pieces,
+    where an exception instance is raised at that point instead."""
+
+    script: list = []
+    instances: list = []
+    init_error: Exception = None
+    template = "{{ x }}"
+
+    def __init__(self, model, device="auto", dtype="auto", max_seq_len=None):
+        if FakeEngine.init_error is not None:
+            raise FakeEngine.init_error
+        self.args = dict(model=model, device=device, dtype=dtype, max_seq_len=max_seq_len)
+        self.source, self.chat_template = model, FakeEngine.template
+        self.calls, self.resets, self.closed = [], 0, []
+        FakeEngine.instances.append(self)
+
+    def stream(self, prompt, **sampling):
+        self.calls.append(("stream", prompt, sampling))
+        return self._reply()
+
+    def chat(self, messages, stream=False, **sampling):
+        assert stream is True
+        self.calls.append(("chat", copy.deepcopy(messages), sampling))
+        if self.script and isinstance(self.script[0], ValueError):  # refused before generating
+            raise self.script.pop(0)
+        return self._reply()
+
+    def reset(self):
+        self.resets += 1
+
+    def _reply(self):
+        pieces = self.script.pop(0)
+        index = len(self.closed)
+        self.closed.append(False)
+        n = 0
+        try:
+            for piece in pieces:
+                if isinstance(piece, BaseException):
+                    raise piece
+                n += 1
+                yield Chunk(piece, [n])
+            yield Chunk("", [], "length", {"prompt_tokens": 9, "completion_tokens": n},
+                        {"ttft_s": 0.0123, "decode_tokens_per_s": 34.56, "prefill_tokens_per_s": 700.0})
+        finally:
+            self.closed[index] = True  # the engine's cleanup ran (generator finished or closed)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Installs the fake engine, catalog and bench modules; returns a namespace to script and inspect them."""
+    FakeEngine.script, FakeEngine.instances, FakeEngine.init_error = [], [], None
+    monkeypatch.setattr(FakeEngine, "template", "{{ x }}")
+    ns = types.SimpleNamespace(downloads=[], bench_args=[])
+
+    def download(name, force=False):
+        if name == "nope":
+            raise ValueError("'nope' is not in the catalog (available: tiny)")
+        ns.downloads.append((name, force))
+        return f"/cache/models/{name}/model.gguf"
+
+    catalog = types.SimpleNamespace(DEFAULT_MODEL="tiny-default", download=download, cache_dir=lambda: "/cache",
+                                    CATALOG={"tiny-default": types.SimpleNamespace(description="A tiny model"),
+                                             "other": types.SimpleNamespace(description="Another one")})
+    bench = types.SimpleNamespace(main=lambda args: ns.bench_args.append(args) or 0)
+    for name, module in (("engine", types.SimpleNamespace(Engine=FakeEngine)), ("catalog", catalog),
+                         ("bench", bench)):
+        monkeypatch.setitem(sys.modules, f"llaisys.{name}", module)
+        monkeypatch.setattr(llaisys, name, module, raising=False)
+    return ns
+
+
+def engine():
+    assert len(FakeEngine.instances) == 1
+    return FakeEngine.instances[0]
+
+
+def run(capsys, argv, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- help and argument errors ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], ["generate", "chat", "download", "models", "info", "bench", "examples:", "Qwen2 family"]),
+    (["generate"], ["PROMPT", "--raw", "--system", "--stop", "--temperature", "--top-k", "--top-p", "--min-p",
+                    "--repetition-penalty", "--seed", "--max-new-tokens", "--device", "--dtype", "--model",
+                    "from stdin", "examples:", "generation_config.json"]),
+    (["chat"], ["/reset", "/exit", "Ctrl-C", "--system", "--temperature", "example:"]),
+    (["download"], ["NAME", "--force", "cache"]),
+    (["models"], ["catalog"]),
+    (["info"], ["devices"]),
+    (["bench"], ["--shape", "qwen2-0.5b", "qwen2-1.5b", "--prompt-len", "--new-tokens", "--peers", "--json",
+                 "examples:"]),
+])
+def test_help(capsys, argv, expected):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for word in expected:
+        assert word in out, word
+
+
+def test_python_dash_m_runs_the_cli():
+    r = subprocess.run([sys.executable, "-m", "llaisys", "--help"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0 and "usage: llaisys" in r.stdout and "generate" in r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "required: COMMAND"),
+    (["fly"], "invalid choice: 'fly'"),
+    (["generate"], "required: PROMPT"),
+    (["generate", "--temperature", "hot", "x"], "argument --temperature: invalid float value: 'hot'"),
+    (["generate", "--top-k", "2.5", "x"], "argument --top-k: invalid int value: '2.5'"),
+    (["generate", "--dtype", "f8", "x"], "argument --dtype: invalid choice: 'f8'"),
+    (["generate", "--device", "gpu", "x"], "argument --device: expected auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["bench", "--device", "cuda:x"], "argument --device: expected auto, cpu, cuda or cuda:N, got 'cuda:x'"),
+    (["generate", "--bogus", "x"], "unrecognized arguments: --bogus"),
+    (["chat", "extra"], "unrecognized arguments: extra"),
+    (["download"], "required: NAME"),
+    (["bench", "--model", "m", "--shape", "qwen2-0.5b"], "not allowed with argument"),
+    (["bench", "--shape", "qwen9"], "invalid choice: 'qwen9'"),
+    (["bench", "--prompt-len", "0"], "argument --prompt-len: must be >= 1, got 0"),
+    (["bench", "--new-tokens", "many"], "argument --new-tokens: expected a whole number, got 'many'"),
+])
+def test_argument_errors_exit_2_with_usage(capsys, fake, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: llaisys" in err and message in err
+    assert FakeEngine.instances == []
+
+
+# ---- generate ---------------------------------------------------------------------------------------------
+
+def test_generate_streams_the_chat_reply_and_prints_a_summary(capsys, fake):
+    FakeEngine.script = [["Hello", ",", " wor", "ld 😀"]]
+    code, out, err = run(capsys, ["generate", "--model", "m", "--device", "cpu", "--dtype", "f32", "--max-seq-len",
+                                  "512", "--temperature", "0", "--max-new-tokens", "5", "--top-k", "3", "--top-p",
+                                  "0.9", "--min-p", "0.1", "--repetition-penalty", "1.1", "--seed", "7", "--stop",
+                                  "\\n\\n", "--stop", "END", "Hi there"])
+    assert code == 0 and out == "Hello, world 😀\n"
+    e = engine()
+    assert e.args == dict(model="m", device="cpu", dtype="f32", max_seq_len=512)
+    assert e.calls == [("chat", [{"role": "user", "content": "Hi there"}],
+                        dict(temperature=0.0, max_new_tokens=5, top_k=3, top_p=0.9, min_p=0.1,
+                             repetition_penalty=1.1, seed=7, stop=["\n\n", "END"]))]
+    assert err.strip() == "[4 tokens (prompt 9), TTFT 12 ms, 34.6 tok/s, finish: length]"
+    assert e.closed == [True]
+
+
+def test_generate_writes_each_piece_as_it_arrives(monkeypatch, fake):
+    class Recorder(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.events = []
+
+        def write(self, s):
+            self.events.append(("write", s))
+            return super().write(s)
+
+        def flush(self):
+            self.events.append(("flush",))
+
+    out = Recorder()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    FakeEngine.script = [["a", "b", "c\n"]]
+    assert cli.main(["generate", "x"]) == 0
+    assert out.events[:6] == [("write", "a"), ("flush",), ("write", "b"), ("flush",), ("write", "c\n"), ("flush",)]
+    assert out.getvalue() == "abc\n"  # it already ends with a newline: none added
+
+
+def test_generate_defaults_system_raw_and_stdin(capsys, monkeypatch, fake):
+    FakeEngine.script = [["ok"], ["ok"], ["ok"]]
+    assert run(capsys, ["generate", "--system", "Be brief.", "Hi"])[0] == 0
+    e = FakeEngine.instances[0]
+    assert e.args == dict(model="tiny-default", device="auto", dtype="auto", max_seq_len=None)  # catalog default
+    assert e.calls == [("chat", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+                        {})]  # sampling left to the model's generation config
+    assert run(capsys, ["generate", "--raw", "--temperature", "0.5", "def f():"])[0] == 0
+    assert FakeEngine.instances[1].calls == [("stream", "def f():", {"temperature": 0.5})]
+    code, out, _ = run(capsys, ["generate", "-"], stdin="line one\nline two\n", monkeypatch=monkeypatch)
+    assert code == 0 and out == "ok\n"
+    assert FakeEngine.instances[2].calls[0][1] == [{"role": "user", "content": "line one\nline two"}]
+
+
+@pytest.mark.parametrize("argv, stdin, message", [
+    (["generate", "--raw", "--system", "s", "x"], None,
+     "--system needs the chat template, so it cannot be combined with --raw"),
+    (["generate", "-"], "\n", "the prompt is empty (nothing on stdin)"),
+    (["generate", "  "], None, "the prompt is empty"),
+])
+def test_generate_argument_problems_are_errors(capsys, monkeypatch, fake, argv, stdin, message):
+    code, out, err = run(capsys, argv, stdin=stdin, monkeypatch=monkeypatch)
+    assert code == 2 and err == f"llaisys: error: {message}\n" and out == ""
+
+
+def test_a_model_without_chat_template_needs_raw(capsys, monkeypatch, fake):
+    monkeypatch.setattr(FakeEngine, "template", None)
+    code, _, err = run(capsys, ["generate", "--model", "base", "hi"])
+    assert code == 2
+    assert err == "llaisys: error: base has no chat template; pass --raw to send the prompt as plain text\n"
+    code, _, err = chat(capsys, monkeypatch, ["hi"], argv=["--model", "base"])
+    assert code == 2 and "base has no chat template; it cannot chat; use `llaisys generate --raw`" in err
+    FakeEngine.script = [["fine"]]
+    assert run(capsys, ["generate", "--model", "base", "--raw", "hi"])[:2] == (0, "fine\n")
+
+
+def test_stop_escapes(capsys, fake):
+    FakeEngine.script = [["x"]]
+    run(capsys, ["generate", "--stop", "a\\tb", "--stop", "\\\\n", "--stop", "C:\\dir", "hi"])
+    assert engine().calls[0][2] == {"stop": ["a\tb", "\\n", "C:\\dir"]}
+
+
+@pytest.mark.parametrize("error", [ValueError("x has no chat template; use --raw"),
+                                   FileNotFoundError("no config.json in /models/x"),
+                                   RuntimeError("CUDA requested but this build is CPU-only")])
+def test_errors_the_user_can_act_on_print_one_line_and_exit_2(capsys, fake, error):
+    FakeEngine.init_error = error
+    code, out, err = run(capsys, ["generate", "hi"])
+    assert code == 2 and out == "" and err == f"llaisys: error: {error}\n"
+    code, _, err = run(capsys, ["--debug", "generate", "hi"])
+    assert code == 2 and "Traceback" in err and err.endswith(f"llaisys: error: {error}\n")
+    code, _, err = run(capsys, ["generate", "--debug", "hi"])  # also accepted after the command
+    assert code == 2 and "Traceback" in err
+
+
+def test_error_while_streaming_exits_2(capsys, fake):
+    FakeEngine.script = [["partial", RuntimeError("CUDA error: out of memory")]]
+    code, out, err = run(capsys, ["generate", "hi"])
+    assert code == 2 and out == "partial" and "llaisys: error: CUDA error: out of memory" in err
+    assert engine().closed == [True]
+
+
+def test_ctrl_c_during_generate_stops_cleanly(capsys, fake):
+    FakeEngine.script = [["one ", "two ", KeyboardInterrupt()]]
+    code, out, err = run(capsys, ["generate", "hi"])
+    assert code == 130 and out == "one two " and "interrupted" in err and "Traceback" not in err
+    assert engine().closed == [True]
+
+
+def test_ctrl_c_while_printing_closes_the_generation(monkeypatch, fake):
+    class Interrupting(io.StringIO):
+        def write(self, s):
+            if s == "two":
+                raise KeyboardInterrupt
+            return super().write(s)
+
+    monkeypatch.setattr(sys, "stdout", Interrupting())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    FakeEngine.script = [["one", "two", "three"]]
+    assert cli.main(["generate", "hi"]) == 130
+    assert engine().closed == [True]  # the suspended generator was closed, so the engine could clean up
+
+
+# ---- chat -------------------------------------------------------------------------------------------------
+
+def chat(capsys, monkeypatch, lines, argv=()):
+    return run(capsys, ["chat", *argv], stdin="".join(line + "\n" for line in lines), monkeypatch=monkeypatch)
+
+
+def test_chat_keeps_the_conversation(capsys, monkeypatch, fake):
+    FakeEngine.script = [["Bonjour", " !"], ["Ça va", " bien.\n"]]
+    code, out, err = chat(capsys, monkeypatch, ["hello", "", "how are you?"], argv=["--system", "French only",
+                                                                                   "--temperature", "0.7"])
+    assert code == 0  # EOF (Ctrl-D) ends the chat
+    user = lambda t: {"role": "user", "content": t}  # noqa: E731
+    system = {"role": "system", "content": "French only"}
+    assert [c[1] for c in engine().calls] == [
+        [system, user("hello")],
+        [system, user("hello"), {"role": "assistant", "content": "Bonjour !"}, user("how are you?")]]
+    assert all(c[0] == "chat" and c[2] == {"temperature": 0.7} for c in engine().calls)
+    assert out.count(">>> ") == 4 and "Bonjour !\n" in out and "Ça va bien.\n" in out
+    assert "/reset" in err and err.count("finish: length") == 2
+
+
+def test_chat_reset_exit_and_commands(capsys, monkeypatch, fake):
+    FakeEngine.script = [["A"], ["B"]]
+    code, out, err = chat(capsys, monkeypatch, ["first", "/help", "/bogus", "/reset", "second", "/exit", "never"],
+                          argv=["--system", "S"])
+    assert code == 0
+    e = engine()
+    assert e.resets == 1
+    assert [c[1] for c in e.calls] == [[{"role": "system", "content": "S"}, {"role": "user", "content": "first"}],
+                                       [{"role": "system", "content": "S"}, {"role": "user", "content": "second"}]]
+    assert "(conversation cleared)" in err and "unknown command /bogus" in err and "commands: /reset" in err
+    assert FakeEngine.script == []  # nothing was generated for the line after /exit
+
+
+def test_a_line_starting_with_a_slash_and_spaces_is_a_message(capsys, monkeypatch, fake):
+    FakeEngine.script = [["ok"]]
+    chat(capsys, monkeypatch, ["/usr/bin is a directory?"])
+    assert engine().calls[0][1] == [{"role": "user", "content": "/usr/bin is a directory?"}]
+
+
+def test_ctrl_c_during_a_reply_returns_to_the_prompt(capsys, monkeypatch, fake):
+    FakeEngine.script = [["Once upon", " a time", KeyboardInterrupt()], [], ["Sure."]]
+    code, out, err = chat(capsys, monkeypatch, ["tell a story", "anything?", "shorter"])
+    assert code == 0 and "[stopped]" in err
+    e = engine()
+    assert e.closed == [True, True, True]
+    # the interrupted reply is kept as shown; an empty reply is dropped with its question
+    assert e.calls[2][1] == [{"role": "user", "content": "tell a story"},
+                             {"role": "assistant", "content": "Once upon a time"},
+                             {"role": "user", "content": "shorter"}]
+    assert "Sure." in out
+
+
+def test_ctrl_c_or_eof_at_the_prompt_quits(capsys, monkeypatch, fake):
+    def interrupted(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", interrupted)
+    code, _, _ = run(capsys, ["chat"])
+    assert code == 0 and engine().calls == []
+
+
+def test_chat_errors_keep_the_session_alive(capsys, monkeypatch, fake):
+    FakeEngine.script = [ValueError("prompt has 9000 tokens but the context holds 8192"), ["fine"]]
+    code, out, err = chat(capsys, monkeypatch, ["huge", "small"])
+    assert code == 0 and "llaisys: error: prompt has 9000 tokens" in err and "fine" in out
+    assert engine().calls[1][1] == [{"role": "user", "content": "small"}]  # the refused turn was dropped
+
+
+def test_chat_engine_load_error_exits_2(capsys, monkeypatch, fake):
+    FakeEngine.init_error = FileNotFoundError("model not found: ./nowhere")
+    code, _, err = chat(capsys, monkeypatch, ["hi"])
+    assert code == 2 and err == "llaisys: error: model not found: ./nowhere\n"
+
+
+# ---- download, models, info, bench ------------------------------------------------------------------------
+
+def test_download_prints_the_path(capsys, fake):
+    code, out, _ = run(capsys, ["download", "tiny-default"])
+    assert code == 0 and out == "/cache/models/tiny-default/model.gguf\n"
+    run(capsys, ["download", "other", "--force"])
+    assert fake.downloads == [("tiny-default", False), ("other", True)]
+    code, out, err = run(capsys, ["download", "nope"])
+    assert code == 2 and out == "" and err.startswith("llaisys: error: 'nope' is not in the catalog")
+
+
+def test_models_lists_the_catalog(capsys, fake):
+    code, out, err = run(capsys, ["models"])
+    assert code == 0
+    assert out.splitlines() == ["tiny-default  A tiny model  (default)", "other         Another one"]
+    assert "/cache" in err
+
+
+def test_info_shows_the_build_and_devices(capsys):
+    code, out, _ = run(capsys, ["info"])
+    assert code == 0 and f"version: {llaisys.__version__}" in out and "cuda: " in out
+    devices = [line for line in out.splitlines() if line.startswith("devices: cpu")]
+    assert len(devices) == 1 and devices[0].count("cuda:") == llaisys.cuda_device_count() * \
+        bool(llaisys.build_info()["cuda"])
+
+
+def test_bench_passes_parsed_arguments(capsys, fake):
+    assert run(capsys, ["bench", "--shape", "qwen2-1.5b", "--device", "cuda", "--dtype", "f16", "--prompt-len",
+                        "64", "--new-tokens", "32", "--peers", "--json", "out.json"])[0] == 0
+    (args,) = fake.bench_args
+    assert (args.shape, args.model, args.device, args.dtype, args.prompt_len, args.new_tokens, args.peers,
+            args.json) == ("qwen2-1.5b", None, "cuda", "f16", 64, 32, True, "out.json")
+    run(capsys, ["bench", "--model", "tiny"])
+    args = fake.bench_args[1]
+    assert (args.model, args.shape, args.device, args.dtype, args.prompt_len, args.new_tokens, args.peers,
+            args.json) == ("tiny", None, "auto", "auto", 128, 256, False, None)
