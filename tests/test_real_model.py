@@ -13,6 +13,8 @@ from llaisys.engine import Engine  # noqa: E402
 from test_model import hf_greedy  # noqa: E402
 from tiny_model import real_model_path  # noqa: E402
 
+pytestmark = pytest.mark.slow  # downloads the default model (once per machine) and runs it on the CPU
+
 CHATS = [
     [{"role": "user", "content": "Write a Python function that checks whether a number is prime."}],
     [{"role": "system", "content": "You are a terse assistant."},
@@ -86,16 +88,49 @@ def test_gguf_logits_equal_transformers_gguf_load(eng32, hf32, hf_tok):
     np.testing.assert_allclose(got, ref, atol=2e-3, rtol=1e-4)
 
 
-def test_bf16_teacher_forced_top1_agreement_with_hf_bf16(gguf, hf32, hf_tok):
-    text = open(llaisys.engine.__file__, encoding="utf-8").read()  # real code and prose, > 500 tokens
-    ids = hf_tok(text, add_special_tokens=False)["input_ids"][:600]
-    assert len(ids) >= 500
-    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.bfloat16).eval()
+@pytest.fixture(scope="module")
+def hf_bf16(hf32):
+    import copy
+
+    # HF's bf16 model: the f32 GGUF load with its weights rounded to bf16, computing in bf16 — the same
+    # weights our bf16 engine holds. (transformers' own bf16 GGUF load keeps the quantized weights and
+    # computes matmuls in f32, which is not a bf16 model.)
+    return copy.deepcopy(hf32).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def eng_bf16(gguf):
+    return Engine(gguf, device="cpu", dtype="bf16", max_seq_len=1024, progress=False)
+
+
+def _logits(model, ids):
     with torch.no_grad():
-        ref = hf_bf16(torch.tensor([ids])).logits[0].float().numpy()
-    del hf_bf16
-    eng = Engine(gguf, device="cpu", dtype="bf16", max_seq_len=1024, progress=False)
-    got = eng.score(ids)
-    agreement = float((got.argmax(-1) == ref.argmax(-1)).mean())
-    assert agreement >= 0.99, agreement
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def _agree(a, b):
+    return (a.argmax(-1) == b.argmax(-1)).astype(np.float64)
+
+
+def test_bf16_teacher_forced_top1_agreement_with_hf_bf16(eng32, hf_bf16, eng_bf16, hf_tok):
+    """Chat prompts followed by the model's own f32 greedy replies (equal to HF's, tested above): the
+    text the engine serves. Top-1 agreement of our bf16 with HF bf16, teacher-forced, over >= 500 positions."""
+    prompts = CHATS + EXTRA_CHATS + [[{"role": "user", "content": "Write a haiku about the sea."}]]
+    agree = []
+    for messages in prompts:
+        ids = chat_ids(hf_tok, messages)
+        ids = ids + eng32.generate(ids, max_new_tokens=120, temperature=0).token_ids
+        agree.extend(_agree(eng_bf16.score(ids), _logits(hf_bf16, ids)))
+    assert len(agree) >= 500
+    assert np.mean(agree) >= 0.99, (np.mean(agree), len(agree))
+
+
+def test_bf16_is_as_accurate_as_hf_bf16_on_raw_code(hf32, hf_bf16, eng_bf16, hf_tok):
+    """On source code (many near-ties) bf16 rounding flips more top-1 picks, for HF too: here our bf16
+    must be as close to the f32 reference as HF's bf16 model is."""
+    text = open(llaisys.engine.__file__, encoding="utf-8").read()
+    ids = hf_tok(text, add_special_tokens=False)["input_ids"][:600]
+    ref32, ref_bf16, ours = _logits(hf32, ids), _logits(hf_bf16, ids), eng_bf16.score(ids)
+    rel = lambda x: float(np.linalg.norm(x - ref32) / np.linalg.norm(ref32))  # noqa: E731
+    assert rel(ours) <= 1.1 * rel(ref_bf16), (rel(ours), rel(ref_bf16))
+    assert _agree(ours, ref32).mean() >= _agree(ref_bf16, ref32).mean() - 0.01
