@@ -1,6 +1,58 @@
-// TEMPORARY STUB: replaced by the real op in this change set.
+#include "ops/linear/linear.hpp"
+
 #include "llaisys/ops.hpp"
+#include "ops/common/checks.hpp"
+
+#include <string>
 
 namespace llaisys::ops {
-void linear(const Tensor &, const Tensor &, const Tensor &, const Tensor &) { throw std::runtime_error("linear: not implemented yet"); }
+
+// t [..., cols] as a 2-D [rows, cols] tensor whose rows are dense and at least `cols` apart: a view
+// when the strides allow it (e.g. a column slice of a wider matrix), else a contiguous copy.
+static Tensor dense_rows(const Tensor &t, int64_t rows, int64_t cols) {
+    Tensor r = t.reshape({rows, cols});
+    const bool unit_cols = cols <= 1 || r.stride(1) == 1;
+    const bool rows_apart = rows <= 1 || r.stride(0) >= cols;
+    return unit_cols && rows_apart ? r : r.contiguous();
+}
+
+static void check_linear_args(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
+    constexpr const char *op = "linear";
+    detail::check_defined(op, "out", out);
+    detail::check_defined(op, "x", x);
+    detail::check_defined(op, "weight", weight);
+    if (bias.defined()) detail::check_same_device(op, {&out, &x, &weight, &bias});
+    else detail::check_same_device(op, {&out, &x, &weight});
+    detail::check_float(op, "x", x);
+    detail::check_same_dtype(op, "weight", weight, x);
+    detail::check_same_dtype(op, "out", out, x);
+    if (bias.defined()) detail::check_same_dtype(op, "bias", bias, x);
+    // Numbers are formatted with std::to_string / shape_str: streaming an integer through concat()
+    // crashed (SIGSEGV inside std::ostream) in the CUDA build on the device machine.
+    LLAISYS_CHECK(weight.ndim() == 2, std::invalid_argument, "linear: weight must be 2-D [N, K], got shape ",
+                  shape_str(weight.shape()));
+    LLAISYS_CHECK(x.ndim() >= 1, std::invalid_argument, "linear: x must have at least 1 dim, got a scalar");
+    const int64_t N = weight.size(0), K = weight.size(1);
+    LLAISYS_CHECK(x.size(-1) == K, std::invalid_argument, "linear: x's last dim (", std::to_string(x.size(-1)),
+                  ") must equal weight's in_features K (weight is [N, K] = ", shape_str(weight.shape()),
+                  "), got x of shape ", shape_str(x.shape()));
+    if (bias.defined()) detail::check_shape(op, "bias", bias, {N});
+    Shape want = x.shape();
+    want.back() = N;
+    detail::check_shape(op, "out", out, want);
+}
+
+// out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]).
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
+    check_linear_args(out, x, weight, bias);
+    const int64_t N = weight.size(0), K = weight.size(1), M = out.numel() / std::max<int64_t>(N, 1);
+    if (M == 0 || N == 0) return; // nothing to write
+    const Tensor x2 = dense_rows(x, M, K), w2 = dense_rows(weight, N, K);
+    const Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+    detail::with_contiguous_out(out, [&](const Tensor &dst) {
+        const Tensor o2 = dst.view({M, N});
+        LLAISYS_DEVICE_DISPATCH("linear", o2.device(), cpu::linear(o2, x2, w2, b), cuda::linear(o2, x2, w2, b));
+    });
+}
+
 } // namespace llaisys::ops

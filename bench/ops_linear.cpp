@@ -1,0 +1,173 @@
+// linear at the Qwen2 shapes: decode (M = 1) is bound by streaming the weight and is read in GB/s
+// (weight + x + out bytes); prefill (M = 64 on the CPU, 512 and 2048 on CUDA) in TFLOP/s (2 M N K).
+// Compare with the ceilings in ops_ceilings.cpp (device copy bandwidth, cuBLAS GEMM peak, CPU memory).
+//
+// Each iteration cycles through enough copies of the weight (>= 256 MiB in all) that they cannot sit
+// in the CPU's L3 or the GPU's L2 between calls, as in a real forward pass where every layer has its
+// own weights. CUDA iterations time a batch of back-to-back calls with events, so the host's wait
+// does not count; Linear/cuda_graph/... replays the calls from a CUDA graph, so launch costs do not
+// either (what a decode step captured in a graph sees).
+#include "llaisys/ops.hpp"
+#include "llaisys/stream.hpp"
+#include "llaisys/tensor.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#ifdef LLAISYS_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using namespace llaisys;
+
+struct LinearCase {
+    int64_t M, K, N;
+};
+
+// Copies of a [N, K] weight filling at least 256 MiB (at most 256 copies).
+std::vector<Tensor> linear_weight_copies(int64_t N, int64_t K, DType dtype, Device device) {
+    const int64_t bytes = N * K * int64_t(dtype_size(dtype)), want = int64_t(256) << 20;
+    const int64_t copies = std::min<int64_t>(256, (want + bytes - 1) / bytes);
+    Tensor host = Tensor::empty({N, K}, dtype).fill_(0.01);
+    std::vector<Tensor> ws;
+    for (int64_t i = 0; i < copies; ++i) ws.push_back(device.is_cpu() ? host.clone() : host.to(device));
+    return ws;
+}
+
+void set_linear_counters(benchmark::State &state, const LinearCase &c, DType dtype) {
+    const double es = double(dtype_size(dtype));
+    const double bytes = (double(c.N) * c.K + double(c.M) * c.K + double(c.M) * c.N) * es;
+    const double flops = 2.0 * c.M * c.N * c.K;
+    state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["TFLOP/s"] = benchmark::Counter(flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void bench_linear_cpu(benchmark::State &state, LinearCase c, DType dtype) {
+    const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5);
+    const Tensor out = Tensor::empty({c.M, c.N}, dtype);
+    const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, Device::cpu());
+    size_t i = 0;
+    for (auto _ : state) {
+        ops::linear(out, x, ws[i++ % ws.size()], Tensor());
+        benchmark::ClobberMemory();
+    }
+    set_linear_counters(state, c, dtype);
+}
+
+#ifdef LLAISYS_WITH_CUDA
+void bench_linear_cuda(benchmark::State &state, LinearCase c, DType dtype) {
+    if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
+    const Device dev = Device::cuda(0);
+    DeviceGuard guard(dev);
+    const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5).to(dev);
+    const Tensor out = Tensor::empty({c.M, c.N}, dtype, dev);
+    const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, dev);
+    const Stream stream = current_stream(dev);
+    const int batch = 16;
+    size_t i = 0;
+    for (int w = 0; w < 3; ++w) ops::linear(out, x, ws[i++ % ws.size()], Tensor()); // warm-up (handles, workspace)
+    Event start(dev, true), stop(dev, true);
+    for (auto _ : state) {
+        start.record(stream);
+        for (int b = 0; b < batch; ++b) ops::linear(out, x, ws[i++ % ws.size()], Tensor());
+        stop.record(stream);
+        stop.synchronize();
+        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
+    }
+    set_linear_counters(state, c, dtype);
+}
+
+// The same calls captured in a CUDA graph and replayed, so the host's launch cost (several us per
+// call, more than a small GEMV takes) drops out and the kernel's own bandwidth shows. One replay
+// runs over >= 128 MiB of distinct weights, so they cannot stay in L2 between replays.
+void bench_linear_cuda_graph(benchmark::State &state, LinearCase c, DType dtype) {
+    if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
+    const Device dev = Device::cuda(0);
+    DeviceGuard guard(dev);
+    const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5).to(dev);
+    const Tensor out = Tensor::empty({c.M, c.N}, dtype, dev);
+    const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, dev);
+    const int64_t w_bytes = c.N * c.K * int64_t(dtype_size(dtype));
+    const int64_t want = std::max<int64_t>(16, ((int64_t(128) << 20) + w_bytes - 1) / w_bytes);
+    const int batch = int(std::min<int64_t>(want, int64_t(ws.size())));
+    const Stream stream = current_stream(dev);
+    const auto s = static_cast<cudaStream_t>(stream.handle());
+    ops::linear(out, x, ws[0], Tensor()); // warm-up outside the capture
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed) != cudaSuccess)
+        return state.SkipWithError("cudaStreamBeginCapture failed");
+    try {
+        for (int b = 0; b < batch; ++b) ops::linear(out, x, ws[size_t(b) % ws.size()], Tensor());
+    } catch (const std::exception &e) {
+        cudaStreamEndCapture(s, &graph);
+        return state.SkipWithError(e.what());
+    }
+    if (cudaStreamEndCapture(s, &graph) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+        return state.SkipWithError("CUDA graph capture failed");
+    Event start(dev, true), stop(dev, true);
+    cudaGraphLaunch(exec, s); // warm-up replay
+    for (auto _ : state) {
+        start.record(stream);
+        cudaGraphLaunch(exec, s);
+        stop.record(stream);
+        stop.synchronize();
+        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    set_linear_counters(state, c, dtype);
+}
+#endif
+
+// The 0.5B (hidden 896, MLP 4864) and 1.5B (hidden 1536, MLP 8960, k/v 256) projections and LM heads.
+const std::vector<std::pair<int64_t, int64_t>> kLinearKN = {
+    {896, 896}, {896, 128}, {896, 4864}, {896, 151936}, {4864, 896},
+    {1536, 1536}, {1536, 256}, {1536, 8960}, {1536, 151936}, {8960, 1536},
+};
+
+std::string linear_name(const char *device, DType dtype, const LinearCase &c) {
+    return std::string("Linear/") + device + "/" + dtype_name(dtype) + "/M:" + std::to_string(c.M) +
+           "/K:" + std::to_string(c.K) + "/N:" + std::to_string(c.N);
+}
+
+int register_linear_benchmarks() {
+    for (const auto &[K, N] : kLinearKN) {
+        // CPU: decode in bf16 (and f32 for two shapes), and one short prefill (M = 64, the small shapes).
+        for (int64_t M : {1, 64}) {
+            const LinearCase c{M, K, N};
+            if (M > 1 && N > 10000) continue; // an LM head over a whole prompt takes seconds on 2 cores
+            benchmark::RegisterBenchmark(linear_name("cpu", DType::BF16, c).c_str(), bench_linear_cpu, c, DType::BF16)
+                ->Unit(benchmark::kMicrosecond)->UseRealTime();
+            if (M == 1 && (N == 4864 || N == 1536) && K != 8960)
+                benchmark::RegisterBenchmark(linear_name("cpu", DType::F32, c).c_str(), bench_linear_cpu, c, DType::F32)
+                    ->Unit(benchmark::kMicrosecond)->UseRealTime();
+        }
+#ifdef LLAISYS_WITH_CUDA
+        for (int64_t M : {1, 512, 2048}) {
+            const LinearCase c{M, K, N};
+            benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
+                ->Unit(benchmark::kMicrosecond)->UseManualTime();
+            if (N == 1536 || N == 4864)
+                benchmark::RegisterBenchmark(linear_name("cuda", DType::F32, c).c_str(), bench_linear_cuda, c, DType::F32)
+                    ->Unit(benchmark::kMicrosecond)->UseManualTime();
+        }
+        for (int64_t M : {1, 2, 4, 8}) { // decode without launch costs; M > 1: the GEMV's other instantiations
+            const LinearCase c{M, K, N};
+            if (M == 1 || (K == 1536 && N == 8960))
+                benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph,
+                                             c, DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime();
+        }
+#endif
+    }
+    return 0;
+}
+
+const int linear_benchmarks_registered = register_linear_benchmarks();
+
+} // namespace

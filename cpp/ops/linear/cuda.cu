@@ -1,0 +1,368 @@
+// CUDA linear: out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), accumulated in f32.
+//   M <= 8 (decode): gemv_kernel, which streams W once at memory bandwidth.
+//   M > 8 (prefill): cuBLASLt with f32 compute (no TF32) and the bias fused as an epilogue; the
+//   GEMV also serves as the fallback if cuBLASLt offers no algorithm (and for K = 0).
+#include "ops/linear/linear.hpp"
+
+#include "ops/common/checks.hpp"
+#include "ops/common/cuda.cuh"
+
+#include <cublasLt.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+namespace llaisys::ops::cuda {
+namespace {
+
+// ============================================ GEMV ============================================
+
+constexpr int kGemvWarps = 8; // 256 threads per block
+constexpr int kGemvMaxM = 8;  // the largest M sent to the GEMV on purpose
+
+// Widens 16 bytes (4 f32 or 8 f16/bf16) to f32.
+__device__ __forceinline__ void unpack(const uint4 &u, const float *, float (&f)[4]) {
+    f[0] = __uint_as_float(u.x), f[1] = __uint_as_float(u.y), f[2] = __uint_as_float(u.z), f[3] = __uint_as_float(u.w);
+}
+__device__ __forceinline__ void unpack(const uint4 &u, const __nv_bfloat16 *, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { // bf16 is the top half of an f32
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+__device__ __forceinline__ void unpack(const uint4 &u, const __half *, float (&f)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        __half2 h;
+        memcpy(&h, &w[i], 4);
+        const float2 p = __half22float2(h);
+        f[2 * i] = p.x, f[2 * i + 1] = p.y;
+    }
+}
+
+// V consecutive elements of a row: one 16-byte load (V = 16 / sizeof(T)), or one element when the
+// rows are not 16-byte aligned (V = 1). W streams past once, so its loads are marked evict-first
+// (__ldcs) to leave L1/L2 to x, which every warp rereads (__ldg).
+template <typename T, int V>
+struct Chunk {
+    uint4 raw;
+    __device__ __forceinline__ void load_stream(const T *p) { raw = __ldcs(reinterpret_cast<const uint4 *>(p)); }
+    __device__ __forceinline__ void load_cached(const T *p) { raw = __ldg(reinterpret_cast<const uint4 *>(p)); }
+    __device__ __forceinline__ void get(float (&f)[V]) const { unpack(raw, static_cast<const T *>(nullptr), f); }
+};
+template <typename T>
+struct Chunk<T, 1> {
+    T raw;
+    __device__ __forceinline__ void load_stream(const T *p) { raw = *p; }
+    __device__ __forceinline__ void load_cached(const T *p) { raw = *p; }
+    __device__ __forceinline__ void get(float (&f)[1]) const { f[0] = to_f32(raw); }
+};
+
+struct GemvArgs {
+    int64_t M, N, K, ldx, ldw;
+    int split; // warps sharing one group of W rows, each taking every split-th vector (1, 2, 4 or 8)
+};
+
+// acc[m][r] += x[m] . w[r] over the vectors v = first, first + step, ... < nvec. Each lane issues up
+// to U loads per W row before using any (a row of K = 1536 bf16 is 6 vectors per lane: all in flight
+// at once), so even a partly filled last wave keeps the memory busy. Vectors past nvec are neither
+// loaded nor used (multiplying by a zero weight would turn an Inf in x into NaN).
+template <typename T, int MR, int R, int V, int U>
+__device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&xr)[MR], const T *const (&wr)[R],
+                                          int64_t first, int64_t step, int64_t nvec) {
+    for (int64_t v = first; v < nvec; v += U * step) {
+        Chunk<T, V> wv[U][R];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (v + u * step < nvec)
+#pragma unroll
+                for (int r = 0; r < R; ++r) wv[u][r].load_stream(wr[r] + (v + u * step) * V);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (v + u * step >= nvec) break;
+            float wf[R][V];
+#pragma unroll
+            for (int r = 0; r < R; ++r) wv[u][r].get(wf[r]);
+#pragma unroll
+            for (int m = 0; m < MR; ++m) {
+                Chunk<T, V> xv;
+                xv.load_cached(xr[m] + (v + u * step) * V);
+                float xf[V];
+                xv.get(xf);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+#pragma unroll
+                    for (int e = 0; e < V; ++e) acc[m][r] = fmaf(xf[e], wf[r][e], acc[m][r]);
+            }
+        }
+    }
+}
+
+// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for MR rows of x per block.
+// Launch: grid (ceil(N / rows_per_block), ceil(M / MR)), 256 threads. The 8 warps form 8 / split
+// groups; each group owns R consecutive W rows, and the split warps of a group interleave over the
+// rows' 16-byte vectors (lane l of warp s takes vectors s * 32 + l, + 32 * split, ...), so the group
+// reads its rows coalesced. x is read straight from global memory next to W: it is small and stays
+// in L1/L2 while W streams past, and no barrier stands between a block's start and its W loads.
+// Partial sums are reduced across the warp by shuffles, then across the group's warps through
+// shared memory, where the bias is added. Rows of x past M and of W past N repeat the last row
+// (computed, never stored), so every warp runs the same code.
+template <typename T, int MR, int R, int V, int U>
+__global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
+    gemv_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ bias,
+                GemvArgs a) {
+    __shared__ float partial[kGemvWarps][MR][R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int groups = kGemvWarps / a.split, group = warp / a.split, sub = warp % a.split;
+    const int64_t n0 = (int64_t(blockIdx.x) * groups + group) * R; // first W row of this group
+    const int64_t m0 = int64_t(blockIdx.y) * MR;                     // first x row of this block
+    const T *xr[MR];
+    const T *wr[R];
+#pragma unroll
+    for (int m = 0; m < MR; ++m) xr[m] = x + min(m0 + m, a.M - 1) * a.ldx;
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w + min(n0 + r, a.N - 1) * a.ldw;
+    float acc[MR][R] = {};
+    const int64_t nvec = a.K / V, step = int64_t(a.split) * 32;
+    gemv_rows<T, MR, R, V, U>(acc, xr, wr, sub * 32 + lane, step, nvec);
+    for (int64_t k = nvec * V + sub * 32 + lane; k < a.K; k += step) // columns past the last full vector
+#pragma unroll
+        for (int m = 0; m < MR; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[m][r] = fmaf(to_f32(xr[m][k]), to_f32(wr[r][k]), acc[m][r]);
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = warp_sum(acc[m][r]);
+            if (lane == 0) partial[warp][m][r] = s;
+        }
+    __syncthreads();
+    for (int t = threadIdx.x; t < groups * R * MR; t += blockDim.x) {
+        const int g = t / (R * MR), r = t / MR % R, m = t % MR;
+        const int64_t n = (int64_t(blockIdx.x) * groups + g) * R + r;
+        if (n >= a.N || m0 + m >= a.M) continue;
+        float s = bias ? to_f32(bias[n]) : 0.f;
+        for (int j = 0; j < a.split; ++j) s += partial[g * a.split + j][m][r];
+        out[(m0 + m) * a.N + n] = from_f32<T>(s);
+    }
+}
+
+int sm_count(int device) {
+    static std::atomic<int> counts[64] = {};
+    if (device < 0 || device >= 64) return 132;
+    int n = counts[device].load(std::memory_order_relaxed);
+    if (n == 0) {
+        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+        counts[device].store(n, std::memory_order_relaxed);
+    }
+    return n;
+}
+
+// Warps per group of W rows: more when N alone gives too few warps to fill the GPU (N = 256 rows is
+// 256 warps; an H100 holds 64 per SM), as long as each lane still gets 2+ vectors of a row.
+int gemv_split(int64_t rows_of_groups, int64_t vectors_per_row, int device) {
+    const int64_t target_warps = int64_t(sm_count(device)) * 32;
+    int split = 1;
+    while (split < kGemvWarps && rows_of_groups * split < target_warps && vectors_per_row >= 2 * 32 * 2 * split)
+        split *= 2;
+    return split;
+}
+
+template <typename T, int MR>
+void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, GemvArgs a, bool vec) {
+    constexpr int R = MR >= 4 ? 2 : 1; // more W rows per warp when M is larger: each x load feeds R rows
+    constexpr int U = MR >= 4 ? 4 : 8; // loads in flight per lane and row (registers bound it for large MR)
+    constexpr int VW = int(16 / sizeof(T));
+    a.split = gemv_split((a.N + R - 1) / R, (a.K + VW - 1) / VW, out.device().index);
+    const int64_t rows_per_block = int64_t(kGemvWarps / a.split) * R;
+    const dim3 grid(unsigned((a.N + rows_per_block - 1) / rows_per_block), unsigned((a.M + MR - 1) / MR));
+    using D = device_t<T>;
+    D *o = dptr<T>(out);
+    const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
+    if (vec) gemv_kernel<D, MR, R, VW, U><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
+    else gemv_kernel<D, MR, R, 1, U><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
+    CUDA_CHECK_LAUNCH();
+}
+
+// True when every row of t [rows, cols] starts on a 16-byte boundary.
+bool rows_aligned_16(const Tensor &t) {
+    return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && linear_detail::ld(t) * int64_t(t.element_size()) % 16 == 0;
+}
+
+// The GEMV for any M: blocks of 8 rows of x when M > 8 (only the fallback and K = 0 get there).
+template <typename T>
+void gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
+    const int64_t M = x.size(0);
+    GemvArgs a{M, w.size(0), w.size(1), linear_detail::ld(x), linear_detail::ld(w), 1};
+    const bool vec = rows_aligned_16(w) && rows_aligned_16(x);
+    LLAISYS_CHECK(M <= int64_t(65535) * kGemvMaxM, std::invalid_argument, "linear: the GEMV fallback takes at most ",
+                  std::to_string(int64_t(65535) * kGemvMaxM), " rows of x, got ", std::to_string(M));
+    if (M == 1) launch_gemv<T, 1>(out, x, w, bias, a, vec);
+    else if (M == 2) launch_gemv<T, 2>(out, x, w, bias, a, vec);
+    else if (M <= 4) launch_gemv<T, 4>(out, x, w, bias, a, vec);
+    else launch_gemv<T, 8>(out, x, w, bias, a, vec);
+}
+
+// ========================================== cuBLASLt ==========================================
+
+#define CUBLASLT_CHECK(expr)                                                                           \
+    do {                                                                                               \
+        const cublasStatus_t st_ = (expr);                                                             \
+        if (st_ != CUBLAS_STATUS_SUCCESS)                                                              \
+            throw std::runtime_error(::llaisys::detail::concat("linear: cuBLASLt error ",             \
+                                                               cublasLtGetStatusName(st_), " at ",     \
+                                                               __FILE__, ":", std::to_string(__LINE__))); \
+    } while (0)
+
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+
+// Process-lifetime cuBLASLt state: one handle per device, one workspace per (device, stream) (two
+// streams must not share scratch), and the algorithm chosen for each problem. Created on first use,
+// never freed (tensors freed after the allocator at exit would be unsafe).
+struct LtState {
+    std::mutex mu;
+    std::map<int, cublasLtHandle_t> handles;
+    std::map<std::pair<int, cudaStream_t>, Tensor> workspaces;
+    // (device, dtype, M, N, K, ldx, ldw, bias, alignments of w, x, out, bias) -> algorithm, if any
+    using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, int, int>;
+    std::map<Key, std::pair<bool, cublasLtMatmulAlgo_t>> algos;
+};
+LtState &lt_state() {
+    static LtState *state = new LtState();
+    return *state;
+}
+
+// Largest power of two <= 256 dividing the address and the row pitch: what cuBLASLt may assume.
+int alignment(const void *p, int64_t pitch_bytes) {
+    const uint64_t bits = reinterpret_cast<uintptr_t>(p) | uint64_t(pitch_bytes) | 256u;
+    return int(bits & (~bits + 1));
+}
+
+template <typename T>
+cudaDataType_t lt_type() {
+    if constexpr (std::is_same_v<T, float>) return CUDA_R_32F;
+    else if constexpr (std::is_same_v<T, f16_t>) return CUDA_R_16F;
+    else return CUDA_R_16BF;
+}
+
+// The descriptors of one call. Row-major out [M, N] = x [M, K] @ w [N, K]^T is, in cuBLAS's
+// column-major terms, D [N, M] = op(A) B with A = w seen as [K, N] (ld ldw, transposed),
+// B = x seen as [K, M] (ld ldx) and D = out seen as [N, M] (ld N).
+struct LtCall {
+    cublasLtMatmulDescOpaque_t desc_storage;
+    cublasLtMatrixLayoutOpaque_t a_storage, b_storage, d_storage;
+    cublasLtMatmulDesc_t desc() { return &desc_storage; }
+    cublasLtMatrixLayout_t a() { return &a_storage; }
+    cublasLtMatrixLayout_t b() { return &b_storage; }
+    cublasLtMatrixLayout_t d() { return &d_storage; }
+};
+
+template <typename T>
+void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, const void *bias) {
+    const cudaDataType_t dt = lt_type<T>();
+    // f32 compute, never TF32, so f32 results match the CPU's within f32 rounding.
+    CUBLASLT_CHECK(cublasLtMatmulDescInit(c.desc(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    const int32_t trans_a = CUBLAS_OP_T;
+    CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(c.desc(), CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)));
+    if (bias) {
+        const uint32_t epilogue = CUBLASLT_EPILOGUE_BIAS; // D += bias broadcast over columns (length N)
+        CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(c.desc(), CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                                                      sizeof(epilogue)));
+        CUBLASLT_CHECK(cublasLtMatmulDescSetAttribute(c.desc(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    }
+    CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.a(), dt, uint64_t(K), uint64_t(N), ldw));
+    CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.b(), dt, uint64_t(K), uint64_t(M), ldx));
+    CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.d(), dt, uint64_t(N), uint64_t(M), N));
+}
+
+// cuBLASLt's first choice for the described problem, told the real alignments of w, x and out
+// (its default assumes 256 bytes, and a kernel picked on that assumption faults on a column slice).
+bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3], cublasLtMatmulAlgo_t &algo) {
+    cublasLtMatmulPreferenceOpaque_t pref_storage;
+    cublasLtMatmulPreference_t pref = &pref_storage;
+    CUBLASLT_CHECK(cublasLtMatmulPreferenceInit(pref));
+    const uint64_t ws_bytes = kLtWorkspaceBytes;
+    CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes,
+                                                        sizeof(ws_bytes)));
+    const cublasLtMatmulPreferenceAttributes_t which[4] = {
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+    for (int i = 0; i < 4; ++i) // C is D (out)
+        CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &align[std::min(i, 2)], sizeof(uint32_t)));
+    cublasLtMatmulHeuristicResult_t result;
+    int count = 0;
+    const cublasStatus_t st =
+        cublasLtMatmulAlgoGetHeuristic(handle, c.desc(), c.a(), c.b(), c.d(), c.d(), pref, 1, &result, &count);
+    if (st != CUBLAS_STATUS_SUCCESS || count == 0) return false;
+    algo = result.algo;
+    return true;
+}
+
+// Handle, workspace and algorithm for this call, created once per key; false if cuBLASLt has none.
+template <typename T>
+bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, const void *bias,
+                cudaStream_t stream, cublasLtHandle_t &handle, Tensor &workspace, cublasLtMatmulAlgo_t &algo) {
+    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+    const int64_t ldx = linear_detail::ld(x), ldw = linear_detail::ld(w), es = int64_t(sizeof(T));
+    const int dev = out.device().index;
+    LtState &s = lt_state();
+    std::lock_guard<std::mutex> lock(s.mu);
+    auto h = s.handles.find(dev);
+    if (h == s.handles.end()) {
+        cublasLtHandle_t created;
+        CUBLASLT_CHECK(cublasLtCreate(&created));
+        h = s.handles.emplace(dev, created).first;
+    }
+    handle = h->second;
+    Tensor &ws = s.workspaces[{dev, stream}];
+    if (!ws.defined()) ws = Tensor::empty({int64_t(kLtWorkspaceBytes)}, DType::U8, out.device());
+    workspace = ws;
+    const int align_w = alignment(w.data(), ldw * es), align_x = alignment(x.data(), ldx * es);
+    const int align_o = alignment(out.data(), N * es), align_b = bias ? alignment(bias, 0) : 0;
+    const LtState::Key key{dev, int(out.dtype()), M, N, K, ldx, ldw, bias != nullptr, align_w, align_x, align_o, align_b};
+    auto found = s.algos.find(key);
+    if (found == s.algos.end()) {
+        cublasLtMatmulAlgo_t chosen{};
+        const bool ok = lt_heuristic(handle, c, {uint32_t(align_w), uint32_t(align_x), uint32_t(align_o)}, chosen);
+        found = s.algos.emplace(key, std::make_pair(ok, chosen)).first;
+    }
+    algo = found->second.second;
+    return found->second.first;
+}
+
+template <typename T>
+bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
+    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+    const void *bias_ptr = bias.defined() ? bias.data() : nullptr;
+    LtCall c;
+    lt_describe<T>(c, M, N, K, linear_detail::ld(x), linear_detail::ld(w), bias_ptr);
+    const cudaStream_t stream = stream_of(out);
+    cublasLtHandle_t handle;
+    Tensor workspace;
+    cublasLtMatmulAlgo_t algo;
+    if (!lt_prepare<T>(c, out, x, w, bias_ptr, stream, handle, workspace, algo)) return false;
+    const float alpha = 1.f, beta = 0.f;
+    CUBLASLT_CHECK(cublasLtMatmul(handle, c.desc(), &alpha, w.data(), c.a(), x.data(), c.b(), &beta, out.data(), c.d(),
+                                  out.data(), c.d(), &algo, workspace.data(), kLtWorkspaceBytes, stream));
+    return true;
+}
+
+} // namespace
+
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
+    detail::dispatch_float("linear", x.dtype(), x.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const bool gemm = x.size(0) > kGemvMaxM && weight.size(1) > 0;
+        if (!(gemm && lt_matmul<T>(out, x, weight, bias))) gemv<T>(out, x, weight, bias);
+    });
+}
+
+} // namespace llaisys::ops::cuda

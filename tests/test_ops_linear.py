@@ -1,0 +1,223 @@
+"""linear: out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]) against a NumPy float64 formula.
+
+On CUDA, M <= 8 runs our GEMV kernel and larger M runs cuBLASLt, so the shapes below cover both
+(M = 1, 2, 3, 7, 8 and M = 9, 64), K that is not a multiple of any vector width (1, 19, 111, 989),
+K long enough for the GEMV kernel to stage x in several chunks (8961), and the LLM decode shapes.
+"""
+import numpy as np
+import pytest
+
+import llaisys
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, poisoned, rand, to_f64
+
+SHAPES = [  # (M, K, N)
+    (1, 1, 1), (1, 19, 111), (7, 111, 19), (3, 989, 5),
+    (1, 896, 4864), (1, 1536, 256), (64, 896, 896),  # decode (Qwen2-0.5B MLP up, 1.5B k/v) and prefill-ish
+    (8, 1030, 77), (9, 67, 100), (2, 8961, 13),  # the GEMV's last M, cuBLASLt's first, a multi-chunk K
+]
+
+
+def ref_linear(x, w, b=None):
+    y = x @ w.T
+    return y if b is None else y + b
+
+
+def tol(dtype, K, x_scale=1.0, w_scale=1.0):
+    """TOL[dtype], with atol widened for the f32 accumulation over K products.
+
+    Reason: the op sums K products of typical size x_scale * w_scale in f32 and in another order than
+    the float64 reference; that rounding error random-walks to about eps_f32 * K * |x||w| / 3 (one
+    rounding of the running sum per product). It matters only for outputs that cancel to near zero,
+    where TOL's atol (1e-5 for f32) is below it once K is in the thousands; 2 * eps_f32 * K * |x||w|
+    (5.8e-4 at K = 4864, against outputs of typical size 70) keeps a safe margin. The dtype's own
+    rounding of the output is relative and stays covered by TOL's rtol.
+    """
+    t = dict(TOL[dtype])
+    t["atol"] = max(t["atol"], 2 * 2.0**-24 * K * x_scale * w_scale)
+    return t
+
+
+def run_linear(x, w, b, out_shape, dtype, device):
+    out = poisoned(out_shape, dtype, device)
+    llaisys.ops.linear(out, x, w, b)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_matches_float64(device, dtype, M, K, N, with_bias):
+    x, x64 = rand((M, K), dtype, device, seed=1)
+    w, w64 = rand((N, K), dtype, device, seed=2)
+    b, b64 = rand((N,), dtype, device, seed=3) if with_bias else (None, None)
+    out = run_linear(x, w, b, (M, N), dtype, device)
+    assert_close(out, ref_linear(x64, w64, b64), dtype, **tol(dtype, K))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_3d_input(device, dtype, with_bias):
+    B, S, K, N = 2, 5, 111, 19  # M = 10 rows: the cuBLASLt path on CUDA
+    x, x64 = rand((B, S, K), dtype, device, seed=4)
+    w, w64 = rand((N, K), dtype, device, seed=5)
+    b, b64 = rand((N,), dtype, device, seed=6) if with_bias else (None, None)
+    out = run_linear(x, w, b, (B, S, N), dtype, device)
+    assert_close(out, ref_linear(x64, w64, b64), dtype, **tol(dtype, K))
+    one = run_linear(x.slice(0, 1, 2).slice(1, 2, 3), w, b, (1, 1, N), dtype, device)  # [1, 1, K]: GEMV
+    assert_close(one, ref_linear(x64[1:2, 2:3], w64, b64), dtype, **tol(dtype, K))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 12])
+def test_linear_noncontiguous_operands(device, dtype, M):
+    K, N, pad = 37, 21, 7
+    xt, xt64 = rand((K, M), dtype, device, seed=7)
+    x, x64 = xt.transpose(0, 1), xt64.T  # x [M, K] with strides (1, M): copied before the kernel
+    wide, wide64 = rand((N, K + pad), dtype, device, seed=8)
+    # A column slice: rows K + 7 elements apart and starting 3 elements in, so on CUDA neither the
+    # base nor the row starts are 16-byte aligned (the kernels' scalar fallback, or cuBLASLt's
+    # alignment preferences); used in place, not copied.
+    w, w64 = wide.slice(1, 3, 3 + K), wide64[:, 3:3 + K]
+    b, b64 = rand((N,), dtype, device, seed=9)
+    out = llaisys.empty((N, M), dtype, device).transpose(0, 1)  # a non-contiguous out [M, N]
+    out.fill_(float("nan"))
+    llaisys.ops.linear(out, x, w, b)
+    assert_close(out, ref_linear(x64, w64, b64), dtype, **tol(dtype, K))
+    # A transposed weight view (unit stride along N, not K) is copied before the kernel.
+    wt, wt64 = rand((K, N), dtype, device, seed=10)
+    out2 = run_linear(x, wt.transpose(0, 1), None, (M, N), dtype, device)
+    assert_close(out2, ref_linear(x64, wt64.T), dtype, **tol(dtype, K))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [3, 9])
+def test_linear_nan_reaches_only_its_row_and_column(device, dtype, M):
+    K, N = 40, 24
+    x64 = np.random.default_rng(11).standard_normal((M, K))
+    w64 = np.random.default_rng(12).standard_normal((N, K))
+    x64[1, 5] = np.nan  # poisons out row 1
+    w64[4, 17] = np.inf  # poisons out column 4 (inf * x with mixed signs, summed: inf or nan)
+    x = llaisys.tensor(x64.astype(NP_DTYPE[dtype]), device)
+    w = llaisys.tensor(w64.astype(NP_DTYPE[dtype]), device)
+    x64, w64 = to_f64(x), to_f64(w)
+    got = to_f64(run_linear(x, w, None, (M, N), dtype, device))
+    assert np.isnan(got[1]).all()
+    col = np.delete(got[:, 4], 1)
+    assert not np.isfinite(col).any()
+    rows, cols = np.delete(np.arange(M), 1), np.delete(np.arange(N), 4)
+    clean = got[np.ix_(rows, cols)]
+    want = ref_linear(x64[rows], w64[cols])
+    np.testing.assert_allclose(clean, want, **tol(dtype, K))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_linear_large_k_f32_accumulation(device, dtype):
+    M, K, N = 2, 4864, 64  # the Qwen2-0.5B MLP down projection's K
+    x, x64 = rand((M, K), dtype, device, seed=13)
+    w, w64 = rand((N, K), dtype, device, seed=14)
+    out = run_linear(x, w, None, (M, N), dtype, device)
+    assert_close(out, ref_linear(x64, w64), dtype, **tol(dtype, K))
+
+
+def test_linear_empty_dims():
+    """K = 0 leaves out = bias (or 0); M = 0 writes nothing. CPU only: zero-size CUDA buffers are the
+    allocator's business, and on CUDA K = 0 runs the GEMV's loops zero times."""
+    x = llaisys.tensor(np.zeros((3, 0), np.float32))
+    w = llaisys.tensor(np.zeros((4, 0), np.float32))
+    b, b64 = rand((4,), "f32", seed=23)
+    out = run_linear(x, w, b, (3, 4), "f32", "cpu")
+    np.testing.assert_array_equal(to_f64(out), np.broadcast_to(b64, (3, 4)))
+    out = run_linear(x, w, None, (3, 4), "f32", "cpu")
+    np.testing.assert_array_equal(to_f64(out), np.zeros((3, 4)))
+    empty = llaisys.empty((0, 4), "f32")
+    llaisys.ops.linear(empty, llaisys.tensor(np.zeros((0, 5), np.float32)), rand((4, 5), "f32")[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_functional_form(device):
+    x, x64 = rand((4, 33), "f32", device, seed=15)
+    w, w64 = rand((10, 33), "f32", device, seed=16)
+    out = llaisys.functional.linear(x, w)
+    assert out.shape == (4, 10) and out.device.startswith(device)
+    assert_close(out, ref_linear(x64, w64), "f32")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_argument_errors(device):
+    x, _ = rand((3, 8), "f32", device)
+    w, _ = rand((5, 8), "f32", device)
+    out = llaisys.empty((3, 5), "f32", device)
+    with pytest.raises(ValueError, match=r"linear: x's last dim \(7\) must equal weight's in_features K"):
+        llaisys.ops.linear(out, rand((3, 7), "f32", device)[0], w)
+    with pytest.raises(ValueError, match=r"linear: bias must have shape \[5\], got \[4\]"):
+        llaisys.ops.linear(out, x, w, rand((4,), "f32", device)[0])
+    with pytest.raises(ValueError, match=r"linear: out must have shape \[3, 5\], got \[3, 6\]"):
+        llaisys.ops.linear(llaisys.empty((3, 6), "f32", device), x, w)
+    with pytest.raises(ValueError, match=r"linear: weight must be 2-D \[N, K\], got shape \[5, 8, 1\]"):
+        llaisys.ops.linear(out, x, rand((5, 8, 1), "f32", device)[0])
+    with pytest.raises(TypeError, match=r"linear: weight must have dtype f32 like the other operands, got bf16"):
+        llaisys.ops.linear(out, x, rand((5, 8), "bf16", device)[0])
+    with pytest.raises(TypeError, match=r"linear: out must have dtype f32 like the other operands, got f16"):
+        llaisys.ops.linear(llaisys.empty((3, 5), "f16", device), x, w)
+    with pytest.raises(TypeError, match=r"linear: bias must have dtype f32"):
+        llaisys.ops.linear(out, x, w, rand((5,), "f16", device)[0])
+    xi = llaisys.tensor(np.ones((3, 8), np.int32), device)
+    with pytest.raises(TypeError, match=r"linear: x must be f32, f16 or bf16, got i32"):
+        llaisys.ops.linear(llaisys.empty((3, 5), "i32", device), xi, llaisys.tensor(np.ones((5, 8), np.int32), device))
+
+
+@pytest.mark.cuda
+def test_linear_device_mismatch():
+    x, _ = rand((3, 8), "f32", "cpu")
+    w, _ = rand((5, 8), "f32", "cuda")
+    with pytest.raises(ValueError, match=r"linear: all tensors must be on one device, got cpu and cuda:0"):
+        llaisys.ops.linear(llaisys.empty((3, 5), "f32", "cpu"), x, w)
+    with pytest.raises(ValueError, match=r"linear: all tensors must be on one device, got cuda:0 and cpu"):
+        llaisys.ops.linear(llaisys.empty((3, 5), "f32", "cuda"), x.to("cuda"), w, rand((5,), "f32", "cpu")[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 1536, 256), (4, 1536, 1536), (8, 8960, 64), (2, 19, 111),
+                                   (9, 896, 896), (64, 1536, 256), (128, 8960, 128)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_cuda_matches_cpu(dtype, M, K, N, with_bias):
+    """Identical inputs on both devices (the GEMV for M <= 8, cuBLASLt above): both near float64 and
+    near each other (they differ only in f32 summation order and so at most in the output's last bit)."""
+    x, x64 = rand((M, K), dtype, "cpu", seed=17, scale=0.5)
+    w, w64 = rand((N, K), dtype, "cpu", seed=18, scale=0.5)
+    b, b64 = rand((N,), dtype, "cpu", seed=19) if with_bias else (None, None)
+    t = tol(dtype, K, 0.5, 0.5)
+    cpu = run_linear(x, w, b, (M, N), dtype, "cpu")
+    gpu = run_linear(x.to("cuda"), w.to("cuda"), b.to("cuda") if with_bias else None, (M, N), dtype, "cuda")
+    ref = ref_linear(x64, w64, b64)
+    assert_close(cpu, ref, dtype, **t)
+    assert_close(gpu, ref, dtype, **t)
+    assert_close(gpu, to_f64(cpu), dtype, **t)
+
+
+@pytest.mark.cuda
+def test_linear_cuda_lm_head_and_steady_state():
+    """The Qwen2-1.5B LM head shape through the GEMV, then repeated calls of both paths need no new
+    device memory (the cuBLASLt handle and workspace are created once)."""
+    dev = "cuda"
+    x, x64 = rand((1, 1536), "bf16", dev, seed=20)
+    w, w64 = rand((151936, 1536), "bf16", dev, seed=21, scale=0.05)
+    out = run_linear(x, w, None, (1, 151936), "bf16", dev)
+    assert_close(out, ref_linear(x64, w64), "bf16", **tol("bf16", 1536, 1.0, 0.05))
+    xs, _ = rand((64, 1536), "bf16", dev, seed=22)
+    ws = w.slice(0, 0, 512)
+    outs = llaisys.empty((64, 512), "bf16", dev)
+    llaisys.ops.linear(outs, xs, ws)  # first cuBLASLt call may create the handle and workspace
+    llaisys.synchronize(dev)
+    mallocs = llaisys.memory_stats(dev)["device_mallocs"]
+    for _ in range(20):
+        llaisys.ops.linear(out, x, w)
+        llaisys.ops.linear(outs, xs, ws)
+    llaisys.synchronize(dev)
+    assert llaisys.memory_stats(dev)["device_mallocs"] == mallocs
