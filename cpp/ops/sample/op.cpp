@@ -1,6 +1,53 @@
-// TEMPORARY STUB: replaced by the real op in this change set.
+#include "ops/sample/sample.hpp"
+
 #include "llaisys/ops.hpp"
+#include "ops/common/checks.hpp"
+
+#include <cstdint>
 
 namespace llaisys::ops {
-void sample(const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, const Tensor &, uint64_t, uint64_t) { throw std::runtime_error("sample: not implemented yet"); }
+
+// Checks dtypes, shapes and devices only: the Python sampling policy validates the values, and the
+// kernels treat out-of-range values safely (e.g. NaN temperature = greedy, top_p >= 1 = off).
+static void check_sample_args(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature,
+                              const Tensor &top_k, const Tensor &top_p, const Tensor &min_p) {
+    constexpr const char *op = "sample";
+    detail::check_defined(op, "out_ids", out_ids);
+    detail::check_defined(op, "logits", logits);
+    detail::check_defined(op, "temperature", temperature);
+    detail::check_defined(op, "top_k", top_k);
+    detail::check_defined(op, "top_p", top_p);
+    detail::check_defined(op, "min_p", min_p);
+    detail::check_same_device(op, {&logits, &out_ids, &temperature, &top_k, &top_p, &min_p});
+    detail::check_float(op, "logits", logits);
+    detail::check_dtype(op, "out_ids", out_ids, DType::I64);
+    detail::check_dtype(op, "temperature", temperature, DType::F32);
+    detail::check_dtype(op, "top_k", top_k, DType::I32);
+    detail::check_dtype(op, "top_p", top_p, DType::F32);
+    detail::check_dtype(op, "min_p", min_p, DType::F32);
+    detail::check_ndim(op, "logits", logits, 2);
+    const int64_t B = logits.size(0), V = logits.size(1);
+    LLAISYS_CHECK(V >= 1, std::invalid_argument, op, ": logits must have at least one column, got shape ",
+                  shape_str(logits.shape()));
+    // Kernels index within a row with 32-bit ints.
+    LLAISYS_CHECK(V <= INT32_MAX, std::invalid_argument, op, ": vocabulary must be < 2^31, got ", V);
+    detail::check_shape(op, "out_ids", out_ids, {B});
+    detail::check_shape(op, "temperature", temperature, {B});
+    detail::check_shape(op, "top_k", top_k, {B});
+    detail::check_shape(op, "top_p", top_p, {B});
+    detail::check_shape(op, "min_p", min_p, {B});
+}
+
+void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
+            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset) {
+    check_sample_args(out_ids, logits, temperature, top_k, top_p, min_p);
+    if (logits.size(0) == 0) return;
+    const Tensor lc = logits.contiguous(), tc = temperature.contiguous(), kc = top_k.contiguous(),
+                 pc = top_p.contiguous(), mc = min_p.contiguous();
+    detail::with_contiguous_out(out_ids, [&](const Tensor &dst) {
+        LLAISYS_DEVICE_DISPATCH("sample", dst.device(), cpu::sample(dst, lc, tc, kc, pc, mc, seed, offset),
+                                cuda::sample(dst, lc, tc, kc, pc, mc, seed, offset));
+    });
+}
+
 } // namespace llaisys::ops

@@ -1,0 +1,137 @@
+// The decode-step ops around the model: argmax and sample over one row of Qwen2 logits (V = 151936),
+// and embedding of 1 id (decode) and 512 ids (prefill) for hidden sizes 896 (0.5B) and 1536 (1.5B).
+// GB/s counts the bytes an op must move at least: the logits read once (sample reads them more than
+// once, so its figure is a lower bound of the traffic), and for embedding the rows read and written.
+// The logits stay in the GPU's L2 between calls, as they do when the LM head has just written them.
+// CUDA iterations time a batch of back-to-back calls with events, so launch gaps and host waits do not
+// count.
+#include "llaisys/ops.hpp"
+#include "llaisys/stream.hpp"
+#include "llaisys/tensor.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <random>
+#include <string>
+
+namespace {
+
+using namespace llaisys;
+
+constexpr int64_t kSamplingVocab = 151936;
+
+// Normal(0, scale) values of `dtype` on `device`, rounded from f32.
+Tensor sampling_random(const Shape &shape, DType dtype, Device device, float scale, uint32_t seed) {
+    Tensor host = Tensor::empty(shape, DType::F32);
+    std::mt19937 gen(seed);
+    std::normal_distribution<float> dist(0.f, scale);
+    float *p = host.data_as<float>();
+    for (int64_t i = 0; i < host.numel(); ++i) p[i] = dist(gen);
+    return host.to(dtype).to(device);
+}
+
+// Runs fn once per iteration on the CPU; on CUDA times batches of `batch` calls with events.
+template <typename Fn>
+void sampling_timed(benchmark::State &state, Device dev, Fn &&fn) {
+    if (dev.is_cpu()) {
+        for (auto _ : state) fn();
+        return;
+    }
+    const int batch = 20;
+    for (int w = 0; w < 3; ++w) fn(); // warm-up
+    const Stream stream = current_stream(dev);
+    Event start(dev, true), stop(dev, true);
+    for (auto _ : state) {
+        start.record(stream);
+        for (int b = 0; b < batch; ++b) fn();
+        stop.record(stream);
+        stop.synchronize();
+        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
+    }
+}
+
+void set_bytes(benchmark::State &state, double bytes) {
+    state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+bool sampling_device_ok(benchmark::State &state, Device dev) {
+    if (dev.is_cuda() && cuda_device_count() == 0) {
+        state.SkipWithError("no CUDA device visible");
+        return false;
+    }
+    return true;
+}
+
+void bench_argmax(benchmark::State &state, Device dev, DType dtype) {
+    if (!sampling_device_ok(state, dev)) return;
+    const Tensor x = sampling_random({1, kSamplingVocab}, dtype, dev, 3.f, 1);
+    const Tensor idx = Tensor::empty({1}, DType::I64, dev), val = Tensor::empty({1}, dtype, dev);
+    sampling_timed(state, dev, [&] { ops::argmax(idx, val, x); });
+    set_bytes(state, double(kSamplingVocab) * double(dtype_size(dtype)));
+}
+
+struct SampleCase {
+    float temperature;
+    int top_k;
+    float top_p;
+};
+
+void bench_sample(benchmark::State &state, Device dev, DType dtype, SampleCase c) {
+    if (!sampling_device_ok(state, dev)) return;
+    const Tensor logits = sampling_random({1, kSamplingVocab}, dtype, dev, 3.f, 2);
+    const Tensor out = Tensor::empty({1}, DType::I64, dev);
+    const Tensor t = Tensor::empty({1}, DType::F32).fill_(c.temperature).to(dev);
+    const Tensor k = Tensor::empty({1}, DType::I32).fill_(c.top_k).to(dev);
+    const Tensor p = Tensor::empty({1}, DType::F32).fill_(c.top_p).to(dev);
+    const Tensor min_p = Tensor::zeros({1}, DType::F32, dev);
+    uint64_t offset = 0;
+    sampling_timed(state, dev, [&] { ops::sample(out, logits, t, k, p, min_p, 1234, offset++); });
+    set_bytes(state, double(kSamplingVocab) * double(dtype_size(dtype)));
+}
+
+void bench_embedding(benchmark::State &state, Device dev, int64_t n, int64_t D) {
+    if (!sampling_device_ok(state, dev)) return;
+    const int64_t rows = 32768; // a slice of the 151936-row table: the copy cost does not depend on it
+    const Tensor weight = Tensor::zeros({rows, D}, DType::BF16, dev);
+    Tensor ids_host = Tensor::empty({n}, DType::I64);
+    std::mt19937 gen(3);
+    for (int64_t i = 0; i < n; ++i) ids_host.data_as<int64_t>()[i] = int64_t(gen() % rows);
+    const Tensor ids = ids_host.to(dev), out = Tensor::empty({n, D}, DType::BF16, dev);
+    sampling_timed(state, dev, [&] { ops::embedding(out, ids, weight); });
+    set_bytes(state, 2.0 * double(n) * double(D) * 2.0 + double(n) * 8.0);
+}
+
+int register_sampling_benchmarks() {
+    struct Dev {
+        const char *name;
+        Device device;
+    };
+    std::vector<Dev> devs = {{"cpu", Device::cpu()}};
+#ifdef LLAISYS_WITH_CUDA
+    devs.push_back({"cuda", Device::cuda(0)});
+#endif
+    const SampleCase cases[] = {{0.7f, 50, 0.9f}, {1.f, 0, 1.f}, {1.f, 0, 0.9f}};
+    const char *case_names[] = {"top_k:50/top_p:0.9", "plain", "top_p:0.9"};
+    for (const Dev &d : devs) {
+        auto reg = [&](const std::string &name, auto fn, auto... args) {
+            auto *b = benchmark::RegisterBenchmark((name + "/" + d.name).c_str(), fn, d.device, args...)
+                          ->Unit(benchmark::kMicrosecond);
+            if (d.device.is_cuda()) b->UseManualTime();
+            else b->UseRealTime();
+        };
+        for (DType dt : {DType::F32, DType::BF16})
+            reg(std::string("Argmax/") + dtype_name(dt) + "/V:151936", bench_argmax, dt);
+        for (DType dt : {DType::F32, DType::BF16})
+            reg(std::string("Sample/") + dtype_name(dt) + "/V:151936/" + case_names[0], bench_sample, dt, cases[0]);
+        for (int c = 1; c < 3; ++c) // plain temperature; top_p alone (the slow path on these flat logits)
+            reg(std::string("Sample/bf16/V:151936/") + case_names[c], bench_sample, DType::BF16, cases[c]);
+        for (int64_t n : {1, 512})
+            for (int64_t D : {896, 1536})
+                reg("Embedding/bf16/n:" + std::to_string(n) + "/D:" + std::to_string(D), bench_embedding, n, D);
+    }
+    return 0;
+}
+
+const int sampling_benchmarks_registered = register_sampling_benchmarks();
+
+} // namespace

@@ -1,0 +1,116 @@
+// Block-wide row maximum for the argmax and sample kernels: one block owns one row.
+#pragma once
+#include "ops/common/cuda.cuh"
+
+#include <climits>
+#include <cstdint>
+
+namespace llaisys::ops::cuda {
+
+// VEC elements of T loaded as one 16-byte (or narrower) transaction; p must be aligned to its size.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) RowPack {
+    T v[VEC];
+};
+
+// Elements of T in 16 bytes: 4 for f32, 8 for f16/bf16.
+template <typename T>
+constexpr int kRowVec = int(16 / sizeof(T));
+
+// Whether rows of V elements starting at `base` can all be read with kRowVec<T>-wide loads.
+template <typename T>
+inline bool rows_vectorizable(const void *base, int64_t V) {
+    return reinterpret_cast<uintptr_t>(base) % 16 == 0 && V % kRowVec<T> == 0;
+}
+
+struct ArgmaxSmem {
+    float val[32];
+    int idx[32];
+};
+
+// The maximum over non-NaN values and its first index (INT_MAX when no value exceeds -inf); whether a
+// NaN was seen. Every thread gets the result.
+struct RowMax {
+    float val;
+    int idx;
+    bool any_nan;
+};
+
+// Keeps the larger value, then the lower index.
+__device__ __forceinline__ void merge_max(float &v, int &i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+__device__ __forceinline__ void block_merge_max(float &v, int &i, ArgmaxSmem &sm) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) merge_max(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    __syncthreads(); // sm may still be read by a previous call
+    if (lane == 0) {
+        sm.val[warp] = v;
+        sm.idx[warp] = i;
+    }
+    __syncthreads();
+    v = lane < nwarps ? sm.val[lane] : -INFINITY;
+    i = lane < nwarps ? sm.idx[lane] : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) merge_max(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+}
+
+// Max of row [V]. Thread t reads VEC-wide packs t, t + blockDim, ... with UNROLL raw packs in flight
+// (one SM streams the whole row, so it must keep many bytes in flight), so each thread sees its indices
+// in increasing order and a strict `>` keeps the first maximum.
+// Needs blockDim.x % 32 == 0; with VEC > 1, row 16-byte aligned and V % VEC == 0.
+template <int VEC, typename T>
+__device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm) {
+    constexpr int UNROLL = 4;
+    const int64_t stride = int64_t(blockDim.x) * VEC;
+    float best = -INFINITY;
+    int best_i = INT_MAX;
+    bool nan = false;
+    for (int64_t base = int64_t(threadIdx.x) * VEC; base < V; base += UNROLL * stride) {
+        RowPack<T, VEC> raw[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (base + u * stride < V) raw[u] = *reinterpret_cast<const RowPack<T, VEC> *>(row + base + u * stride);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u * stride >= V) break;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float v = to_f32(raw[u].v[e]);
+                nan |= v != v;
+                if (v > best) {
+                    best = v;
+                    best_i = int(base + u * stride + e);
+                }
+            }
+        }
+    }
+    nan = __syncthreads_or(nan);
+    block_merge_max(best, best_i, sm);
+    return {best, best_i == INT_MAX ? 0 : best_i, nan};
+}
+
+// Index of the first NaN in row [V] (INT_MAX if none). Only runs for rows that hold a NaN.
+template <typename T>
+__device__ int block_first_nan(const T *row, int V, ArgmaxSmem &sm) {
+    int first = INT_MAX;
+    for (int i = threadIdx.x; i < V && i < first; i += blockDim.x)
+        if (to_f32(row[i]) != to_f32(row[i])) first = i;
+    float unused = 0.f;
+    block_merge_max(unused, first, sm); // equal values: keeps the lowest index
+    return first;
+}
+
+// NumPy's argmax of row [V]: the first NaN if there is one, else the first maximum.
+template <int VEC, typename T>
+__device__ int block_argmax(const T *row, int V, ArgmaxSmem &sm) {
+    const RowMax m = block_row_max<VEC>(row, V, sm);
+    return m.any_nan ? block_first_nan(row, V, sm) : m.idx;
+}
+
+} // namespace llaisys::ops::cuda

@@ -1,0 +1,425 @@
+"""argmax, sample and repetition_penalty against NumPy float64 formulas.
+
+sample is checked statistically: a chi-square test on a small vocabulary with a known softmax shows
+the draws follow the filtered, renormalised distribution, and filtered-out tokens are never drawn.
+"""
+import numpy as np
+import pytest
+
+import llaisys
+from llaisys import ops
+from utils import DEVICES, NP_DTYPE, TOL, assert_close, poisoned, rand, to_f64
+
+V_LLM = 151936  # Qwen2's vocabulary
+
+
+def vec(values, dtype, device):
+    return llaisys.tensor(np.asarray(values, NP_DTYPE[dtype]), device)
+
+
+# ---------------------------------------------------------------------------------------------- argmax
+
+
+def run_argmax(x, device):
+    lead = list(x.shape[:-1])
+    idx, val = poisoned(lead, "i64", device), poisoned(lead, x.dtype, device)
+    ops.argmax(idx, val, x)
+    return idx.to("cpu").numpy(), to_f64(val)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("V", [1, 19, 64, V_LLM])
+def test_argmax_matches_numpy(device, dtype, V):
+    x, x64 = rand((3, V), dtype, device, seed=V)
+    idx, val = run_argmax(x, device)
+    np.testing.assert_array_equal(idx, np.argmax(x64, axis=-1))  # bf16 ties: numpy also takes the first
+    np.testing.assert_array_equal(val, np.max(x64, axis=-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_f16_batched_3d(device):
+    x, x64 = rand((2, 3, 111), "f16", device, seed=4)
+    idx, val = run_argmax(x, device)
+    assert idx.shape == (2, 3) and val.shape == (2, 3)
+    np.testing.assert_array_equal(idx, np.argmax(x64, axis=-1))
+    np.testing.assert_array_equal(val, np.max(x64, axis=-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_argmax_ties_take_the_first_index(device, dtype):
+    a = np.zeros((4, 989))
+    a[0, [7, 500, 988]] = 3.0  # ties far apart: different threads on CUDA
+    a[1, :] = -1.0  # all equal
+    a[2, [988, 987]] = 2.0
+    a[3, [0, 988]] = 5.0
+    x = vec(a, dtype, device)
+    idx, val = run_argmax(x, device)
+    np.testing.assert_array_equal(idx, [7, 0, 987, 0])
+    np.testing.assert_array_equal(val, [3.0, -1.0, 2.0, 5.0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_argmax_nan_and_inf_follow_numpy(device, dtype):
+    a = np.random.default_rng(0).standard_normal((5, 1000))
+    a[0, [900, 17]] = np.nan  # the first NaN wins, wherever the max is
+    a[1, :] = -np.inf  # all -inf: index 0
+    a[2, 300] = np.inf
+    a[3, :] = np.nan
+    a[4, [999]] = np.nan
+    x = vec(a, dtype, device)
+    idx, val = run_argmax(x, device)
+    ref = np.argmax(a.astype(NP_DTYPE[dtype]).astype(np.float64), axis=-1)
+    np.testing.assert_array_equal(idx, ref)
+    np.testing.assert_array_equal(idx, [17, 0, 300, 0, 999])
+    assert np.isnan(val[[0, 3, 4]]).all() and val[1] == -np.inf and val[2] == np.inf
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_non_contiguous_input_and_outputs(device):
+    xt, xt64 = rand((19, 6), "f32", device, seed=5)
+    x = xt.transpose(0, 1)  # [6, 19], strides (1, 6)
+    big_idx, big_val = poisoned((6, 2), "i64", device), poisoned((6, 2), "f32", device)
+    idx, val = big_idx.select(1, 1), big_val.select(1, 0)
+    ops.argmax(idx, val, x)
+    np.testing.assert_array_equal(idx.to("cpu").numpy(), np.argmax(xt64.T, axis=-1))
+    np.testing.assert_array_equal(to_f64(val), np.max(xt64.T, axis=-1))
+    assert (big_idx.to("cpu").numpy()[:, 0] == -7).all(), "wrote outside the max_idx view"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_1d_gives_scalars(device):
+    x, x64 = rand((989,), "f32", device, seed=6)
+    idx, val = llaisys.functional.argmax(x)
+    assert idx.shape == () and int(idx.to("cpu").numpy()) == np.argmax(x64)
+
+
+def test_argmax_argument_errors():
+    x, _ = rand((2, 5), "f32")
+    with pytest.raises(TypeError, match="argmax: max_idx must be i64, got i32"):
+        ops.argmax(llaisys.empty([2], "i32"), llaisys.empty([2], "f32"), x)
+    with pytest.raises(TypeError, match="argmax: max_val must have dtype f32"):
+        ops.argmax(llaisys.empty([2], "i64"), llaisys.empty([2], "bf16"), x)
+    with pytest.raises(ValueError, match=r"argmax: max_idx must have shape \[2\], got \[3\]"):
+        ops.argmax(llaisys.empty([3], "i64"), llaisys.empty([2], "f32"), x)
+    with pytest.raises(ValueError, match="argmax: the last dim of x must be >= 1"):
+        ops.argmax(llaisys.empty([2], "i64"), llaisys.empty([2], "f32"), llaisys.empty([2, 0], "f32"))
+    with pytest.raises(TypeError, match="argmax: x must be f32, f16 or bf16"):
+        ops.argmax(llaisys.empty([2], "i64"), llaisys.empty([2], "i64"), llaisys.empty([2, 5], "i64"))
+
+
+# ---------------------------------------------------------------------------------------------- sample
+
+
+def run_sample(logits, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0):
+    """ops.sample with per-row parameters (scalars are broadcast); returns the ids as a NumPy array."""
+    B = logits.shape[0]
+
+    def per_row(v, dtype):
+        return vec(np.broadcast_to(np.asarray(v), (B,)), dtype, device)
+
+    out = poisoned((B,), "i64", device)
+    ops.sample(out, logits, per_row(temperature, "f32"), per_row(top_k, "i32"), per_row(top_p, "f32"),
+               per_row(min_p, "f32"), seed, offset)
+    ids = out.to("cpu").numpy()
+    assert ((ids >= 0) & (ids < logits.shape[1])).all(), f"ids out of range: {ids}"
+    return ids
+
+
+def kept_distribution(l, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """float64 reference: the filtered, renormalised sampling distribution over one row of logits."""
+    w = np.exp((l - l.max()) / temperature)  # p_i / p_max
+    keep = np.ones(len(l), bool)
+    if min_p > 0:
+        keep &= w >= min_p
+    order = np.argsort(-w, kind="stable")
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    if top_p < 1:
+        kept_order = order[keep[order]]
+        cum = np.cumsum(w[kept_order]) / w[kept_order].sum()
+        # keep away from a boundary that float32 rounding could move
+        assert np.min(np.abs(cum - top_p)) > 1e-4, "test distribution too close to the top_p boundary"
+        n = int(np.searchsorted(cum, top_p)) + 1  # smallest prefix whose mass reaches top_p
+        keep[kept_order[n:]] = False
+    p = np.where(keep, w, 0.0)
+    return p / p.sum()
+
+
+# Upper 0.1% point of the chi-square distribution by the Wilson-Hilferty formula (within ~1% of the
+# tables for dof >= 4: 18.7 vs 18.47 at 4 dof, 61.2 vs 61.10 at 31).
+def chi2_critical_001(dof):
+    z = 3.090232  # standard normal 99.9% quantile
+    return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+
+
+def draw_counts(logits, device, n_calls, params):
+    """Counts over n_calls calls of B identical rows (rows and offsets give independent draws)."""
+    V = logits.shape[1]
+    counts = np.zeros(V, np.int64)
+    for offset in range(n_calls):
+        counts += np.bincount(run_sample(logits, device, offset=offset, seed=7, **params), minlength=V)
+    return counts
+
+
+SAMPLE_CASES = {
+    "plain": dict(temperature=0.8),
+    "top_k": dict(temperature=1.0, top_k=5),
+    "top_p": dict(temperature=1.0, top_p=0.7),
+    "min_p": dict(temperature=1.2, min_p=0.1),
+    "combined": dict(temperature=1.3, top_k=12, top_p=0.8, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(SAMPLE_CASES))
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_sample_follows_the_filtered_distribution(device, case, dtype):
+    params = SAMPLE_CASES[case]
+    V, B, calls = 32, 2500, 8  # 20000 draws
+    row = np.random.default_rng(11).standard_normal(V) * 1.2
+    row = row.astype(NP_DTYPE[dtype]).astype(np.float64)
+    logits = vec(np.tile(row, (B, 1)), dtype, device)
+    p = kept_distribution(row, **params)
+    counts = draw_counts(logits, device, calls, params)
+    n = counts.sum()
+    assert counts[p == 0].sum() == 0, f"drew filtered-out tokens {np.nonzero(counts * (p == 0))[0]}"
+    kept = p > 0
+    expected = n * p[kept]
+    assert expected.min() >= 5, "chi-square needs >= 5 expected draws per token"
+    chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
+    dof = int(kept.sum()) - 1
+    if dof == 0:
+        return
+    assert chi2 < chi2_critical_001(dof), f"chi2 {chi2:.1f} with {dof} dof: draws do not follow the distribution"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("V", [1, 19, V_LLM])
+def test_sample_greedy_and_top_k_1_equal_argmax(device, dtype, V):
+    x, x64 = rand((4, V), dtype, device, seed=V + 1, scale=2.0)
+    ref = np.argmax(x64, axis=-1)
+    np.testing.assert_array_equal(run_sample(x, device, temperature=0.0), ref)
+    np.testing.assert_array_equal(run_sample(x, device, temperature=0.7, top_k=1, seed=3), ref)
+    np.testing.assert_array_equal(run_sample(x, device, temperature=1.0, min_p=1.0, seed=4), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_greedy_nan_rows_follow_argmax(device):
+    a = np.random.default_rng(1).standard_normal((2, 100))
+    a[0, [40, 60]] = np.nan
+    a[1, :] = np.nan
+    x = vec(a, "f32", device)
+    np.testing.assert_array_equal(run_sample(x, device, temperature=0.0), [40, 0])
+    # With temperature > 0 NaN tokens have no weight; a row of NaN falls back to argmax.
+    ids = run_sample(x, device, temperature=1.0)
+    assert ids[0] not in (40, 60) and ids[1] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_never_draws_minus_inf(device):
+    a = np.full((64, 50), -np.inf)
+    a[:, [3, 30, 49]] = [0.0, 1.0, -1.0]
+    ids = run_sample(vec(a, "f32", device), device, temperature=2.0)
+    assert set(ids) <= {3, 30, 49} and len(set(ids)) == 3
+    ids = run_sample(vec(np.full((64, 7), -np.inf), "f32", device), device)  # all -inf: uniform
+    assert len(set(ids)) > 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_is_deterministic_in_seed_and_offset(device):
+    x, _ = rand((64, 1000), "bf16", device, seed=8)
+    params = dict(temperature=1.0, top_k=100, top_p=0.95)
+    a = run_sample(x, device, seed=5, offset=9, **params)
+    np.testing.assert_array_equal(a, run_sample(x, device, seed=5, offset=9, **params))
+    assert (a != run_sample(x, device, seed=6, offset=9, **params)).sum() > 16
+    assert (a != run_sample(x, device, seed=5, offset=10, **params)).sum() > 16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_rows_use_their_own_parameters(device):
+    V = 200
+    x, x64 = rand((5, V), "f32", device, seed=9, scale=3.0)
+    order = np.argsort(-x64, axis=-1)
+    temperature, top_k = [0.0, 1.0, 1.0, 5.0, 1.0], [0, 1, 3, 0, 0]
+    top_p, min_p = [1.0, 1.0, 1.0, 1.0, 0.2], [0.0, 0.0, 0.0, 0.0, 0.0]
+    for offset in range(20):
+        ids = run_sample(x, device, temperature, top_k, top_p, min_p, seed=1, offset=offset)
+        assert ids[0] == order[0, 0] and ids[1] == order[1, 0]
+        assert ids[2] in order[2, :3]
+        ref4 = kept_distribution(x64[4], 1.0, top_p=0.2)
+        assert ref4[ids[4]] > 0
+    # Row 3 (temperature 5, no filter) spreads over many tokens.
+    many = [run_sample(x, device, temperature, top_k, top_p, min_p, seed=2, offset=o)[3] for o in range(30)]
+    assert len(set(many)) > 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_sample_llm_vocab_respects_the_filters(device, dtype):
+    x, x64 = rand((4, V_LLM), dtype, device, seed=12, scale=3.0)
+    order = np.argsort(-x64, axis=-1, kind="stable")
+    ids = run_sample(x, device, temperature=0.7, top_k=50, top_p=0.9, seed=3)
+    for b in range(4):
+        assert ids[b] in order[b, :50]
+        assert kept_distribution(x64[b], 0.7, top_k=50, top_p=0.9)[ids[b]] > 0
+    run_sample(x, device, temperature=1.0, seed=4)  # plain: any id in range
+    ids = run_sample(x, device, temperature=1.0, min_p=0.05, seed=5)
+    for b in range(4):
+        assert kept_distribution(x64[b], 1.0, min_p=0.05)[ids[b]] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_large_kept_sets(device):
+    # top_p over a flat distribution keeps ~100k tokens and top_k = 5000: more than the CUDA kernel sorts
+    # in shared memory, so these take its binary-search path.
+    x, x64 = rand((2, V_LLM), "f32", device, seed=13)
+    ids = run_sample(x, device, temperature=1.0, top_k=5000, seed=6)
+    order = np.argsort(-x64, axis=-1)
+    for b in range(2):
+        assert ids[b] in order[b, :5000]
+    ids = run_sample(x, device, temperature=1.0, top_p=0.5, seed=7)
+    for b in range(2):
+        w = np.exp(x64[b] - x64[b].max())
+        rank_mass = np.sort(w)[::-1].cumsum() / w.sum()
+        # kept: the top tokens whose mass reaches 0.5 (slack of 1e-4 for float32 rounding)
+        threshold = np.sort(w)[::-1][np.searchsorted(rank_mass, 0.5 - 1e-4)]
+        assert w[ids[b]] >= threshold * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_non_contiguous_logits(device):
+    xt, xt64 = rand((19, 3), "f32", device, seed=14, scale=4.0)
+    x = xt.transpose(0, 1)  # [3, 19]
+    np.testing.assert_array_equal(run_sample(x, device, temperature=0.0), np.argmax(xt64.T, axis=-1))
+    ids = run_sample(x, device, temperature=1.0, top_k=2)
+    for b in range(3):
+        assert ids[b] in np.argsort(-xt64.T[b])[:2]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+def test_sample_cuda_matches_cpu(dtype):
+    # Same rule, same generator: tokens agree unless rounding (CUDA's fast exp vs the C library's expf,
+    # relative difference < 3e-6) moves a draw across a token boundary. With ~100 tokens of similar mass
+    # that is rare (>= 95% must agree); over the ~10^4-10^5 kept tokens of the search path the shift is
+    # a sizeable fraction of one token's mass, so only most rows agree there (>= 50%).
+    x, _ = rand((256, 1000), dtype, "cpu", seed=15, scale=2.0)
+    xc = x.to("cuda")
+    for params in [dict(temperature=0.8), dict(temperature=1.0, top_k=40, top_p=0.9),
+                   dict(temperature=1.1, top_p=0.8), dict(temperature=0.9, min_p=0.05)]:
+        a = run_sample(x, "cpu", seed=21, offset=3, **params)
+        b = run_sample(xc, "cuda", seed=21, offset=3, **params)
+        assert (a == b).mean() >= 0.95, f"{params}: CPU and CUDA agree on {(a == b).mean():.1%} of rows"
+    xl, _ = rand((8, V_LLM), dtype, "cpu", seed=16)
+    for params in [dict(temperature=1.0, top_p=0.5), dict(temperature=1.0, top_k=5000)]:  # search path
+        a = run_sample(xl, "cpu", seed=22, **params)
+        b = run_sample(xl.to("cuda"), "cuda", seed=22, **params)
+        assert (a == b).mean() >= 0.5, f"{params}: CPU and CUDA agree on {(a == b).mean():.1%} of rows"
+
+
+def test_sample_argument_errors():
+    x, _ = rand((2, 5), "f32")
+    f32, i32 = vec([1.0, 1.0], "f32", "cpu"), vec([0, 0], "i32", "cpu")
+    out = poisoned((2,), "i64")
+    with pytest.raises(TypeError, match="sample: temperature must be f32, got i32"):
+        ops.sample(out, x, i32, i32, f32, f32, 0, 0)
+    with pytest.raises(TypeError, match="sample: top_k must be i32, got f32"):
+        ops.sample(out, x, f32, f32, f32, f32, 0, 0)
+    with pytest.raises(TypeError, match="sample: out_ids must be i64"):
+        ops.sample(poisoned((2,), "i32"), x, f32, i32, f32, f32, 0, 0)
+    with pytest.raises(ValueError, match=r"sample: top_p must have shape \[2\], got \[3\]"):
+        ops.sample(out, x, f32, i32, vec([1, 1, 1], "f32", "cpu"), f32, 0, 0)
+    with pytest.raises(ValueError, match="sample: logits must be 2-D"):
+        ops.sample(out, rand((5,), "f32")[0], f32, i32, f32, f32, 0, 0)
+    with pytest.raises(TypeError, match="sample: logits must be f32, f16 or bf16"):
+        ops.sample(out, llaisys.empty([2, 5], "i64"), f32, i32, f32, f32, 0, 0)
+
+
+@pytest.mark.cuda
+def test_sample_device_mismatch():
+    x, _ = rand((2, 5), "f32", "cuda")
+    with pytest.raises(ValueError, match="sample: all tensors must be on one device"):
+        ops.sample(poisoned((2,), "i64", "cuda"), x, vec([1, 1], "f32", "cpu"), vec([0, 0], "i32", "cuda"),
+                   vec([1, 1], "f32", "cuda"), vec([0, 0], "f32", "cuda"), 0, 0)
+
+
+# ---------------------------------------------------------------------------------- repetition_penalty
+
+
+def penalty_reference(l64, ids, penalty):
+    """HF's RepetitionPenaltyLogitsProcessor in float64."""
+    ref = l64.copy()
+    for b in range(ids.shape[0]):
+        for i in ids[b]:
+            if i >= 0:
+                ref[b, i] = ref[b, i] / penalty if ref[b, i] > 0 else ref[b, i] * penalty
+    return ref
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_hf(device, dtype, penalty):
+    B, V = 3, 989
+    x, x64 = rand((B, V), dtype, device, seed=17, scale=3.0)
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(V, 7, replace=False) for _ in range(B)]).astype(np.int64)
+    ids[1, 4:] = -1  # padding
+    ids[2, :] = -1
+    ids[0, 0], ids[0, 1] = 0, V - 1
+    before = x.to("cpu").numpy().copy()
+    ops.repetition_penalty(x, vec(ids, "i64", device), penalty)
+    ref = penalty_reference(x64, ids, penalty)
+    assert_close(x, ref, dtype)
+    touched = np.zeros((B, V), bool)
+    for b in range(B):
+        touched[b, ids[b][ids[b] >= 0]] = True
+    np.testing.assert_array_equal(x.to("cpu").numpy()[~touched], before[~touched])  # the rest is untouched
+    assert (np.sign(x64[touched]) == np.sign(to_f64(x)[touched])).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repetition_penalty_strided_logits_nan_and_empty(device):
+    xt, xt64 = rand((50, 2), "f32", device, seed=18)
+    x = xt.transpose(0, 1)  # [2, 50], strides (1, 2): updated in place through the view
+    a = xt64.T.copy()
+    ids = np.array([[3, 10, -1], [49, 0, 7]])
+    ops.repetition_penalty(x, vec(ids, "i64", device), 2.0)
+    assert_close(xt, penalty_reference(a, ids, 2.0).T, "f32")
+    ops.repetition_penalty(x, llaisys.empty([2, 0], "i64", device), 2.0)  # no ids: no-op
+    y = vec([[np.nan, np.inf, -np.inf, 0.0]], "f32", device)
+    ops.repetition_penalty(y, vec([[0, 1, 2, 3]], "i64", device), 2.0)
+    got = y.to("cpu").numpy()
+    assert np.isnan(got[0, 0]) and got[0, 1] == np.inf and got[0, 2] == -np.inf and got[0, 3] == 0.0
+
+
+def test_repetition_penalty_errors():
+    x, _ = rand((2, 10), "f32")
+    ids = vec([[1, -1], [2, 3]], "i64", "cpu")
+    for bad in [0.0, -1.0, float("nan"), float("inf")]:
+        with pytest.raises(ValueError, match="repetition_penalty: penalty must be a finite number > 0"):
+            ops.repetition_penalty(x, ids, bad)
+    with pytest.raises(IndexError, match=r"repetition_penalty: id 10 at \[1, 0\] is out of range .* 10"):
+        ops.repetition_penalty(x, vec([[1, -1], [10, 3]], "i64", "cpu"), 1.5)
+    with pytest.raises(IndexError, match=r"id -2 at \[0, 1\]"):
+        ops.repetition_penalty(x, vec([[1, -2], [2, 3]], "i64", "cpu"), 1.5)
+    with pytest.raises(TypeError, match="repetition_penalty: ids must be i64, got i32"):
+        ops.repetition_penalty(x, vec([[1, 2], [2, 3]], "i32", "cpu"), 1.5)
+    with pytest.raises(ValueError, match="repetition_penalty: ids must have 2 rows like logits"):
+        ops.repetition_penalty(x, vec([[1, 2]], "i64", "cpu"), 1.5)
+    with pytest.raises(ValueError, match="repetition_penalty: logits must be 2-D"):
+        ops.repetition_penalty(rand((10,), "f32")[0], ids, 1.5)
+
+
+@pytest.mark.cuda
+def test_repetition_penalty_cuda_skips_out_of_range_ids():
+    x, x64 = rand((2, 10), "f32", "cuda", seed=19)
+    ids = np.array([[1, 10, -5], [2, 3, 99]])
+    ops.repetition_penalty(x, vec(ids, "i64", "cuda"), 1.5)
+    llaisys.synchronize("cuda")  # no error: out-of-range ids are ignored on CUDA
+    valid = np.where((ids >= 0) & (ids < 10), ids, -1)
+    assert_close(x, penalty_reference(x64, valid, 1.5), "f32")
