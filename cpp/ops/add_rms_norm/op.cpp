@@ -1,6 +1,27 @@
-// TEMPORARY STUB: replaced by the real op in this change set.
+#include "ops/add_rms_norm/add_rms_norm.hpp"
+
 #include "llaisys/ops.hpp"
+#include "ops/common/checks.hpp"
+#include "ops/rms_norm/rms_norm.hpp"
 
 namespace llaisys::ops {
-void add_rms_norm(const Tensor &, const Tensor &, const Tensor &, const Tensor &, float) { throw std::runtime_error("add_rms_norm: not implemented yet"); }
+
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps) {
+    constexpr const char *op = "add_rms_norm";
+    detail::check_rms_norm_args(op, out, x, weight, eps);
+    detail::check_defined(op, "residual", residual);
+    detail::check_same_device(op, {&residual, &x});
+    detail::check_same_dtype(op, "residual", residual, x);
+    detail::check_shape(op, "residual", residual, x.shape());
+    if (x.numel() == 0) return;
+    const Tensor xc = x.contiguous(), wc = weight.contiguous();
+    // residual is updated in place: a strided one is worked on as a dense copy and written back.
+    const Tensor rc = residual.contiguous();
+    detail::with_contiguous_out(out, [&](const Tensor &dst) {
+        LLAISYS_DEVICE_DISPATCH(op, dst.device(), cpu::add_rms_norm(dst, rc, xc, wc, eps),
+                                cuda::add_rms_norm(dst, rc, xc, wc, eps));
+    });
+    if (!residual.is_contiguous()) Tensor(residual).copy_(rc);
+}
+
 } // namespace llaisys::ops

@@ -1,0 +1,11 @@
+#pragma once
+#include "llaisys/tensor.hpp"
+
+// Backends receive validated, contiguous tensors: out/residual/x [rows, D] flattened, weight [D].
+// residual is read and written.
+namespace llaisys::ops::cpu {
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps);
+}
+namespace llaisys::ops::cuda {
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps);
+}

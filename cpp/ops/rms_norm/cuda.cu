@@ -1,0 +1,15 @@
+#include "ops/rms_norm/rms_norm.hpp"
+
+#include "ops/common/checks.hpp"
+#include "ops/rms_norm/rms_norm.cuh"
+
+namespace llaisys::ops::cuda {
+
+void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps) {
+    detail::dispatch_float("rms_norm", x.dtype(), x.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        launch_rms_norm<T, false>(out, nullptr, x, weight, eps);
+    });
+}
+
+} // namespace llaisys::ops::cuda
