@@ -1,0 +1,138 @@
+// self_attention at Qwen2 shapes (14/2 heads x 64 for 0.5B, 12/2 heads x 128 for 1.5B), bf16.
+//   Prefill (qlen = kvlen, causal): TFLOP/s counting 4 * qlen * kvlen * nh * hd / 2 (QK^T and PV, half
+//   the square visible). CUDA at 512 and 2048 tokens; the CPU at 128.
+//   Decode (qlen = 1): GB/s counting the K and V bytes read (2 * kvlen * nkvh * hd * 2); kvlen 128, 1024,
+//   4096 on CUDA, 1024 on the CPU. Compare with the device copy bandwidth (ops_ceilings.cpp).
+// CUDA iterations cycle through independent K/V sets (like the layers of a model, >= 128 MiB in all) so
+// the decode K/V is not served from L2, and time a batch of back-to-back calls with events; a filler op
+// enqueued first keeps the GPU busy while the host enqueues the batch, so host overhead is not timed.
+#include "llaisys/ops.hpp"
+#include "llaisys/stream.hpp"
+#include "llaisys/tensor.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace llaisys;
+
+struct AttnShape {
+    int64_t qlen, kvlen, nh, nkvh, hd;
+    double flops() const { // causal: about half of the qlen x kvlen scores are computed (exact for decode)
+        const double pairs = qlen == 1 ? double(kvlen) : double(qlen) * double(kvlen) / 2;
+        return 4.0 * pairs * double(nh * hd);
+    }
+    double kv_bytes() const { return 2.0 * double(kvlen * nkvh * hd) * 2; } // bf16 K and V
+};
+
+Tensor attn_random(const Shape &shape, Device device, uint32_t seed) {
+    Tensor host = Tensor::empty(shape, DType::F32);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist;
+    for (int64_t i = 0; i < host.numel(); ++i) host.data_as<float>()[i] = dist(rng);
+    const Tensor b = host.to(DType::BF16);
+    return device.is_cpu() ? b : b.to(device);
+}
+
+// Independent (q, k, v, out) sets to cycle through, and the calls on them.
+std::vector<std::function<void()>> attn_calls(const AttnShape &s, Device device) {
+    const double set_bytes = s.kv_bytes() + 4.0 * double(s.qlen * s.nh * s.hd);
+    const int64_t sets = device.is_cpu() ? 1 : std::clamp<int64_t>(int64_t((128 << 20) / set_bytes) + 1, 1, 64);
+    const float scale = 1.f / std::sqrt(float(s.hd));
+    std::vector<std::function<void()>> calls;
+    for (int64_t i = 0; i < sets; ++i) {
+        const uint32_t seed = uint32_t(3 * i);
+        Tensor q = attn_random({s.qlen, s.nh, s.hd}, device, seed), k = attn_random({s.kvlen, s.nkvh, s.hd}, device, seed + 1),
+               v = attn_random({s.kvlen, s.nkvh, s.hd}, device, seed + 2);
+        Tensor out = Tensor::empty({s.qlen, s.nh, s.hd}, DType::BF16, device);
+        calls.push_back([=] { ops::self_attention(out, q, k, v, scale); });
+    }
+    return calls;
+}
+
+void attn_counters(benchmark::State &state, const AttnShape &s, bool cuda) {
+    using C = benchmark::Counter;
+    if (s.qlen == 1)
+        state.counters["GB/s"] = C(s.kv_bytes() * 1e-9, C::kIsIterationInvariantRate);
+    else if (cuda)
+        state.counters["TFLOP/s"] = C(s.flops() * 1e-12, C::kIsIterationInvariantRate);
+    else
+        state.counters["GFLOP/s"] = C(s.flops() * 1e-9, C::kIsIterationInvariantRate);
+}
+
+void bench_attn_cpu(benchmark::State &state, AttnShape s) {
+    const auto calls = attn_calls(s, Device::cpu());
+    for (auto _ : state) {
+        calls[0]();
+        benchmark::ClobberMemory();
+    }
+    attn_counters(state, s, false);
+}
+
+#ifdef LLAISYS_WITH_CUDA
+void bench_attn_cuda(benchmark::State &state, AttnShape s) {
+    if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
+    const Device dev = Device::cuda(0);
+    DeviceGuard guard(dev);
+    const auto calls = attn_calls(s, dev);
+    const Stream stream = current_stream(dev);
+    const int batch = s.qlen == 1 ? 20 : 10;
+    // ~0.6 ms of copying: longer than the host needs to enqueue a batch (~15 us a call).
+    const Tensor filler = Tensor::zeros({int64_t(128) << 20}, DType::F32, dev);
+    size_t i = 0;
+    for (int w = 0; w < 3; ++w) calls[i++ % calls.size()](); // warm-up (kernel attributes, allocator)
+    Event start(dev, true), stop(dev, true);
+    for (auto _ : state) {
+        ops::add(filler, filler, filler);
+        start.record(stream);
+        for (int b = 0; b < batch; ++b) calls[i++ % calls.size()]();
+        stop.record(stream);
+        stop.synchronize();
+        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
+    }
+    attn_counters(state, s, true);
+}
+#endif
+
+std::string attn_name(const char *kind, const char *dev, const AttnShape &s) {
+    return std::string("Attention/") + kind + "/" + dev + "/bf16/heads:" + std::to_string(s.nh) + "x" +
+           std::to_string(s.nkvh) + "x" + std::to_string(s.hd) + "/qlen:" + std::to_string(s.qlen) +
+           "/kvlen:" + std::to_string(s.kvlen);
+}
+
+int register_attention_benchmarks() {
+    const std::vector<std::pair<int64_t, int64_t>> heads{{14, 2}, {12, 2}};
+    for (auto [nh, nkvh] : heads) {
+        const int64_t hd = nh == 14 ? 64 : 128;
+        const AttnShape cpu_prefill{128, 128, nh, nkvh, hd}, cpu_decode{1, 1024, nh, nkvh, hd};
+        benchmark::RegisterBenchmark(attn_name("prefill", "cpu", cpu_prefill).c_str(), bench_attn_cpu, cpu_prefill)
+            ->Unit(benchmark::kMillisecond)->UseRealTime();
+        benchmark::RegisterBenchmark(attn_name("decode", "cpu", cpu_decode).c_str(), bench_attn_cpu, cpu_decode)
+            ->Unit(benchmark::kMicrosecond)->UseRealTime();
+#ifdef LLAISYS_WITH_CUDA
+        // A fixed count: every iteration also runs the ~0.6 ms filler.
+        for (int64_t n : {512, 2048}) {
+            const AttnShape s{n, n, nh, nkvh, hd};
+            benchmark::RegisterBenchmark(attn_name("prefill", "cuda", s).c_str(), bench_attn_cuda, s)
+                ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(20);
+        }
+        for (int64_t kv : {128, 1024, 4096}) {
+            const AttnShape s{1, kv, nh, nkvh, hd};
+            benchmark::RegisterBenchmark(attn_name("decode", "cuda", s).c_str(), bench_attn_cuda, s)
+                ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
+        }
+#endif
+    }
+    return 0;
+}
+
+const int attention_benchmarks_registered = register_attention_benchmarks();
+
+} // namespace

@@ -1,0 +1,736 @@
+// Causal GQA attention on CUDA: a flash-attention-2 style tensor-core kernel for f16/bf16 prefill with
+// head dim 64 or 128, and a split-KV ("flash-decoding") kernel on CUDA cores for decode and everything
+// else (f32, other head dims, unaligned views), followed by a combine kernel when the keys were split.
+// Softmax runs in base 2 (scores pre-multiplied by scale * log2 e) with f32 running max/sum.
+#include "ops/self_attention/self_attention.hpp"
+
+#include "core/runtime.hpp"
+#include "ops/common/checks.hpp"
+#include "ops/common/cuda.cuh"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+namespace llaisys::ops::cuda {
+
+namespace {
+
+// One call's operands; strides in elements. Row i of head h of x starts at x + i * x_s0 + h * x_s1 and
+// its head-dim elements are contiguous.
+template <typename T>
+struct AttnArgs {
+    T *out;
+    const T *q, *k, *v;
+    int64_t q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, o_s0, o_s1;
+    int qlen, kvlen, nh, nkvh, hd, hd_v;
+    float scale_log2;     // scale * log2(e)
+    const void *kvlen_dev; // self_attention_cached: [1] i64/i32 length on the device; kvlen is the capacity
+    bool kvlen_i64;
+    int *error; // device error flag, set when *kvlen_dev is out of [qlen, capacity]
+};
+
+constexpr int kErrKvLenOutOfRange = 3; // code in runtime::cuda::error_flag
+
+// The args with the kvlen of this launch: the host's, or the device-held length of
+// self_attention_cached clamped into [qlen, capacity] (an out-of-range length is reported through the
+// device error flag, which raises at the next synchronize). Reading it here keeps a captured CUDA graph
+// valid for every length.
+template <typename T>
+__device__ __forceinline__ AttnArgs<T> resolve_kvlen(const AttnArgs<T> &args) {
+    AttnArgs<T> a = args;
+    if (!a.kvlen_dev) return a;
+    const int64_t len =
+        a.kvlen_i64 ? *static_cast<const int64_t *>(a.kvlen_dev) : *static_cast<const int32_t *>(a.kvlen_dev);
+    if (len < a.qlen || len > a.kvlen) {
+        if (threadIdx.x == 0) *a.error = kErrKvLenOutOfRange;
+        a.kvlen = len < a.qlen ? a.qlen : a.kvlen;
+    } else {
+        a.kvlen = int(len);
+    }
+    return a;
+}
+
+__device__ __forceinline__ int group_of(int nh, int nkvh) { return nh / nkvh; }
+
+// Opts Kernel into `bytes` of dynamic shared memory (required above 48 KB), once per device.
+template <auto Kernel>
+void opt_in_smem(size_t bytes, int device) {
+    static std::atomic<uint64_t> done{0};
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (done.load(std::memory_order_acquire) & bit) return;
+    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    done.fetch_or(bit, std::memory_order_release);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core prefill: PTX wrappers (cp.async, ldmatrix, mma.sync m16n8k16 with f32 accumulators)
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kTcWarps = 4;             // warps per block, 16 query rows each
+constexpr int kTcBQ = 16 * kTcWarps;    // query rows per block
+constexpr int kTcBK = 64;               // keys per K/V tile
+constexpr int kTcMinQueries = 16;       // below this the split-KV kernel is used (decode, short chunks)
+
+// Shared-memory row pitch in elements: +8 (16 bytes) puts the 8 rows of each ldmatrix in 8 distinct
+// 16-byte bank groups, so the fragment loads are conflict-free without swizzling.
+template <int HD>
+constexpr int tc_pitch() { return HD + 8; }
+template <int HD>
+constexpr size_t tc_smem_bytes() { return size_t(kTcBQ + 2 * kTcBK) * tc_pitch<HD>() * 2; }
+
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16-byte async copy global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+// d += a (16x16, row) * b (16x8, col); f32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats -> one register of two 16-bit values, `lo` in the low half (the lower column).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    uint32_t r;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        memcpy(&r, &h, 4);
+    } else {
+        __half2 h = __floats2half2_rn(lo, hi);
+        memcpy(&r, &h, 4);
+    }
+    return r;
+}
+
+// Starts copying rows [row0, row0 + ROWS) of one head (row r at g + r * s0, HD contiguous elements)
+// into the smem tile [ROWS][HD + 8]. Rows >= nrows are zero-filled and never read from global memory.
+template <int ROWS, int HD, typename T>
+__device__ __forceinline__ void load_tile_async(T *tile, const T *g, int64_t s0, int row0, int nrows) {
+    constexpr int chunks = HD / 8, threads = kTcWarps * 32; // 16-byte chunks per row
+    static_assert(ROWS * chunks % threads == 0, "tile copy must split evenly over the block");
+#pragma unroll
+    for (int i = 0; i < ROWS * chunks / threads; ++i) {
+        const int c = i * threads + threadIdx.x, r = c / chunks, col = (c % chunks) * 8;
+        const bool valid = row0 + r < nrows;
+        cp_async16(tile + r * tc_pitch<HD>() + col, valid ? g + int64_t(row0 + r) * s0 + col : g, valid);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core prefill: per-warp tile math. Fragment layouts are those of mma.m16n8k16: a thread holds
+// rows lane/4 and lane/4 + 8 of its warp's 16 rows, columns 8n + 2 * (lane % 4) + {0, 1} of n-tile n.
+// ---------------------------------------------------------------------------------------------
+
+// s [16 rows x 64 keys] = Q_warp [16, HD] @ K_tile [64, HD]^T. K rows are B's columns, so the plain
+// (non-transposed) ldmatrix of K rows yields B fragments: matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15).
+template <typename T, int HD>
+__device__ __forceinline__ void qk_tile(float (&s)[kTcBK / 8][4], const uint32_t (&qf)[HD / 16][4], const T *ks,
+                                        int lane) {
+#pragma unroll
+    for (int n = 0; n < kTcBK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < kTcBK / 16; ++np) {
+            uint32_t b[4];
+            ldmatrix_x4(b, ks + (np * 16 + (lane % 8) + (lane / 16) * 8) * tc_pitch<HD>() + kk * 16 +
+                               ((lane / 8) % 2) * 8);
+            mma16816<T>(s[2 * np], qf[kk], b[0], b[1]);
+            mma16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+        }
+    }
+}
+
+// Scales the thread's scores to base-2 units and sets keys its rows may not see (key > lim) to -inf.
+__device__ __forceinline__ void scale_and_mask(float (&s)[kTcBK / 8][4], int j0, int lane, const int (&lim)[2],
+                                               bool need_mask, float scale_log2) {
+#pragma unroll
+    for (int n = 0; n < kTcBK / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int key = j0 + n * 8 + (lane % 4) * 2 + (e & 1);
+            s[n][e] = need_mask && key > lim[e / 2] ? -INFINITY : s[n][e] * scale_log2;
+        }
+}
+
+// Online softmax over one tile for the thread's two rows: updates the running max m and the thread's
+// partial row sums l (quad-reduced at the end), rescales o, and turns s into probabilities P.
+template <int HD>
+__device__ __forceinline__ void softmax_tile(float (&s)[kTcBK / 8][4], float (&o)[HD / 8][4], float (&m)[2],
+                                             float (&l)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY; // fmaxf skips NaN scores; exp2f below turns them into NaN probabilities
+#pragma unroll
+        for (int n = 0; n < kTcBK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1)); // the 4 threads of a quad share a row
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m[r], mx);
+        const float m_ref = m_new == -INFINITY ? 0.f : m_new; // no key seen yet: avoid -inf - -inf
+        const float corr = exp2f(m[r] - m_ref);
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kTcBK / 8; ++n)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                s[n][e] = exp2f(s[n][e] - m_ref);
+                sum += s[n][e];
+            }
+        m[r] = m_new;
+        l[r] = l[r] * corr + sum;
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+            o[d][2 * r] *= corr;
+            o[d][2 * r + 1] *= corr;
+        }
+    }
+}
+
+// o [16, HD] += P [16, 64] @ V_tile [64, HD]. The S accumulators of key n-tiles 2ks, 2ks+1 are exactly
+// the A fragment of key step ks; V is row-major [key][dim], so ldmatrix.trans yields B fragments.
+// Causally masked keys of a diagonal tile enter with P = 0, so a NaN/Inf in such a key's V row would
+// still reach the row (0 * NaN), as in flash-attention; keys past kvlen are never loaded (zero-filled).
+template <typename T, int HD>
+__device__ __forceinline__ void pv_tile(float (&o)[HD / 8][4], const float (&p)[kTcBK / 8][4], const T *vs,
+                                        int lane) {
+#pragma unroll
+    for (int ks = 0; ks < kTcBK / 16; ++ks) {
+        const uint32_t a[4] = {pack2<T>(p[2 * ks][0], p[2 * ks][1]), pack2<T>(p[2 * ks][2], p[2 * ks][3]),
+                               pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
+                               pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+#pragma unroll
+        for (int dp = 0; dp < HD / 16; ++dp) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, vs + (ks * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * tc_pitch<HD>() + dp * 16 +
+                                     (lane / 16) * 8);
+            mma16816<T>(o[2 * dp], a, b[0], b[1]);
+            mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Normalises the thread's two rows and stores them (pairs of 16-bit values).
+template <typename T, int HD>
+__device__ __forceinline__ void store_rows(const AttnArgs<T> &a, int h, int row0, int lane, const float (&o)[HD / 8][4],
+                                           float (&l)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int qi = row0 + 8 * r;
+        if (qi >= a.qlen) continue;
+        const float inv = 1.f / l[r];
+        T *dst = a.out + qi * a.o_s0 + h * a.o_s1 + (lane % 4) * 2;
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d)
+            *reinterpret_cast<uint32_t *>(dst + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+    }
+}
+
+// Flash-attention-2 prefill on tensor cores. Grid (nh, ceil(qlen / 64)), 128 threads: a block owns 64
+// queries of one head (warp w: rows 16w..16w+15, Q fragments kept in registers) and walks the K/V
+// tiles of 64 keys up to the last key its queries see (later tiles are never visited). Dynamic smem:
+// Q [64][HD+8], K [64][HD+8], V [64][HD+8]. V_t streams in (cp.async) during S = Q K_t^T and K_{t+1}
+// during softmax and O += P V_t; the barriers around each copy keep every smem reuse race-free.
+template <typename T, int HD>
+__global__ void __launch_bounds__(kTcWarps * 32) attn_prefill_tc_kernel(const AttnArgs<T> args) {
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    const AttnArgs<T> a = resolve_kvlen(args);
+    T *qs = reinterpret_cast<T *>(tc_smem), *ks = qs + kTcBQ * tc_pitch<HD>(), *vs = ks + kTcBK * tc_pitch<HD>();
+    const int h = blockIdx.x, i0 = (gridDim.y - 1 - blockIdx.y) * kTcBQ; // latest (heaviest) blocks first
+    const int kvh = h / group_of(a.nh, a.nkvh), off = a.kvlen - a.qlen, warp = threadIdx.x / 32,
+              lane = threadIdx.x % 32;
+    const T *kg = a.k + kvh * a.k_s1, *vg = a.v + kvh * a.v_s1;
+    const int kv_end = min(a.kvlen, min(i0 + kTcBQ, a.qlen) + off); // keys seen by the block's last query
+    const int ntiles = (kv_end + kTcBK - 1) / kTcBK;
+
+    load_tile_async<kTcBQ, HD>(qs, a.q + h * a.q_s1, a.q_s0, i0, a.qlen);
+    load_tile_async<kTcBK, HD>(ks, kg, a.k_s0, 0, kv_end);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    uint32_t qf[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        ldmatrix_x4(qf[kk], qs + (warp * 16 + lane % 16) * tc_pitch<HD>() + kk * 16 + (lane / 16) * 8);
+
+    const int row0 = i0 + warp * 16 + lane / 4; // this thread's rows: row0 and row0 + 8
+    const int lim[2] = {min(row0 + off, a.kvlen - 1), min(row0 + 8 + off, a.kvlen - 1)};
+    float o[HD / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, s[kTcBK / 8][4];
+    for (int t = 0; t < ntiles; ++t) {
+        const int j0 = t * kTcBK;
+        if (t > 0) {
+            cp_async_wait_all();
+            __syncthreads(); // K_t has landed; every warp is done reading V_{t-1}
+        }
+        load_tile_async<kTcBK, HD>(vs, vg, a.v_s0, j0, kv_end);
+        cp_async_commit();
+        qk_tile<T, HD>(s, qf, ks, lane);
+        cp_async_wait_all();
+        __syncthreads(); // V_t has landed; every warp is done reading K_t
+        if (t + 1 < ntiles) {
+            load_tile_async<kTcBK, HD>(ks, kg, a.k_s0, j0 + kTcBK, kv_end);
+            cp_async_commit();
+        }
+        scale_and_mask(s, j0, lane, lim, j0 + kTcBK - 1 > lim[0], a.scale_log2);
+        softmax_tile<HD>(s, o, m, l);
+        pv_tile<T, HD>(o, s, vs, lane);
+    }
+    store_rows<T, HD>(a, h, row0, lane, o, l);
+}
+
+template <typename T, int HD>
+void launch_prefill_tc(const AttnArgs<T> &a, int device, cudaStream_t stream) {
+    constexpr size_t smem = tc_smem_bytes<HD>();
+    opt_in_smem<attn_prefill_tc_kernel<T, HD>>(smem, device);
+    const dim3 grid(unsigned(a.nh), unsigned(ceil_div(a.qlen, kTcBQ)));
+    attn_prefill_tc_kernel<T, HD><<<grid, kTcWarps * 32, smem, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Split-KV attention on CUDA cores: decode, short chunks, f32, any head dim <= 256, unaligned views
+// ---------------------------------------------------------------------------------------------
+
+constexpr int kSplitThreads = 128;
+constexpr int kSplitRows = 8;  // (query, head) rows per block, all of one GQA group
+constexpr int kSplitTile = 64; // keys per smem tile; chunks are multiples of it
+constexpr int kSplitMaxDim = int(attention_detail::kCudaMaxHeadDim); // checked in check_args
+static_assert(kSplitThreads == 2 * kSplitTile && kSplitRows == 8, "scores: thread = (key, half of the rows)");
+
+// Shared-memory layout of the split kernel in bytes, shared by host and device code:
+// q f32 [8][hd] (pre-scaled) | red f32 [24] | p f32 [8][64] | K tile | V tile; after the key loop the
+// key groups' accumulators f32 [groups][8][hd_v] reuse the K/V tile space.
+struct SplitSmem {
+    int hd, hd_v, elem;
+    // K rows are read one row per thread in 16-byte pieces: an odd number of 16-byte units per row puts
+    // the rows of 8 consecutive threads in distinct bank groups.
+    __host__ __device__ int k_pitch() const { return (((hd * elem + 15) / 16) | 1) * 16; }
+    __host__ __device__ int v_pitch() const { return (hd_v * elem + 15) / 16 * 16; }
+    // PV: thread = (key group, dim); dpad threads per key group (a power of two, 32..128).
+    __host__ __device__ int dpad() const {
+        int d = 32;
+        while (d < hd_v && d < kSplitThreads) d *= 2;
+        return d;
+    }
+    __host__ __device__ int groups() const { return kSplitThreads / dpad(); }
+    __host__ __device__ int red_off() const { return kSplitRows * hd * 4; }
+    __host__ __device__ int p_off() const { return red_off() + 24 * 4; }
+    __host__ __device__ int k_off() const { return (p_off() + kSplitRows * kSplitTile * 4 + 15) / 16 * 16; }
+    __host__ __device__ int v_off() const { return k_off() + kSplitTile * k_pitch(); }
+    __host__ __device__ int bytes() const {
+        const int tiles = kSplitTile * (k_pitch() + v_pitch()), merge = groups() * kSplitRows * hd_v * 4;
+        return k_off() + (tiles > merge ? tiles : merge);
+    }
+};
+
+// Rows [first, first + n) of one kv head's qlen * group rows; row rho is query rho / group of head
+// kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows).
+struct SplitRows {
+    int first, n, group, kvh, last_key;
+    int lim[kSplitRows];
+    __device__ int qi(int r) const { return (first + r) / group; }
+    __device__ int h(int r) const { return kvh * group + (first + r) % group; }
+};
+
+template <typename T>
+__device__ __forceinline__ SplitRows split_rows(const AttnArgs<T> &a, int kvh, int first) {
+    SplitRows rows;
+    rows.first = first;
+    rows.group = group_of(a.nh, a.nkvh);
+    rows.kvh = kvh;
+    rows.n = min(kSplitRows, a.qlen * rows.group - first);
+    const int off = a.kvlen - a.qlen;
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) rows.lim[r] = r < rows.n ? min(rows.qi(r) + off, a.kvlen - 1) : -1;
+    rows.last_key = min(rows.qi(rows.n - 1) + off, a.kvlen - 1); // rows go by query
+    return rows;
+}
+
+// A block's online-softmax state: running max m of all 8 rows (the same in every thread), this thread's
+// part of the row sums of its 4 score rows, and its output dims of all 8 rows for its key group.
+template <int DPT>
+struct SplitState {
+    float m[kSplitRows], l[4], acc[kSplitRows][DPT];
+};
+
+// Starts staging keys [t0, t0 + n) of kv head kvh: K rows into ks, V rows into vs. VEC (16-byte aligned
+// rows of a multiple of 16 bytes): every copy in flight at once through cp.async (finished by
+// split_wait_tile); otherwise element by element, done on return.
+template <typename T, bool VEC>
+__device__ __forceinline__ void split_issue_tile(const AttnArgs<T> &a, const SplitSmem &lay, unsigned char *ks,
+                                                 unsigned char *vs, int kvh, int t0, int n) {
+    const T *kg = a.k + kvh * a.k_s1 + int64_t(t0) * a.k_s0, *vg = a.v + kvh * a.v_s1 + int64_t(t0) * a.v_s0;
+    if constexpr (VEC) {
+        constexpr int per16 = 16 / sizeof(T);
+        const int kc = a.hd / per16, vc = a.hd_v / per16; // 16-byte chunks per row
+        for (int i = threadIdx.x; i < n * kc; i += kSplitThreads)
+            cp_async16(ks + (i / kc) * lay.k_pitch() + (i % kc) * 16, kg + (i / kc) * a.k_s0 + (i % kc) * per16, true);
+        for (int i = threadIdx.x; i < n * vc; i += kSplitThreads)
+            cp_async16(vs + (i / vc) * lay.v_pitch() + (i % vc) * 16, vg + (i / vc) * a.v_s0 + (i % vc) * per16, true);
+        cp_async_commit();
+    } else {
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n * a.hd; i += kSplitThreads)
+            reinterpret_cast<T *>(ks + (i / a.hd) * lay.k_pitch())[i % a.hd] = kg[(i / a.hd) * a.k_s0 + i % a.hd];
+#pragma unroll 4
+        for (int i = threadIdx.x; i < n * a.hd_v; i += kSplitThreads)
+            reinterpret_cast<T *>(vs + (i / a.hd_v) * lay.v_pitch())[i % a.hd_v] =
+                vg[(i / a.hd_v) * a.v_s0 + i % a.hd_v];
+    }
+}
+
+// Waits for this thread's copies; the barrier makes every thread's smem writes visible.
+__device__ __forceinline__ void split_wait_tile() {
+    cp_async_wait_all();
+    __syncthreads();
+}
+
+// Four scores of one key: s[r] = q[r] . k for the rows q [4][hd] (f32 in smem) and the key row krow.
+template <typename T, bool VEC>
+__device__ __forceinline__ void split_dot4(const float *q, const T *krow, int hd, float (&s)[4]) {
+    if constexpr (VEC) {
+        constexpr int per16 = 16 / sizeof(T);
+        for (int d0 = 0; d0 < hd; d0 += per16) { // q rows are 16-byte aligned here too (hd * 4 % 16 == 0)
+            T kv[per16];
+            *reinterpret_cast<uint4 *>(kv) = *reinterpret_cast<const uint4 *>(krow + d0);
+#pragma unroll
+            for (int e4 = 0; e4 < per16; e4 += 4) {
+                float kd[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) kd[e] = to_f32(kv[e4 + e]);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const float4 qv = *reinterpret_cast<const float4 *>(q + r * hd + d0 + e4);
+                    s[r] += qv.x * kd[0] + qv.y * kd[1] + qv.z * kd[2] + qv.w * kd[3];
+                }
+            }
+        }
+    } else {
+        for (int d = 0; d < hd; ++d) {
+            const float kd = to_f32(krow[d]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) s[r] += q[r * hd + d] * kd;
+        }
+    }
+}
+
+// Softmax step of one tile. Thread t scores key t % 64 for rows 4 * (t / 64) + 0..3; the block max of
+// each row goes through red; the probabilities land in ps [8][64]; the state is rescaled to the new max.
+template <typename T, int DPT, bool VEC>
+__device__ __forceinline__ void split_softmax_tile(const AttnArgs<T> &a, const SplitSmem &lay, const SplitRows &rows,
+                                                   const float *qs, const unsigned char *ks, float *red, float *ps,
+                                                   int t0, int n, SplitState<DPT> &st) {
+    const int key = threadIdx.x % kSplitTile, half = threadIdx.x / kSplitTile, warp = threadIdx.x / 32;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    if (key < n) split_dot4<T, VEC>(qs + half * 4 * a.hd, reinterpret_cast<const T *>(ks + key * lay.k_pitch()), a.hd, s);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const int lim = half ? rows.lim[4 + r] : rows.lim[r];
+        s[r] = key < n && t0 + key <= lim ? s[r] : -INFINITY;
+        const float mx = warp_max(s[r]); // fmaxf skips NaN scores; exp2f below turns them into NaN
+        if (threadIdx.x % 32 == 0) red[warp * 4 + r] = mx;
+    }
+    __syncthreads();
+    float m_ref[kSplitRows], corr[kSplitRows];
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) { // rows 0-3 were scored by warps 0-1, rows 4-7 by warps 2-3
+        const float tile_max = fmaxf(red[(r / 4) * 8 + r % 4], red[(r / 4) * 8 + 4 + r % 4]);
+        const float m_new = fmaxf(st.m[r], tile_max);
+        m_ref[r] = m_new == -INFINITY ? 0.f : m_new; // nothing seen yet: avoid -inf - -inf
+        corr[r] = exp2f(st.m[r] - m_ref[r]);
+        st.m[r] = m_new;
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) st.acc[r][i] *= corr[r];
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float p = exp2f(s[r] - (half ? m_ref[4 + r] : m_ref[r]));
+        st.l[r] = st.l[r] * (half ? corr[4 + r] : corr[r]) + p;
+        ps[(half * 4 + r) * kSplitTile + key] = p;
+    }
+    __syncthreads();
+}
+
+// acc[r][i] += sum over the tile's keys of this thread's key group of P[r][key] * V[key][dim i].
+template <typename T, int DPT>
+__device__ __forceinline__ void split_pv_tile(const AttnArgs<T> &a, const SplitSmem &lay, const SplitRows &rows,
+                                              const unsigned char *vs, const float *ps, int t0, int n,
+                                              SplitState<DPT> &st) {
+    const int dpad = lay.dpad(), groups = kSplitThreads / dpad, d0 = threadIdx.x % dpad;
+    for (int c = threadIdx.x / dpad; c < n; c += groups) {
+        const T *vrow = reinterpret_cast<const T *>(vs + c * lay.v_pitch());
+        float v[DPT];
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) v[i] = d0 + kSplitThreads * i < a.hd_v ? to_f32(vrow[d0 + kSplitThreads * i]) : 0.f;
+#pragma unroll
+        for (int r = 0; r < kSplitRows; ++r) {
+            if (t0 + c > rows.lim[r]) continue; // masked keys add nothing, not even 0 * NaN
+            const float p = ps[r * kSplitTile + c];
+#pragma unroll
+            for (int i = 0; i < DPT; ++i) st.acc[r][i] += p * v[i];
+        }
+    }
+}
+
+// Sums the key groups' accumulators and the row sums, then writes each row to out (one chunk) or as a
+// partial (acc [hd_v], m, l) for attn_combine_kernel.
+template <typename T, int DPT>
+__device__ __forceinline__ void split_finish(const AttnArgs<T> &a, const SplitSmem &lay, const SplitRows &rows,
+                                             unsigned char *smem, SplitState<DPT> &st, float *part) {
+    float *red = reinterpret_cast<float *>(smem + lay.red_off()), *merge = reinterpret_cast<float *>(smem + lay.k_off());
+    const int warp = threadIdx.x / 32, dpad = lay.dpad(), group = threadIdx.x / dpad, d0 = threadIdx.x % dpad;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float l = warp_sum(st.l[r]);
+        if (threadIdx.x % 32 == 0) red[warp * 4 + r] = l; // red's maxima were consumed before the last barrier
+    }
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int r = 0; r < kSplitRows; ++r) red[16 + r] = st.m[r];
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) // the K/V tiles are free: the key loop ended on a barrier
+#pragma unroll
+        for (int i = 0; i < DPT; ++i)
+            if (d0 + kSplitThreads * i < a.hd_v) merge[(group * kSplitRows + r) * a.hd_v + d0 + kSplitThreads * i] = st.acc[r][i];
+    __syncthreads();
+    const int pitch = a.hd_v + 2;
+    for (int idx = threadIdx.x; idx < rows.n * a.hd_v; idx += kSplitThreads) {
+        const int r = idx / a.hd_v, d = idx % a.hd_v;
+        const float l = red[(r / 4) * 8 + r % 4] + red[(r / 4) * 8 + 4 + r % 4], m = red[16 + r];
+        float acc = 0.f;
+        for (int g = 0; g < lay.groups(); ++g) acc += merge[(g * kSplitRows + r) * a.hd_v + d];
+        if (gridDim.z == 1) {
+            a.out[rows.qi(r) * a.o_s0 + rows.h(r) * a.o_s1 + d] = from_f32<T>(acc / l);
+        } else { // part [chunk][qlen * nh][hd_v + 2]
+            float *dst = part + (int64_t(blockIdx.z) * a.qlen * a.nh + rows.qi(r) * a.nh + rows.h(r)) * pitch;
+            dst[d] = acc;
+            if (d == 0) {
+                dst[a.hd_v] = m;
+                dst[a.hd_v + 1] = l;
+            }
+        }
+    }
+}
+
+// Split-KV attention ("flash-decoding"). Grid (ceil(qlen * group / 8), nkvh, nchunks), 128 threads,
+// dynamic smem per SplitSmem. A block takes 8 rows (query, head) of one GQA group - every K/V row it
+// stages serves all of them - and walks the keys of chunk blockIdx.z that they may see in tiles of 64:
+// stage K/V (cp.async), scores and softmax (thread = key), P @ V (thread = output dim). With one chunk
+// it writes out directly; otherwise attn_combine_kernel merges the chunks' partials.
+template <typename T, int DPT, bool VEC>
+__global__ void __launch_bounds__(kSplitThreads) attn_split_kernel(const AttnArgs<T> args, int chunk, float *part) {
+    extern __shared__ __align__(16) unsigned char split_smem[];
+    const AttnArgs<T> a = resolve_kvlen(args);
+    const SplitSmem lay{a.hd, a.hd_v, int(sizeof(T))};
+    float *qs = reinterpret_cast<float *>(split_smem), *red = reinterpret_cast<float *>(split_smem + lay.red_off()),
+          *ps = reinterpret_cast<float *>(split_smem + lay.p_off());
+    unsigned char *ks = split_smem + lay.k_off(), *vs = split_smem + lay.v_off();
+    const SplitRows rows = split_rows(a, blockIdx.y, blockIdx.x * kSplitRows);
+    const int kb = blockIdx.z * chunk, ke = min(kb + chunk, rows.last_key + 1);
+    if (kb < ke) split_issue_tile<T, VEC>(a, lay, ks, vs, blockIdx.y, kb, min(kSplitTile, ke - kb)); // overlaps q
+#pragma unroll 8 // independent loads: let them be in flight together
+    for (int idx = threadIdx.x; idx < kSplitRows * a.hd; idx += kSplitThreads) { // padding rows are 0
+        const int r = idx / a.hd, d = idx % a.hd;
+        qs[idx] = r < rows.n ? to_f32(a.q[rows.qi(r) * a.q_s0 + rows.h(r) * a.q_s1 + d]) * a.scale_log2 : 0.f;
+    }
+    SplitState<DPT> st;
+#pragma unroll
+    for (int r = 0; r < kSplitRows; ++r) {
+        st.m[r] = -INFINITY;
+        if (r < 4) st.l[r] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DPT; ++i) st.acc[r][i] = 0.f;
+    }
+    for (int t0 = kb; t0 < ke; t0 += kSplitTile) {
+        const int n = min(kSplitTile, ke - t0);
+        if (t0 > kb) split_issue_tile<T, VEC>(a, lay, ks, vs, blockIdx.y, t0, n);
+        split_wait_tile(); // the tile (and, the first time, qs) is in smem for every thread
+        split_softmax_tile<T, DPT, VEC>(a, lay, rows, qs, ks, red, ps, t0, n, st);
+        split_pv_tile<T, DPT>(a, lay, rows, vs, ps, t0, n, st);
+        __syncthreads(); // the next tile overwrites ks, vs, ps and red
+    }
+    split_finish<T, DPT>(a, lay, rows, split_smem, st, part);
+}
+
+constexpr int kCombineThreads = 256;
+constexpr int kCombineMaxChunks = 256; // launch_split never makes more (2 * SMs)
+
+// Merges the split-KV partials of one output row. Grid (qlen * nh), 256 threads. The chunks' (m, l) are
+// read in parallel into smem and their weights 2^(m_c - max) computed once; then thread (chunk group,
+// dim) sums its chunks and the groups are added through smem. Chunks past the (device-held) kvlen hold
+// nothing and are skipped. Every global read is independent, so the kernel pays about two memory
+// latencies, not one per chunk.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const AttnArgs<T> args, const float *part,
+                                                                      int nchunks, int chunk) {
+    __shared__ float wt[kCombineMaxChunks], red[32];
+    __shared__ float sums[kCombineThreads];
+    const AttnArgs<T> a = resolve_kvlen(args);
+    const int row = blockIdx.x, pitch = a.hd_v + 2, used = min(nchunks, (a.kvlen + chunk - 1) / chunk);
+    const int64_t stride = int64_t(a.qlen) * a.nh * pitch; // between chunks
+    const float *p0 = part + int64_t(row) * pitch;
+    float m = -INFINITY, l = 0.f;
+    for (int c = threadIdx.x; c < used; c += kCombineThreads) m = fmaxf(m, p0[c * stride + a.hd_v]);
+    const float mx = block_max(m, red);
+    for (int c = threadIdx.x; c < used; c += kCombineThreads) {
+        wt[c] = exp2f(p0[c * stride + a.hd_v] - mx); // an empty chunk (m = -inf) weighs 0
+        l += wt[c] * p0[c * stride + a.hd_v + 1];
+    }
+    const float inv = 1.f / block_sum(l, red); // block_sum's barriers also publish wt
+    const int dims = a.hd_v < kCombineThreads ? a.hd_v : kCombineThreads;
+    const int groups = kCombineThreads / dims, g = threadIdx.x / dims;
+    T *dst = a.out + (row / a.nh) * a.o_s0 + (row % a.nh) * a.o_s1;
+    for (int d0 = 0; d0 < a.hd_v; d0 += dims) {
+        const int d = d0 + threadIdx.x % dims;
+        float acc = 0.f;
+        if (g < groups && d < a.hd_v)
+#pragma unroll 8
+            for (int c = g; c < used; c += groups) acc += wt[c] * p0[c * stride + d];
+        __syncthreads(); // sums is reused across d0 steps
+        sums[threadIdx.x] = acc;
+        __syncthreads();
+        if (threadIdx.x < dims && d < a.hd_v) {
+            for (int j = 1; j < groups; ++j) acc += sums[j * dims + threadIdx.x];
+            dst[d] = from_f32<T>(acc * inv);
+        }
+    }
+}
+
+int sm_count(int device) {
+    static std::atomic<int> cached[64] = {};
+    if (device < 0 || device >= 64) return 132;
+    int n = cached[device].load(std::memory_order_relaxed);
+    if (n == 0) {
+        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+        cached[device].store(n, std::memory_order_relaxed);
+    }
+    return n;
+}
+
+// Splits the keys until about two blocks per SM are busy (decode); prefill has rows enough already.
+// With a device-held length the split is planned for the capacity, so a captured graph fits any length.
+template <typename T, int DPT, bool VEC>
+void launch_split(const AttnArgs<T> &a, Device device, cudaStream_t stream) {
+    const int row_blocks = int(ceil_div(int64_t(a.qlen) * (a.nh / a.nkvh), kSplitRows)), blocks = row_blocks * a.nkvh;
+    const int64_t want = std::min<int64_t>(2 * int64_t(sm_count(device.index)), kCombineMaxChunks);
+    const int64_t max_chunks = ceil_div(a.kvlen, kSplitTile);
+    const int64_t chunks = blocks >= want ? 1 : std::min(ceil_div(want, blocks), max_chunks);
+    const int chunk = int(ceil_div(ceil_div(a.kvlen, chunks), kSplitTile) * kSplitTile);
+    const int nchunks = int(ceil_div(a.kvlen, chunk));
+    Tensor part;
+    if (nchunks > 1) part = Tensor::empty(Shape{int64_t(nchunks) * a.qlen * a.nh * (a.hd_v + 2)}, DType::F32, device);
+    const int elem = int(sizeof(T));
+    opt_in_smem<attn_split_kernel<T, DPT, VEC>>(size_t(SplitSmem{kSplitMaxDim, kSplitMaxDim, elem}.bytes()), device.index);
+    const dim3 grid(unsigned(row_blocks), unsigned(a.nkvh), unsigned(nchunks));
+    float *pp = nchunks > 1 ? part.data_as<float>() : nullptr;
+    attn_split_kernel<T, DPT, VEC><<<grid, kSplitThreads, SplitSmem{a.hd, a.hd_v, elem}.bytes(), stream>>>(a, chunk, pp);
+    CUDA_CHECK_LAUNCH();
+    if (nchunks > 1) {
+        attn_combine_kernel<T><<<unsigned(a.qlen * a.nh), kCombineThreads, 0, stream>>>(a, pp, nchunks, chunk);
+        CUDA_CHECK_LAUNCH();
+    }
+}
+
+// 16-byte aligned row starts (pointer and both strides) for cp.async; `row_bytes` must be a multiple too.
+bool aligned16(const Tensor &t, int64_t row_bytes) {
+    const int64_t e = int64_t(t.element_size());
+    return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && (t.stride(0) * e) % 16 == 0 &&
+           (t.stride(1) * e) % 16 == 0 && row_bytes % 16 == 0;
+}
+
+template <typename T>
+void run_split(const AttnArgs<T> &a, const Tensor &k, const Tensor &v, Device device, cudaStream_t stream) {
+    const int64_t e = int64_t(sizeof(T));
+    if (aligned16(k, a.hd * e) && aligned16(v, a.hd_v * e)) {
+        if (a.hd_v <= kSplitThreads) return launch_split<T, 1, true>(a, device, stream);
+        return launch_split<T, 2, true>(a, device, stream);
+    }
+    if (a.hd_v <= kSplitThreads) return launch_split<T, 1, false>(a, device, stream);
+    launch_split<T, 2, false>(a, device, stream);
+}
+
+template <typename T> // host storage type; the args carry device_t<T>
+AttnArgs<device_t<T>> make_args(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale,
+                                const Tensor *kv_len) {
+    return AttnArgs<device_t<T>>{dptr<T>(out), dptr<T>(q), dptr<T>(k), dptr<T>(v), q.stride(0), q.stride(1),
+                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+                                 int(q.size(0)), int(k.size(0)), int(q.size(1)), int(k.size(1)), int(q.size(2)),
+                                 int(v.size(2)), scale * 1.4426950408889634f, kv_len ? kv_len->data() : nullptr,
+                                 kv_len && kv_len->dtype() == DType::I64,
+                                 kv_len ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr};
+}
+
+// Picks the kernel: tensor cores for f16/bf16 prefill with head dim 64/128 and 16-byte aligned rows;
+// the split-KV kernel otherwise. Inputs are validated, out is contiguous.
+void run_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale,
+                   const Tensor *kv_len) {
+    const int64_t hd = q.size(2), hd_v = v.size(2);
+    LLAISYS_CHECK(k.size(0) < (int64_t(1) << 30) && q.size(0) * q.size(1) < (int64_t(1) << 30),
+                  std::invalid_argument, "self_attention: too long for the CUDA kernels (", k.size(0), " keys)");
+    detail::dispatch_float("self_attention", q.dtype(), q.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        using D = device_t<T>;
+        const AttnArgs<D> a = make_args<T>(out, q, k, v, scale, kv_len);
+        cudaStream_t stream = stream_of(out);
+        if constexpr (!std::is_same_v<T, float>) {
+            const bool tc = q.size(0) >= kTcMinQueries && hd == hd_v && (hd == 64 || hd == 128) &&
+                            aligned16(q, hd * 2) && aligned16(k, hd * 2) && aligned16(v, hd * 2) &&
+                            aligned16(out, hd * 2);
+            if (tc && hd == 64) return launch_prefill_tc<D, 64>(a, out.device().index, stream);
+            if (tc && hd == 128) return launch_prefill_tc<D, 128>(a, out.device().index, stream);
+        }
+        run_split(a, k, v, out.device(), stream);
+    });
+}
+
+} // namespace
+
+void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale) {
+    run_attention(out, q, k, v, scale, nullptr);
+}
+
+void self_attention_cached(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
+                           const Tensor &kv_len, float scale) {
+    constexpr const char *op = "self_attention_cached";
+    attention_detail::check_args(op, out, q, k_cache, v_cache);
+    if (q.size(0) == 0) return;
+    const Tensor qc = attention_detail::unit_last_stride(q), kc = attention_detail::unit_last_stride(k_cache),
+                 vc = attention_detail::unit_last_stride(v_cache);
+    detail::with_contiguous_out(out, [&](const Tensor &dst) { run_attention(dst, qc, kc, vc, scale, &kv_len); });
+}
+
+} // namespace llaisys::ops::cuda
