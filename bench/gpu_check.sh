@@ -3,12 +3,14 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [sanitize] [bench] [model]   (default: all)
+#   bash bench/gpu_check.sh [build] [test] [model] [bench] [sanitize]   (default: all, in this order:
+#   most important first, so a run cut short still returns the tests and model numbers)
+# Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-steps=${*:-build test sanitize bench model}
+steps=${*:-build test model bench sanitize}
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
@@ -27,40 +29,40 @@ if has build; then
   log "build"
   cmake -S . -B build/gpu -G Ninja -DLLAISYS_CUDA=ON -DLLAISYS_CUDA_ARCHS=90 -DLLAISYS_BUILD_TESTS=ON \
     -DLLAISYS_BUILD_BENCH=ON -DCMAKE_PREFIX_PATH=/tmp/dd/usr >"$OUT/build.log" 2>&1 &&
-    cmake --build build/gpu -j16 >>"$OUT/build.log" 2>&1 || { log "BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1; }
+    cmake --build build/gpu -j16 --target _core bench_ops >>"$OUT/build.log" 2>&1 ||
+    { log "BUILD FAILED"; grep -E "error" -A3 "$OUT/build.log" | head -40; exit 1; }
   python3 -c "import llaisys; print(llaisys.build_info(), llaisys.cuda_device_count())" | tee -a "$OUT/summary.txt"
 fi
 
 if has test; then
-  log "ctest"; ctest --test-dir build/gpu 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
   log "pytest -m cuda"
-  timeout 300 python3 -m pytest -q -m cuda tests -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
+  timeout ${T_TEST:-300} python3 -m pytest -q -m cuda tests -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
   tail -15 "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
 fi
 
-if has sanitize; then
-  for tool in memcheck racecheck; do
-    log "compute-sanitizer $tool (op tests)"
-    timeout 240 compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -m cuda -x \
-      tests/test_ops_*.py tests/test_tensor.py -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize_$tool.log" | tail -4 | tee -a "$OUT/summary.txt"
+if has model; then
+  for shape in qwen2-0.5b qwen2-1.5b; do
+    log "llaisys bench --shape $shape --peers"
+    timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 --peers \
+      --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/summary.txt"
   done
 fi
-
 if has bench; then
   log "bench_ops"
-  timeout 200 build/gpu/bench_ops --benchmark_filter='CUDA|Cuda|cuda|Ceiling' --benchmark_min_time=0.05s \
+  timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter='CUDA|Cuda|cuda|Ceiling' --benchmark_min_time=0.05s \
     --benchmark_out="$OUT/bench_ops.json" --benchmark_out_format=json >"$OUT/bench_ops.txt" 2>&1
   tail -60 "$OUT/bench_ops.txt" | cut -c1-160 >>"$OUT/summary.txt"
   log "attention vs SDPA"
   timeout 120 python3 bench/attention_vs_sdpa.py 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
 fi
 
-if has model; then
-  for shape in qwen2-0.5b qwen2-1.5b; do
-    log "llaisys bench --shape $shape --peers"
-    timeout 240 python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 --peers \
-      --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/summary.txt"
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    log "compute-sanitizer $tool (op tests)"
+    timeout ${T_SAN:-240} compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -m cuda -x \
+      tests/test_ops_*.py tests/test_tensor.py -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize_$tool.log" | tail -4 | tee -a "$OUT/summary.txt"
   done
 fi
+
 log "done"
