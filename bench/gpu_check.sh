@@ -49,7 +49,7 @@ if has model; then
 fi
 if has bench; then
   log "bench_ops"
-  timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter='CUDA|Cuda|cuda|Ceiling' --benchmark_min_time=0.05s \
+  timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter='CUDA|Cuda|cuda|Ceiling' --benchmark_min_time=0.05 \
     --benchmark_out="$OUT/bench_ops.json" --benchmark_out_format=json >"$OUT/bench_ops.txt" 2>&1
   tail -60 "$OUT/bench_ops.txt" | cut -c1-160 >>"$OUT/summary.txt"
   log "attention vs SDPA"
