@@ -117,6 +117,7 @@ private:
     std::unique_ptr<Staging> staging_;
     std::unique_ptr<DecodeGraph> graph_;
     bool graphs_enabled_ = false;
+    mutable bool ready_ = false; // every weight loaded (reset by load_weight)
 };
 
 } // namespace llaisys::models

@@ -47,9 +47,11 @@ Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_
 Qwen2::~Qwen2() = default;
 
 void Qwen2::check_ready() const {
+    if (ready_) return; // checked once after the last load_weight, not on every decode step
     const auto missing = missing_weights();
     LLAISYS_CHECK(missing.empty(), std::invalid_argument, "Qwen2: ", missing.size(), " weight(s) not loaded, e.g. '",
                   missing.empty() ? "" : missing.front(), "'");
+    ready_ = true;
 }
 
 void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const {

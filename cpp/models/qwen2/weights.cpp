@@ -66,6 +66,7 @@ Tensor *Qwen2::weight_slot(const std::string &name, Shape &shape) {
 
 void Qwen2::load_weight(const std::string &name, const Tensor &value) {
     graph_.reset(); // a captured decode step holds the old weights' addresses
+    ready_ = false;
     Shape shape;
     Tensor *slot = weight_slot(name, shape);
     LLAISYS_CHECK(slot, std::invalid_argument, "Qwen2: unexpected weight '", name, "'",
