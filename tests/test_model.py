@@ -91,7 +91,7 @@ def test_several_sequences_in_one_step_equal_separate_runs(tiny, device):
     eng = Engine(tiny, device=device, dtype="f32", progress=False)
     m = _core.Qwen2(eng._config_dict(), "f32", device if device == "cpu" else "cuda:0", 128, 2)
     for name, w in loader.load(tiny, progress=False).weights.items():
-        m.load_weight(name, llaisys.tensor(np.ascontiguousarray(w)))
+        m.load_weight(name, llaisys.tensor(np.array(w)))  # a writable copy of the mapped weight
     a, b = prompt_ids(eng.config.vocab_size, 9, 1), prompt_ids(eng.config.vocab_size, 4, 2)
     both = m.forward([0, 1], [a, b]).to("cpu").numpy()
     m.truncate(0, 0)
@@ -278,3 +278,21 @@ def test_real_shapes_against_hf_on_cuda(shape):
     err_hf, err_ours = _rel_err(hf_bf, ref32), _rel_err(ours_bf, ref32)
     assert err_ours <= 1.5 * err_hf + 1e-3, (err_ours, err_hf)
     assert (ours_bf.argmax(-1) == hf_bf.argmax(-1)).mean() >= (hf_bf.argmax(-1) == ref32.argmax(-1)).mean() - 0.05
+
+
+def test_review_regressions(tiny):
+    """ignore_eos keeps explicit stop ids; chat checks the context; a paused stream cannot be resumed
+    after another call rewrote the cache."""
+    eng = Engine(tiny, device="cpu", dtype="f32", progress=False, max_seq_len=64)
+    base = eng.generate("a", max_new_tokens=20, temperature=0, ignore_eos=True)
+    t = base.token_ids[3]
+    out = eng.generate("a", max_new_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[t])
+    assert out.finish_reason == "stop" and out.token_ids[-1] == t
+    with pytest.raises(ValueError, match="context holds"):
+        eng.chat([{"role": "user", "content": "word " * 200}])
+    a = eng.stream("the quick brown", max_new_tokens=8, temperature=0, ignore_eos=True)
+    next(a)
+    eng.generate("other", max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="another generate"):
+        list(a)
+    assert eng.generate("a", max_new_tokens=20, temperature=0, ignore_eos=True).token_ids == base.token_ids

@@ -198,3 +198,11 @@ def test_add_errors():
         llaisys.ops.add(a, a, llaisys.zeros((4, 3)))
     with pytest.raises(TypeError, match="add: a must be f32, f16 or bf16"):
         llaisys.ops.add(llaisys.zeros((3,), "i64"), llaisys.zeros((3,), "i64"), llaisys.zeros((3,), "i64"))
+
+
+def test_read_only_arrays_are_rejected_not_made_writable():
+    a = np.zeros(4, np.float32)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        llaisys.tensor(a)
+    assert llaisys.tensor(np.array(a)).numpy().flags.writeable

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os as _os
 
 # Developers may point at a CMake build directory holding _core*.so instead of reinstalling
-# (see CONTRIBUTING in README.md). Installed wheels never set this.
+# (README.md, "Building with CUDA", has the commands). Installed wheels never set this.
 if _os.environ.get("LLAISYS_BUILD_DIR"):
     __path__.insert(0, _os.path.abspath(_os.environ["LLAISYS_BUILD_DIR"]))
 

@@ -28,10 +28,19 @@ def tensor(array, device: str = "cpu") -> Tensor:
     """A tensor sharing memory with a NumPy array (no copy), moved to ``device`` if not "cpu".
 
     bf16 arrays use ``ml_dtypes.bfloat16``. Arrays with negative strides are rejected: pass
-    ``numpy.ascontiguousarray(a)``. Python scalars and lists are converted with ``numpy.asarray``.
+    ``numpy.ascontiguousarray(a)``; read-only arrays too (a tensor is writable). Python scalars and lists
+    are converted with ``numpy.asarray``.
     """
     if not isinstance(array, np.ndarray):
         array = np.asarray(array)
+    if not array.flags.writeable:
+        raise ValueError("llaisys.tensor: the array is read-only, but a tensor is a writable view of its memory; "
+                         "pass a writable array (or numpy.array(a) to copy it)")
+    return _wrap(array, device)
+
+
+def _wrap(array: np.ndarray, device: str = "cpu") -> Tensor:
+    """Zero-copy wrap without the read-only check: for memory llaisys never writes (model weights)."""
     if _is_bf16(array.dtype):
         t = _core._import(array.view(np.uint16), "bf16")
     else:

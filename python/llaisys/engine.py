@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _core, catalog, loader
 from ._runtime import cuda_is_available
-from ._tensor import tensor
+from ._tensor import _wrap
 from .chat import render_chat_template
 from .sampling import SamplingParams, eos_union, resolve_sampling
 from .stops import StopStringMatcher
@@ -87,6 +87,7 @@ class Engine:
         self._model = _core.Qwen2(self._config_dict(), self.dtype, self.device, max_seq_len)
         self._load_weights(loaded.weights, progress)
         self._cached: list[int] = []  # the tokens whose keys/values are in the cache, in order
+        self._generation = 0  # bumped by every call that touches the cache
 
     def _config_dict(self) -> dict:
         c = self.config
@@ -101,7 +102,8 @@ class Engine:
         names = list(weights)
         for name in tqdm(names, desc=f"uploading to {self.device}", unit="tensor", disable=not progress,
                          file=sys.stderr, leave=False):
-            self._model.load_weight(name, tensor(np.ascontiguousarray(weights.pop(name))))
+            # weights may be read-only views of the mapped checkpoint: the model never writes them
+            self._model.load_weight(name, _wrap(np.ascontiguousarray(weights.pop(name))))
         missing = self._model.missing_weights()
         if missing:
             raise ValueError(f"{self.source}: missing weights, e.g. {missing[:3]}")
@@ -125,7 +127,7 @@ class Engine:
         text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
         params = resolve_sampling(self.generation_config, **sampling)
-        chunks = self._stream_ids(self.tokenizer.encode(text, add_special_tokens=False), params)
+        chunks = self._stream_ids(self._check_ids(self.tokenizer.encode(text, add_special_tokens=False)), params)
         return chunks if stream else self._collect(chunks)
 
     def score(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -139,6 +141,7 @@ class Engine:
 
     def reset(self) -> None:
         """Forget the cached conversation."""
+        self._generation += 1
         self._model.truncate(0, 0)
         self._cached = []
 
@@ -182,7 +185,7 @@ class Engine:
         return sp
 
     def _stream_ids(self, ids: list[int], params: SamplingParams) -> Iterator[StreamChunk]:
-        eos = set() if params.ignore_eos else set(
+        eos = set(params.stop_token_ids) if params.ignore_eos else set(
             eos_union(self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids))
         budget = min(params.max_new_tokens, self.max_seq_len - len(ids))
         return self._decode_loop(ids, params, eos, budget)
@@ -193,11 +196,13 @@ class Engine:
         penalised = set(ids) if params.repetition_penalty != 1.0 else None
         detok = IncrementalDetokenizer(self.tokenizer.inner, skip_special_tokens=True)
         stops = StopStringMatcher(params.stop)
-        feed = self._reuse_prefix(ids)
-        prefill_len, generated, pending, finish, tail = len(feed), [], [], "length", None
+        self._generation += 1  # any other call from now on invalidates this generator (one KV cache)
+        mine = self._generation
+        generated, pending, finish, tail, first = [], [], "length", None, None
         start = time.perf_counter()
-        first = None
         try:
+            feed = self._reuse_prefix(ids)
+            prefill_len = len(feed)
             while len(generated) < budget:
                 if penalised is not None:
                     sp.penalty_ids = sorted(penalised)
@@ -218,6 +223,7 @@ class Engine:
                 if text:
                     yield StreamChunk(text, pending)
                     pending = []
+                    self._check_still_active(mine)
                 feed = [token]
         finally:
             self._sync_cache()
@@ -228,6 +234,12 @@ class Engine:
                 finish = "stop"
         yield StreamChunk(tail, pending, finish, self._usage(ids, generated),
                           self._timings(start, first, prefill_len, len(generated)))
+
+    def _check_still_active(self, mine: int) -> None:
+        if self._generation != mine:
+            raise RuntimeError("another generate/stream/chat/score/reset call used this engine while this stream "
+                               "was paused; its KV cache no longer holds this stream's context (use one Engine "
+                               "per concurrent stream)")
 
     def _sync_cache(self) -> None:
         # After an interrupt the cache and our record of it may disagree by one step: keep what both hold.

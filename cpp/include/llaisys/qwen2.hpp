@@ -105,6 +105,7 @@ private:
                      const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len);
     Tensor project_out(const Layer &L, const Tensor &attn, int64_t T);
     Tensor decode_graphed(int slot, int64_t token);
+    void upload_step(DecodeGraph &g, int64_t token, int64_t pos, int64_t len);
     Tensor mlp(int layer, const Tensor &x);
     Tensor last_rows(const Tensor &x, const std::vector<std::vector<int64_t>> &tokens);
 

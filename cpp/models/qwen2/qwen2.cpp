@@ -183,30 +183,36 @@ void Qwen2::set_cuda_graphs(bool enabled) {
     if (!graphs_enabled_) graph_.reset();
 }
 
+void Qwen2::upload_step(DecodeGraph &g, int64_t token, int64_t pos, int64_t len) {
+    staging_->upload_into(g.ids, &token, sizeof token);
+    staging_->upload_into(g.pos, &pos, sizeof pos);
+    staging_->upload_into(g.kv_len, &len, sizeof len);
+}
+
 Tensor Qwen2::decode_graphed(int slot, int64_t token) {
     const std::vector<int> slots{slot};
     const std::vector<std::vector<int64_t>> tokens{{token}};
     check_step(slots, tokens);
     DeviceGuard guard(device_);
     const int64_t pos = cache_->length(slot), len = pos + 1;
-    const bool fresh = !graph_ || graph_->slot != slot;
-    if (fresh) {
-        graph_ = std::make_unique<DecodeGraph>();
-        graph_->slot = slot;
-        graph_->ids = Tensor::empty({1}, DType::I64, device_);
-        graph_->pos = Tensor::empty({1}, DType::I64, device_);
-        graph_->kv_len = Tensor::empty({1}, DType::I64, device_);
-    }
-    staging_->upload_into(graph_->ids, &token, sizeof token);
-    staging_->upload_into(graph_->pos, &pos, sizeof pos);
-    staging_->upload_into(graph_->kv_len, &len, sizeof len);
-    if (fresh) {
-        // Run once for real (fills the allocator's cache and library handles), then capture the same step;
-        // replaying it below recomputes this step identically.
-        graph_->logits = run(graph_->ids, graph_->pos, slots, tokens, graph_->kv_len, false);
-        graph_->graph = std::make_unique<Graph>(device_);
-        DecodeGraph &g = *graph_;
-        g.graph->capture([&] { g.logits = run(g.ids, g.pos, slots, tokens, g.kv_len, false); });
+    if (!graph_ || graph_->slot != slot) {
+        // Built aside and installed only once captured: a failure (OOM, a deferred device error) leaves
+        // no half-built graph behind, and the next step simply tries again.
+        graph_.reset();
+        auto g = std::make_unique<DecodeGraph>();
+        g->slot = slot;
+        g->ids = Tensor::empty({1}, DType::I64, device_);
+        g->pos = Tensor::empty({1}, DType::I64, device_);
+        g->kv_len = Tensor::empty({1}, DType::I64, device_);
+        upload_step(*g, token, pos, len);
+        // Run once for real (fills the allocator's cache and library handles), then capture the same
+        // step; replaying it below recomputes this step identically.
+        g->logits = run(g->ids, g->pos, slots, tokens, g->kv_len, false);
+        g->graph = std::make_unique<Graph>(device_);
+        g->graph->capture([&] { g->logits = run(g->ids, g->pos, slots, tokens, g->kv_len, false); });
+        graph_ = std::move(g);
+    } else {
+        upload_step(*graph_, token, pos, len);
     }
     graph_->graph->replay();
     cache_->advance(slot, 1);
