@@ -215,3 +215,16 @@ def test_real_default_model_download_and_verify(tmp_path):
     with open(path, "rb") as f:
         f.seek(REAL_SIZE - len(tail))
         assert f.read() == tail
+
+
+def test_catalog_model_carries_its_sampling_defaults():
+    from llaisys import catalog
+    from llaisys.sampling import resolve_sampling
+
+    d = catalog.generation_defaults(catalog.DEFAULT_MODEL)
+    params = resolve_sampling(d)
+    assert params.temperature == 0.7 and params.top_p == 0.8 and params.top_k == 20
+    assert params.repetition_penalty == 1.1
+    assert catalog.generation_defaults("/some/local/model.gguf") == {}
+    # the user's arguments still win
+    assert resolve_sampling(d, temperature=0).temperature == 0

