@@ -55,13 +55,18 @@ Device from_dlpack_device(int type, int id) {
                                                " (llaisys takes CPU and CUDA memory)"));
 }
 
-// A nanobind ndarray viewing `t`, owned by a capsule holding a copy of the tensor handle.
+// A nanobind ndarray viewing `t`, owned by a capsule holding a copy of the tensor handle; `dtype`
+// overrides how the elements are described (NumPy gets bf16 as uint16 bits).
 template <typename... Extra>
-nb::ndarray<Extra...> as_ndarray(const Tensor &t) {
+nb::ndarray<Extra...> as_ndarray(const Tensor &t, nb::dlpack::dtype dtype) {
     std::vector<size_t> shape(t.shape().begin(), t.shape().end());
     nb::capsule owner(new Tensor(t), [](void *p) noexcept { delete static_cast<Tensor *>(p); });
-    return nb::ndarray<Extra...>(t.data(), shape.size(), shape.data(), owner, t.strides().data(),
-                                 to_dlpack(t.dtype()), int(t.device().type), t.device().index);
+    return nb::ndarray<Extra...>(t.data(), shape.size(), shape.data(), owner, t.strides().data(), dtype,
+                                 int(t.device().type), t.device().index);
+}
+template <typename... Extra>
+nb::ndarray<Extra...> as_ndarray(const Tensor &t) {
+    return as_ndarray<Extra...>(t, to_dlpack(t.dtype()));
 }
 
 // `as_dtype` reinterprets raw bits of the same width (NumPy has no bf16: ml_dtypes arrays come as uint16).
@@ -120,9 +125,7 @@ nb::object to_numpy(const Tensor &t) {
     LLAISYS_CHECK(t.device().is_cpu(), std::invalid_argument, "numpy(): tensor is on ", t.device().str(),
                   "; copy it with .to('cpu') first");
     if (t.dtype() == DType::BF16) { // NumPy has no bf16: a uint16 view, reinterpreted by ml_dtypes
-        std::vector<size_t> shape(t.shape().begin(), t.shape().end());
-        nb::capsule owner(new Tensor(t), [](void *p) noexcept { delete static_cast<Tensor *>(p); });
-        nb::ndarray<nb::numpy, uint16_t> u16(t.data(), shape.size(), shape.data(), owner, t.strides().data());
+        const auto u16 = as_ndarray<nb::numpy>(t, nb::dtype<uint16_t>());
         return nb::cast(u16).attr("view")(nb::module_::import_("ml_dtypes").attr("bfloat16"));
     }
     return nb::cast(as_ndarray<nb::numpy>(t));

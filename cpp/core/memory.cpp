@@ -94,32 +94,29 @@ void empty_cache(Device device) {
 }
 
 namespace runtime {
-void memcpy(void *dst, Device dst_device, const void *src, Device src_device, size_t n) {
+namespace {
+// Host-to-host is a plain memcpy; anything touching a CUDA device goes on that device's current stream.
+// `wait` makes the host wait for the copy (memcpy's contract when host memory is involved).
+void copy_bytes(void *dst, Device dst_device, const void *src, Device src_device, size_t n, bool wait) {
     if (n == 0) return;
     if (dst_device.is_cpu() && src_device.is_cpu()) {
         std::memcpy(dst, src, n);
         return;
     }
 #ifdef LLAISYS_WITH_CUDA
-    const Device cuda_side = dst_device.is_cuda() ? dst_device : src_device;
-    const bool touches_host = dst_device.is_cpu() || src_device.is_cpu();
-    cuda::memcpy(dst, src, n, current_stream(cuda_side), touches_host);
+    cuda::memcpy(dst, src, n, current_stream(dst_device.is_cuda() ? dst_device : src_device), wait);
 #else
     throw NotCompiledError("copy to or from a CUDA device: this build of llaisys has no CUDA backend");
 #endif
 }
+} // namespace
+
+void memcpy(void *dst, Device dst_device, const void *src, Device src_device, size_t n) {
+    copy_bytes(dst, dst_device, src, src_device, n, dst_device.is_cpu() || src_device.is_cpu());
+}
 
 void memcpy_async(void *dst, Device dst_device, const void *src, Device src_device, size_t n) {
-    if (n == 0) return;
-    if (dst_device.is_cpu() && src_device.is_cpu()) {
-        std::memcpy(dst, src, n);
-        return;
-    }
-#ifdef LLAISYS_WITH_CUDA
-    cuda::memcpy(dst, src, n, current_stream(dst_device.is_cuda() ? dst_device : src_device), false);
-#else
-    throw NotCompiledError("copy to or from a CUDA device: this build of llaisys has no CUDA backend");
-#endif
+    copy_bytes(dst, dst_device, src, src_device, n, false);
 }
 } // namespace runtime
 
