@@ -29,20 +29,10 @@ BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 
 
 def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    H, I, V = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
-    if not c["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (V, H)
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-                       p + "self_attn.q_proj.weight": (q, H), p + "self_attn.q_proj.bias": (q,),
-                       p + "self_attn.k_proj.weight": (kv, H), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.v_proj.bias": (kv,),
-                       p + "self_attn.o_proj.weight": (H, q), p + "mlp.gate_proj.weight": (I, H),
-                       p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)})
-    return shapes
+    """The HF-named weights of a model with HF config values `c` (the loader's strict table)."""
+    from .loader.config import Qwen2Config, expected_weight_shapes
+
+    return expected_weight_shapes(Qwen2Config.from_hf({**c, "model_type": "qwen2"}, "bench shape"))
 
 
 def decode_weight_bytes(c: dict, dtype: str) -> int:
