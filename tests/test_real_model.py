@@ -112,17 +112,32 @@ def _agree(a, b):
     return (a.argmax(-1) == b.argmax(-1)).astype(np.float64)
 
 
+def _agree_within_ulp(ours, ref_bf16):
+    """1 where our top-1 is also top-1 for the bf16 reference at bf16 resolution: its logit there is within
+    one bf16 ulp of the reference's max (a tie bf16 cannot break, decided by index on either side)."""
+    rows = np.arange(len(ref_bf16))
+    top = ref_bf16.max(-1)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(top), 1e-30))) - 7)  # bf16 has 8 significant bits
+    return (ref_bf16[rows, ours.argmax(-1)] >= top - ulp).astype(np.float64)
+
+
 def test_bf16_teacher_forced_top1_agreement_with_hf_bf16(eng32, hf_bf16, eng_bf16, hf_tok):
     """Chat prompts followed by the model's own f32 greedy replies (equal to HF's, tested above): the
-    text the engine serves. Top-1 agreement of our bf16 with HF bf16, teacher-forced, over >= 500 positions."""
+    text the engine serves. Top-1 agreement of our bf16 with HF bf16, teacher-forced, over >= 500 positions:
+    >= 99.5% of picks must be HF's up to a tie at bf16 resolution (where the summation order decides, and
+    the CPU both run on changes which way: about 1% of positions are such ties; all were, on the machine
+    this was written on), and >= 98% exactly the same."""
     prompts = CHATS + EXTRA_CHATS + [[{"role": "user", "content": "Write a haiku about the sea."}]]
-    agree = []
+    agree, agree_ulp = [], []
     for messages in prompts:
         ids = chat_ids(hf_tok, messages)
         ids = ids + eng32.generate(ids, max_new_tokens=120, temperature=0).token_ids
-        agree.extend(_agree(eng_bf16.score(ids), _logits(hf_bf16, ids)))
+        ours, ref = eng_bf16.score(ids), _logits(hf_bf16, ids)
+        agree.extend(_agree(ours, ref))
+        agree_ulp.extend(_agree_within_ulp(ours, ref))
     assert len(agree) >= 500
-    assert np.mean(agree) >= 0.99, (np.mean(agree), len(agree))
+    assert np.mean(agree_ulp) >= 0.995, (np.mean(agree_ulp), len(agree))
+    assert np.mean(agree) >= 0.98, (np.mean(agree), len(agree))
 
 
 def test_bf16_is_as_accurate_as_hf_bf16_on_raw_code(hf32, hf_bf16, eng_bf16, hf_tok):
