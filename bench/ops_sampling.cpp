@@ -1,5 +1,6 @@
-// The decode-step ops around the model: argmax and sample over one row of Qwen2 logits (V = 151936),
-// and embedding of 1 id (decode) and 512 ids (prefill) for hidden sizes 896 (0.5B) and 1536 (1.5B).
+// The decode-step ops around the model: argmax (1 and 4 rows) and sample over one row of Qwen2 logits
+// (V = 151936), and embedding of 1 id (decode) and 512 ids (prefill) for hidden sizes 896 (0.5B) and
+// 1536 (1.5B).
 // GB/s counts the bytes an op must move at least: the logits read once (sample reads them more than
 // once, so its figure is a lower bound of the traffic), and for embedding the rows read and written.
 // The logits stay in the GPU's L2 between calls, as they do when the LM head has just written them.
@@ -62,12 +63,14 @@ bool sampling_device_ok(benchmark::State &state, Device dev) {
     return true;
 }
 
-void bench_argmax(benchmark::State &state, Device dev, DType dtype) {
+// rows x 151936: on CUDA these few long rows take the split path (several blocks per row, then a
+// one-warp combine per row); see cpp/ops/argmax/cuda.cu.
+void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows) {
     if (!sampling_device_ok(state, dev)) return;
-    const Tensor x = sampling_random({1, kSamplingVocab}, dtype, dev, 3.f, 1);
-    const Tensor idx = Tensor::empty({1}, DType::I64, dev), val = Tensor::empty({1}, dtype, dev);
+    const Tensor x = sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, 1);
+    const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
     sampling_timed(state, dev, [&] { ops::argmax(idx, val, x); });
-    set_bytes(state, double(kSamplingVocab) * double(dtype_size(dtype)));
+    set_bytes(state, double(rows) * double(kSamplingVocab) * double(dtype_size(dtype)));
 }
 
 struct SampleCase {
@@ -120,7 +123,8 @@ int register_sampling_benchmarks() {
             else b->UseRealTime();
         };
         for (DType dt : {DType::F32, DType::BF16})
-            reg(std::string("Argmax/") + dtype_name(dt) + "/V:151936", bench_argmax, dt);
+            reg(std::string("Argmax/") + dtype_name(dt) + "/V:151936", bench_argmax, dt, int64_t(1));
+        reg("Argmax/bf16/rows:4/V:151936", bench_argmax, DType::BF16, int64_t(4));
         for (DType dt : {DType::F32, DType::BF16})
             reg(std::string("Sample/") + dtype_name(dt) + "/V:151936/" + case_names[0], bench_sample, dt, cases[0]);
         for (int c = 1; c < 3; ++c) // plain temperature; top_p alone (the slow path on these flat logits)

@@ -8,7 +8,7 @@ import pytest
 
 import llaisys
 from llaisys import ops
-from utils import DEVICES, NP_DTYPE, TOL, assert_close, poisoned, rand, to_f64
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, poisoned, rand, to_f64
 
 V_LLM = 151936  # Qwen2's vocabulary
 
@@ -108,6 +108,106 @@ def test_argmax_argument_errors():
         ops.argmax(llaisys.empty([2], "i64"), llaisys.empty([2], "f32"), llaisys.empty([2, 0], "f32"))
     with pytest.raises(TypeError, match="argmax: x must be f32, f16 or bf16"):
         ops.argmax(llaisys.empty([2], "i64"), llaisys.empty([2], "i64"), llaisys.empty([2, 5], "i64"))
+
+
+# --------------------------------------------------------- argmax: long rows split over several CUDA blocks
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def argmax_split_chunk(V, itemsize, rows, sms=132):
+    """Elements per block of the CUDA split path (mirrors argmax_parts in cpp/ops/argmax/cuda.cu with the
+    132 SMs of an H100 SXM / H200), or None where one block reads the whole row. Only places test values
+    at block boundaries: another SM count can move them, never the references (NumPy's argmax)."""
+    nbytes = V * itemsize
+    if nbytes <= 32 * 1024 or rows >= sms:
+        return None
+    parts = min(cdiv(nbytes, 8 * 1024), cdiv(2 * sms, rows))
+    return cdiv(cdiv(V, parts), 8) * 8
+
+
+def argmax_split_rows(V, c):
+    """Rows [n, V] (float64) that stress how the per-block results combine; c: elements per block."""
+    base = np.clip(np.random.default_rng(V).standard_normal(V), -4.0, 4.0)  # markers lie above it
+    M, inf, nan, neg_nan = 8.0, np.inf, np.nan, np.copysign(np.nan, -1.0)
+    specs = [
+        {V - 1: M},  # last element: last block, last (partial) vector
+        {0: M},  # first element
+        {c: M},  # first element of the second block
+        {2 * c - 1: M},  # last element of the second block
+        {c - 1: M, c: M},  # tie across a boundary: the earlier block wins
+        {5 * c + 3: M, 2 * c + 7: M, V - 1: M},  # ties in three blocks
+        {V - 2: M, V - 1: M},  # tie at the end of the row
+        {c + 1: M, 3 * c + 2: nan},  # a NaN after an equal max, in a later block: the NaN
+        {c + 1: nan, 3 * c + 2: M},  # a NaN before the max, in an earlier block
+        {c // 2: M, 4 * c: M, 3 * c: nan, 2 * c + 5: nan},  # two NaN in different blocks: the first
+        {c: inf, 3 * c: inf, V - 1: nan},  # +inf in two blocks, a NaN last
+        {c: inf, 2 * c: neg_nan},  # a NaN with the sign bit set still beats +inf
+    ]
+    out = []
+    for spec in specs:
+        row = base.copy()
+        for i, v in spec.items():
+            row[i % V] = v  # short rows: positions wrap; the reference is still np.argmax
+        out.append(row)
+    out.append(np.full(V, -inf))  # all -inf: index 0
+    row = np.full(V, -inf)
+    row[V - 1] = -3.0  # one finite value, last
+    out.append(row)
+    out.append(np.full(V, nan))  # all NaN: index 0
+    for first, second in [(-0.0, 0.0), (0.0, -0.0)]:  # -0.0 == +0.0: the first of them
+        row = np.full(V, -inf)
+        row[(2 * c) % V], row[(c + 1) % V] = second, first
+        out.append(row)
+    out.append(np.full(V, -1.0))  # all equal: index 0
+    return np.stack(out)
+
+
+def check_argmax_exact(a, device, offset=0):
+    """argmax of a [rows, V] (already in the tested dtype) == NumPy's; the value is x's element, bit for bit.
+    offset > 0 puts the rows `offset` elements into their buffer (a misaligned view)."""
+    rows, V = a.shape
+    if offset:
+        flat = np.concatenate([np.zeros(offset, a.dtype), a.ravel()])
+        x = llaisys.tensor(flat, device).slice(0, offset, offset + rows * V).view(rows, V)
+    else:
+        x = llaisys.tensor(a, device)
+    idx = poisoned((rows,), "i64", device)
+    val = poisoned((rows,), {np.dtype(v): k for k, v in NP_DTYPE.items()}[a.dtype], device)
+    ops.argmax(idx, val, x)
+    ref = np.argmax(a.astype(np.float64), axis=-1)
+    np.testing.assert_array_equal(idx.to("cpu").numpy(), ref)
+    bits = np.uint32 if a.dtype.itemsize == 4 else np.uint16
+    got = np.asarray(val.to("cpu").numpy()).view(bits)
+    np.testing.assert_array_equal(got, a[np.arange(rows), ref].view(bits))
+
+
+ARGMAX_SPLIT_CASES = [(dtype, V, rows, 0) for dtype in FLOAT_DTYPES for V in [151936, 151937, 40000, 1, 31]
+                      for rows in [1, 3]]
+ARGMAX_SPLIT_CASES += [(dtype, V, rows, 1) for dtype in FLOAT_DTYPES for V in [151936, 40000] for rows in [1, 3]]
+
+
+# The CPU runs two cases only: they check the test itself; the split path is CUDA's.
+@pytest.mark.parametrize("device,dtype,V,rows,offset",
+                         [pytest.param("cuda", *c, marks=pytest.mark.cuda) for c in ARGMAX_SPLIT_CASES] +
+                         [("cpu", "bf16", 151937, 3, 1), ("cpu", "f32", 31, 1, 0)])
+def test_argmax_long_rows_follow_numpy(device, dtype, V, rows, offset):
+    np_dtype = NP_DTYPE[dtype]
+    a64 = rand((rows, V), dtype, seed=V + rows)[1]
+    check_argmax_exact(a64.astype(np_dtype), device, offset)  # random rows (bf16 and f16 hold ties)
+    c = argmax_split_chunk(V, np.dtype(np_dtype).itemsize, rows) or max(1, V // 7)
+    special = argmax_split_rows(V, c).astype(np_dtype)
+    special = np.concatenate([special, special[: (-len(special)) % rows]])  # whole groups of `rows`
+    for g in range(0, len(special), rows):
+        check_argmax_exact(special[g : g + rows], device, offset)
+
+
+@pytest.mark.cuda
+def test_argmax_cuda_many_long_rows():
+    # rows >= SMs: one block per row again, over long rows.
+    check_argmax_exact(rand((140, 40000), "bf16", seed=8)[1].astype(NP_DTYPE["bf16"]), "cuda")
 
 
 # ---------------------------------------------------------------------------------------------- sample

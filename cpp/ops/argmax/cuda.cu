@@ -1,12 +1,36 @@
+// argmax over the last dim of x [rows, V] on CUDA, NumPy's rule: the first maximum, or the first NaN if
+// the row holds one; the value is copied from x (NaN stays NaN, nothing is re-rounded).
+//
+// Two paths, chosen on the host from V, rows and the SM count:
+//  - one block per row (argmax_kernel, block_argmax of argmax.cuh): rows of <= 32 KiB, or rows >= SMs
+//    (enough blocks to fill the GPU). A 1024-thread block has 64 KiB in flight per pass.
+//  - P blocks per row (a long row and few rows, e.g. greedy decode over V = 151936, where one SM
+//    streaming 304 KiB costs ~10 us): grid (P, rows), P = min(ceil(row bytes / 8 KiB), ceil(2 * SMs /
+//    rows)); block p reads elements [p * chunk, min((p + 1) * chunk, V)) (chunk a multiple of 8, so
+//    16-byte aligned for the vector loads) and writes its max orderable key (argmax_key: order-
+//    preserving float bits, NaN above +inf, then ~index) to a workspace [rows, P]. A second one-warp
+//    kernel per row takes the max of the P keys, which is NumPy's answer, and copies the value from x.
+//    The workspace comes from the stream-ordered caching allocator (capture-safe); there is no host
+//    sync, memset or counter, so the pair replays in a CUDA graph.
 #include "ops/argmax/argmax.hpp"
 
 #include "ops/argmax/argmax.cuh"
 #include "ops/common/checks.hpp"
 
+#include <algorithm>
+#include <atomic>
+
 namespace llaisys::ops::cuda {
 
-// One block per row of x [rows, V]; blockDim.x threads (32..1024) read VEC-wide packs. The value is
-// copied from x, so NaN stays NaN and nothing is re-rounded.
+namespace {
+
+// Rows of at most this many bytes stay on one block: a 1024-thread block reads 64 KiB per pass.
+constexpr int64_t kSingleBlockMaxBytes = 32 * 1024;
+// Bytes of a row each block of the split path reads (about): kPartThreads x 2 packs of 16 bytes.
+constexpr int64_t kChunkBytes = 8 * 1024;
+constexpr int kPartThreads = 256;
+
+// One block per row of x [rows, V]; blockDim.x threads (32..1024) read VEC-wide packs.
 template <int VEC, typename T>
 __global__ void __launch_bounds__(1024) argmax_kernel(int64_t *max_idx, T *max_val, const T *x, int V) {
     __shared__ ArgmaxSmem sm;
@@ -18,12 +42,80 @@ __global__ void __launch_bounds__(1024) argmax_kernel(int64_t *max_idx, T *max_v
     }
 }
 
+// Block (p, r) of the split path: the max key over elements [p * chunk, min((p + 1) * chunk, V)) of row r
+// goes to keys[r * gridDim.x + p]. With VEC > 1: x 16-byte aligned, V % VEC == 0 and chunk % VEC == 0,
+// so every pack that starts below the chunk's end lies inside it.
+template <int VEC, typename T>
+__global__ void __launch_bounds__(kPartThreads)
+    argmax_part_kernel(ArgmaxKey *keys, const T *x, int V, int64_t chunk) {
+    constexpr int UNROLL = VEC > 1 ? 4 : 8; // packs in flight per thread
+    __shared__ ArgmaxKey scratch[32];
+    const int64_t r = blockIdx.y;
+    const T *row = x + r * V;
+    const int64_t lo = int64_t(blockIdx.x) * chunk, hi = std::min<int64_t>(V, lo + chunk);
+    const int64_t stride = int64_t(blockDim.x) * VEC;
+    ArgmaxKey best = 0;
+    for (int64_t base = lo + int64_t(threadIdx.x) * VEC; base < hi; base += UNROLL * stride) {
+        RowPack<T, VEC> raw[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (base + u * stride < hi) raw[u] = *reinterpret_cast<const RowPack<T, VEC> *>(row + base + u * stride);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            if (base + u * stride >= hi) break;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e)
+                best = max_key(best, argmax_key(to_f32(raw[u].v[e]), int(base + u * stride + e)));
+        }
+    }
+    best = block_max_key(best, scratch);
+    if (threadIdx.x == 0) keys[r * gridDim.x + blockIdx.x] = best;
+}
+
+// One warp per row: the max of the row's `parts` keys is the answer; the value is copied from x.
+template <typename T>
+__global__ void __launch_bounds__(32)
+    argmax_combine_kernel(int64_t *max_idx, T *max_val, const T *x, const ArgmaxKey *keys, int V, int parts) {
+    const int64_t r = blockIdx.x;
+    ArgmaxKey best = 0;
+    for (int p = threadIdx.x; p < parts; p += 32) best = max_key(best, keys[r * parts + p]);
+    best = warp_max_key(best);
+    if (threadIdx.x == 0) {
+        const uint32_t k = argmax_key_index(best);
+        const int i = k < uint32_t(V) ? int(k) : 0; // key 0 (no element) cannot happen: every part is non-empty
+        max_idx[r] = i;
+        max_val[r] = x[r * V + i];
+    }
+}
+
 // Threads per block: enough for one pass of packs over the row, a power of two in [32, 1024].
-static int argmax_threads(int64_t packs) {
+int argmax_threads(int64_t packs) {
     int t = 32;
     while (t < 1024 && t < packs) t <<= 1;
     return t;
 }
+
+int sm_count(int device) {
+    static std::atomic<int> counts[64] = {};
+    if (device < 0 || device >= 64) return 132;
+    int n = counts[device].load(std::memory_order_relaxed);
+    if (n == 0) {
+        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+        counts[device].store(n, std::memory_order_relaxed);
+    }
+    return n;
+}
+
+// Blocks per row before rounding the chunk; 1 keeps the one-block path.
+int64_t argmax_parts(int64_t rows, int64_t V, int64_t elem_size, int device) {
+    const int64_t bytes = V * elem_size;
+    if (bytes <= kSingleBlockMaxBytes) return 1;
+    const int64_t sms = sm_count(device);
+    if (rows >= sms || rows > 65535) return 1; // one 1024-thread block per row fills the GPU; grid.y limit
+    return std::min(ceil_div(bytes, kChunkBytes), ceil_div(2 * sms, rows));
+}
+
+} // namespace
 
 void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x) {
     const int64_t V = x.shape().back(), rows = x.numel() / V;
@@ -33,12 +125,32 @@ void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x) {
         using D = device_t<T>;
         const bool wide = rows_vectorizable<D>(x.data(), V);
         const int vec = wide ? kRowVec<D> : 1;
-        const dim3 grid{unsigned(rows)}, block{unsigned(argmax_threads(ceil_div(V, vec)))};
         cudaStream_t s = stream_of(max_idx);
+        int64_t parts = argmax_parts(rows, V, int64_t(sizeof(D)), x.device().index), chunk = V;
+        if (parts > 1) {
+            chunk = ceil_div(ceil_div(V, parts), 8) * 8; // a multiple of every VEC: chunks start 16-byte aligned
+            parts = ceil_div(V, chunk);                  // every part non-empty
+        }
+        if (parts <= 1) {
+            const dim3 grid{unsigned(rows)}, block{unsigned(argmax_threads(ceil_div(V, vec)))};
+            if (wide)
+                argmax_kernel<kRowVec<D>><<<grid, block, 0, s>>>(max_idx.data_as<int64_t>(), dptr<T>(max_val), dptr<T>(x), int(V));
+            else
+                argmax_kernel<1><<<grid, block, 0, s>>>(max_idx.data_as<int64_t>(), dptr<T>(max_val), dptr<T>(x), int(V));
+            CUDA_CHECK_LAUNCH();
+            return;
+        }
+        // Keys [rows, parts]; freed at scope exit into this stream's pool, after the launches below.
+        const Tensor ws = Tensor::empty(Shape{rows * parts}, DType::I64, x.device());
+        ArgmaxKey *keys = reinterpret_cast<ArgmaxKey *>(ws.data());
+        const dim3 grid{unsigned(parts), unsigned(rows)};
         if (wide)
-            argmax_kernel<kRowVec<D>><<<grid, block, 0, s>>>(max_idx.data_as<int64_t>(), dptr<T>(max_val), dptr<T>(x), int(V));
+            argmax_part_kernel<kRowVec<D>><<<grid, kPartThreads, 0, s>>>(keys, dptr<T>(x), int(V), chunk);
         else
-            argmax_kernel<1><<<grid, block, 0, s>>>(max_idx.data_as<int64_t>(), dptr<T>(max_val), dptr<T>(x), int(V));
+            argmax_part_kernel<1><<<grid, kPartThreads, 0, s>>>(keys, dptr<T>(x), int(V), chunk);
+        CUDA_CHECK_LAUNCH();
+        argmax_combine_kernel<<<unsigned(rows), 32, 0, s>>>(max_idx.data_as<int64_t>(), dptr<T>(max_val), dptr<T>(x),
+                                                             keys, int(V), int(parts));
         CUDA_CHECK_LAUNCH();
     });
 }
