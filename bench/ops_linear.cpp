@@ -1,5 +1,7 @@
 // linear at the Qwen2 shapes: decode (M = 1) is bound by streaming the weight and is read in GB/s
 // (weight + x + out bytes); prefill (M = 64 on the CPU, 512 and 2048 on CUDA) in TFLOP/s (2 M N K).
+// LinearSwiglu/... is the fused MLP gate/up projection + SwiGLU at decode (weight [2I, K], out [M, I]),
+// read the same way; the unfused path is two Linear/.../N:I calls and a swiglu.
 // Compare with the ceilings in ops_ceilings.cpp (device copy bandwidth, cuBLAS GEMM peak, CPU memory).
 //
 // Each iteration cycles through enough copies of the weight (>= 256 MiB in all) that they cannot sit
@@ -26,8 +28,16 @@ namespace {
 using namespace llaisys;
 
 struct LinearCase {
-    int64_t M, K, N;
+    int64_t M, K, N;     // N: weight rows (2I for linear_swiglu)
+    bool swiglu = false; // linear_swiglu: out [M, N / 2] = swiglu of the gate and up halves
 };
+
+int64_t out_cols(const LinearCase &c) { return c.swiglu ? c.N / 2 : c.N; }
+
+void run_case(const LinearCase &c, const Tensor &out, const Tensor &x, const Tensor &w) {
+    if (c.swiglu) ops::linear_swiglu(out, x, w);
+    else ops::linear(out, x, w, Tensor());
+}
 
 // Copies of a [N, K] weight filling at least 256 MiB (at most 256 copies).
 std::vector<Tensor> linear_weight_copies(int64_t N, int64_t K, DType dtype, Device device) {
@@ -41,7 +51,7 @@ std::vector<Tensor> linear_weight_copies(int64_t N, int64_t K, DType dtype, Devi
 
 void set_linear_counters(benchmark::State &state, const LinearCase &c, DType dtype) {
     const double es = double(dtype_size(dtype));
-    const double bytes = (double(c.N) * c.K + double(c.M) * c.K + double(c.M) * c.N) * es;
+    const double bytes = (double(c.N) * c.K + double(c.M) * c.K + double(c.M) * out_cols(c)) * es;
     const double flops = 2.0 * c.M * c.N * c.K;
     state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["TFLOP/s"] = benchmark::Counter(flops * 1e-12, benchmark::Counter::kIsIterationInvariantRate);
@@ -49,11 +59,11 @@ void set_linear_counters(benchmark::State &state, const LinearCase &c, DType dty
 
 void bench_linear_cpu(benchmark::State &state, LinearCase c, DType dtype) {
     const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5);
-    const Tensor out = Tensor::empty({c.M, c.N}, dtype);
+    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype);
     const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, Device::cpu());
     size_t i = 0;
     for (auto _ : state) {
-        ops::linear(out, x, ws[i++ % ws.size()], Tensor());
+        run_case(c, out, x, ws[i++ % ws.size()]);
         benchmark::ClobberMemory();
     }
     set_linear_counters(state, c, dtype);
@@ -65,16 +75,16 @@ void bench_linear_cuda(benchmark::State &state, LinearCase c, DType dtype) {
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5).to(dev);
-    const Tensor out = Tensor::empty({c.M, c.N}, dtype, dev);
+    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype, dev);
     const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, dev);
     const Stream stream = current_stream(dev);
     const int batch = 16;
     size_t i = 0;
-    for (int w = 0; w < 3; ++w) ops::linear(out, x, ws[i++ % ws.size()], Tensor()); // warm-up (handles, workspace)
+    for (int w = 0; w < 3; ++w) run_case(c, out, x, ws[i++ % ws.size()]); // warm-up (handles, workspace)
     Event start(dev, true), stop(dev, true);
     for (auto _ : state) {
         start.record(stream);
-        for (int b = 0; b < batch; ++b) ops::linear(out, x, ws[i++ % ws.size()], Tensor());
+        for (int b = 0; b < batch; ++b) run_case(c, out, x, ws[i++ % ws.size()]);
         stop.record(stream);
         stop.synchronize();
         state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
@@ -90,20 +100,20 @@ void bench_linear_cuda_graph(benchmark::State &state, LinearCase c, DType dtype)
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5).to(dev);
-    const Tensor out = Tensor::empty({c.M, c.N}, dtype, dev);
+    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype, dev);
     const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, dev);
     const int64_t w_bytes = c.N * c.K * int64_t(dtype_size(dtype));
     const int64_t want = std::max<int64_t>(16, ((int64_t(128) << 20) + w_bytes - 1) / w_bytes);
     const int batch = int(std::min<int64_t>(want, int64_t(ws.size())));
     const Stream stream = current_stream(dev);
     const auto s = static_cast<cudaStream_t>(stream.handle());
-    ops::linear(out, x, ws[0], Tensor()); // warm-up outside the capture
+    run_case(c, out, x, ws[0]); // warm-up outside the capture
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     if (cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed) != cudaSuccess)
         return state.SkipWithError("cudaStreamBeginCapture failed");
     try {
-        for (int b = 0; b < batch; ++b) ops::linear(out, x, ws[size_t(b) % ws.size()], Tensor());
+        for (int b = 0; b < batch; ++b) run_case(c, out, x, ws[size_t(b) % ws.size()]);
     } catch (const std::exception &e) {
         cudaStreamEndCapture(s, &graph);
         return state.SkipWithError(e.what());
@@ -132,8 +142,8 @@ const std::vector<std::pair<int64_t, int64_t>> kLinearKN = {
 };
 
 std::string linear_name(const char *device, DType dtype, const LinearCase &c) {
-    return std::string("Linear/") + device + "/" + dtype_name(dtype) + "/M:" + std::to_string(c.M) +
-           "/K:" + std::to_string(c.K) + "/N:" + std::to_string(c.N);
+    return std::string(c.swiglu ? "LinearSwiglu/" : "Linear/") + device + "/" + dtype_name(dtype) + "/M:" +
+           std::to_string(c.M) + "/K:" + std::to_string(c.K) + (c.swiglu ? "/I:" : "/N:") + std::to_string(out_cols(c));
 }
 
 int register_linear_benchmarks() {
@@ -165,6 +175,16 @@ int register_linear_benchmarks() {
         }
 #endif
     }
+#ifdef LLAISYS_WITH_CUDA
+    // The 0.5B and 1.5B MLP gate/up + SwiGLU at decode (K = hidden, I = MLP width), launched and replayed.
+    for (const auto &[K, I] : std::vector<std::pair<int64_t, int64_t>>{{896, 4864}, {1536, 8960}}) {
+        const LinearCase c{1, K, 2 * I, true};
+        benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
+            ->Unit(benchmark::kMicrosecond)->UseManualTime();
+        benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph, c,
+                                     DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime();
+    }
+#endif
     return 0;
 }
 

@@ -20,10 +20,13 @@ void bind_ops(nb::module_ &m) {
     o.def("linear", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias) {
         ops::linear(out, x, w, bias ? *bias : Tensor());
     }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), G());
+    o.def("linear_swiglu", &ops::linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), G());
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
     o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
           nb::arg("eps"), G());
     o.def("rope", &ops::rope, nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
+    o.def("rope_qkv_cache", &ops::rope_qkv_cache, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"),
+          nb::arg("qkv"), nb::arg("pos_ids"), nb::arg("theta"), G());
     o.def("self_attention", &ops::self_attention, nb::arg("out"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
           nb::arg("scale"), G());
     o.def("self_attention_cached", &ops::self_attention_cached, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),

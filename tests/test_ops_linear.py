@@ -221,3 +221,208 @@ def test_linear_cuda_lm_head_and_steady_state():
         llaisys.ops.linear(outs, xs, ws)
     llaisys.synchronize(dev)
     assert llaisys.memory_stats(dev)["device_mallocs"] == mallocs
+
+
+# ---- linear_swiglu: out [..., I] = swiglu(x @ w[:I]^T, x @ w[I:]^T) for w_gate_up [2I, K] ----
+# On CUDA, M <= 8 runs the GEMV with the gate/up pair epilogue and larger M two cuBLASLt GEMMs and the
+# swiglu kernel; the CPU composes its linear and swiglu. Shapes cover every M in {1, 3, 8, 9, 64},
+# K in {1, 19, 896, 1536} and I in {1, 111, 4864} without taking their whole product (CPU time).
+SWIGLU_SHAPES = [  # (M, K, I)
+    (1, 1, 1), (3, 19, 111), (8, 19, 1), (9, 1, 111), (64, 19, 111),
+    (1, 896, 4864), (1, 1536, 111), (8, 896, 111), (9, 1536, 111), (64, 896, 111), (3, 19, 4864),
+]
+
+
+def silu_f64(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def ref_linear_swiglu(x, w, dtype):
+    """g and u in float64, rounded to the dtype as the unfused path stores them, then swiglu in float64."""
+    I = w.shape[0] // 2
+    g = (x @ w[:I].T).astype(NP_DTYPE[dtype]).astype(np.float64)
+    u = (x @ w[I:].T).astype(NP_DTYPE[dtype]).astype(np.float64)
+    return u * silu_f64(g)
+
+
+def tol_swiglu(dtype, K, w_scale):
+    """tol() of g and u, carried through the SwiGLU.
+
+    Reason: an error e in g or u moves out by up to (|silu(g)| + 1.1 |u|) e (|silu'| <= 1.1); with w
+    scaled by 1 / sqrt(K), g and u are standard normal here (|g|, |u| < 5 in every test), so the atol
+    of their f32 accumulation is widened 10-fold. The op and the reference round g and u to the dtype
+    alike, except where the f32 and float64 sums straddle a rounding boundary: there g or u differ by
+    one unit in their last place, which moves out by under 3 units in its last place for g > -4
+    (|g silu'(g) / silu(g)| < 3), within TOL's rtol, and by less than TOL's atol for g < -4.
+    """
+    t = tol(dtype, K, 1.0, w_scale)
+    t["atol"] = max(TOL[dtype]["atol"], 10 * t["atol"])
+    return t
+
+
+def rand_swiglu_operands(M, K, I, dtype, device, seed):
+    ws = 1.0 / np.sqrt(max(K, 1))
+    x, x64 = rand((M, K), dtype, device, seed=seed)
+    w, w64 = rand((2 * I, K), dtype, device, seed=seed + 1, scale=ws)
+    return x, x64, w, w64, ws
+
+
+def bits(t):
+    """The stored bit patterns of a tensor, for exact comparisons (NaN == NaN, -0 != +0)."""
+    a = np.asarray(t.to("cpu").numpy())
+    return a.view(f"u{a.itemsize}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,I", SWIGLU_SHAPES)
+def test_linear_swiglu_matches_float64(device, dtype, M, K, I):
+    x, x64, w, w64, ws = rand_swiglu_operands(M, K, I, dtype, device, seed=30)
+    out = poisoned((M, I), dtype, device)
+    llaisys.ops.linear_swiglu(out, x, w)
+    assert_close(out, ref_linear_swiglu(x64, w64, dtype), dtype, **tol_swiglu(dtype, K, ws))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 12])
+def test_linear_swiglu_noncontiguous_and_3d(device, dtype, M):
+    K, I, pad = 37, 21, 5
+    ws = 1.0 / np.sqrt(K)
+    wide, wide64 = rand((M, K + pad), dtype, device, seed=32)
+    # x: a column slice (rows K + 5 apart, starting 3 in: used in place, unaligned on CUDA)...
+    x, x64 = wide.slice(1, 3, 3 + K), wide64[:, 3:3 + K]
+    w, w64 = rand((2 * I, K), dtype, device, seed=33, scale=ws)
+    out = llaisys.empty((I, M), dtype, device).transpose(0, 1)  # a non-contiguous out [M, I]
+    out.fill_(float("nan"))
+    llaisys.ops.linear_swiglu(out, x, w)
+    t = tol_swiglu(dtype, K, ws)
+    assert_close(out, ref_linear_swiglu(x64, w64, dtype), dtype, **t)
+    # ... and a permuted 3-D view x [1, M, K] with strides (1, 1, M) (copied before the kernel).
+    xt, xt64 = rand((K, M, 1), dtype, device, seed=34)
+    out3 = poisoned((1, M, I), dtype, device)
+    llaisys.ops.linear_swiglu(out3, xt.permute(2, 1, 0), w)
+    assert_close(out3, ref_linear_swiglu(xt64[:, :, 0].T, w64, dtype)[None], dtype, **t)
+
+
+def run_unfused(x, w, M, I, dtype, device):
+    """linear(gate); linear(up); swiglu(gate, gate, up) on the two halves of w, as a model without the fusion."""
+    gate, up = poisoned((M, I), dtype, device), poisoned((M, I), dtype, device)
+    llaisys.ops.linear(gate, x, w.slice(0, 0, I))
+    llaisys.ops.linear(up, x, w.slice(0, I, 2 * I))
+    llaisys.ops.swiglu(gate, gate, up)
+    return gate
+
+
+def check_equals_unfused(device, dtype, M, K, I):
+    x, _, w, _, ws = rand_swiglu_operands(M, K, I, dtype, device, seed=40)
+    fused = poisoned((M, I), dtype, device)
+    llaisys.ops.linear_swiglu(fused, x, w)
+    unfused = run_unfused(x, w, M, I, dtype, device)
+    if device == "cpu" or M <= 8:
+        np.testing.assert_array_equal(bits(fused), bits(unfused))
+    else:
+        assert_close(fused, to_f64(unfused), dtype, **tol_swiglu(dtype, K, ws))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,I", [(1, 1536, 111), (2, 19, 111), (3, 1536, 111), (4, 19, 1), (8, 896, 19),
+                                   (9, 111, 19), (64, 896, 111)])
+def test_linear_swiglu_equals_unfused(device, dtype, M, K, I):
+    """The fusion changes no bit: g and u are summed in the same order and rounded to the dtype as the
+    unfused path stores them. On CUDA that holds for the GEMV (M <= 8); for M > 8 both run cuBLASLt on
+    the same problems, but cuBLASLt may pick another algorithm for the up half (its alignment differs
+    when K is odd), so there the two only have to agree within the tolerance."""
+    check_equals_unfused(device, dtype, M, K, I)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,I", [(1, 896, 4864), (1, 1536, 8960), (2, 896, 4864), (8, 1536, 8960)])
+def test_linear_swiglu_cuda_decode_equals_unfused(dtype, M, K, I):
+    """The Qwen2-0.5B and 1.5B MLP shapes at decode, bit for bit (on the CPU the small shapes above
+    already exercise the same code)."""
+    check_equals_unfused("cuda", dtype, M, K, I)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [3, 9])
+def test_linear_swiglu_nan_reaches_only_its_row(device, dtype, M):
+    K, I = 40, 24
+    x64 = np.random.default_rng(41).standard_normal((M, K))
+    x64[1, 5] = np.nan  # poisons out row 1
+    x64[2, 7] = 1e30 if dtype != "f16" else 6e4  # row 2: |g|, |u| huge, u * silu(g) overflows or goes to 0
+    x = llaisys.tensor(x64.astype(NP_DTYPE[dtype]), device)
+    w, w64 = rand((2 * I, K), dtype, device, seed=42, scale=K**-0.5)
+    x64 = to_f64(x)
+    got = to_f64(llaisys.functional.linear_swiglu(x, w))
+    assert np.isnan(got[1]).all()
+    assert not np.isnan(got[2]).any()  # exp(-g) = inf for g << 0 gives silu(g) = -0, not inf / inf
+    rows = np.delete(np.arange(M), [1, 2])
+    assert_close(got[rows], ref_linear_swiglu(x64[rows], w64, dtype), dtype, **tol_swiglu(dtype, K, K**-0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_swiglu_functional_form(device):
+    x, x64 = rand((2, 3, 33), "f32", device, seed=43)
+    w, w64 = rand((20, 33), "f32", device, seed=44, scale=33**-0.5)
+    out = llaisys.functional.linear_swiglu(x, w)
+    assert out.shape == (2, 3, 10) and out.device.startswith(device)
+    assert_close(out, ref_linear_swiglu(x64, w64, "f32"), "f32", **tol_swiglu("f32", 33, 33**-0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_swiglu_argument_errors(device):
+    x, _ = rand((3, 8), "f32", device)
+    w, _ = rand((10, 8), "f32", device)  # I = 5
+    out = llaisys.empty((3, 5), "f32", device)
+    with pytest.raises(TypeError, match=r"linear_swiglu: w_gate_up must have dtype f32 like the other .*, got bf16"):
+        llaisys.ops.linear_swiglu(out, x, rand((10, 8), "bf16", device)[0])
+    with pytest.raises(TypeError, match=r"linear_swiglu: out must have dtype f32 like the other operands, got f16"):
+        llaisys.ops.linear_swiglu(llaisys.empty((3, 5), "f16", device), x, w)
+    with pytest.raises(ValueError, match=r"linear_swiglu: w_gate_up must be 2-D \[2I, K\] .*, got shape \[9, 8\]"):
+        llaisys.ops.linear_swiglu(out, x, rand((9, 8), "f32", device)[0])  # odd rows: no gate/up halves
+    with pytest.raises(ValueError, match=r"linear_swiglu: w_gate_up must be 2-D \[2I, K\] .*, got shape \[10, 8, 1\]"):
+        llaisys.ops.linear_swiglu(out, x, rand((10, 8, 1), "f32", device)[0])
+    with pytest.raises(ValueError, match=r"linear_swiglu: x's last dim \(7\) must equal w_gate_up's K"):
+        llaisys.ops.linear_swiglu(out, rand((3, 7), "f32", device)[0], w)
+    with pytest.raises(ValueError, match=r"linear_swiglu: out must have shape \[3, 5\], got \[3, 10\]"):
+        llaisys.ops.linear_swiglu(llaisys.empty((3, 10), "f32", device), x, w)  # out sized like [g, u]
+    xi = llaisys.tensor(np.ones((3, 8), np.int32), device)
+    with pytest.raises(TypeError, match=r"linear_swiglu: x must be f32, f16 or bf16, got i32"):
+        llaisys.ops.linear_swiglu(llaisys.empty((3, 5), "i32", device), xi,
+                                  llaisys.tensor(np.ones((10, 8), np.int32), device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_output_overlapping_an_input_raises(device):
+    """A GEMV reads x while other threads write out: sharing bytes would be a silent wrong answer."""
+    x, _ = rand((3, 8), "f32", device, seed=3)
+    w, _ = rand((8, 8), "f32", device, seed=4)
+    keep = x.to("cpu").numpy().copy()
+    with pytest.raises(ValueError, match=r"linear: out must not overlap x \(they share memory\)"):
+        llaisys.ops.linear(x, x, w)
+    with pytest.raises(ValueError, match=r"linear: out must not overlap weight"):
+        llaisys.ops.linear(w.slice(0, 0, 3), x, w)
+    np.testing.assert_array_equal(x.to("cpu").numpy(), keep)  # nothing was written
+    wg, _ = rand((16, 8), "f32", device, seed=5)
+    with pytest.raises(ValueError, match=r"linear_swiglu: out must not overlap x"):
+        llaisys.ops.linear_swiglu(x.slice(1, 0, 8), x, wg)
+    with pytest.raises(ValueError, match=r"linear_swiglu: out must not overlap w_gate_up"):
+        llaisys.ops.linear_swiglu(wg.slice(0, 0, 3), x, wg)
+    # disjoint rows of one buffer are fine
+    buf, buf64 = rand((6, 8), "f32", device, seed=6)
+    llaisys.ops.linear(buf.slice(0, 3, 6), buf.slice(0, 0, 3), w)
+    assert_close(buf.slice(0, 3, 6), ref_linear(buf64[:3], w.to("cpu").numpy().astype(np.float64)), "f32")
+
+
+@pytest.mark.cuda
+def test_linear_swiglu_device_mismatch():
+    x, _ = rand((3, 8), "f32", "cpu")
+    w, _ = rand((10, 8), "f32", "cuda")
+    with pytest.raises(ValueError, match=r"linear_swiglu: all tensors must be on one device, got cpu and cuda:0"):
+        llaisys.ops.linear_swiglu(llaisys.empty((3, 5), "f32", "cpu"), x, w)
+    with pytest.raises(ValueError, match=r"linear_swiglu: all tensors must be on one device, got cuda:0 and cpu"):
+        llaisys.ops.linear_swiglu(llaisys.empty((3, 5), "f32", "cuda"), x, w.to("cpu"))

@@ -40,6 +40,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out
 
 
+def linear_swiglu(x: Tensor, w_gate_up: Tensor) -> Tensor:
+    """swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T) for w_gate_up [2I, K] (gate rows, then up rows)."""
+    out = _like((*x.shape[:-1], w_gate_up.shape[0] // 2), x)
+    ops.linear_swiglu(out, x, w_gate_up)
+    return out
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     out = _like(x.shape, x)
     ops.rms_norm(out, x, weight, eps)

@@ -13,9 +13,11 @@ index_copy = _ops.index_copy
 argmax = _ops.argmax
 embedding = _ops.embedding
 linear = _ops.linear
+linear_swiglu = _ops.linear_swiglu
 rms_norm = _ops.rms_norm
 add_rms_norm = _ops.add_rms_norm
 rope = _ops.rope
+rope_qkv_cache = _ops.rope_qkv_cache
 self_attention = _ops.self_attention
 self_attention_cached = _ops.self_attention_cached
 swiglu = _ops.swiglu
@@ -23,4 +25,5 @@ sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
 
 __all__ = ["add", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
-           "self_attention", "self_attention_cached", "swiglu", "sample", "repetition_penalty"]
+           "rope_qkv_cache",
+           "self_attention", "self_attention_cached", "swiglu", "sample", "repetition_penalty", "linear_swiglu"]

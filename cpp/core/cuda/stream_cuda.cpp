@@ -47,6 +47,8 @@ void check_error_flag(Device device) {
                                            device.str() + " at synchronize)");
     if (code == 3) throw std::out_of_range("self_attention_cached: kv_len out of range [qlen, capacity] (found on " +
                                            device.str() + " at synchronize)");
+    if (code == 4) throw std::out_of_range("rope_qkv_cache: a position is out of range of the KV cache (found on " +
+                                           device.str() + " at synchronize)");
     throw std::runtime_error("a CUDA kernel reported error code " + std::to_string(code));
 }
 } // namespace

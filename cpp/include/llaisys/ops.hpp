@@ -26,6 +26,11 @@ void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x);
 void embedding(const Tensor &out, const Tensor &ids, const Tensor &weight);
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]); bias may be an undefined Tensor.
 void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias);
+// The MLP's gate/up projections and SwiGLU in one op: x [..., K], w_gate_up [2I, K] (HF's gate_proj rows
+// stacked over up_proj rows), out [..., I] = swiglu(g, u) with g = x @ w_gate_up[:I]^T and
+// u = x @ w_gate_up[I:]^T, each summed in f32 and rounded to the dtype before the SwiGLU, so the result
+// equals linear + linear + swiglu bit for bit when the sums run in the same order (CPU; CUDA for M <= 8).
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up);
 // out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
 void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps);
 // residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs.
@@ -33,6 +38,13 @@ void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, co
 // Rotary embedding on x [seq, heads, head_dim] with positions pos_ids [seq] (i64/i32), non-interleaved
 // halves (HF convention). out may alias x.
 void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta);
+// After the fused QKV projection, in one launch: qkv [T, (nh + 2 * nkvh) * hd] (per row q heads, k heads,
+// v heads; any row stride), pos_ids [T] (i64/i32, on the device, distinct): q_out [T, nh, hd] = rope(q),
+// k_cache[pos[t]] = rope(k), v_cache[pos[t]] = v, with k_cache/v_cache [capacity, nkvh, hd] (contiguous
+// last dim). Equals rope + rope + index_copy + index_copy bit for bit; q_out may be qkv's q part. A position
+// outside [0, capacity) writes nothing for its token and raises (on CUDA at the next synchronize).
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, float theta);
 // Causal GQA attention. q [qlen, nh, hd], k/v [kvlen, nkvh, hd] (v may have its own head dim),
 // out [qlen, nh, hd_v]. Query i sees key j iff j <= i + kvlen - qlen.
 void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale);

@@ -6,6 +6,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 namespace llaisys::ops::detail {
 
@@ -43,6 +44,29 @@ inline void check_index(const char *op, const char *name, const Tensor &t) {
 inline void check_shape(const char *op, const char *name, const Tensor &t, const Shape &want) {
     LLAISYS_CHECK(t.shape() == want, std::invalid_argument, op, ": ", name, " must have shape ", shape_str(want),
                   ", got ", shape_str(t.shape()));
+}
+
+// Ops whose kernels read an input while other threads write the output (GEMVs, GEMMs) give wrong
+// results silently when the two share bytes; they call this to refuse such a pair. Only a contiguous
+// out is written in place (with_contiguous_out gives any other a temporary), and its bytes are one
+// block, so the test is whether that block meets the byte range the input can touch.
+inline void check_no_overlap(const char *op, const char *out_name, const Tensor &out, const char *in_name,
+                             const Tensor &in) {
+    if (!out.defined() || !in.defined() || out.storage() != in.storage() || out.numel() == 0 || in.numel() == 0 ||
+        !out.is_contiguous())
+        return;
+    auto span = [](const Tensor &t) { // [first byte, one past the last byte] the view can touch
+        const char *lo = static_cast<const char *>(t.data()), *hi = lo;
+        for (int d = 0; d < t.ndim(); ++d) {
+            const int64_t reach = (t.size(d) - 1) * t.stride(d) * int64_t(t.element_size());
+            (reach < 0 ? lo : hi) += reach;
+        }
+        return std::pair<const char *, const char *>(lo, hi + t.element_size());
+    };
+    const auto [a0, a1] = span(out);
+    const auto [b0, b1] = span(in);
+    LLAISYS_CHECK(a1 <= b0 || b1 <= a0, std::invalid_argument, op, ": ", out_name, " must not overlap ", in_name,
+                  " (they share memory); write into a separate tensor");
 }
 
 inline void check_ndim(const char *op, const char *name, const Tensor &t, int ndim) {

@@ -9,6 +9,7 @@
 
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
+#include "ops/swiglu/swiglu.hpp"
 
 #include <memory>
 
@@ -322,6 +323,18 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     detail::dispatch_float("linear", x.dtype(), x.device(), [&](auto tag) {
         linear_typed<typename decltype(tag)::type>(out, x, weight, bias);
     });
+}
+
+// Composed from the ops it fuses: g and u come from the linear above (per output the same summation
+// order as two separate linear calls, rounded to T on store), then the swiglu kernel combines them, so
+// the result equals linear + linear + swiglu bit for bit. Decode reads the weight once either way.
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+    const int64_t M = out.size(0), I = out.size(1);
+    const Tensor gu = Tensor::empty({2, M, I}, out.dtype()); // [g; u], each [M, I]
+    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+    linear(g, x, w_gate_up.slice(0, 0, I), Tensor());     // w_gate_up[:I]  [I, K]
+    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor()); // w_gate_up[I:]  [I, K]
+    swiglu(out, g, u);
 }
 
 } // namespace llaisys::ops::cpu

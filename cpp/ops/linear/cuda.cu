@@ -2,10 +2,13 @@
 //   M <= 8 (decode): gemv_kernel, which streams W once at memory bandwidth.
 //   M > 8 (prefill): cuBLASLt with f32 compute (no TF32) and the bias fused as an epilogue; the
 //   GEMV also serves as the fallback if cuBLASLt offers no algorithm (and for K = 0).
+// linear_swiglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for M <= 8;
+// two cuBLASLt GEMMs and the swiglu kernel for M > 8.
 #include "ops/linear/linear.hpp"
 
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/swiglu/swiglu.hpp"
 
 #include <cublasLt.h>
 
@@ -66,8 +69,48 @@ struct Chunk<T, 1> {
 };
 
 struct GemvArgs {
-    int64_t M, N, K, ldx, ldw;
+    int64_t M, N, K, ldx, ldw; // N: columns of out (linear_swiglu: I, with W [2I, K])
     int split; // warps sharing one group of W rows, each taking every split-th vector (1, 2, 4 or 8)
+};
+
+// The swiglu op's formula (ops/swiglu/cuda.cu), kept identical so that linear_swiglu equals
+// linear + linear + swiglu bit for bit.
+__device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / (1.f + expf(-g))); }
+
+// ---- Epilogues: which W rows a group of warps reads and how their sums become outputs. ----
+// kRows: W rows per group; kOuts: outputs per group; kUnroll: loads in flight per lane and row (8
+// 16-byte loads per lane in all; registers bound it). w_row(group, r, a) is the group's r-th W row,
+// groups past the end repeating the last row (computed, never stored). store(...) writes output o of
+// the group for x row m; sum(r, init) is init plus the group's f32 total for its r-th row, lanes and
+// split warps reduced in a fixed order.
+
+// linear: group g owns W rows g*R .. g*R + R-1, one output column each (+ bias). More rows per group
+// when M is larger: each x load then feeds R rows.
+template <int MR>
+struct PlainEpilogue {
+    static constexpr int kRows = MR >= 4 ? 2 : 1, kOuts = kRows, kUnroll = MR >= 4 ? 4 : 8;
+    __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) { return min(group * kRows + r, a.N - 1); }
+    template <typename T, class Sum>
+    __device__ static void store(T *out, const T *bias, int64_t group, int o, int64_t m, const GemvArgs &a,
+                                 const Sum &sum) {
+        const int64_t n = group * kRows + o;
+        if (n < a.N) out[m * a.N + n] = from_f32<T>(sum(o, bias ? to_f32(bias[n]) : 0.f));
+    }
+};
+
+// linear_swiglu: group n owns gate row n and up row I + n of W [2I, K] (I = a.N) and writes
+// out[m, n] = swiglu(g, u), g and u first rounded to T as linear stores them for the swiglu op. The
+// pair is the same at every MR (each x load feeds 2 rows, like linear's R = 2).
+template <int MR>
+struct SwigluEpilogue {
+    static constexpr int kRows = 2, kOuts = 1, kUnroll = 4;
+    __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) { return min(group, a.N - 1) + r * a.N; }
+    template <typename T, class Sum>
+    __device__ static void store(T *out, const T *, int64_t group, int, int64_t m, const GemvArgs &a, const Sum &sum) {
+        if (group >= a.N) return;
+        const float g = to_f32(from_f32<T>(sum(0, 0.f))), u = to_f32(from_f32<T>(sum(1, 0.f)));
+        out[m * a.N + group] = from_f32<T>(swiglu_f32(g, u));
+    }
 };
 
 // acc[m][r] += x[m] . w[r] over the vectors v = first, first + step, ... < nvec. Each lane issues up
@@ -105,33 +148,36 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&
     }
 }
 
-// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]) for MR rows of x per block.
-// Launch: grid (ceil(N / rows_per_block), ceil(M / MR)), 256 threads. The 8 warps form 8 / split
-// groups; each group owns R consecutive W rows, and the split warps of a group interleave over the
-// rows' 16-byte vectors (lane l of warp s takes vectors s * 32 + l, + 32 * split, ...), so the group
-// reads its rows coalesced. x is read straight from global memory next to W: it is small and stays
-// in L1/L2 while W streams past, and no barrier stands between a block's start and its W loads.
-// Partial sums are reduced across the warp by shuffles, then across the group's warps through
-// shared memory, where the bias is added. Rows of x past M and of W past N repeat the last row
-// (computed, never stored), so every warp runs the same code.
-template <typename T, int MR, int R, int V, int U>
+// out [M, N] from x [M, K] and w for MR rows of x per block: x @ w[N, K]^T (+ bias [N]) with
+// PlainEpilogue, swiglu(x @ w[:N]^T, x @ w[N:]^T) with SwigluEpilogue.
+// Launch: grid (ceil(N / outputs_per_block), ceil(M / MR)), 256 threads. The 8 warps form 8 / split
+// groups; each group owns Epi's R W rows, and the split warps of a group interleave over the rows'
+// 16-byte vectors (lane l of warp s takes vectors s * 32 + l, + 32 * split, ...), so the group reads
+// its rows coalesced. x is read straight from global memory next to W: it is small and stays in L1/L2
+// while W streams past, and no barrier stands between a block's start and its W loads. Partial sums
+// are reduced across the warp by shuffles, then across the group's warps through shared memory, where
+// Epi turns them into outputs. Rows of x past M repeat the last row (computed, never stored), so
+// every warp runs the same code. A row's f32 sum runs in an order set by K, V and split alone (not
+// by R, MR or U), which is what lets linear_swiglu reproduce linear exactly.
+template <typename T, int MR, int V, class Epi>
 __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
     gemv_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ bias,
                 GemvArgs a) {
+    constexpr int R = Epi::kRows;
     __shared__ float partial[kGemvWarps][MR][R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int groups = kGemvWarps / a.split, group = warp / a.split, sub = warp % a.split;
-    const int64_t n0 = (int64_t(blockIdx.x) * groups + group) * R; // first W row of this group
-    const int64_t m0 = int64_t(blockIdx.y) * MR;                     // first x row of this block
+    const int64_t g0 = int64_t(blockIdx.x) * groups; // first group of this block
+    const int64_t m0 = int64_t(blockIdx.y) * MR;     // first x row of this block
     const T *xr[MR];
     const T *wr[R];
 #pragma unroll
     for (int m = 0; m < MR; ++m) xr[m] = x + min(m0 + m, a.M - 1) * a.ldx;
 #pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = w + min(n0 + r, a.N - 1) * a.ldw;
+    for (int r = 0; r < R; ++r) wr[r] = w + Epi::w_row(g0 + group, r, a) * a.ldw;
     float acc[MR][R] = {};
     const int64_t nvec = a.K / V, step = int64_t(a.split) * 32;
-    gemv_rows<T, MR, R, V, U>(acc, xr, wr, sub * 32 + lane, step, nvec);
+    gemv_rows<T, MR, R, V, Epi::kUnroll>(acc, xr, wr, sub * 32 + lane, step, nvec);
     for (int64_t k = nvec * V + sub * 32 + lane; k < a.K; k += step) // columns past the last full vector
 #pragma unroll
         for (int m = 0; m < MR; ++m)
@@ -145,13 +191,14 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
             if (lane == 0) partial[warp][m][r] = s;
         }
     __syncthreads();
-    for (int t = threadIdx.x; t < groups * R * MR; t += blockDim.x) {
-        const int g = t / (R * MR), r = t / MR % R, m = t % MR;
-        const int64_t n = (int64_t(blockIdx.x) * groups + g) * R + r;
-        if (n >= a.N || m0 + m >= a.M) continue;
-        float s = bias ? to_f32(bias[n]) : 0.f;
-        for (int j = 0; j < a.split; ++j) s += partial[g * a.split + j][m][r];
-        out[(m0 + m) * a.N + n] = from_f32<T>(s);
+    for (int t = threadIdx.x; t < groups * Epi::kOuts * MR; t += blockDim.x) {
+        const int g = t / (Epi::kOuts * MR), o = t / MR % Epi::kOuts, m = t % MR;
+        if (m0 + m >= a.M) continue;
+        const auto sum = [&](int r, float s) {
+            for (int j = 0; j < a.split; ++j) s += partial[g * a.split + j][m][r];
+            return s;
+        };
+        Epi::template store<T>(out, bias, g0 + g, o, m0 + m, a, sum);
     }
 }
 
@@ -176,19 +223,20 @@ int gemv_split(int64_t rows_of_groups, int64_t vectors_per_row, int device) {
     return split;
 }
 
-template <typename T, int MR>
+template <typename T, int MR, class Epi>
 void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, GemvArgs a, bool vec) {
-    constexpr int R = MR >= 4 ? 2 : 1; // more W rows per warp when M is larger: each x load feeds R rows
-    constexpr int U = MR >= 4 ? 4 : 8; // loads in flight per lane and row (registers bound it for large MR)
     constexpr int VW = int(16 / sizeof(T));
-    a.split = gemv_split((a.N + R - 1) / R, (a.K + VW - 1) / VW, out.device().index);
-    const int64_t rows_per_block = int64_t(kGemvWarps / a.split) * R;
-    const dim3 grid(unsigned((a.N + rows_per_block - 1) / rows_per_block), unsigned((a.M + MR - 1) / MR));
+    // The split linear's GEMV takes for N outputs at this M, whatever the epilogue: every output's
+    // sum then runs in the same order as linear's.
+    constexpr int plain_rows = PlainEpilogue<MR>::kRows;
+    a.split = gemv_split((a.N + plain_rows - 1) / plain_rows, (a.K + VW - 1) / VW, out.device().index);
+    const int64_t outs_per_block = int64_t(kGemvWarps / a.split) * Epi::kOuts;
+    const dim3 grid(unsigned((a.N + outs_per_block - 1) / outs_per_block), unsigned((a.M + MR - 1) / MR));
     using D = device_t<T>;
     D *o = dptr<T>(out);
     const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
-    if (vec) gemv_kernel<D, MR, R, VW, U><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
-    else gemv_kernel<D, MR, R, 1, U><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
+    if (vec) gemv_kernel<D, MR, VW, Epi><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
+    else gemv_kernel<D, MR, 1, Epi><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
     CUDA_CHECK_LAUNCH();
 }
 
@@ -197,18 +245,19 @@ bool rows_aligned_16(const Tensor &t) {
     return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && linear_detail::ld(t) * int64_t(t.element_size()) % 16 == 0;
 }
 
-// The GEMV for any M: blocks of 8 rows of x when M > 8 (only the fallback and K = 0 get there).
-template <typename T>
+// The GEMV for any M, into out [M, N]: blocks of 8 rows of x when M > 8 (only linear's fallback and
+// K = 0 get there).
+template <typename T, template <int> class Epi>
 void gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
     const int64_t M = x.size(0);
-    GemvArgs a{M, w.size(0), w.size(1), linear_detail::ld(x), linear_detail::ld(w), 1};
+    GemvArgs a{M, out.size(1), w.size(1), linear_detail::ld(x), linear_detail::ld(w), 1};
     const bool vec = rows_aligned_16(w) && rows_aligned_16(x);
     LLAISYS_CHECK(M <= int64_t(65535) * kGemvMaxM, std::invalid_argument, "linear: the GEMV fallback takes at most ",
                   std::to_string(int64_t(65535) * kGemvMaxM), " rows of x, got ", std::to_string(M));
-    if (M == 1) launch_gemv<T, 1>(out, x, w, bias, a, vec);
-    else if (M == 2) launch_gemv<T, 2>(out, x, w, bias, a, vec);
-    else if (M <= 4) launch_gemv<T, 4>(out, x, w, bias, a, vec);
-    else launch_gemv<T, 8>(out, x, w, bias, a, vec);
+    if (M == 1) launch_gemv<T, 1, Epi<1>>(out, x, w, bias, a, vec);
+    else if (M == 2) launch_gemv<T, 2, Epi<2>>(out, x, w, bias, a, vec);
+    else if (M <= 4) launch_gemv<T, 4, Epi<4>>(out, x, w, bias, a, vec);
+    else launch_gemv<T, 8, Epi<8>>(out, x, w, bias, a, vec);
 }
 
 // ========================================== cuBLASLt ==========================================
@@ -361,8 +410,25 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     detail::dispatch_float("linear", x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         const bool gemm = x.size(0) > kGemvMaxM && weight.size(1) > 0;
-        if (!(gemm && lt_matmul<T>(out, x, weight, bias))) gemv<T>(out, x, weight, bias);
+        if (!(gemm && lt_matmul<T>(out, x, weight, bias))) gemv<T, PlainEpilogue>(out, x, weight, bias);
     });
+}
+
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+    const int64_t M = out.size(0), I = out.size(1);
+    if (M <= kGemvMaxM) {
+        detail::dispatch_float("linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
+            gemv<typename decltype(tag)::type, SwigluEpilogue>(out, x, w_gate_up, Tensor());
+        });
+        return;
+    }
+    // Prefill: two GEMMs of [M, I] (the unfused path's problems) rather than one of [M, 2I], so g and u
+    // each come out contiguous for the swiglu kernel.
+    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
+    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+    linear(g, x, w_gate_up.slice(0, 0, I), Tensor());     // w_gate_up[:I]  [I, K]
+    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor()); // w_gate_up[I:]  [I, K]
+    swiglu(out, g, u);
 }
 
 } // namespace llaisys::ops::cuda

@@ -40,6 +40,9 @@ static void check_linear_args(const Tensor &out, const Tensor &x, const Tensor &
     Shape want = x.shape();
     want.back() = N;
     detail::check_shape(op, "out", out, want);
+    detail::check_no_overlap(op, "out", out, "x", x);
+    detail::check_no_overlap(op, "out", out, "weight", weight);
+    detail::check_no_overlap(op, "out", out, "bias", bias);
 }
 
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]).
@@ -52,6 +55,42 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     detail::with_contiguous_out(out, [&](const Tensor &dst) {
         const Tensor o2 = dst.view({M, N});
         LLAISYS_DEVICE_DISPATCH("linear", o2.device(), cpu::linear(o2, x2, w2, b), cuda::linear(o2, x2, w2, b));
+    });
+}
+
+static void check_linear_swiglu_args(const Tensor &out, const Tensor &x, const Tensor &w) {
+    constexpr const char *op = "linear_swiglu";
+    detail::check_defined(op, "out", out);
+    detail::check_defined(op, "x", x);
+    detail::check_defined(op, "w_gate_up", w);
+    detail::check_same_device(op, {&out, &x, &w});
+    detail::check_float(op, "x", x);
+    detail::check_same_dtype(op, "w_gate_up", w, x);
+    detail::check_same_dtype(op, "out", out, x);
+    LLAISYS_CHECK(w.ndim() == 2 && w.size(0) % 2 == 0, std::invalid_argument,
+                  "linear_swiglu: w_gate_up must be 2-D [2I, K] (I gate rows, then I up rows), got shape ",
+                  shape_str(w.shape()));
+    LLAISYS_CHECK(x.ndim() >= 1, std::invalid_argument, "linear_swiglu: x must have at least 1 dim, got a scalar");
+    LLAISYS_CHECK(x.size(-1) == w.size(1), std::invalid_argument, "linear_swiglu: x's last dim (",
+                  std::to_string(x.size(-1)), ") must equal w_gate_up's K (w_gate_up is [2I, K] = ",
+                  shape_str(w.shape()), "), got x of shape ", shape_str(x.shape()));
+    Shape want = x.shape();
+    want.back() = w.size(0) / 2;
+    detail::check_shape(op, "out", out, want);
+    detail::check_no_overlap(op, "out", out, "x", x);
+    detail::check_no_overlap(op, "out", out, "w_gate_up", w);
+}
+
+// out [..., I] = swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T); out must not overlap x or w_gate_up.
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+    check_linear_swiglu_args(out, x, w_gate_up);
+    const int64_t I = w_gate_up.size(0) / 2, K = w_gate_up.size(1), M = out.numel() / std::max<int64_t>(I, 1);
+    if (M == 0 || I == 0) return; // nothing to write
+    const Tensor x2 = dense_rows(x, M, K), w2 = dense_rows(w_gate_up, 2 * I, K);
+    detail::with_contiguous_out(out, [&](const Tensor &dst) {
+        const Tensor o2 = dst.view({M, I});
+        LLAISYS_DEVICE_DISPATCH("linear_swiglu", o2.device(), cpu::linear_swiglu(o2, x2, w2),
+                                cuda::linear_swiglu(o2, x2, w2));
     });
 }
 

@@ -1,18 +1,8 @@
-#include "ops/rope/rope.hpp"
-
 #include "ops/common/checks.hpp"
-#include "ops/rms_norm/vec.cuh"
-
-#include <cstring>
+#include "ops/rope/rope.cuh"
 
 namespace llaisys::ops::cuda {
 
-// inv_freq travels as a kernel parameter (no host-to-device copy, nothing to allocate); 512 pairs cover
-// head_dim <= 1024, 2 KiB of parameter space.
-constexpr int kMaxRopePairs = 512;
-struct RopeFreqs {
-    float v[kMaxRopePairs];
-};
 struct RopeDims {
     int64_t seq, heads;
     int half;            // head_dim / 2
@@ -39,30 +29,20 @@ __global__ void rope_kernel(T *out, const T *x, const I *pos, const RopeFreqs fr
         Vec<T, VEC> oa, ob;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            float sn, cs;
-            sincosf(__fmul_rn(p, inv_freq[i0 + j]), &sn, &cs); // exact f32 product, as on the CPU
-            const float x1 = to_f32(a.v[j]), x2 = to_f32(b.v[j]);
-            oa.v[j] = from_f32<T>(x1 * cs - x2 * sn);
-            ob.v[j] = from_f32<T>(x2 * cs + x1 * sn);
+            float cs, sn;
+            rope_cos_sin(p, inv_freq[i0 + j], cs, sn);
+            const float2 o = rope_turn(to_f32(a.v[j]), to_f32(b.v[j]), cs, sn);
+            oa.v[j] = from_f32<T>(o.x);
+            ob.v[j] = from_f32<T>(o.y);
         }
         store_vec(orow + i0, oa);
         store_vec(orow + i0 + d.half, ob);
     }
 }
 
-// 16-byte vectors when every row start (base, seq and head strides, the half offset) is aligned to them.
-template <typename T>
-static bool rope_rows_aligned(const Tensor &t, int64_t half) {
-    const int64_t v = kVec16<T>;
-    auto ok = [&](int dim) { return t.size(dim) == 1 || t.stride(dim) % v == 0; };
-    return half % v == 0 && ok(0) && ok(1) && is_aligned(t.data(), 16);
-}
-
 void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, const std::vector<float> &inv_freq) {
     const int64_t half = x.size(2) / 2; // <= kMaxRopePairs: op.cpp checks kRopeMaxCudaHeadDim
-    static_assert(2 * kMaxRopePairs == kRopeMaxCudaHeadDim, "the parameter array must hold every pair");
-    RopeFreqs freqs{};
-    std::memcpy(freqs.v, inv_freq.data(), size_t(half) * sizeof(float));
+    const RopeFreqs freqs = rope_freqs(inv_freq, half);
     const RopeDims d{x.size(0), x.size(1), int(half), x.stride(0), x.stride(1), out.stride(0), out.stride(1)};
     detail::dispatch_float("rope", x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;

@@ -1,0 +1,45 @@
+// Device pieces shared by the rope kernels (rope, rope_qkv_cache), so that they agree bit for bit.
+#pragma once
+#include "ops/rms_norm/vec.cuh"
+#include "ops/rope/rope.hpp"
+
+#include <cstring>
+#include <vector>
+
+namespace llaisys::ops::cuda {
+
+// inv_freq travels as a kernel parameter (no host-to-device copy, nothing to allocate); 512 pairs cover
+// head_dim <= 1024, 2 KiB of parameter space.
+constexpr int kMaxRopePairs = 512;
+static_assert(2 * kMaxRopePairs == kRopeMaxCudaHeadDim, "the parameter array must hold every pair");
+struct RopeFreqs {
+    float v[kMaxRopePairs];
+};
+
+// inv_freq [half] as a kernel parameter; half <= kMaxRopePairs (op.cpp checks kRopeMaxCudaHeadDim).
+inline RopeFreqs rope_freqs(const std::vector<float> &inv_freq, int64_t half) {
+    RopeFreqs freqs{};
+    std::memcpy(freqs.v, inv_freq.data(), size_t(half) * sizeof(float));
+    return freqs;
+}
+
+// cos and sin of the angle p * inv_freq: the exact f32 product (as on the CPU), then sincosf.
+__device__ __forceinline__ void rope_cos_sin(float p, float inv_freq, float &cs, float &sn) {
+    sincosf(__fmul_rn(p, inv_freq), &sn, &cs);
+}
+
+// Turns the pair (x1, x2) by the angle with cosine cs and sine sn in f32. The roundings are spelled out
+// (no contraction left to the compiler) so that every kernel rounds alike.
+__device__ __forceinline__ float2 rope_turn(float x1, float x2, float cs, float sn) {
+    return make_float2(__fmaf_rn(x1, cs, -__fmul_rn(x2, sn)), __fmaf_rn(x2, cs, __fmul_rn(x1, sn)));
+}
+
+// 16-byte vectors when every row start (base, seq and head strides, the half offset) is aligned to them.
+template <typename T>
+bool rope_rows_aligned(const Tensor &t, int64_t half) {
+    const int64_t v = kVec16<T>;
+    auto ok = [&](int dim) { return t.size(dim) == 1 || t.stride(dim) % v == 0; };
+    return half % v == 0 && ok(0) && ok(1) && is_aligned(t.data(), 16);
+}
+
+} // namespace llaisys::ops::cuda

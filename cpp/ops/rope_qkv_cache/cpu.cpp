@@ -1,0 +1,52 @@
+#include "ops/rope_qkv_cache/rope_qkv_cache.hpp"
+
+#include "ops/common/checks.hpp"
+#include "ops/rope/rope_cpu.hpp"
+
+#include <cstring>
+
+namespace llaisys::ops::cpu {
+
+// Per token t with position p = pos[t]: q_out[t] = rope(q heads), k_cache[p] = rope(k heads),
+// v_cache[p] = v heads, with rope's own cos/sin and row rotation (rope_cpu.hpp), so the result equals
+// rope + index_copy bit for bit. Every position is checked before anything is written.
+template <typename T, typename I>
+static void rope_qkv_cache_kernel(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache,
+                                  const Tensor &qkv, const I *pos, const std::vector<float> &inv_freq) {
+    const int64_t tokens = qkv.size(0), nh = q_out.size(1), nkvh = k_cache.size(1), hd = q_out.size(2), h = hd / 2;
+    const int64_t capacity = k_cache.size(0);
+    for (int64_t t = 0; t < tokens; ++t)
+        LLAISYS_CHECK(pos[t] >= 0 && pos[t] < capacity, std::out_of_range, "rope_qkv_cache: position ",
+                      int64_t(pos[t]), " at index ", t, " is out of range of the KV cache [0, ", capacity, ")");
+    const T *x = qkv.data_as<T>(); // [tokens, nh + 2 nkvh, hd]: q heads, k heads, v heads; strides (qkv_s, hd, 1)
+    T *q = q_out.data_as<T>();     // [tokens, nh, hd], strides (qs, qh, 1)
+    T *k = k_cache.data_as<T>();   // [capacity, nkvh, hd], strides (ks, kh, 1)
+    T *v = v_cache.data_as<T>();   // [capacity, nkvh, hd], strides (vs, vh, 1)
+    const int64_t xs = qkv.stride(0), qs = q_out.stride(0), qh = q_out.stride(1);
+    const int64_t ks = k_cache.stride(0), kh = k_cache.stride(1), vs = v_cache.stride(0), vh = v_cache.stride(1);
+    parallel_for(tokens, (nh + 2 * nkvh) * hd, [&](int64_t t) {
+        std::vector<float> cos_sin(size_t(2 * h)); // cos [h] | sin [h]
+        rope_cos_sin(float(pos[t]), inv_freq, h, cos_sin.data());
+        const T *row = x + t * xs;
+        const int64_t p = int64_t(pos[t]);
+        for (int64_t head = 0; head < nh; ++head)
+            rope_row(q + t * qs + head * qh, row + head * hd, cos_sin.data(), h);
+        for (int64_t head = 0; head < nkvh; ++head) {
+            rope_row(k + p * ks + head * kh, row + (nh + head) * hd, cos_sin.data(), h);
+            std::memcpy(v + p * vs + head * vh, row + (nh + nkvh + head) * hd, size_t(hd) * sizeof(T));
+        }
+    });
+}
+
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, const std::vector<float> &inv_freq) {
+    detail::dispatch_float("rope_qkv_cache", qkv.dtype(), qkv.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        detail::dispatch_index("rope_qkv_cache", pos_ids.dtype(), pos_ids.device(), [&](auto itag) {
+            using I = typename decltype(itag)::type;
+            rope_qkv_cache_kernel<T>(q_out, k_cache, v_cache, qkv, pos_ids.data_as<I>(), inv_freq);
+        });
+    });
+}
+
+} // namespace llaisys::ops::cpu

@@ -1,0 +1,100 @@
+#include "ops/rope_qkv_cache/rope_qkv_cache.hpp"
+
+#include "core/runtime.hpp"
+#include "ops/common/checks.hpp"
+#include "ops/rope/rope.cuh"
+
+namespace llaisys::ops::cuda {
+
+// Error code written into runtime::cuda::error_flag (synchronize raises IndexError naming the op).
+constexpr int kPositionOutOfRange = 4;
+
+struct RopeQkvDims {
+    int nh, nkvh, hd;   // q heads, k/v heads, head_dim
+    int64_t capacity;   // cache rows
+    int64_t xs;         // qkv row stride (last dim contiguous)
+    int64_t qs, qh;     // q_out strides over tokens and heads
+    int64_t ks, kh;     // k_cache strides over positions and heads
+    int64_t vs, vh;     // v_cache strides over positions and heads
+};
+
+// One block per token t, p = pos[t]: the block stages cos/sin of the hd / 2 angles in shared memory
+// (rope's own evaluation, rope.cuh), then its threads stride over (head, VEC pairs) of the q and k heads
+// (q_out[t] and k_cache[p] get the turned pairs) and over (head, VEC elements) of the v heads (copied to
+// v_cache[p]). A thread reads what it writes first, so q_out may be qkv's q part. A position outside
+// [0, capacity) sets the error flag and the block writes nothing.
+template <typename T, typename I, int VEC>
+__global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T *qkv, const I *pos,
+                                      const RopeFreqs freqs, const RopeQkvDims d, int *error) {
+    __shared__ float cos_s[kMaxRopePairs], sin_s[kMaxRopePairs];
+    const int64_t t = blockIdx.x, p = int64_t(pos[t]);
+    if (p < 0 || p >= d.capacity) {
+        if (threadIdx.x == 0) *error = kPositionOutOfRange;
+        return;
+    }
+    const int half = d.hd / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(float(pos[t]), freqs.v[i], cos_s[i], sin_s[i]);
+    __syncthreads();
+    const T *row = qkv + t * d.xs; // [nh + 2 nkvh, hd]: q heads, k heads, v heads
+    const int chunks = half / VEC, turns = (d.nh + d.nkvh) * chunks, per_v = d.hd / VEC;
+    const int items = turns + d.nkvh * per_v;
+    for (int j = threadIdx.x; j < items; j += blockDim.x) {
+        if (j < turns) {
+            const int head = j / chunks, i0 = (j - head * chunks) * VEC;
+            const T *src = row + head * d.hd; // [2 * half]
+            T *dst = head < d.nh ? q_out + t * d.qs + head * d.qh : k_cache + p * d.ks + (head - d.nh) * d.kh;
+            const Vec<T, VEC> a = load_vec<VEC>(src + i0), b = load_vec<VEC>(src + i0 + half);
+            Vec<T, VEC> oa, ob;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                const float2 o = rope_turn(to_f32(a.v[k]), to_f32(b.v[k]), cos_s[i0 + k], sin_s[i0 + k]);
+                oa.v[k] = from_f32<T>(o.x);
+                ob.v[k] = from_f32<T>(o.y);
+            }
+            store_vec(dst + i0, oa);
+            store_vec(dst + i0 + half, ob);
+        } else {
+            const int c = j - turns, head = c / per_v, e0 = (c - head * per_v) * VEC;
+            store_vec(v_cache + p * d.vs + head * d.vh + e0, load_vec<VEC>(row + (d.nh + d.nkvh + head) * d.hd + e0));
+        }
+    }
+}
+
+// 16-byte vectors when every row start of qkv, q_out and the caches is aligned to them.
+template <typename T>
+static bool rows_aligned(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                         int64_t half) {
+    const bool qkv_ok = (qkv.size(0) == 1 || qkv.stride(0) % kVec16<T> == 0) && is_aligned(qkv.data(), 16);
+    return qkv_ok && rope_rows_aligned<T>(q_out, half) && rope_rows_aligned<T>(k_cache, half) &&
+           rope_rows_aligned<T>(v_cache, half);
+}
+
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, const std::vector<float> &inv_freq) {
+    constexpr const char *op = "rope_qkv_cache";
+    const int64_t hd = q_out.size(2), half = hd / 2; // hd <= kRopeMaxCudaHeadDim: op.cpp checks it
+    const RopeFreqs freqs = rope_freqs(inv_freq, half);
+    const RopeQkvDims d{int(q_out.size(1)), int(k_cache.size(1)), int(hd),   k_cache.size(0),
+                        qkv.stride(0),      q_out.stride(0),      q_out.stride(1), k_cache.stride(0),
+                        k_cache.stride(1),  v_cache.stride(0),    v_cache.stride(1)};
+    int *error = runtime::cuda::error_flag(qkv.device());
+    detail::dispatch_float(op, qkv.dtype(), qkv.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const bool wide = rows_aligned<T>(q_out, k_cache, v_cache, qkv, half);
+        detail::dispatch_index(op, pos_ids.dtype(), pos_ids.device(), [&](auto itag) {
+            using I = typename decltype(itag)::type;
+            dispatch_vec<T>(wide, [&](auto vec) {
+                constexpr int V = decltype(vec)::value;
+                // Enough threads for one pass over a token's items (80 for Qwen2-0.5B in bf16), at most 256.
+                const int64_t items = (d.nh + d.nkvh) * (half / V) + d.nkvh * (hd / V);
+                const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(items, 32) * 32)));
+                rope_qkv_cache_kernel<device_t<T>, I, V><<<unsigned(qkv.size(0)), threads, 0, stream_of(qkv)>>>(
+                    dptr<T>(q_out), dptr<T>(k_cache), dptr<T>(v_cache), dptr<T>(qkv), pos_ids.data_as<I>(), freqs,
+                    d, error);
+                CUDA_CHECK_LAUNCH();
+            });
+        });
+    });
+}
+
+} // namespace llaisys::ops::cuda

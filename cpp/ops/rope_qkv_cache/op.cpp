@@ -1,0 +1,63 @@
+#include "ops/rope_qkv_cache/rope_qkv_cache.hpp"
+
+#include "llaisys/ops.hpp"
+#include "ops/common/checks.hpp"
+#include "ops/rope/rope.hpp"
+
+#include <cmath>
+
+namespace llaisys::ops {
+
+static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const Tensor &k_cache,
+                                      const Tensor &v_cache, const Tensor &qkv, const Tensor &pos_ids, float theta) {
+    detail::check_defined(op, "q_out", q_out);
+    detail::check_defined(op, "k_cache", k_cache);
+    detail::check_defined(op, "v_cache", v_cache);
+    detail::check_defined(op, "qkv", qkv);
+    detail::check_defined(op, "pos_ids", pos_ids);
+    detail::check_same_device(op, {&qkv, &q_out, &k_cache, &v_cache, &pos_ids});
+    detail::check_float(op, "qkv", qkv);
+    detail::check_same_dtype(op, "q_out", q_out, qkv);
+    detail::check_same_dtype(op, "k_cache", k_cache, qkv);
+    detail::check_same_dtype(op, "v_cache", v_cache, qkv);
+    detail::check_index(op, "pos_ids", pos_ids);
+    detail::check_ndim(op, "qkv", qkv, 2);
+    detail::check_ndim(op, "q_out", q_out, 3);
+    detail::check_ndim(op, "k_cache", k_cache, 3);
+    const int64_t tokens = qkv.size(0), nh = q_out.size(1), hd = q_out.size(2), nkvh = k_cache.size(1);
+    detail::check_shape(op, "q_out", q_out, {tokens, nh, hd});
+    detail::check_shape(op, "k_cache", k_cache, {k_cache.size(0), nkvh, hd});
+    detail::check_shape(op, "v_cache", v_cache, k_cache.shape());
+    detail::check_shape(op, "pos_ids", pos_ids, {tokens});
+    LLAISYS_CHECK(qkv.size(1) == (nh + 2 * nkvh) * hd, std::invalid_argument, op,
+                  ": qkv's last dim must be (nh + 2 * nkvh) * head_dim = (", nh, " + 2 * ", nkvh, ") * ", hd, " = ",
+                  (nh + 2 * nkvh) * hd, ", got ", qkv.size(1));
+    LLAISYS_CHECK(hd % 2 == 0, std::invalid_argument, op, ": head_dim must be even, got ", hd);
+    LLAISYS_CHECK(theta > 0.f && std::isfinite(theta), std::invalid_argument, op,
+                  ": theta must be finite and > 0, got ", theta);
+    LLAISYS_CHECK(qkv.device().is_cpu() || hd <= kRopeMaxCudaHeadDim, std::invalid_argument, op, ": head_dim ", hd,
+                  " is not supported on CUDA (at most ", kRopeMaxCudaHeadDim, ")");
+    // The cache rows are written in place: no temporary can stand in for them.
+    LLAISYS_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, std::invalid_argument, op,
+                  ": k_cache and v_cache must have a contiguous last dim");
+}
+
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, float theta) {
+    constexpr const char *op = "rope_qkv_cache";
+    check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, theta);
+    if (qkv.size(0) == 0) return;
+    const Tensor x = qkv.stride(1) == 1 ? qkv : qkv.contiguous();
+    const Tensor pc = pos_ids.contiguous();
+    const std::vector<float> &inv_freq = detail::rope_inv_freq(theta, q_out.size(2));
+    auto run = [&](const Tensor &q) {
+        LLAISYS_DEVICE_DISPATCH(op, q.device(), cpu::rope_qkv_cache(q, k_cache, v_cache, x, pc, inv_freq),
+                                cuda::rope_qkv_cache(q, k_cache, v_cache, x, pc, inv_freq));
+    };
+    if (q_out.stride(2) == 1) return run(q_out);
+    Tensor tmp = q_out.contiguous(); // holds q_out's values: a token that writes nothing leaves them as they were
+    run(tmp);
+    Tensor(q_out).copy_(tmp);
+}
+
+} // namespace llaisys::ops

@@ -1,0 +1,236 @@
+"""rope_qkv_cache: after the fused QKV projection, q_out = rope(q), k_cache[pos] = rope(k), v_cache[pos] = v
+in one op. Against a float64 NumPy formula, and bit for bit against rope + index_copy on the same device."""
+import numpy as np
+import pytest
+
+import llaisys
+from llaisys import ops
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, poisoned, rand, to_f64
+
+SHAPES = [(14, 2, 64), (12, 2, 128), (3, 1, 2)]  # (nh, nkvh, hd): Qwen2-0.5B, Qwen2-1.5B, odd heads and one pair
+
+
+def inv_freq_f32(theta, hd):
+    """HF's ``1 / theta ** (arange(0, hd, 2).float() / hd)`` in f32, theta^e rounded once to f32."""
+    e = np.arange(0, hd, 2).astype(np.float32) / np.float32(hd)
+    return np.float32(1.0) / (np.float64(np.float32(theta)) ** e.astype(np.float64)).astype(np.float32)
+
+
+def ref_rope(x, pos, theta):
+    """x [T, heads, hd] float64, pos [T]. The angle is the f32 product float(pos) * inv_freq the op is
+    specified to use (at large positions an f32 angle is up to ~3e-3 rad off a float64 one, which would
+    measure angle rounding rather than the kernel); everything after the angle is float64."""
+    h = x.shape[-1] // 2
+    angle = (np.asarray(pos).astype(np.float32)[:, None] * inv_freq_f32(theta, x.shape[-1])[None, :]).astype(np.float64)
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]  # [T, 1, h]
+    x1, x2 = x[..., :h], x[..., h:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def positions(tokens, capacity, seed):
+    """Distinct, unordered, with gaps (a prefix-cached chunk or scattered decode positions)."""
+    return np.random.default_rng(seed).choice(capacity, tokens, replace=False).astype(np.int64)
+
+
+def make_qkv(tokens, width, dtype, device, layout, seed):
+    """qkv [T, width]: dense, or rows of a wider buffer starting one element in (row stride width + 3, not
+    16-byte aligned: the scalar path on CUDA)."""
+    if layout == "dense":
+        return rand((tokens, width), dtype, device, seed=seed)
+    buf, bufr = rand((tokens, width + 3), dtype, device, seed=seed)
+    return buf.slice(1, 1, width + 1), bufr[:, 1: width + 1]
+
+
+def make_caches(capacity, nkvh, hd, dtype, device, layout, seed):
+    """k_cache, v_cache [capacity, nkvh, hd] pre-filled with random values (every row its own sentinel):
+    two dense tensors, or k and v interleaved in one buffer [capacity, 2, nkvh, hd] (leading stride
+    2 * nkvh * hd, each view one half of every row)."""
+    if layout == "dense":
+        (k, kr), (v, vr) = (rand((capacity, nkvh, hd), dtype, device, seed=seed + i) for i in (1, 2))
+        return k, kr, v, vr
+    buf, bufr = rand((capacity, 2, nkvh, hd), dtype, device, seed=seed + 1)
+    return buf.select(1, 0), bufr[:, 0], buf.select(1, 1), bufr[:, 1]
+
+
+def expected(qkvr, kr, vr, pos, nh, nkvh, hd, theta):
+    """(q [T, nh, hd], k_cache, v_cache) in float64 after the op."""
+    x = qkvr.reshape(len(pos), nh + 2 * nkvh, hd)
+    k_want, v_want = kr.copy(), vr.copy()
+    k_want[pos] = ref_rope(x[:, nh: nh + nkvh], pos, theta)
+    v_want[pos] = x[:, nh + nkvh:]
+    return ref_rope(x[:, :nh], pos, theta), k_want, v_want
+
+
+def check_caches(k, v, k_want, v_want, kr, pos, dtype):
+    k_got = to_f64(k)
+    assert_close(k_got, k_want, dtype)
+    untouched = np.ones(len(kr), bool)
+    untouched[pos] = False
+    np.testing.assert_array_equal(k_got[untouched], kr[untouched])  # only the target rows changed
+    np.testing.assert_array_equal(to_f64(v), v_want)  # v is moved, not computed: exact everywhere
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nh,nkvh,hd", SHAPES)
+@pytest.mark.parametrize("tokens", [0, 1, 7, 33])
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+def test_rope_qkv_cache_matches_reference(device, dtype, nh, nkvh, hd, tokens, layout):
+    capacity, theta, width = tokens + 17, 1e6, (nh + 2 * nkvh) * hd
+    qkv, qkvr = make_qkv(tokens, width, dtype, device, layout, seed=tokens)
+    k, kr, v, vr = make_caches(capacity, nkvh, hd, dtype, device, layout, seed=tokens)
+    p = positions(tokens, capacity, seed=tokens)
+    q = poisoned((tokens, nh, hd), dtype, device)
+    ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(p, device), theta)
+    q_want, k_want, v_want = expected(qkvr, kr, vr, p, nh, nkvh, hd, theta)
+    assert_close(q, q_want, dtype)
+    check_caches(k, v, k_want, v_want, kr, p, dtype)
+    np.testing.assert_array_equal(to_f64(qkv), qkvr)  # the input is left alone
+
+
+def bits(t):
+    a = np.ascontiguousarray(t.to("cpu").numpy())
+    return a.view(f"u{a.itemsize}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nh,nkvh,hd", SHAPES)
+@pytest.mark.parametrize("ids,theta", [("i64", 1e6), ("i32", 1e4)])
+def test_fused_equals_rope_and_index_copy_exactly(device, dtype, nh, nkvh, hd, ids, theta):
+    tokens, capacity, width = 33, 8193, (nh + 2 * nkvh) * hd
+    buf, _ = rand((tokens, width + 16), dtype, device, seed=11)  # wider rows, still 16-byte aligned
+    qkv = buf.slice(1, 0, width)
+    p = positions(tokens, capacity, seed=12)
+    p[0] = capacity - 1  # position 8192: angles up to 8192 rad
+    pos = llaisys.tensor(p.astype(NP_DTYPE[ids]), device)
+    base = llaisys.zeros((capacity, nkvh, hd), dtype, device)  # untouched rows are checked in the test above
+
+    def part(lo, hi, heads):  # a head range of qkv as [T, heads, hd]
+        return qkv.slice(1, lo * hd, hi * hd).view(tokens, heads, hd)
+
+    q1, k1 = poisoned((tokens, nh, hd), dtype, device), poisoned((tokens, nkvh, hd), dtype, device)
+    k_cache1, v_cache1 = base.clone(), base.clone()
+    ops.rope(q1, part(0, nh, nh), pos, theta)
+    ops.rope(k1, part(nh, nh + nkvh, nkvh), pos, theta)
+    ops.index_copy(k_cache1, pos, k1)
+    ops.index_copy(v_cache1, pos, part(nh + nkvh, nh + 2 * nkvh, nkvh))
+
+    q2, k_cache2, v_cache2 = poisoned((tokens, nh, hd), dtype, device), base.clone(), base.clone()
+    ops.rope_qkv_cache(q2, k_cache2, v_cache2, qkv, pos, theta)
+    for name, unfused, fused in [("q", q1, q2), ("k_cache", k_cache1, k_cache2), ("v_cache", v_cache1, v_cache2)]:
+        a, b = bits(fused), bits(unfused)
+        assert np.array_equal(a, b), f"{name}: {np.count_nonzero(a != b)} elements differ from rope + index_copy"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_q_out_in_place_and_strided(device, dtype):
+    nh, nkvh, hd, tokens, capacity, theta = 14, 2, 64, 9, 40, 1e6
+    width = (nh + 2 * nkvh) * hd
+    p = positions(tokens, capacity, seed=21)
+    pos = llaisys.tensor(p.astype(np.int32), device)
+    k, kr, v, vr = make_caches(capacity, nkvh, hd, dtype, device, "dense", seed=22)
+    qkv, qkvr = rand((tokens, width), dtype, device, seed=23)
+    q_want, k_want, v_want = expected(qkvr, kr, vr, p, nh, nkvh, hd, theta)
+
+    # q_out is qkv's own q part: q is turned in place, k and v in qkv stay as they were.
+    ops.rope_qkv_cache(qkv.slice(1, 0, nh * hd).view(tokens, nh, hd), k, v, qkv, pos, theta)
+    got = to_f64(qkv)
+    assert_close(got[:, : nh * hd], q_want.reshape(tokens, -1), dtype)
+    np.testing.assert_array_equal(got[:, nh * hd:], qkvr[:, nh * hd:])
+    check_caches(k, v, k_want, v_want, kr, p, dtype)
+
+    qkv, _ = rand((tokens, width), dtype, device, seed=23)
+    buf = poisoned((tokens, nh, 2 * hd), dtype, device)  # head stride 2 * hd, dense last dim
+    ops.rope_qkv_cache(buf.slice(2, 0, hd), k, v, qkv, pos, theta)
+    assert_close(to_f64(buf)[..., :hd], q_want, dtype)
+    assert np.isnan(to_f64(buf)[..., hd:]).all(), "wrote outside the q_out view"
+    q_t = poisoned((hd, nh, tokens), dtype, device).permute(2, 1, 0)  # strided last dim: through a temporary
+    ops.rope_qkv_cache(q_t, k, v, qkv, pos, theta)
+    assert_close(q_t, q_want, dtype)
+    check_caches(k, v, k_want, v_want, kr, p, dtype)
+
+
+def small_args(tokens=3, nh=3, nkvh=1, hd=4, capacity=8, dtype="f32", device="cpu"):
+    """(q_out, k_cache, v_cache, qkv, pos_ids) of consistent shapes for the error tests."""
+    qkv, _ = rand((tokens, (nh + 2 * nkvh) * hd), dtype, device)
+    k, _ = rand((capacity, nkvh, hd), dtype, device, seed=1)
+    v, _ = rand((capacity, nkvh, hd), dtype, device, seed=2)
+    return poisoned((tokens, nh, hd), dtype, device), k, v, qkv, llaisys.tensor(np.array([2, 0, 5][:tokens]), device)
+
+
+@pytest.mark.parametrize("ids", ["i64", "i32"])
+@pytest.mark.parametrize("bad", [8, -1])
+def test_position_out_of_range_raises_and_writes_nothing(ids, bad):
+    q, k, v, qkv, _ = small_args()
+    k0, v0 = to_f64(k), to_f64(v)
+    with pytest.raises(IndexError, match=rf"rope_qkv_cache: position {bad} at index 1 is out of range of the KV "
+                                         r"cache \[0, 8\)"):
+        ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(np.array([2, bad, 5], NP_DTYPE[ids])), 1e4)
+    assert np.isnan(to_f64(q)).all()
+    np.testing.assert_array_equal(to_f64(k), k0)
+    np.testing.assert_array_equal(to_f64(v), v0)
+
+
+def test_rope_qkv_cache_errors():
+    q, k, v, qkv, pos = small_args()
+    op = ops.rope_qkv_cache
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: qkv's last dim must be \(nh \+ 2 \* nkvh\) \* head_dim = "
+                                         r"\(3 \+ 2 \* 1\) \* 4 = 20, got 24"):
+        op(q, k, v, rand((3, 24))[0], pos, 1e4)
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: q_out must have shape \[3, 3, 4\], got \[2, 3, 4\]"):
+        op(poisoned((2, 3, 4)), k, v, qkv, pos, 1e4)
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: k_cache must have shape \[8, 1, 4\], got \[8, 1, 6\]"):
+        op(q, rand((8, 1, 6))[0], v, qkv, pos, 1e4)
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: v_cache must have shape \[8, 1, 4\], got \[9, 1, 4\]"):
+        op(q, k, rand((9, 1, 4))[0], qkv, pos, 1e4)
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: pos_ids must have shape \[3\], got \[4\]"):
+        op(q, k, v, qkv, llaisys.tensor(np.arange(4)), 1e4)
+    with pytest.raises(ValueError, match="rope_qkv_cache: qkv must be 2-D"):
+        op(q, k, v, rand((3, 5, 4))[0], pos, 1e4)
+    with pytest.raises(ValueError, match="rope_qkv_cache: k_cache must be 3-D"):
+        op(q, rand((8, 4))[0], v, qkv, pos, 1e4)
+    with pytest.raises(ValueError, match="rope_qkv_cache: head_dim must be even, got 3"):
+        op(poisoned((3, 3, 3)), rand((8, 1, 3))[0], rand((8, 1, 3))[0], rand((3, 15))[0], pos, 1e4)
+    for theta in [0.0, -1.0, float("nan"), float("inf")]:
+        with pytest.raises(ValueError, match="rope_qkv_cache: theta must be finite and > 0"):
+            op(q, k, v, qkv, pos, theta)
+    with pytest.raises(TypeError, match="rope_qkv_cache: pos_ids must be i64 or i32, got f32"):
+        op(q, k, v, qkv, llaisys.tensor(np.arange(3, dtype=np.float32)), 1e4)
+    with pytest.raises(TypeError, match="rope_qkv_cache: k_cache must have dtype f32 like the other operands, got "
+                                        "bf16"):
+        op(q, rand((8, 1, 4), "bf16")[0], v, qkv, pos, 1e4)
+    with pytest.raises(TypeError, match="rope_qkv_cache: q_out must have dtype f32"):
+        op(poisoned((3, 3, 4), "f16"), k, v, qkv, pos, 1e4)
+    with pytest.raises(TypeError, match="rope_qkv_cache: qkv must be f32, f16 or bf16, got i32"):
+        op(poisoned((3, 3, 4), "i32"), k, v, llaisys.tensor(np.zeros((3, 20), np.int32)), pos, 1e4)
+    k_t = rand((4, 1, 8))[0].permute(2, 1, 0)  # [8, 1, 4] with a strided last dim
+    with pytest.raises(ValueError, match="rope_qkv_cache: k_cache and v_cache must have a contiguous last dim"):
+        op(q, k_t, v, qkv, pos, 1e4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ids", ["i64", "i32"])
+def test_cuda_position_out_of_range_raises_at_synchronize(ids):
+    q, k, v, qkv, _ = small_args(device="cuda")
+    k0, v0 = to_f64(k), to_f64(v)
+    ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(np.array([2, 8, 5], NP_DTYPE[ids]), "cuda"), 1e4)
+    with pytest.raises(IndexError, match="rope_qkv_cache: a position is out of range of the KV cache"):
+        llaisys.synchronize("cuda")
+    llaisys.synchronize("cuda")  # the flag was cleared: the device stays usable
+    # The bad token wrote nothing; the others are written (the kernel cannot stop them without a host sync).
+    assert np.isnan(to_f64(q)[1]).all() and not np.isnan(to_f64(q)[[0, 2]]).any()
+    k_got, v_got = to_f64(k), to_f64(v)
+    rest = [r for r in range(8) if r not in (2, 5)]
+    np.testing.assert_array_equal(k_got[rest], k0[rest])
+    np.testing.assert_array_equal(v_got[rest], v0[rest])
+
+
+@pytest.mark.cuda
+def test_cuda_device_mismatch_and_head_dim_limit():
+    q, k, v, qkv, _ = small_args(device="cuda")
+    with pytest.raises(ValueError, match="rope_qkv_cache: all tensors must be on one device"):
+        ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(np.array([2, 0, 5])), 1e4)
+    with pytest.raises(ValueError, match="rope_qkv_cache: head_dim 1026 is not supported on CUDA"):
+        ops.rope_qkv_cache(*small_args(tokens=1, hd=1026, device="cuda"), 1e4)
