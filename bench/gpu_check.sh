@@ -3,14 +3,14 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [model] [bench] [sanitize]   (default: all, in this order:
+#   bash bench/gpu_check.sh [build] [test] [model] [breakdown] [bench] [sanitize]   (default: all, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-steps=${*:-build test model bench sanitize}
+steps=${*:-build test model breakdown bench sanitize}
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
@@ -46,6 +46,19 @@ if has model; then
     timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 --peers \
       --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/summary.txt"
   done
+  log "llaisys bench --shape qwen2-0.5b, LLAISYS_FUSED=0 (A/B of the fused projections)"
+  LLAISYS_FUSED=0 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape qwen2-0.5b --device cuda --prompt-len 128 \
+    --new-tokens 256 --json "$OUT/bench_unfused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has breakdown; then
+  for shape in qwen2-0.5b qwen2-1.5b; do
+    log "decode breakdown $shape"
+    timeout 120 python3 bench/decode_breakdown.py --shape $shape --json "$OUT/breakdown_$shape.json" 2>&1 |
+      grep -v Warning | head -30 | tee -a "$OUT/summary.txt"
+  done
+  log "decode breakdown qwen2-0.5b, LLAISYS_FUSED=0 (the separate q/k/v, rope, cache-write and gate/up ops)"
+  LLAISYS_FUSED=0 timeout 120 python3 bench/decode_breakdown.py --shape qwen2-0.5b --json "$OUT/breakdown_unfused.json" \
+    2>&1 | grep -v Warning | head -30 | tee -a "$OUT/summary.txt"
 fi
 if has bench; then
   log "bench_ops"

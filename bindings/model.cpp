@@ -2,6 +2,7 @@
 #include "bindings/common.hpp"
 #include "llaisys/qwen2.hpp"
 
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -42,10 +43,11 @@ void bind_model(nb::module_ &m) {
 
     nb::class_<Qwen2>(m, "Qwen2")
         .def("__init__", [](Qwen2 *self, const nb::dict &config, const std::string &dtype, const std::string &device,
-                            int64_t max_seq_len, int num_slots) {
+                            int64_t max_seq_len, int num_slots, std::optional<bool> fused) {
             new (self) Qwen2(config_from_dict(config), dtype_from_name(dtype), Device::parse(device), max_seq_len,
-                             num_slots);
-        }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("max_seq_len"), nb::arg("num_slots") = 1)
+                             num_slots, fused);
+        }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("max_seq_len"), nb::arg("num_slots") = 1,
+             nb::arg("fused").none() = nb::none())
         .def("load_weight", &Qwen2::load_weight, nb::arg("name"), nb::arg("value"), G())
         .def("missing_weights", &Qwen2::missing_weights)
         .def("forward", &Qwen2::forward, nb::arg("slots"), nb::arg("tokens"), nb::arg("all_logits") = false, G(),
@@ -58,6 +60,8 @@ void bind_model(nb::module_ &m) {
              nb::arg("length"))
         .def_prop_rw("cuda_graphs", &Qwen2::cuda_graphs, &Qwen2::set_cuda_graphs,
                      "Replay one captured CUDA graph per decode step (CUDA only).")
+        .def_prop_ro("fused_projections", &Qwen2::fused_projections,
+                     "One GEMV for q/k/v and for gate/up, RoPE + cache write in one kernel (set at construction).")
         .def_prop_ro("max_seq_len", [](Qwen2 &q) { return q.cache().capacity(); })
         .def_prop_ro("num_slots", [](Qwen2 &q) { return q.cache().num_slots(); })
         .def_prop_ro("dtype", [](const Qwen2 &q) { return std::string(dtype_name(q.dtype())); })

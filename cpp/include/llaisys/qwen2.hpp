@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -61,7 +63,9 @@ struct SamplingParams {
 
 class Qwen2 {
 public:
-    Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_seq_len, int num_slots = 1);
+    // fused: fused projections on or off; unset, LLAISYS_FUSED=0|1 decides, else on for CUDA only.
+    Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_seq_len, int num_slots = 1,
+          std::optional<bool> fused = std::nullopt);
     ~Qwen2();
 
     // Takes the weight named as in HF checkpoints ("model.layers.3.mlp.up_proj.weight"), copying or
@@ -83,6 +87,10 @@ public:
     // on CUDA; LLAISYS_CUDA_GRAPHS=0 in the environment turns it off.
     void set_cuda_graphs(bool enabled);
     bool cuda_graphs() const { return graphs_enabled_; }
+    // Fused projections: one GEMV for q/k/v, RoPE and the cache write in one kernel, gate/up and SwiGLU in
+    // one GEMV. Fixed at construction: on by default on CUDA, off on the CPU (where the checkpoint's
+    // memory-mapped tensors are used without a copy); see the constructor.
+    bool fused_projections() const { return fused_; }
 
     KVCache &cache() { return *cache_; }
     const Qwen2Config &config() const { return config_; }
@@ -96,7 +104,8 @@ public:
 private:
     void check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const;
     void check_ready() const;
-    Tensor *weight_slot(const std::string &name, Shape &shape);
+    Tensor *weight_slot(const std::string &name, Shape &shape, bool &in_place);
+    void allocate_fused_weights();
     // The layers and head for ids/pos (device tensors) of the given sequences. With kv_len defined (one
     // sequence), attention reads the cache length from it instead of the host: the graph-safe path.
     Tensor run(const Tensor &ids, const Tensor &pos, const std::vector<int> &slots,
@@ -107,6 +116,8 @@ private:
     Tensor decode_graphed(int slot, int64_t token);
     void upload_step(DecodeGraph &g, int64_t token, int64_t pos, int64_t len);
     Tensor mlp(int layer, const Tensor &x);
+    void sample_into(const Tensor &out, const Tensor &logits, const std::vector<SamplingParams> &params,
+                     uint64_t seed, uint64_t offset);
     Tensor last_rows(const Tensor &x, const std::vector<std::vector<int64_t>> &tokens);
 
     Qwen2Config config_;
@@ -118,6 +129,8 @@ private:
     std::unique_ptr<Staging> staging_;
     std::unique_ptr<DecodeGraph> graph_;
     bool graphs_enabled_ = false;
+    bool fused_ = false;
+    std::set<std::string> loaded_; // names of the weights loaded so far
     mutable bool ready_ = false; // every weight loaded (reset by load_weight)
 };
 

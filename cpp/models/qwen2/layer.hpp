@@ -12,6 +12,10 @@ struct Qwen2::Layer {
     Tensor wo;                         // [H, nh*hd]
     Tensor post_norm;                  // [H]
     Tensor w_gate, w_up, w_down;       // [I, H], [I, H], [H, I]
+    // With fused projections (Qwen2::fused_projections()) the q/k/v weights and biases are row slices
+    // of one [(nh + 2 nkvh) hd, H] matrix and [(nh + 2 nkvh) hd] bias, gate/up of one [2I, H] matrix:
+    // load_weight copies each checkpoint tensor into its slice, so fusing costs no extra memory.
+    Tensor wqkv, bqkv, w_gate_up;
 };
 
 struct Qwen2::Staging : InputStaging {

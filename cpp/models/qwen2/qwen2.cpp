@@ -7,6 +7,7 @@
 #include "llaisys/ops.hpp"
 #include "models/qwen2/layer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <set>
@@ -31,7 +32,8 @@ void Qwen2Config::validate() const {
                   "Qwen2Config: rms_norm_eps and rope_theta must be positive");
 }
 
-Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_seq_len, int num_slots)
+Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_seq_len, int num_slots,
+             std::optional<bool> fused)
     : config_(config), dtype_(dtype), device_(device) {
     config_.validate();
     LLAISYS_CHECK(is_float(dtype), TypeError, "Qwen2: compute dtype must be f32, f16 or bf16, got ", dtype_name(dtype));
@@ -42,6 +44,9 @@ Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_
     staging_ = std::make_unique<Staging>(device);
     const char *env = std::getenv("LLAISYS_CUDA_GRAPHS");
     set_cuda_graphs(!(env && std::string(env) == "0"));
+    const char *fused_env = std::getenv("LLAISYS_FUSED");
+    fused_ = fused ? *fused : fused_env && *fused_env ? std::string(fused_env) != "0" : device.is_cuda();
+    if (fused_) allocate_fused_weights();
 }
 
 Qwen2::~Qwen2() = default;
@@ -84,19 +89,34 @@ Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::ve
                         const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = x.size(0), nh = config_.num_heads, nkvh = config_.num_kv_heads, hd = config_.head_dim;
+    const int64_t cap = cache_->capacity();
     Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
-    Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_);
-    Tensor v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
-    ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq);
-    ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
-    ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
-    ops::rope(q, q, pos, config_.rope_theta);
-    ops::rope(k, k, pos, config_.rope_theta);
+    Tensor qkv, k, v; // fused: qkv [T, (nh + 2 nkvh) hd]; else k, v [T, nkvh, hd]
+    if (fused_) {
+        qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
+        ops::linear(qkv, x, L.wqkv, L.bqkv);
+    } else {
+        k = Tensor::empty({T, nkvh, hd}, dtype_, device_);
+        v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
+        ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq);
+        ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
+        ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
+        ops::rope(q, q, pos, config_.rope_theta);
+        ops::rope(k, k, pos, config_.rope_theta);
+    }
+    // Rotates this step's rows [begin, end) of q and k and stores k/v at their positions in the slot.
+    auto store = [&](int slot, int64_t begin, int64_t end) {
+        const Tensor p = pos.slice(0, begin, end);
+        if (fused_)
+            ops::rope_qkv_cache(q.slice(0, begin, end), cache_->keys(l, slot, 0, cap), cache_->values(l, slot, 0, cap),
+                                qkv.slice(0, begin, end), p, config_.rope_theta);
+        else cache_->write(l, slot, p, k.slice(0, begin, end), v.slice(0, begin, end));
+    };
     Tensor attn = Tensor::empty({T, nh, hd}, dtype_, device_);
     const float scale = 1.f / std::sqrt(float(hd));
     if (kv_len.defined()) { // one sequence; its length is read on the device (graph-safe)
-        const int slot = slots[0], cap = int(cache_->capacity());
-        cache_->write(l, slot, pos, k, v);
+        const int slot = slots[0];
+        store(slot, 0, T);
         ops::self_attention_cached(attn, q, cache_->keys(l, slot, 0, cap), cache_->values(l, slot, 0, cap), kv_len,
                                    scale);
         return project_out(L, attn, T);
@@ -104,8 +124,7 @@ Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::ve
     int64_t offset = 0;
     for (size_t i = 0; i < slots.size(); ++i) { // each sequence attends to its own cached context
         const int64_t n = int64_t(tokens[i].size()), start = cache_->length(slots[i]);
-        cache_->write(l, slots[i], pos.slice(0, offset, offset + n), k.slice(0, offset, offset + n),
-                      v.slice(0, offset, offset + n));
+        store(slots[i], offset, offset + n);
         ops::self_attention(attn.slice(0, offset, offset + n), q.slice(0, offset, offset + n),
                             cache_->keys(l, slots[i], 0, start + n), cache_->values(l, slots[i], 0, start + n), scale);
         offset += n;
@@ -117,12 +136,17 @@ Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::ve
 Tensor Qwen2::mlp(int l, const Tensor &x) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = x.size(0), I = config_.intermediate_size;
-    Tensor gate = Tensor::empty({T, I}, dtype_, device_), up = Tensor::empty({T, I}, dtype_, device_);
-    ops::linear(gate, x, L.w_gate, Tensor());
-    ops::linear(up, x, L.w_up, Tensor());
-    ops::swiglu(gate, gate, up);
+    Tensor act = Tensor::empty({T, I}, dtype_, device_);
+    if (fused_) {
+        ops::linear_swiglu(act, x, L.w_gate_up);
+    } else {
+        Tensor up = Tensor::empty({T, I}, dtype_, device_);
+        ops::linear(act, x, L.w_gate, Tensor());
+        ops::linear(up, x, L.w_up, Tensor());
+        ops::swiglu(act, act, up);
+    }
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    ops::linear(out, gate, L.w_down, Tensor());
+    ops::linear(out, act, L.w_down, Tensor());
     return out;
 }
 
@@ -250,6 +274,23 @@ std::vector<int64_t> Qwen2::forward_sample(const std::vector<int> &slots,
     DeviceGuard guard(device_);
     const int64_t B = int64_t(slots.size());
     apply_repetition_penalties(logits, params, *staging_);
+    Tensor out = Tensor::empty({B}, DType::I64, device_);
+    const bool greedy = std::all_of(params.begin(), params.end(), [](const SamplingParams &p) {
+        return !(p.temperature > 0.f); // the sampler's own test: 0, negative and NaN mean greedy
+    });
+    if (greedy) { // the multi-block argmax kernel; sample() would give the same ids with one block per row
+        Tensor max_val = Tensor::empty({B}, dtype_, device_);
+        ops::argmax(out, max_val, logits);
+    } else {
+        sample_into(out, logits, params, seed, offset);
+    }
+    std::vector<int64_t> result(static_cast<size_t>(B));
+    runtime::memcpy(result.data(), Device::cpu(), out.data(), device_, size_t(B) * sizeof(int64_t));
+    return result;
+}
+
+void Qwen2::sample_into(const Tensor &out, const Tensor &logits, const std::vector<SamplingParams> &params,
+                        uint64_t seed, uint64_t offset) {
     std::vector<float> temperature, top_p, min_p;
     std::vector<int32_t> top_k;
     for (const SamplingParams &p : params) {
@@ -258,12 +299,8 @@ std::vector<int64_t> Qwen2::forward_sample(const std::vector<int> &slots,
         top_p.push_back(p.top_p);
         min_p.push_back(p.min_p);
     }
-    Tensor out = Tensor::empty({B}, DType::I64, device_);
     ops::sample(out, logits, staging_->upload(temperature, DType::F32), staging_->upload(top_k, DType::I32),
                 staging_->upload(top_p, DType::F32), staging_->upload(min_p, DType::F32), seed, offset);
-    std::vector<int64_t> result(static_cast<size_t>(B));
-    runtime::memcpy(result.data(), Device::cpu(), out.data(), device_, size_t(B) * sizeof(int64_t));
-    return result;
 }
 
 } // namespace llaisys::models
