@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [model] [breakdown] [bench] [sanitize]   (default: all, in this order:
+#   bash bench/gpu_check.sh [build] [test] [model] [ab] [breakdown] [bench] [sanitize]   (default: all but ab, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
@@ -49,6 +49,15 @@ if has model; then
   log "llaisys bench --shape qwen2-0.5b, LLAISYS_FUSED=0 (A/B of the fused projections)"
   LLAISYS_FUSED=0 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape qwen2-0.5b --device cuda --prompt-len 128 \
     --new-tokens 256 --json "$OUT/bench_unfused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has ab; then # A/B of the switches, no peers: default, LLAISYS_PDL=0, LLAISYS_FUSED=0
+  for shape in qwen2-0.5b qwen2-1.5b; do
+    for env in "" LLAISYS_PDL=0 LLAISYS_FUSED=0; do
+      log "llaisys bench --shape $shape ${env:-(default)}"
+      env $env timeout 120 python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \
+        2>&1 | grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
+    done
+  done
 fi
 if has breakdown; then
   for shape in qwen2-0.5b qwen2-1.5b; do

@@ -50,6 +50,8 @@ __global__ void __launch_bounds__(kPartThreads)
     argmax_part_kernel(ArgmaxKey *keys, const T *x, int V, int64_t chunk) {
     constexpr int UNROLL = VEC > 1 ? 4 : 8; // packs in flight per thread
     __shared__ ArgmaxKey scratch[32];
+    pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
+    pdl_wait();
     const int64_t r = blockIdx.y;
     const T *row = x + r * V;
     const int64_t lo = int64_t(blockIdx.x) * chunk, hi = std::min<int64_t>(V, lo + chunk);
@@ -76,6 +78,7 @@ __global__ void __launch_bounds__(kPartThreads)
 template <typename T>
 __global__ void __launch_bounds__(32)
     argmax_combine_kernel(int64_t *max_idx, T *max_val, const T *x, const ArgmaxKey *keys, int V, int parts) {
+    pdl_wait(); // launched with PDL after the part kernel
     const int64_t r = blockIdx.x;
     ArgmaxKey best = 0;
     for (int p = threadIdx.x; p < parts; p += 32) best = max_key(best, keys[r * parts + p]);
@@ -144,14 +147,11 @@ void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x) {
         const Tensor ws = Tensor::empty(Shape{rows * parts}, DType::I64, x.device());
         ArgmaxKey *keys = reinterpret_cast<ArgmaxKey *>(ws.data());
         const dim3 grid{unsigned(parts), unsigned(rows)};
-        if (wide)
-            argmax_part_kernel<kRowVec<D>><<<grid, kPartThreads, 0, s>>>(keys, dptr<T>(x), int(V), chunk);
-        else
-            argmax_part_kernel<1><<<grid, kPartThreads, 0, s>>>(keys, dptr<T>(x), int(V), chunk);
-        CUDA_CHECK_LAUNCH();
-        argmax_combine_kernel<<<unsigned(rows), 32, 0, s>>>(max_idx.data_as<int64_t>(), dptr<T>(max_val), dptr<T>(x),
-                                                             keys, int(V), int(parts));
-        CUDA_CHECK_LAUNCH();
+        const int dev = x.device().index;
+        if (wide) launch_pdl(argmax_part_kernel<kRowVec<D>, D>, grid, kPartThreads, 0, s, dev, keys, dptr<T>(x), int(V), chunk);
+        else launch_pdl(argmax_part_kernel<1, D>, grid, kPartThreads, 0, s, dev, keys, dptr<T>(x), int(V), chunk);
+        launch_pdl(argmax_combine_kernel<D>, unsigned(rows), 32, 0, s, dev, max_idx.data_as<int64_t>(), dptr<T>(max_val),
+                   dptr<T>(x), keys, int(V), int(parts));
     });
 }
 

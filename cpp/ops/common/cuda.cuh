@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <utility>
+
 #define CUDA_CHECK(expr)                                                                               \
     do {                                                                                               \
         cudaError_t err_ = (expr);                                                                     \
@@ -27,6 +29,43 @@ inline cudaStream_t stream_of(const Tensor &t) {
 }
 
 __host__ __device__ constexpr inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- Programmatic dependent launch (PDL, compute capability 9.0+) ----
+// A decode step is ~220 short kernels in a row; each one's start (launch, block scheduling, first
+// loads) would otherwise wait for the previous one to drain. A kernel started with launch_pdl may begin
+// while the kernel before it on the stream is still running, so it must call pdl_wait() - in every
+// block, before any early return - before it touches memory another kernel writes or reads: only
+// never-written inputs (weights) may be read before it. pdl_trigger() lets the next PDL kernel start
+// (it fires once every block of this grid has called it or exited). Both are no-ops below sm_90 and
+// for kernels launched the ordinary way. LLAISYS_PDL=0 in the environment turns launch_pdl into an
+// ordinary launch.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+bool pdl_enabled(int device); // compute capability >= 9 and LLAISYS_PDL != "0" (core/cuda)
+
+template <typename... Params, typename... Args>
+void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,
+                Args &&...args) {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = pdl_enabled(device) ? 1 : 0;
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 // Storage type on the device for each host storage type.
 template <typename T>

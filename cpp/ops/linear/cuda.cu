@@ -177,6 +177,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
     for (int r = 0; r < R; ++r) wr[r] = w + Epi::w_row(g0 + group, r, a) * a.ldw;
     float acc[MR][R] = {};
     const int64_t nvec = a.K / V, step = int64_t(a.split) * 32;
+    // Launched with PDL: the weights never change, so this block's rows start streaming into L2 while
+    // the kernel before it (which writes x) is still finishing; x and out only after pdl_wait().
+    for (int64_t v = sub * 32 + lane; v < nvec; v += step)
+#pragma unroll
+        for (int r = 0; r < R; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + v * V));
+    pdl_trigger();
+    pdl_wait();
     gemv_rows<T, MR, R, V, Epi::kUnroll>(acc, xr, wr, sub * 32 + lane, step, nvec);
     for (int64_t k = nvec * V + sub * 32 + lane; k < a.K; k += step) // columns past the last full vector
 #pragma unroll
@@ -235,9 +242,9 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
     using D = device_t<T>;
     D *o = dptr<T>(out);
     const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
-    if (vec) gemv_kernel<D, MR, VW, Epi><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
-    else gemv_kernel<D, MR, 1, Epi><<<grid, kGemvWarps * 32, 0, stream_of(out)>>>(o, xp, wp, bp, a);
-    CUDA_CHECK_LAUNCH();
+    const int dev = out.device().index;
+    if (vec) launch_pdl(gemv_kernel<D, MR, VW, Epi>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
+    else launch_pdl(gemv_kernel<D, MR, 1, Epi>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
 }
 
 // True when every row of t [rows, cols] starts on a 16-byte boundary.

@@ -44,6 +44,8 @@ __global__ void rms_norm_kernel(T *out, T *residual, const T *x, const T *weight
     __shared__ float scratch[32];
     const int64_t row = WARP ? blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32 : int64_t(blockIdx.x);
     const int lane = WARP ? int(threadIdx.x % 32) : int(threadIdx.x), group = WARP ? 32 : int(blockDim.x);
+    pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
+    pdl_wait();
     if (row >= rows) return; // a whole warp (WARP) or never (one block per row)
     const int64_t base = row * D;
     const int nvec = D / VEC;
@@ -87,14 +89,13 @@ void launch_rms_norm(const Tensor &out, const Tensor *residual, const Tensor &x,
         if (nvec <= 64) {
             constexpr int rows_per_block = 4;
             const unsigned blocks = unsigned(ceil_div(rows, rows_per_block));
-            rms_norm_kernel<DT, V, true, FUSED><<<blocks, 32 * rows_per_block, 0, s>>>(
-                dptr<T>(out), res, dptr<T>(x), dptr<T>(weight), rows, int(D), eps);
+            launch_pdl(rms_norm_kernel<DT, V, true, FUSED>, blocks, 32 * rows_per_block, 0, s, out.device().index,
+                       dptr<T>(out), res, dptr<T>(x), dptr<T>(weight), rows, int(D), eps);
         } else {
             const int threads = int(std::min<int64_t>(1024, ceil_div(nvec, 32) * 32));
-            rms_norm_kernel<DT, V, false, FUSED><<<unsigned(rows), threads, 0, s>>>(
-                dptr<T>(out), res, dptr<T>(x), dptr<T>(weight), rows, int(D), eps);
+            launch_pdl(rms_norm_kernel<DT, V, false, FUSED>, unsigned(rows), threads, 0, s, out.device().index,
+                       dptr<T>(out), res, dptr<T>(x), dptr<T>(weight), rows, int(D), eps);
         }
-        CUDA_CHECK_LAUNCH();
     });
 }
 

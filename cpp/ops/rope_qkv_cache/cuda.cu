@@ -27,6 +27,8 @@ template <typename T, typename I, int VEC>
 __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T *qkv, const I *pos,
                                       const RopeFreqs freqs, const RopeQkvDims d, int *error) {
     __shared__ float cos_s[kMaxRopePairs], sin_s[kMaxRopePairs];
+    pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
+    pdl_wait();
     const int64_t t = blockIdx.x, p = int64_t(pos[t]);
     if (p < 0 || p >= d.capacity) {
         if (threadIdx.x == 0) *error = kPositionOutOfRange;
@@ -88,10 +90,9 @@ void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_
                 // Enough threads for one pass over a token's items (80 for Qwen2-0.5B in bf16), at most 256.
                 const int64_t items = (d.nh + d.nkvh) * (half / V) + d.nkvh * (hd / V);
                 const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(items, 32) * 32)));
-                rope_qkv_cache_kernel<device_t<T>, I, V><<<unsigned(qkv.size(0)), threads, 0, stream_of(qkv)>>>(
-                    dptr<T>(q_out), dptr<T>(k_cache), dptr<T>(v_cache), dptr<T>(qkv), pos_ids.data_as<I>(), freqs,
-                    d, error);
-                CUDA_CHECK_LAUNCH();
+                launch_pdl(rope_qkv_cache_kernel<device_t<T>, I, V>, unsigned(qkv.size(0)), threads, 0, stream_of(qkv),
+                           qkv.device().index, dptr<T>(q_out), dptr<T>(k_cache), dptr<T>(v_cache), dptr<T>(qkv),
+                           pos_ids.data_as<I>(), freqs, d, error);
             });
         });
     });
