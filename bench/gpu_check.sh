@@ -46,6 +46,9 @@ if has model; then
     timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 --peers \
       --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/summary.txt"
   done
+  log "llaisys bench --shape qwen2-1.5b --prompt-len 1024 (TTFT of a 1024-token prompt)"
+  timeout 120 python3 -m llaisys bench --shape qwen2-1.5b --device cuda --prompt-len 1024 --new-tokens 16 2>&1 |
+    grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
   log "llaisys bench --shape qwen2-0.5b, LLAISYS_FUSED=0 (A/B of the fused projections)"
   LLAISYS_FUSED=0 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape qwen2-0.5b --device cuda --prompt-len 128 \
     --new-tokens 256 --json "$OUT/bench_unfused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
@@ -81,8 +84,9 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     log "compute-sanitizer $tool (op tests)"
+    # SAN_TESTS narrows the run (e.g. to the kernels a change touched); default: every op test
     timeout ${T_SAN:-240} compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -m cuda -x \
-      tests/test_ops_*.py tests/test_tensor.py -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
+      ${SAN_TESTS:-tests/test_ops_*.py tests/test_tensor.py} -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" "$OUT/sanitize_$tool.log" | tail -4 | tee -a "$OUT/summary.txt"
   done
 fi

@@ -2,7 +2,9 @@
 //   Prefill (qlen = kvlen, causal): TFLOP/s counting 4 * qlen * kvlen * nh * hd / 2 (QK^T and PV, half
 //   the square visible). CUDA at 512 and 2048 tokens; the CPU at 128.
 //   Decode (qlen = 1): GB/s counting the K and V bytes read (2 * kvlen * nkvh * hd * 2); kvlen 128, 1024,
-//   4096 on CUDA, 1024 on the CPU. Compare with the device copy bandwidth (ops_ceilings.cpp).
+//   4096 on CUDA, 1024 on the CPU. Compare with the device copy bandwidth (ops_ceilings.cpp). The "cap"
+//   cases are the decode step's call: self_attention_cached over a cache of that capacity with the
+//   length read from device memory (the kernels plan for the capacity), kvlen 256 of 4096.
 // CUDA iterations cycle through independent K/V sets (like the layers of a model, >= 128 MiB in all) so
 // the decode K/V is not served from L2, and time a batch of back-to-back calls with events; a filler op
 // enqueued first keeps the GPU busy while the host enqueues the batch, so host overhead is not timed.
@@ -25,6 +27,7 @@ using namespace llaisys;
 
 struct AttnShape {
     int64_t qlen, kvlen, nh, nkvh, hd;
+    int64_t capacity = 0; // > 0: self_attention_cached over a [capacity] cache, kvlen held on the device
     double flops() const { // causal: about half of the qlen x kvlen scores are computed (exact for decode)
         const double pairs = qlen == 1 ? double(kvlen) : double(qlen) * double(kvlen) / 2;
         return 4.0 * pairs * double(nh * hd);
@@ -49,10 +52,18 @@ std::vector<std::function<void()>> attn_calls(const AttnShape &s, Device device)
     std::vector<std::function<void()>> calls;
     for (int64_t i = 0; i < sets; ++i) {
         const uint32_t seed = uint32_t(3 * i);
-        Tensor q = attn_random({s.qlen, s.nh, s.hd}, device, seed), k = attn_random({s.kvlen, s.nkvh, s.hd}, device, seed + 1),
-               v = attn_random({s.kvlen, s.nkvh, s.hd}, device, seed + 2);
+        const int64_t rows = s.capacity > 0 ? s.capacity : s.kvlen;
+        Tensor q = attn_random({s.qlen, s.nh, s.hd}, device, seed), k = attn_random({rows, s.nkvh, s.hd}, device, seed + 1),
+               v = attn_random({rows, s.nkvh, s.hd}, device, seed + 2);
         Tensor out = Tensor::empty({s.qlen, s.nh, s.hd}, DType::BF16, device);
-        calls.push_back([=] { ops::self_attention(out, q, k, v, scale); });
+        if (s.capacity > 0) {
+            Tensor len = Tensor::empty({1}, DType::I64);
+            len.data_as<int64_t>()[0] = s.kvlen;
+            if (!device.is_cpu()) len = len.to(device);
+            calls.push_back([=] { ops::self_attention_cached(out, q, k, v, len, scale); });
+        } else {
+            calls.push_back([=] { ops::self_attention(out, q, k, v, scale); });
+        }
     }
     return calls;
 }
@@ -104,7 +115,7 @@ void bench_attn_cuda(benchmark::State &state, AttnShape s) {
 std::string attn_name(const char *kind, const char *dev, const AttnShape &s) {
     return std::string("Attention/") + kind + "/" + dev + "/bf16/heads:" + std::to_string(s.nh) + "x" +
            std::to_string(s.nkvh) + "x" + std::to_string(s.hd) + "/qlen:" + std::to_string(s.qlen) +
-           "/kvlen:" + std::to_string(s.kvlen);
+           "/kvlen:" + std::to_string(s.kvlen) + (s.capacity > 0 ? "/cap:" + std::to_string(s.capacity) : "");
 }
 
 int register_attention_benchmarks() {
@@ -128,6 +139,9 @@ int register_attention_benchmarks() {
             benchmark::RegisterBenchmark(attn_name("decode", "cuda", s).c_str(), bench_attn_cuda, s)
                 ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
         }
+        const AttnShape step{1, 256, nh, nkvh, hd, 4096}; // the decode step's call
+        benchmark::RegisterBenchmark(attn_name("decode", "cuda", step).c_str(), bench_attn_cuda, step)
+            ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
 #endif
     }
     return 0;

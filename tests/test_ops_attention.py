@@ -4,7 +4,8 @@ Covers prefill (qlen == kvlen), decode (qlen == 1, short and long contexts), chu
 causal offset (qlen < kvlen), the head layouts of Qwen2 models and odd ones, every float dtype, the
 scale argument, strided q, k/v as slices of a larger NaN-filled KV cache, NaN propagation, and the
 argument checks. On CUDA the same references apply, plus CUDA-vs-CPU on identical inputs (which
-exercises the tensor-core prefill, the SIMT fallback and the split-KV decode kernels).
+exercises the tensor-core prefill, the SIMT fallback and the split-KV decode kernels), and decode's
+key chunking at many lengths and capacities.
 """
 import numpy as np
 import pytest
@@ -225,6 +226,93 @@ def test_cuda_cached_length_out_of_range_raises_at_synchronize():
     q, _ = rand((4, 14, 64), "bf16", "cuda", seed=34)
     out = llaisys.empty((4, 14, 64), "bf16", "cuda")
     for bad in (17, 3):  # past the capacity; shorter than qlen
+        kv_len = llaisys.tensor(np.array([bad], np.int64), "cuda")
+        llaisys.ops.self_attention_cached(out, q, kc, vc, kv_len, 0.125)
+        with pytest.raises(IndexError, match="self_attention_cached: kv_len out of range"):
+            llaisys.synchronize("cuda")
+
+
+# Decode (qlen == 1) on CUDA splits the keys into chunks planned for the capacity (a captured graph
+# serves every length) and uses those the length read on the device covers, then merges the chunks.
+# (nh, nkvh, hd): groups of 1, 6, 7, 8 and 8.
+DECODE_HEADS = [(2, 2, 64), (12, 2, 128), (14, 2, 64), (16, 2, 128), (8, 1, 64)]
+DECODE_HEAD_IDS = [f"{nh}x{nkvh}x{hd}" for nh, nkvh, hd in DECODE_HEADS]
+# capacity -> lengths: one key, around the 32/64-key chunk steps, a ragged tail, the full cache.
+DECODE_LENGTHS = {64: [1, 63, 64], 340: [1, 63, 64, 65, 257, 340], 4096: [1, 65, 257, 1000, 4095, 4096]}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", DECODE_HEADS, ids=DECODE_HEAD_IDS)
+@pytest.mark.parametrize("capacity", sorted(DECODE_LENGTHS))
+def test_cuda_decode_lengths_and_capacities(capacity, heads, dtype):
+    """Decode over a NaN-padded cache at many lengths: from the device (self_attention_cached) and from
+    the host (self_attention on cache[:len])."""
+    nh, nkvh, hd = heads
+    q, rq = rand((1, nh, hd), dtype, "cuda", seed=41)
+    scale = hd ** -0.5
+    for n in DECODE_LENGTHS[capacity]:
+        (kc, vc), (rk, rv) = kv_caches(n, capacity, nkvh, hd, dtype, "cuda", seed=42 + n)
+        ref = reference(rq, rk, rv, scale)
+        out = poisoned((1, nh, hd), dtype, "cuda")
+        llaisys.ops.self_attention_cached(out, q, kc, vc, llaisys.tensor(np.array([n], np.int64), "cuda"), scale)
+        assert_close(out, ref, dtype)
+        assert_close(run(q, kc.slice(0, 0, n), vc.slice(0, 0, n), scale, dtype, "cuda"), ref, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_cuda_decode_back_to_back_lengths(dtype):
+    """Calls queued back to back on one length tensor that changes in between, as in a replayed decode
+    graph: every call's chunks and merge start afresh."""
+    nh, nkvh, hd, cap = 14, 2, 64, 4096
+    (kc, vc), (rk, rv) = kv_caches(cap, cap, nkvh, hd, dtype, "cuda", seed=43)
+    q, rq = rand((1, nh, hd), dtype, "cuda", seed=44)
+    kv_len = llaisys.tensor(np.array([1], np.int64), "cuda")
+    outs = []
+    for n in [4096, 257, 4096, 1, 1000, 64, 65]:
+        kv_len.copy_(llaisys.tensor(np.array([n], np.int64), "cuda"))
+        out = poisoned((1, nh, hd), dtype, "cuda")
+        llaisys.ops.self_attention_cached(out, q, kc, vc, kv_len, 0.125)
+        outs.append((n, out))
+    for n, out in outs:
+        assert_close(out, reference(rq, rk[:n], rv[:n], 0.125), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cuda_decode_odd_shapes(dtype):
+    """qlen == 1 with a group of 16, hd_v != hd, head dim 96, K rows that are not 16-byte aligned."""
+    for nh, nkvh, hd, hd_v in [(16, 1, 64, 64), (4, 2, 64, 128), (4, 2, 96, 96)]:
+        (q, k, v), (rq, rk, rv) = make_inputs(1, 300, nh, nkvh, hd, dtype, "cuda", hd_v=hd_v, seed=45)
+        assert_close(run(q, k, v, 0.1, dtype, "cuda"), reference(rq, rk, rv, 0.1), dtype)
+    big, rbig = rand((300 * 2 * 64 + 1,), dtype, "cuda", seed=46)
+    k, rk = big.slice(0, 1, 300 * 2 * 64 + 1).view(300, 2, 64), rbig[1:].reshape(300, 2, 64)
+    (q, _, v), (rq, _, rv) = make_inputs(1, 300, 14, 2, 64, dtype, "cuda", seed=47)
+    assert_close(run(q, k, v, 0.125, dtype, "cuda"), reference(rq, rk, rv, 0.125), dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("kvlen", [40, 300])  # one chunk (16-bit types); several chunks merged
+def test_cuda_decode_infinite_key(kvlen, dtype):
+    """An infinite key element: heads whose score is +inf come out NaN (inf - inf), heads whose score is
+    -inf ignore that key, as in the float64 formula."""
+    (q, _, v), (rq, rk, rv) = make_inputs(1, kvlen, 14, 2, 64, dtype, "cuda", seed=50)
+    rk = rk.copy()
+    rk[kvlen // 2, 0, 0] = np.inf
+    k = llaisys.tensor(rk.astype(NP_DTYPE[dtype]), "cuda")
+    ref = reference(rq, rk, rv, 0.125)
+    assert np.isnan(ref[0, :7]).any() and not np.isnan(ref[0, :7]).all()
+    assert_close(run(q, k, v, 0.125, dtype, "cuda"), ref, dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_decode_length_out_of_range_raises_at_synchronize():
+    (kc, vc), _ = kv_caches(10, 300, 2, 64, "bf16", "cuda", seed=48)
+    q, _ = rand((1, 14, 64), "bf16", "cuda", seed=49)
+    out = llaisys.empty((1, 14, 64), "bf16", "cuda")
+    for bad in (301, 0):  # past the capacity; shorter than qlen
         kv_len = llaisys.tensor(np.array([bad], np.int64), "cuda")
         llaisys.ops.self_attention_cached(out, q, kc, vc, kv_len, 0.125)
         with pytest.raises(IndexError, match="self_attention_cached: kv_len out of range"):

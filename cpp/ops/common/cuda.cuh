@@ -49,7 +49,7 @@ __device__ __forceinline__ void pdl_trigger() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
-bool pdl_enabled(int device); // compute capability >= 9 and LLAISYS_PDL != "0" (core/cuda)
+bool pdl_enabled(int device); // compute capability >= 9 and LLAISYS_PDL != "0" (cuda.cu)
 
 template <typename... Params, typename... Args>
 void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, int device,

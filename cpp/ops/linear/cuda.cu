@@ -98,18 +98,22 @@ struct PlainEpilogue {
     }
 };
 
-// linear_swiglu: group n owns gate row n and up row I + n of W [2I, K] (I = a.N) and writes
-// out[m, n] = swiglu(g, u), g and u first rounded to T as linear stores them for the swiglu op. The
-// pair is the same at every MR (each x load feeds 2 rows, like linear's R = 2).
+// linear_swiglu: group j owns the gate rows n = j * O + o (o < O outputs) and the up rows I + n of
+// W [2I, K] (I = a.N; W rows r < O gate, r >= O up) and writes out[m, n] = swiglu(g, u), g and u first
+// rounded to T as linear stores them for the swiglu op. O = 2 for M <= 2 halves the grid (at I = 4864
+// one output per warp made 1.15 waves); larger M keeps O = 1, where 4 rows would spill registers.
 template <int MR>
 struct SwigluEpilogue {
-    static constexpr int kRows = 2, kOuts = 1, kUnroll = 4;
-    __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) { return min(group, a.N - 1) + r * a.N; }
+    static constexpr int kOuts = MR >= 4 ? 1 : 2, kRows = 2 * kOuts, kUnroll = MR >= 4 ? 4 : 2;
+    __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) {
+        return min(group * kOuts + r % kOuts, a.N - 1) + (r / kOuts) * a.N;
+    }
     template <typename T, class Sum>
-    __device__ static void store(T *out, const T *, int64_t group, int, int64_t m, const GemvArgs &a, const Sum &sum) {
-        if (group >= a.N) return;
-        const float g = to_f32(from_f32<T>(sum(0, 0.f))), u = to_f32(from_f32<T>(sum(1, 0.f)));
-        out[m * a.N + group] = from_f32<T>(swiglu_f32(g, u));
+    __device__ static void store(T *out, const T *, int64_t group, int o, int64_t m, const GemvArgs &a, const Sum &sum) {
+        const int64_t n = group * kOuts + o;
+        if (n >= a.N) return;
+        const float g = to_f32(from_f32<T>(sum(o, 0.f))), u = to_f32(from_f32<T>(sum(kOuts + o, 0.f)));
+        out[m * a.N + n] = from_f32<T>(swiglu_f32(g, u));
     }
 };
 
@@ -221,11 +225,13 @@ int sm_count(int device) {
 }
 
 // Warps per group of W rows: more when N alone gives too few warps to fill the GPU (N = 256 rows is
-// 256 warps; an H100 holds 64 per SM), as long as each lane still gets 2+ vectors of a row.
+// 256 warps), as long as each lane still gets 2+ vectors of a row and the grid still fits in one wave
+// (4 blocks of 8 warps per SM): a second, partly filled wave cost the 8960->1536 GEMV a third of its
+// bandwidth (split 4 made 1.45 waves).
 int gemv_split(int64_t rows_of_groups, int64_t vectors_per_row, int device) {
-    const int64_t target_warps = int64_t(sm_count(device)) * 32;
+    const int64_t one_wave = int64_t(sm_count(device)) * 4 * kGemvWarps;
     int split = 1;
-    while (split < kGemvWarps && rows_of_groups * split < target_warps && vectors_per_row >= 2 * 32 * 2 * split)
+    while (split < kGemvWarps && rows_of_groups * split * 2 <= one_wave && vectors_per_row >= 2 * 32 * 2 * split)
         split *= 2;
     return split;
 }
