@@ -18,7 +18,6 @@
 #include "ops/common/checks.hpp"
 
 #include <algorithm>
-#include <atomic>
 
 namespace llaisys::ops::cuda {
 
@@ -96,17 +95,6 @@ int argmax_threads(int64_t packs) {
     int t = 32;
     while (t < 1024 && t < packs) t <<= 1;
     return t;
-}
-
-int sm_count(int device) {
-    static std::atomic<int> counts[64] = {};
-    if (device < 0 || device >= 64) return 132;
-    int n = counts[device].load(std::memory_order_relaxed);
-    if (n == 0) {
-        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-        counts[device].store(n, std::memory_order_relaxed);
-    }
-    return n;
 }
 
 // Blocks per row before rounding the chunk; 1 keeps the one-block path.

@@ -7,22 +7,32 @@
 
 namespace llaisys::ops::cuda {
 
-// Per device: 0 unknown, 1 off, 2 on. The environment is read once per process.
+namespace {
+// A device attribute, asked of the driver once per device (kernels' launch planning asks per launch).
+template <cudaDeviceAttr Attr>
+int cached_attribute(int device) {
+    static std::atomic<int> values[64] = {}; // 0: not asked yet (every attribute used here is > 0)
+    int v = values[device].load(std::memory_order_relaxed);
+    if (v == 0) {
+        CUDA_CHECK(cudaDeviceGetAttribute(&v, Attr, device));
+        values[device].store(v, std::memory_order_relaxed);
+    }
+    return v;
+}
+} // namespace
+
+int sm_count(int device) {
+    if (device < 0 || device >= 64) return 132;
+    return cached_attribute<cudaDevAttrMultiProcessorCount>(device);
+}
+
 bool pdl_enabled(int device) {
-    static std::atomic<int> state[64] = {};
     static const bool env_off = [] {
         const char *v = std::getenv("LLAISYS_PDL");
         return v && std::strcmp(v, "0") == 0;
     }();
-    if (device < 0 || device >= 64) return false;
-    int s = state[device].load(std::memory_order_relaxed);
-    if (s == 0) {
-        int major = 0;
-        CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-        s = !env_off && major >= 9 ? 2 : 1;
-        state[device].store(s, std::memory_order_relaxed);
-    }
-    return s == 2;
+    if (env_off || device < 0 || device >= 64) return false;
+    return cached_attribute<cudaDevAttrComputeCapabilityMajor>(device) >= 9;
 }
 
 } // namespace llaisys::ops::cuda

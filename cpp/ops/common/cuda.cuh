@@ -30,6 +30,9 @@ inline cudaStream_t stream_of(const Tensor &t) {
 
 __host__ __device__ constexpr inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Streaming multiprocessors of a device, cached per device (cuda.cu); 132 for an index past 63.
+int sm_count(int device);
+
 // ---- Programmatic dependent launch (PDL, compute capability 9.0+) ----
 // A decode step is ~220 short kernels in a row; each one's start (launch, block scheduling, first
 // loads) would otherwise wait for the previous one to drain. A kernel started with launch_pdl may begin

@@ -12,7 +12,6 @@
 
 #include <cublasLt.h>
 
-#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -211,17 +210,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
         };
         Epi::template store<T>(out, bias, g0 + g, o, m0 + m, a, sum);
     }
-}
-
-int sm_count(int device) {
-    static std::atomic<int> counts[64] = {};
-    if (device < 0 || device >= 64) return 132;
-    int n = counts[device].load(std::memory_order_relaxed);
-    if (n == 0) {
-        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-        counts[device].store(n, std::memory_order_relaxed);
-    }
-    return n;
 }
 
 // Warps per group of W rows: more when N alone gives too few warps to fill the GPU (N = 256 rows is

@@ -630,17 +630,6 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const Att
     }
 }
 
-int sm_count(int device) {
-    static std::atomic<int> cached[64] = {};
-    if (device < 0 || device >= 64) return 132;
-    int n = cached[device].load(std::memory_order_relaxed);
-    if (n == 0) {
-        CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-        cached[device].store(n, std::memory_order_relaxed);
-    }
-    return n;
-}
-
 // Splits the keys until about two blocks per SM are busy (decode); prefill has rows enough already.
 // With a device-held length the split is planned for the capacity, so a captured graph fits any length.
 template <typename T, int DPT, bool VEC>
