@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import llaisys
-from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, poisoned, rand, to_f64
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, bits, poisoned, rand, to_f64
 
 SHAPES = [  # (M, K, N)
     (1, 1, 1), (1, 19, 111), (7, 111, 19), (3, 989, 5),
@@ -265,12 +265,6 @@ def rand_swiglu_operands(M, K, I, dtype, device, seed):
     x, x64 = rand((M, K), dtype, device, seed=seed)
     w, w64 = rand((2 * I, K), dtype, device, seed=seed + 1, scale=ws)
     return x, x64, w, w64, ws
-
-
-def bits(t):
-    """The stored bit patterns of a tensor, for exact comparisons (NaN == NaN, -0 != +0)."""
-    a = np.asarray(t.to("cpu").numpy())
-    return a.view(f"u{a.itemsize}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

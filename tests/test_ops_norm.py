@@ -4,7 +4,7 @@ import pytest
 
 import llaisys
 from llaisys import ops
-from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, poisoned, rand, to_f64
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, bits, poisoned, rand, to_f64
 
 
 def ref_rms_norm(x, w, eps):
@@ -15,11 +15,6 @@ def ref_rms_norm(x, w, eps):
 def round_to(a, dtype):
     """Round float64 values to `dtype` (what storing into a tensor of that dtype does) and back."""
     return a.astype(NP_DTYPE[dtype]).astype(np.float64)
-
-
-def bits(t):
-    """The raw bytes of a CPU tensor's values, for bit-exact comparisons."""
-    return np.ascontiguousarray(t.to("cpu").numpy()).view(np.uint8)
 
 
 def rms_norm(x, w, eps):

@@ -5,7 +5,7 @@ import pytest
 
 import llaisys
 from llaisys import ops
-from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, poisoned, rand, to_f64
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, bits, poisoned, rand, to_f64
 
 SHAPES = [(14, 2, 64), (12, 2, 128), (3, 1, 2)]  # (nh, nkvh, hd): Qwen2-0.5B, Qwen2-1.5B, odd heads and one pair
 
@@ -86,11 +86,6 @@ def test_rope_qkv_cache_matches_reference(device, dtype, nh, nkvh, hd, tokens, l
     assert_close(q, q_want, dtype)
     check_caches(k, v, k_want, v_want, kr, p, dtype)
     np.testing.assert_array_equal(to_f64(qkv), qkvr)  # the input is left alone
-
-
-def bits(t):
-    a = np.ascontiguousarray(t.to("cpu").numpy())
-    return a.view(f"u{a.itemsize}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

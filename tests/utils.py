@@ -42,6 +42,12 @@ def poisoned(shape, dtype="f32", device="cpu"):
     return t
 
 
+def bits(t) -> np.ndarray:
+    """The stored bit patterns of a tensor's values, for exact comparisons (NaN == NaN, -0 != +0)."""
+    a = np.ascontiguousarray(t.to("cpu").numpy())
+    return a.view(f"u{a.itemsize}")
+
+
 def to_f64(t) -> np.ndarray:
     return np.asarray(t.to("cpu").numpy()).astype(np.float64)
 
