@@ -42,7 +42,7 @@ def unaligned(shape, dtype, device, seed):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("D", [1, 19, 256, 896, 1536])
+@pytest.mark.parametrize("D", [1, 19, 256, 896, 1536, 2048])
 @pytest.mark.parametrize("rows", [1, 7, 512])
 def test_rms_norm_matches_reference(device, dtype, D, rows):
     x, xr = rand((rows, D), dtype, device, seed=1)
