@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import llaisys
-from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, poisoned, rand, to_f64
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, needs_caching_allocator, poisoned, rand, to_f64
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 
@@ -368,6 +368,7 @@ def test_cuda_misaligned_views_take_the_fallback():
 
 
 @pytest.mark.cuda
+@needs_caching_allocator
 def test_cuda_is_stream_ordered_and_needs_no_device_malloc():
     dev = "cuda:0"
     (q, k, v), (rq, rk, rv) = make_inputs(1, 4096, 14, 2, 64, "bf16", dev, seed=23)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import llaisys
-from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, bits, poisoned, rand, to_f64
+from utils import (DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, bits, needs_caching_allocator, poisoned, rand,
+                   to_f64)
 
 SHAPES = [  # (M, K, N)
     (1, 1, 1), (1, 19, 111), (7, 111, 19), (3, 989, 5),
@@ -202,6 +203,7 @@ def test_linear_cuda_matches_cpu(dtype, M, K, N, with_bias):
 
 
 @pytest.mark.cuda
+@needs_caching_allocator
 def test_linear_cuda_lm_head_and_steady_state():
     """The Qwen2-1.5B LM head shape through the GEMV, then repeated calls of both paths need no new
     device memory (the cuBLASLt handle and workspace are created once)."""

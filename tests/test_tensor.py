@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import llaisys
-from utils import DEVICES, NP_DTYPE
+from utils import DEVICES, NP_DTYPE, needs_caching_allocator
 
 
 def test_numpy_roundtrip_is_zero_copy():
@@ -111,6 +111,7 @@ def test_cpu_memory_stats_and_alignment():
 
 
 @pytest.mark.cuda
+@needs_caching_allocator
 def test_cuda_steady_state_needs_no_device_malloc():
     dev = "cuda:0"
     a = llaisys.tensor(np.ones((256, 1024), np.float32), dev)

@@ -6,6 +6,8 @@ arithmetic is measured.
 """
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -15,6 +17,11 @@ import llaisys
 # Every op test runs on the CPU, and on CUDA when `pytest -m cuda` runs on a GPU machine.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 FLOAT_DTYPES = ["f32", "f16", "bf16"]
+
+# Tests of the CUDA caching allocator's steady state (no device malloc once warm) skip when a sanitizer
+# run turns the cache off with LLAISYS_CUDA_ALLOC=exact (bench/gpu_check.sh sanitize).
+needs_caching_allocator = pytest.mark.skipif(os.environ.get("LLAISYS_CUDA_ALLOC") == "exact",
+                                             reason="LLAISYS_CUDA_ALLOC=exact turns the CUDA caching allocator off")
 
 NP_DTYPE = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "i32": np.int32, "i64": np.int64,
             "u8": np.uint8, "bool": np.bool_}

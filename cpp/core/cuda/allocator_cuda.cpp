@@ -6,12 +6,19 @@
 // recorded on each of them at free time and the block becomes reusable only when all have completed.
 // cudaMalloc happens only when no cached block fits; repeating a sequence of ops therefore reaches a
 // steady state with no new device mallocs (num_device_mallocs stops growing).
+//
+// LLAISYS_CUDA_ALLOC=exact (read once) turns the cache off for debugging: every tensor gets its own
+// cudaMalloc of exactly its size, freed with cudaFree (which waits for the device) when released, so
+// compute-sanitizer's memcheck sees an access past a tensor's end instead of landing in a cached
+// block's slack. Slow; the steady-state guarantee above does not hold.
 #include "core/cuda/check.hpp"
 #include "core/runtime.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -39,7 +46,16 @@ struct DevicePool {
 
 constexpr size_t kSmall = 1 << 20;
 
+bool exact_mode() {
+    static const bool exact = [] {
+        const char *v = std::getenv("LLAISYS_CUDA_ALLOC");
+        return v && std::string(v) == "exact";
+    }();
+    return exact;
+}
+
 size_t round_size(size_t n) {
+    if (exact_mode()) return std::max<size_t>(n, 1);
     n = std::max<size_t>(n, 1);
     return n < kSmall ? (n + 511) / 512 * 512 : (n + (1 << 16) - 1) / (1 << 16) * (1 << 16);
 }
@@ -143,6 +159,14 @@ private:
         Block *b = it->second;
         pool.live.erase(it);
         pool.stats.allocated -= int64_t(b->size);
+        if (exact_mode()) { // cudaFree waits for every stream's work, other_streams' included
+            DeviceGuard guard(device);
+            cudaFree(b->ptr);
+            pool.stats.reserved -= int64_t(b->size);
+            pool.stats.num_device_frees += 1;
+            delete b;
+            return;
+        }
         if (b->other_streams.empty()) {
             pool.free_blocks[b->stream].emplace(b->size, b);
             return;
