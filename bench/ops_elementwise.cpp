@@ -4,7 +4,9 @@
 // heads x 128), swiglu (ffn 4864 and 8960). GB/s counts the bytes each call must read and write; compare
 // with the device copy bandwidth (the Ceiling benchmarks; about 2.98 TB/s for a 256 MiB copy on an H100
 // SXM) - the target is >= 60% of it where the tensors fill the chip. Each CUDA call also costs a fixed
-// ~3 us (launch to launch, measured at 1 row), which caps the 2048-row shapes.
+// ~2 us (launch to launch, measured at 1 row), which caps the 2048-row shapes. CopySameBytes/cuda/...
+// copies the bytes rms_norm moves at the same shape (one cudaMemcpyAsync): what a plain copy reaches at
+// that size, i.e. whether the tensor is large enough to fill the chip.
 //
 // Like a real forward pass, where every layer has its own activations, CUDA iterations cycle through
 // enough independent buffer sets (>= 256 MiB in all, at most 64 sets) that they do not sit in L2 between
@@ -85,6 +87,19 @@ ElemJob swiglu_job(int64_t rows, int64_t ffn, Device device) {
     return job;
 }
 
+// A contiguous copy of the same bytes as rms_norm reads and writes at [rows, D] (rearrange of a
+// contiguous tensor is one cudaMemcpyAsync): what the copy engine path itself reaches at this size,
+// next to the 1 GiB ceiling.
+ElemJob copy_job(int64_t rows, int64_t D, Device device) {
+    ElemJob job;
+    job.bytes = 2.0 * double(rows * D) * 2;
+    for (int64_t s = 0, n = elem_sets(job.bytes, device); s < n; ++s) {
+        Tensor x = elem_filled({rows, D}, 0.5, device), out = Tensor::empty({rows, D}, DType::BF16, device);
+        job.calls.push_back([=] { ops::rearrange(out, x); });
+    }
+    return job;
+}
+
 using ElemMaker = std::function<ElemJob(Device)>;
 
 void elem_counters(benchmark::State &state, const ElemJob &job) {
@@ -149,6 +164,7 @@ int register_elementwise_benchmarks() {
                 const std::string d = "/D:" + std::to_string(D);
                 register_elem("RmsNorm/" + dev + r + d, cuda, [=](Device v) { return rms_norm_job(R, D, false, v); });
                 register_elem("AddRmsNorm/" + dev + r + d, cuda, [=](Device v) { return rms_norm_job(R, D, true, v); });
+                if (cuda) register_elem("CopySameBytes/" + dev + r + d, cuda, [=](Device v) { return copy_job(R, D, v); });
             }
             for (auto [heads, hd] : {std::pair<int64_t, int64_t>{14, 64}, {2, 64}, {12, 128}, {2, 128}}) {
                 const std::string h = "/heads:" + std::to_string(heads) + "/hd:" + std::to_string(hd);

@@ -135,11 +135,16 @@ void bench_linear_cuda_graph(benchmark::State &state, LinearCase c, DType dtype)
 }
 #endif
 
-// The 0.5B (hidden 896, MLP 4864) and 1.5B (hidden 1536, MLP 8960, k/v 256) projections and LM heads.
+// The 0.5B (hidden 896, MLP 4864) and 1.5B (hidden 1536, MLP 8960, k/v 256) projections and LM heads;
+// 896->1152 and 1536->2048 are the fused q/k/v projections the CUDA model runs.
 const std::vector<std::pair<int64_t, int64_t>> kLinearKN = {
-    {896, 896}, {896, 128}, {896, 4864}, {896, 151936}, {4864, 896},
-    {1536, 1536}, {1536, 256}, {1536, 8960}, {1536, 151936}, {8960, 1536},
+    {896, 896}, {896, 128}, {896, 1152}, {896, 4864}, {896, 151936}, {4864, 896},
+    {1536, 1536}, {1536, 256}, {1536, 2048}, {1536, 8960}, {1536, 151936}, {8960, 1536},
 };
+
+// A fixed count of timed batches per CUDA case: the adaptive count, sized on the per-call time (a few
+// us), would repeat a ~0.2 ms host round trip tens of thousands of times.
+constexpr int kCudaIterations = 200;
 
 std::string linear_name(const char *device, DType dtype, const LinearCase &c) {
     return std::string(c.swiglu ? "LinearSwiglu/" : "Linear/") + device + "/" + dtype_name(dtype) + "/M:" +
@@ -162,16 +167,17 @@ int register_linear_benchmarks() {
         for (int64_t M : {1, 512, 2048}) {
             const LinearCase c{M, K, N};
             benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
-                ->Unit(benchmark::kMicrosecond)->UseManualTime();
+                ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
             if (N == 1536 || N == 4864)
                 benchmark::RegisterBenchmark(linear_name("cuda", DType::F32, c).c_str(), bench_linear_cuda, c, DType::F32)
-                    ->Unit(benchmark::kMicrosecond)->UseManualTime();
+                    ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
         }
         for (int64_t M : {1, 2, 4, 8}) { // decode without launch costs; M > 1: the GEMV's other instantiations
             const LinearCase c{M, K, N};
             if (M == 1 || (K == 1536 && N == 8960))
                 benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph,
-                                             c, DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime();
+                                             c, DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()
+                    ->Iterations(kCudaIterations);
         }
 #endif
     }
@@ -180,9 +186,9 @@ int register_linear_benchmarks() {
     for (const auto &[K, I] : std::vector<std::pair<int64_t, int64_t>>{{896, 4864}, {1536, 8960}}) {
         const LinearCase c{1, K, 2 * I, true};
         benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
-            ->Unit(benchmark::kMicrosecond)->UseManualTime();
+            ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
         benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph, c,
-                                     DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime();
+                                     DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
     }
 #endif
     return 0;

@@ -1,9 +1,8 @@
-// The decode-step ops around the model: argmax (1 and 4 rows) and sample over one row of Qwen2 logits
-// (V = 151936), and embedding of 1 id (decode) and 512 ids (prefill) for hidden sizes 896 (0.5B) and
-// 1536 (1.5B).
+// The decode-step ops around the model: argmax (1 and 4 rows; 64 and 256 on CUDA) and sample over rows
+// of Qwen2 logits (V = 151936), and embedding of 1 id (decode) and 512 ids (prefill; 2048 and 8192 on
+// CUDA) for hidden sizes 896 (0.5B) and 1536 (1.5B).
 // GB/s counts the bytes an op must move at least: the logits read once (sample reads them more than
 // once, so its figure is a lower bound of the traffic), and for embedding the rows read and written.
-// The logits stay in the GPU's L2 between calls, as they do when the LM head has just written them.
 // CUDA iterations time a batch of back-to-back calls with events, so launch gaps and host waits do not
 // count.
 #include "llaisys/ops.hpp"
@@ -12,8 +11,10 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -31,24 +32,36 @@ Tensor sampling_random(const Shape &shape, DType dtype, Device device, float sca
     return host.to(dtype).to(device);
 }
 
-// Runs fn once per iteration on the CPU; on CUDA times batches of `batch` calls with events.
+// Runs fn(i) (the i-th call, i = 0, 1, ...) once per iteration on the CPU. On CUDA times batches of
+// `batch` calls with events; a large filler op runs first, so that the host has enqueued the whole
+// batch before the GPU reaches it and the time is the kernels' own, not the host's launch rate.
 template <typename Fn>
 void sampling_timed(benchmark::State &state, Device dev, Fn &&fn) {
+    size_t i = 0;
     if (dev.is_cpu()) {
-        for (auto _ : state) fn();
+        for (auto _ : state) fn(i++);
         return;
     }
     const int batch = 20;
-    for (int w = 0; w < 3; ++w) fn(); // warm-up
+    for (int w = 0; w < 3; ++w) fn(i++); // warm-up
+    const Tensor filler = Tensor::zeros({int64_t(64) << 20}, DType::F32, dev); // ~0.3 ms of device work
     const Stream stream = current_stream(dev);
     Event start(dev, true), stop(dev, true);
     for (auto _ : state) {
+        ops::add(filler, filler, filler);
         start.record(stream);
-        for (int b = 0; b < batch; ++b) fn();
+        for (int b = 0; b < batch; ++b) fn(i++);
         stop.record(stream);
         stop.synchronize();
         state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
     }
+}
+
+// Independent buffer sets to cycle through on CUDA so that `bytes` per call do not sit in L2 between
+// calls (>= 256 MiB in all, at most 64 sets); 1 on the CPU.
+int64_t cold_sets(double bytes, Device dev) {
+    if (dev.is_cpu()) return 1;
+    return std::min<int64_t>(64, int64_t(double(int64_t(256) << 20) / bytes) + 1);
 }
 
 void set_bytes(benchmark::State &state, double bytes) {
@@ -63,14 +76,19 @@ bool sampling_device_ok(benchmark::State &state, Device dev) {
     return true;
 }
 
-// rows x 151936: on CUDA these few long rows take the split path (several blocks per row, then a
-// one-warp combine per row); see cpp/ops/argmax/cuda.cu.
+// rows x 151936. One and four rows (greedy decode) read logits the LM head has just written, so they
+// stay in L2 between calls; 64 and 256 rows (a batch) cycle through cold copies. On CUDA few long rows
+// take the split path (several blocks per row, then a one-warp combine per row), many rows one block per
+// row; see cpp/ops/argmax/cuda.cu.
 void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows) {
     if (!sampling_device_ok(state, dev)) return;
-    const Tensor x = sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, 1);
+    const double bytes = double(rows) * double(kSamplingVocab) * double(dtype_size(dtype));
+    const int64_t sets = rows <= 4 ? 1 : cold_sets(bytes, dev);
+    std::vector<Tensor> xs;
+    for (int64_t i = 0; i < sets; ++i) xs.push_back(sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, uint32_t(1 + i)));
     const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
-    sampling_timed(state, dev, [&] { ops::argmax(idx, val, x); });
-    set_bytes(state, double(rows) * double(kSamplingVocab) * double(dtype_size(dtype)));
+    sampling_timed(state, dev, [&](size_t i) { ops::argmax(idx, val, xs[i % xs.size()]); });
+    set_bytes(state, bytes);
 }
 
 struct SampleCase {
@@ -88,20 +106,27 @@ void bench_sample(benchmark::State &state, Device dev, DType dtype, SampleCase c
     const Tensor p = Tensor::empty({1}, DType::F32).fill_(c.top_p).to(dev);
     const Tensor min_p = Tensor::zeros({1}, DType::F32, dev);
     uint64_t offset = 0;
-    sampling_timed(state, dev, [&] { ops::sample(out, logits, t, k, p, min_p, 1234, offset++); });
+    sampling_timed(state, dev, [&](size_t) { ops::sample(out, logits, t, k, p, min_p, 1234, offset++); });
     set_bytes(state, double(kSamplingVocab) * double(dtype_size(dtype)));
 }
 
+// Rows of the full 151936-row table at random ids; on CUDA each set of ids and outputs is distinct, so
+// neither the rows read nor the outputs sit in L2 between calls.
 void bench_embedding(benchmark::State &state, Device dev, int64_t n, int64_t D) {
     if (!sampling_device_ok(state, dev)) return;
-    const int64_t rows = 32768; // a slice of the 151936-row table: the copy cost does not depend on it
+    const int64_t rows = dev.is_cpu() ? 32768 : kSamplingVocab; // the copy cost does not depend on it
     const Tensor weight = Tensor::zeros({rows, D}, DType::BF16, dev);
-    Tensor ids_host = Tensor::empty({n}, DType::I64);
+    const double bytes = 2.0 * double(n) * double(D) * 2.0 + double(n) * 8.0;
     std::mt19937 gen(3);
-    for (int64_t i = 0; i < n; ++i) ids_host.data_as<int64_t>()[i] = int64_t(gen() % rows);
-    const Tensor ids = ids_host.to(dev), out = Tensor::empty({n, D}, DType::BF16, dev);
-    sampling_timed(state, dev, [&] { ops::embedding(out, ids, weight); });
-    set_bytes(state, 2.0 * double(n) * double(D) * 2.0 + double(n) * 8.0);
+    std::vector<Tensor> ids, outs;
+    for (int64_t s = 0, sets = cold_sets(bytes, dev); s < sets; ++s) {
+        Tensor ids_host = Tensor::empty({n}, DType::I64);
+        for (int64_t i = 0; i < n; ++i) ids_host.data_as<int64_t>()[i] = int64_t(gen() % rows);
+        ids.push_back(ids_host.to(dev));
+        outs.push_back(Tensor::empty({n, D}, DType::BF16, dev));
+    }
+    sampling_timed(state, dev, [&](size_t i) { ops::embedding(outs[i % outs.size()], ids[i % ids.size()], weight); });
+    set_bytes(state, bytes);
 }
 
 int register_sampling_benchmarks() {
@@ -119,18 +144,21 @@ int register_sampling_benchmarks() {
         auto reg = [&](const std::string &name, auto fn, auto... args) {
             auto *b = benchmark::RegisterBenchmark((name + "/" + d.name).c_str(), fn, d.device, args...)
                           ->Unit(benchmark::kMicrosecond);
-            if (d.device.is_cuda()) b->UseManualTime();
+            if (d.device.is_cuda()) b->UseManualTime()->Iterations(50); // each also runs the ~0.3 ms filler
             else b->UseRealTime();
         };
         for (DType dt : {DType::F32, DType::BF16})
             reg(std::string("Argmax/") + dtype_name(dt) + "/V:151936", bench_argmax, dt, int64_t(1));
-        reg("Argmax/bf16/rows:4/V:151936", bench_argmax, DType::BF16, int64_t(4));
+        for (int64_t rows : {4, 64, 256})
+            if (rows == 4 || d.device.is_cuda())
+                reg("Argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax, DType::BF16, rows);
         for (DType dt : {DType::F32, DType::BF16})
             reg(std::string("Sample/") + dtype_name(dt) + "/V:151936/" + case_names[0], bench_sample, dt, cases[0]);
         for (int c = 1; c < 3; ++c) // plain temperature; top_p alone (the slow path on these flat logits)
             reg(std::string("Sample/bf16/V:151936/") + case_names[c], bench_sample, DType::BF16, cases[c]);
-        for (int64_t n : {1, 512})
+        for (int64_t n : {1, 512, 2048, 8192})
             for (int64_t D : {896, 1536})
+                if (n <= 512 || d.device.is_cuda())
                 reg("Embedding/bf16/n:" + std::to_string(n) + "/D:" + std::to_string(D), bench_embedding, n, D);
     }
     return 0;
