@@ -61,25 +61,23 @@ __device__ __forceinline__ void block_merge_max(float &v, int &i, ArgmaxSmem &sm
     for (int o = 16; o > 0; o >>= 1) merge_max(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
 }
 
-// Max of row [V]. Thread t reads VEC-wide packs t, t + blockDim, ... with UNROLL raw packs in flight
-// (one SM streams the whole row, so it must keep many bytes in flight), so each thread sees its indices
-// in increasing order and a strict `>` keeps the first maximum.
-// Needs blockDim.x % 32 == 0; with VEC > 1, row 16-byte aligned and V % VEC == 0.
-template <int VEC, typename T>
-__device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm) {
-    constexpr int UNROLL = 4;
-    const int64_t stride = int64_t(blockDim.x) * VEC;
-    float best = -INFINITY;
-    int best_i = INT_MAX;
-    bool nan = false;
-    for (int64_t base = int64_t(threadIdx.x) * VEC; base < V; base += UNROLL * stride) {
+// This thread's part of a row scan: packs of VEC elements at first, first + stride, ... < end, UNROLL raw
+// packs in flight (one SM may stream a whole row, so it must keep many bytes in flight). The thread sees
+// its indices in increasing order, so a strict `>` keeps its first maximum in best / best_i (left at
+// -inf / INT_MAX when it sees nothing above -inf); nan records whether it saw a NaN. Only a float compare
+// per element: building a 64-bit key per element made the split argmax compute-bound.
+// With VEC > 1, every pack that starts below end lies inside the row and is VEC-aligned.
+template <int VEC, int UNROLL, typename T>
+__device__ __forceinline__ void thread_scan_max(const T *row, int64_t first, int64_t end, int64_t stride, float &best,
+                                                int &best_i, bool &nan) {
+    for (int64_t base = first; base < end; base += UNROLL * stride) {
         RowPack<T, VEC> raw[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-            if (base + u * stride < V) raw[u] = *reinterpret_cast<const RowPack<T, VEC> *>(row + base + u * stride);
+            if (base + u * stride < end) raw[u] = *reinterpret_cast<const RowPack<T, VEC> *>(row + base + u * stride);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (base + u * stride >= V) break;
+            if (base + u * stride >= end) break;
 #pragma unroll
             for (int e = 0; e < VEC; ++e) {
                 const float v = to_f32(raw[u].v[e]);
@@ -91,6 +89,16 @@ __device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm) {
             }
         }
     }
+}
+
+// Max of row [V]: thread t scans VEC-wide packs t, t + blockDim, ... (thread_scan_max), then the block
+// merges. Needs blockDim.x % 32 == 0; with VEC > 1, row 16-byte aligned and V % VEC == 0.
+template <int VEC, typename T>
+__device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm) {
+    float best = -INFINITY;
+    int best_i = INT_MAX;
+    bool nan = false;
+    thread_scan_max<VEC, 4>(row, int64_t(threadIdx.x) * VEC, V, int64_t(blockDim.x) * VEC, best, best_i, nan);
     nan = __syncthreads_or(nan);
     block_merge_max(best, best_i, sm);
     return {best, best_i == INT_MAX ? 0 : best_i, nan};
