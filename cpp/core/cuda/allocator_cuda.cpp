@@ -55,8 +55,8 @@ bool exact_mode() {
 }
 
 size_t round_size(size_t n) {
-    if (exact_mode()) return std::max<size_t>(n, 1);
     n = std::max<size_t>(n, 1);
+    if (exact_mode()) return n;
     return n < kSmall ? (n + 511) / 512 * 512 : (n + (1 << 16) - 1) / (1 << 16) * (1 << 16);
 }
 
@@ -161,10 +161,7 @@ private:
         pool.stats.allocated -= int64_t(b->size);
         if (exact_mode()) { // cudaFree waits for every stream's work, other_streams' included
             DeviceGuard guard(device);
-            cudaFree(b->ptr);
-            pool.stats.reserved -= int64_t(b->size);
-            pool.stats.num_device_frees += 1;
-            delete b;
+            device_free(pool, b);
             return;
         }
         if (b->other_streams.empty()) {
@@ -196,14 +193,17 @@ private:
         pool.pending.erase(std::remove_if(pool.pending.begin(), pool.pending.end(), done), pool.pending.end());
     }
 
+    // Gives a block's memory back to the driver (current device: the block's).
+    void device_free(DevicePool &pool, Block *b) {
+        cudaFree(b->ptr);
+        pool.stats.reserved -= int64_t(b->size);
+        pool.stats.num_device_frees += 1;
+        delete b;
+    }
+
     void free_cached(DevicePool &pool) {
         for (auto &[stream, blocks] : pool.free_blocks) {
-            for (auto &[size, b] : blocks) {
-                cudaFree(b->ptr);
-                pool.stats.reserved -= int64_t(b->size);
-                pool.stats.num_device_frees += 1;
-                delete b;
-            }
+            for (auto &[size, b] : blocks) device_free(pool, b);
             blocks.clear();
         }
     }

@@ -121,9 +121,9 @@ void launch_rms_norm(const Tensor &out, const Tensor *residual, const Tensor &x,
     dispatch_vec<T>(wide, [&](auto vec) {
         constexpr int V = decltype(vec)::value;
         const int64_t nvec = D / V;
+        constexpr int rows_per_block = 4; // of the one-warp-per-row kernels
         if constexpr (!FUSED && V > 1) {
             if (nvec <= 32 * 8) {
-                constexpr int rows_per_block = 4;
                 const auto go = [&](auto kernel) {
                     launch_pdl(kernel, unsigned(ceil_div(rows, rows_per_block)), 32 * rows_per_block, 0, s,
                                out.device().index, dptr<T>(out), dptr<T>(x), dptr<T>(weight), rows, int(D), eps);
@@ -136,7 +136,6 @@ void launch_rms_norm(const Tensor &out, const Tensor *residual, const Tensor &x,
             }
         }
         if (nvec <= 64) {
-            constexpr int rows_per_block = 4;
             const unsigned blocks = unsigned(ceil_div(rows, rows_per_block));
             launch_pdl(rms_norm_kernel<DT, V, true, FUSED>, blocks, 32 * rows_per_block, 0, s, out.device().index,
                        dptr<T>(out), res, dptr<T>(x), dptr<T>(weight), rows, int(D), eps);
