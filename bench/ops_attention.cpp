@@ -8,6 +8,7 @@
 // CUDA iterations cycle through independent K/V sets (like the layers of a model, >= 128 MiB in all) so
 // the decode K/V is not served from L2, and time a batch of back-to-back calls with events; a filler op
 // enqueued first keeps the GPU busy while the host enqueues the batch, so host overhead is not timed.
+#include "bench_timing.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
@@ -93,21 +94,10 @@ void bench_attn_cuda(benchmark::State &state, AttnShape s) {
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const auto calls = attn_calls(s, dev);
-    const Stream stream = current_stream(dev);
-    const int batch = s.qlen == 1 ? 20 : 10;
-    // ~0.6 ms of copying: longer than the host needs to enqueue a batch (~15 us a call).
-    const Tensor filler = Tensor::zeros({int64_t(128) << 20}, DType::F32, dev);
-    size_t i = 0;
-    for (int w = 0; w < 3; ++w) calls[i++ % calls.size()](); // warm-up (kernel attributes, allocator)
-    Event start(dev, true), stop(dev, true);
-    for (auto _ : state) {
-        ops::add(filler, filler, filler);
-        start.record(stream);
-        for (int b = 0; b < batch; ++b) calls[i++ % calls.size()]();
-        stop.record(stream);
-        stop.synchronize();
-        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
-    }
+    // ~0.6 ms of copying: longer than the host needs to enqueue a batch (~15 us a call). The warm-up
+    // sets kernel attributes and fills the allocator.
+    llaisys::bench::time_filled_batches(state, dev, s.qlen == 1 ? 20 : 10, int64_t(128) << 20,
+                                        [&](size_t i) { calls[i % calls.size()](); });
     attn_counters(state, s, true);
 }
 #endif

@@ -13,6 +13,7 @@
 // calls. They time a batch of back-to-back calls with events, and a large filler op runs first so that
 // the host has enqueued the whole batch before the GPU reaches it: the time is the kernels' own, as a
 // CUDA graph replays them, not the host's launch cost (a few us per call, more than a small kernel).
+#include "bench_timing.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
@@ -34,13 +35,6 @@ struct ElemJob {
     double bytes = 0;
 };
 
-// How many independent buffer sets of `bytes` each to cycle through on `device`.
-int64_t elem_sets(double bytes, Device device) {
-    if (device.is_cpu()) return 1; // small CPU shapes: the cache effects are part of what we measure
-    const double want = double(int64_t(256) << 20);
-    return std::clamp<int64_t>(int64_t(want / bytes) + 1, 1, 64);
-}
-
 Tensor elem_filled(const Shape &shape, double value, Device device) {
     const Tensor host = Tensor::empty(shape, DType::BF16).fill_(value);
     return device.is_cpu() ? host : host.to(device);
@@ -50,7 +44,7 @@ ElemJob rms_norm_job(int64_t rows, int64_t D, bool fused, Device device) {
     ElemJob job;
     job.bytes = (fused ? 4.0 : 2.0) * double(rows * D) * 2 + double(D) * 2; // bf16; + weight
     const Tensor w = elem_filled({D}, 1.0, device);
-    for (int64_t s = 0, n = elem_sets(job.bytes, device); s < n; ++s) {
+    for (int64_t s = 0, n = llaisys::bench::cold_sets(job.bytes, device); s < n; ++s) {
         Tensor x = elem_filled({rows, D}, 0.5, device), out = Tensor::empty({rows, D}, DType::BF16, device);
         if (!fused) {
             job.calls.push_back([=] { ops::rms_norm(out, x, w, 1e-6f); });
@@ -69,7 +63,7 @@ ElemJob rope_job(int64_t seq, int64_t heads, int64_t hd, Device device) {
     Tensor pos_host = Tensor::empty({seq}, DType::I64);
     for (int64_t i = 0; i < seq; ++i) pos_host.data_as<int64_t>()[i] = 1000 + i;
     const Tensor pos = device.is_cpu() ? pos_host : pos_host.to(device);
-    for (int64_t s = 0, n = elem_sets(job.bytes, device); s < n; ++s) {
+    for (int64_t s = 0, n = llaisys::bench::cold_sets(job.bytes, device); s < n; ++s) {
         Tensor x = elem_filled({seq, heads, hd}, 0.5, device);
         job.calls.push_back([=] { ops::rope(x, x, pos, 1e6f); });
     }
@@ -79,7 +73,7 @@ ElemJob rope_job(int64_t seq, int64_t heads, int64_t hd, Device device) {
 ElemJob swiglu_job(int64_t rows, int64_t ffn, Device device) {
     ElemJob job;
     job.bytes = 3.0 * double(rows * ffn) * 2; // gate, up in; out
-    for (int64_t s = 0, n = elem_sets(job.bytes, device); s < n; ++s) {
+    for (int64_t s = 0, n = llaisys::bench::cold_sets(job.bytes, device); s < n; ++s) {
         Tensor gate = elem_filled({rows, ffn}, 0.5, device), up = elem_filled({rows, ffn}, 0.25, device);
         Tensor out = Tensor::empty({rows, ffn}, DType::BF16, device);
         job.calls.push_back([=] { ops::swiglu(out, gate, up); });
@@ -93,7 +87,7 @@ ElemJob swiglu_job(int64_t rows, int64_t ffn, Device device) {
 ElemJob copy_job(int64_t rows, int64_t D, Device device) {
     ElemJob job;
     job.bytes = 2.0 * double(rows * D) * 2;
-    for (int64_t s = 0, n = elem_sets(job.bytes, device); s < n; ++s) {
+    for (int64_t s = 0, n = llaisys::bench::cold_sets(job.bytes, device); s < n; ++s) {
         Tensor x = elem_filled({rows, D}, 0.5, device), out = Tensor::empty({rows, D}, DType::BF16, device);
         job.calls.push_back([=] { ops::rearrange(out, x); });
     }
@@ -122,21 +116,9 @@ void bench_elem_cuda(benchmark::State &state, ElemMaker make) {
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const ElemJob job = make(dev);
-    const Stream stream = current_stream(dev);
-    const int batch = 20;
-    // ~0.3 ms of device work (768 MB moved) that covers the host's enqueueing of one batch.
-    const Tensor filler = Tensor::zeros({int64_t(64) << 20}, DType::F32, dev);
-    size_t i = 0;
-    for (int w = 0; w < 3; ++w) job.calls[i++ % job.calls.size()](); // warm-up
-    Event start(dev, true), stop(dev, true);
-    for (auto _ : state) {
-        ops::add(filler, filler, filler);
-        start.record(stream);
-        for (int b = 0; b < batch; ++b) job.calls[i++ % job.calls.size()]();
-        stop.record(stream);
-        stop.synchronize();
-        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
-    }
+    // ~0.3 ms of device work (768 MB moved) covers the host's enqueueing of 20 calls.
+    llaisys::bench::time_filled_batches(state, dev, 20, int64_t(64) << 20,
+                                        [&](size_t i) { job.calls[i % job.calls.size()](); });
     elem_counters(state, job);
 }
 #endif

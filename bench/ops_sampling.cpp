@@ -5,6 +5,7 @@
 // once, so its figure is a lower bound of the traffic), and for embedding the rows read and written.
 // CUDA iterations time a batch of back-to-back calls with events, so launch gaps and host waits do not
 // count.
+#include "bench_timing.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
@@ -32,36 +33,13 @@ Tensor sampling_random(const Shape &shape, DType dtype, Device device, float sca
     return host.to(dtype).to(device);
 }
 
-// Runs fn(i) (the i-th call, i = 0, 1, ...) once per iteration on the CPU. On CUDA times batches of
-// `batch` calls with events; a large filler op runs first, so that the host has enqueued the whole
-// batch before the GPU reaches it and the time is the kernels' own, not the host's launch rate.
+// Runs fn(i) (the i-th call, i = 0, 1, ...) once per iteration on the CPU; on CUDA times batches of 20
+// behind a filler op (bench_timing.hpp).
 template <typename Fn>
 void sampling_timed(benchmark::State &state, Device dev, Fn &&fn) {
+    if (dev.is_cuda()) return llaisys::bench::time_filled_batches(state, dev, 20, int64_t(64) << 20, fn);
     size_t i = 0;
-    if (dev.is_cpu()) {
-        for (auto _ : state) fn(i++);
-        return;
-    }
-    const int batch = 20;
-    for (int w = 0; w < 3; ++w) fn(i++); // warm-up
-    const Tensor filler = Tensor::zeros({int64_t(64) << 20}, DType::F32, dev); // ~0.3 ms of device work
-    const Stream stream = current_stream(dev);
-    Event start(dev, true), stop(dev, true);
-    for (auto _ : state) {
-        ops::add(filler, filler, filler);
-        start.record(stream);
-        for (int b = 0; b < batch; ++b) fn(i++);
-        stop.record(stream);
-        stop.synchronize();
-        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
-    }
-}
-
-// Independent buffer sets to cycle through on CUDA so that `bytes` per call do not sit in L2 between
-// calls (>= 256 MiB in all, at most 64 sets); 1 on the CPU.
-int64_t cold_sets(double bytes, Device dev) {
-    if (dev.is_cpu()) return 1;
-    return std::min<int64_t>(64, int64_t(double(int64_t(256) << 20) / bytes) + 1);
+    for (auto _ : state) fn(i++);
 }
 
 void set_bytes(benchmark::State &state, double bytes) {
@@ -83,7 +61,7 @@ bool sampling_device_ok(benchmark::State &state, Device dev) {
 void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows) {
     if (!sampling_device_ok(state, dev)) return;
     const double bytes = double(rows) * double(kSamplingVocab) * double(dtype_size(dtype));
-    const int64_t sets = rows <= 4 ? 1 : cold_sets(bytes, dev);
+    const int64_t sets = rows <= 4 ? 1 : llaisys::bench::cold_sets(bytes, dev);
     std::vector<Tensor> xs;
     for (int64_t i = 0; i < sets; ++i) xs.push_back(sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, uint32_t(1 + i)));
     const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
@@ -119,7 +97,7 @@ void bench_embedding(benchmark::State &state, Device dev, int64_t n, int64_t D) 
     const double bytes = 2.0 * double(n) * double(D) * 2.0 + double(n) * 8.0;
     std::mt19937 gen(3);
     std::vector<Tensor> ids, outs;
-    for (int64_t s = 0, sets = cold_sets(bytes, dev); s < sets; ++s) {
+    for (int64_t s = 0, sets = llaisys::bench::cold_sets(bytes, dev); s < sets; ++s) {
         Tensor ids_host = Tensor::empty({n}, DType::I64);
         for (int64_t i = 0; i < n; ++i) ids_host.data_as<int64_t>()[i] = int64_t(gen() % rows);
         ids.push_back(ids_host.to(dev));
