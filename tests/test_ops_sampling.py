@@ -187,6 +187,9 @@ def check_argmax_exact(a, device, offset=0):
 ARGMAX_SPLIT_CASES = [(dtype, V, rows, 0) for dtype in FLOAT_DTYPES for V in [151936, 151937, 40000, 1, 31]
                       for rows in [1, 3]]
 ARGMAX_SPLIT_CASES += [(dtype, V, rows, 1) for dtype in FLOAT_DTYPES for V in [151936, 40000] for rows in [1, 3]]
+# 64 rows: 5 blocks per row on a 132-SM H100, so chunks of V / 5 rounded up to 8 elements.
+ARGMAX_SPLIT_CASES += [(dtype, V, 64, offset) for dtype in FLOAT_DTYPES
+                       for V, offset in [(151936, 0), (151937, 0), (40000, 1)]]
 
 
 # The CPU runs two cases only: they check the test itself; the split path is CUDA's.
