@@ -1,13 +1,14 @@
-"""Runs torch's own cuBLAS GEMMs (no llaisys code at all) on the M > 8 shapes of tests/test_ops_linear.py
-(the cases marked `cublas`), so that `compute-sanitizer --tool racecheck` on this script shows which
-shared-memory hazards cuBLAS reports by itself. llaisys sends these shapes to cuBLASLt too (cpp/ops/linear/cuda.cu).
+"""Runs torch's own cuBLAS GEMMs (no llaisys code at all) on M > 8 shapes like those of the cases marked
+`cublas` in tests/test_ops_linear.py (a hand-kept list, not derived from the tests), so that
+`compute-sanitizer --tool racecheck` on this script shows which shared-memory hazards cuBLAS reports by
+itself. llaisys sends such shapes to cuBLASLt too (cpp/ops/linear/cuda.cu).
 
     compute-sanitizer --tool racecheck --print-limit 20 python3 bench/cublas_racecheck.py
 """
 import torch
 import torch.nn.functional as F
 
-# (M, K, N): the cuBLASLt shapes of test_ops_linear.py (linear, linear_swiglu's two halves as one N = 2I).
+# (M, K, N): M > 8 shapes from test_ops_linear.py's linear cases, and its linear_swiglu cases with N = 2I.
 SHAPES = [(64, 896, 896), (9, 67, 100), (10, 111, 19), (9, 896, 896), (64, 1536, 256), (128, 8960, 128),
           (64, 1536, 512), (9, 1, 222), (64, 19, 222), (9, 1536, 222), (64, 896, 222), (12, 19, 222),
           (9, 111, 38), (9, 40, 48)]

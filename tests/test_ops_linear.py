@@ -11,19 +11,20 @@ import llaisys
 from utils import (DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, assert_close, bits, needs_caching_allocator, poisoned, rand,
                    to_f64)
 
-# Cases with M > 8 carry the `cublas` mark: on CUDA they run cuBLASLt, not a llaisys kernel. The racecheck
+# Cases with M > GEMV_MAX_M carry the `cublas` mark: on CUDA they run cuBLASLt, not a llaisys kernel. The racecheck
 # step of bench/gpu_check.sh leaves them out (`-m "cuda and not cublas"`): racecheck reports shared-memory
 # hazards inside cuBLAS's own sm90 kernels with no llaisys code involved (bench/cublas_racecheck.py
 # shows it with torch alone), and excluding those kernels by name crashes the sanitizer. memcheck runs all.
 CUBLAS = pytest.mark.cublas
+GEMV_MAX_M = 8  # kGemvMaxM of cpp/ops/linear/cuda.cu: the largest M the CUDA GEMV takes
 
 
 def by_path(cases):
-    """Marks the cases (M or (M, ...) tuples) whose M > 8 with `cublas`."""
+    """Marks the cases (M or (M, ...) tuples) that run cuBLASLt on CUDA with `cublas`."""
     out = []
     for c in cases:
-        m = c[0] if isinstance(c, tuple) else c
-        out.append(c if m <= 8 else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=CUBLAS))
+        args = c if isinstance(c, tuple) else (c,)
+        out.append(c if args[0] <= GEMV_MAX_M else pytest.param(*args, marks=CUBLAS))
     return out
 
 
@@ -333,7 +334,7 @@ def check_equals_unfused(device, dtype, M, K, I):
     fused = poisoned((M, I), dtype, device)
     llaisys.ops.linear_swiglu(fused, x, w)
     unfused = run_unfused(x, w, M, I, dtype, device)
-    if device == "cpu" or M <= 8:
+    if device == "cpu" or M <= GEMV_MAX_M:
         np.testing.assert_array_equal(bits(fused), bits(unfused))
     else:
         assert_close(fused, to_f64(unfused), dtype, **tol_swiglu(dtype, K, ws))
