@@ -32,6 +32,7 @@ SHAPES = [  # (M, K, N)
     (1, 1, 1), (1, 19, 111), (7, 111, 19), (3, 989, 5),
     (1, 896, 4864), (1, 1536, 256), (64, 896, 896),  # decode (Qwen2-0.5B MLP up, 1.5B k/v) and prefill-ish
     (8, 1030, 77), (9, 67, 100), (2, 8961, 13),  # the GEMV's last M, cuBLASLt's first, a multi-chunk K
+    (1, 4104, 1111),  # M = 1 with x loaded next to W over 9+ batches per lane (2 warps per row on an H100)
 ]
 
 

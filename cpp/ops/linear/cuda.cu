@@ -92,6 +92,7 @@ __device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / 
 template <int MR>
 struct PlainEpilogue {
     static constexpr int kRows = MR >= 4 ? 2 : 1, kOuts = kRows, kUnroll = MR >= 4 ? 4 : 8;
+    static constexpr int kXBlocks = 4; // blocks per SM the M = 1 x-with-W kernel is compiled for (gemv_kernel)
     __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) { return min(group * kRows + r, a.N - 1); }
     template <typename T, class Sum>
     __device__ static void store(T *out, const T *bias, int64_t group, int o, int64_t m, const GemvArgs &a,
@@ -108,6 +109,8 @@ struct PlainEpilogue {
 template <int MR>
 struct SwigluEpilogue {
     static constexpr int kOuts = MR >= 4 ? 1 : 2, kRows = 2 * kOuts, kUnroll = MR >= 4 ? 4 : 2;
+    // 3, not 4: the register room took 896->2x4864 from 9.6 to 8.4 us on an H100 (graph replay).
+    static constexpr int kXBlocks = 3;
     __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) {
         return min(group * kOuts + r % kOuts, a.N - 1) + (r / kOuts) * a.N;
     }
@@ -122,18 +125,25 @@ struct SwigluEpilogue {
 
 // acc[m][r] += x[m] . w[r] over the vectors v = first, first + step, ... < nvec. Each lane issues up
 // to U loads per W row before using any (a row of K = 1536 bf16 is 6 vectors per lane: all in flight
-// at once), so even a partly filled last wave keeps the memory busy. Vectors past nvec are neither
-// loaded nor used (multiplying by a zero weight would turn an Inf in x into NaN).
-template <typename T, int MR, int R, int V, int U>
+// at once), so even a partly filled last wave keeps the memory busy. With XW the batch's x vectors are
+// loaded next to W's too; otherwise each x vector is loaded where it is used, which the compiler, short
+// of registers, leaves one L2 round trip after another. Vectors past nvec are neither loaded nor used
+// (multiplying by a zero weight would turn an Inf in x into NaN).
+template <typename T, int MR, int R, int V, int U, bool XW>
 __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&xr)[MR], const T *const (&wr)[R],
                                           int64_t first, int64_t step, int64_t nvec) {
     for (int64_t v = first; v < nvec; v += U * step) {
         Chunk<T, V> wv[U][R];
+        Chunk<T, V> xw[XW ? U : 1][MR];
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (v + u * step < nvec)
+            if (v + u * step < nvec) {
 #pragma unroll
                 for (int r = 0; r < R; ++r) wv[u][r].load_stream(wr[r] + (v + u * step) * V);
+                if constexpr (XW)
+#pragma unroll
+                    for (int m = 0; m < MR; ++m) xw[u][m].load_cached(xr[m] + (v + u * step) * V);
+            }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (v + u * step >= nvec) break;
@@ -143,7 +153,8 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&
 #pragma unroll
             for (int m = 0; m < MR; ++m) {
                 Chunk<T, V> xv;
-                xv.load_cached(xr[m] + (v + u * step) * V);
+                if constexpr (XW) xv = xw[XW ? u : 0][m];
+                else xv.load_cached(xr[m] + (v + u * step) * V);
                 float xf[V];
                 xv.get(xf);
 #pragma unroll
@@ -166,8 +177,9 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&
 // Epi turns them into outputs. Rows of x past M repeat the last row (computed, never stored), so
 // every warp runs the same code. A row's f32 sum runs in an order set by K, V and split alone (not
 // by R, MR or U), which is what lets linear_swiglu reproduce linear exactly.
-template <typename T, int MR, int V, class Epi>
-__global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
+// XW (M = 1 only): x loaded next to W in batches of at most 4 vectors per lane (gemv_x_with_w).
+template <typename T, int MR, int V, class Epi, bool XW>
+__global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks : 4) : 2)
     gemv_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ bias,
                 GemvArgs a) {
     constexpr int R = Epi::kRows;
@@ -192,7 +204,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? 4 : 2)
         for (int r = 0; r < R; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + v * V));
     pdl_trigger();
     pdl_wait();
-    gemv_rows<T, MR, R, V, Epi::kUnroll>(acc, xr, wr, sub * 32 + lane, step, nvec);
+    constexpr int U = XW && Epi::kUnroll > 4 ? 4 : Epi::kUnroll; // x's registers come out of W's
+    gemv_rows<T, MR, R, V, U, XW>(acc, xr, wr, sub * 32 + lane, step, nvec);
     for (int64_t k = nvec * V + sub * 32 + lane; k < a.K; k += step) // columns past the last full vector
 #pragma unroll
         for (int m = 0; m < MR; ++m)
@@ -229,6 +242,16 @@ int gemv_split(int64_t rows_of_groups, int64_t vectors_per_row, int device) {
     return split;
 }
 
+// Whether the M = 1 GEMV loads x next to W (XW): when a lane's vectors of a row fit one batch of 4, or
+// take several batches either way (more than 8). Between 5 and 8 the plain kernel's single batch of 8
+// wins (1536->8960 and 4864->896 measured slower with XW). On an H100 (graph replay, bf16) XW took
+// 896->128 from 1.97 to 1.52 us, 1536->1536 3.36 -> 3.18, 896->1152 2.58 -> 2.32 and 8960->1536
+// 12.7 -> 10.8.
+bool gemv_x_with_w(int64_t vectors_per_row, int split) {
+    const int64_t per_lane = (vectors_per_row + int64_t(split) * 32 - 1) / (int64_t(split) * 32);
+    return per_lane <= 4 || per_lane > 8;
+}
+
 template <typename T, int MR, class Epi>
 void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, GemvArgs a, bool vec) {
     constexpr int VW = int(16 / sizeof(T));
@@ -242,8 +265,12 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
     D *o = dptr<T>(out);
     const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
     const int dev = out.device().index;
-    if (vec) launch_pdl(gemv_kernel<D, MR, VW, Epi>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
-    else launch_pdl(gemv_kernel<D, MR, 1, Epi>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
+    if constexpr (MR == 1)
+        if (vec && gemv_x_with_w(a.K / VW, a.split))
+            return launch_pdl(gemv_kernel<D, MR, VW, Epi, true>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp,
+                              bp, a);
+    if (vec) launch_pdl(gemv_kernel<D, MR, VW, Epi, false>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
+    else launch_pdl(gemv_kernel<D, MR, 1, Epi, false>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
 }
 
 // True when every row of t [rows, cols] starts on a 16-byte boundary.
