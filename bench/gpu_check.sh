@@ -79,6 +79,8 @@ if has bench; then
   tail -60 "$OUT/bench_ops.txt" | cut -c1-160 >>"$OUT/summary.txt"
   log "attention vs SDPA"
   timeout 120 python3 bench/attention_vs_sdpa.py 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
+  log "torch F.linear at M = 1 from a CUDA graph (compare with Linear/cuda_graph above)"
+  timeout 120 python3 bench/linear_vs_torch.py 2>&1 | tail -14 | tee -a "$OUT/summary.txt"
 fi
 
 if has sanitize; then
