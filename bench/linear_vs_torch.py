@@ -1,11 +1,12 @@
 """torch's M = 1 linear (cuBLAS, what `F.linear` runs) on the Qwen2 decode shapes, timed the way
-bench_ops times llaisys' GEMV (`Linear/cuda_graph/bf16/M:1/...`): calls captured in a CUDA graph and
-replayed, each call on its own copy of the weight (>= 256 MiB of copies, so none sits in L2 between
-uses), time per call from CUDA events around the replays. Also the graph's floor: the time per kernel of
-a replayed chain of one-element kernels, which no kernel in a graph beats on this GPU.
+bench_ops times llaisys' GEMV (`Linear/cuda_graph/bf16/M:1/...`): the calls of one replay (>= 16, each
+on its own copy of the weight, >= 128 MiB of distinct weights per replay, so none sits in L2 between
+uses) captured in a CUDA graph; CUDA events around each replay, the time per call averaged over
+--replays replays. Also the time per kernel of a replayed chain of one-element kernels: what a kernel
+launched without programmatic dependent launch (PDL) costs in a graph on this GPU however little it does.
 Run it in the same device call as bench_ops and compare the two as ratios.
 
-    python bench/linear_vs_torch.py [--replays 20]
+    python bench/linear_vs_torch.py [--replays 200]
 """
 from __future__ import annotations
 
@@ -33,17 +34,19 @@ def per_call_us(fn, calls: int, replays: int) -> float:
             fn(i)
     graph.replay()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
+    total_ms = 0.0
+    for _ in range(replays):  # as bench_ops: one event pair per replay, the host waiting in between
+        start.record()
         graph.replay()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (replays * calls)
+        stop.record()
+        stop.synchronize()
+        total_ms += start.elapsed_time(stop)
+    return total_ms * 1e3 / (replays * calls)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--replays", type=int, default=200)
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("linear_vs_torch: no CUDA device visible")
@@ -52,7 +55,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, cuBLAS via F.linear, bf16, M = 1")
     tiny = torch.zeros(1, device=dev)
     floor = per_call_us(lambda i: tiny.add_(1.0), 256, args.replays)
-    print(f"graph floor (one-element add_ per kernel): {floor:.2f} us per kernel")
+    print(f"graph floor without PDL (one-element add_ per kernel): {floor:.2f} us per kernel")
     print(f"{'K->N':>12} {'weight MB':>9} {'us/call':>8} {'GB/s':>8}")
     for K, N in SHAPES:
         w_bytes = N * K * 2

@@ -82,7 +82,7 @@ __device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / 
 
 // ---- Epilogues: which W rows a group of warps reads and how their sums become outputs. ----
 // kRows: W rows per group; kOuts: outputs per group; kUnroll: loads in flight per lane and row (8
-// 16-byte loads per lane in all; registers bound it). w_row(group, r, a) is the group's r-th W row,
+// 16-byte loads per lane in all; registers bound it; at most 4 where x is loaded next to W). w_row(group, r, a) is the group's r-th W row,
 // groups past the end repeating the last row (computed, never stored). store(...) writes output o of
 // the group for x row m; sum(r, init) is init plus the group's f32 total for its r-th row, lanes and
 // split warps reduced in a fixed order.
@@ -109,7 +109,8 @@ struct PlainEpilogue {
 template <int MR>
 struct SwigluEpilogue {
     static constexpr int kOuts = MR >= 4 ? 1 : 2, kRows = 2 * kOuts, kUnroll = MR >= 4 ? 4 : 2;
-    // 3, not 4: the register room took 896->2x4864 from 9.6 to 8.4 us on an H100 (graph replay).
+    // 3, not 4: with room for 72 registers 896->2x4864 took 8.4 us on an H100 (graph replay; the same
+    // at 2 blocks per SM), against 9.6 us under the 64-register cap of 4 blocks per SM.
     static constexpr int kXBlocks = 3;
     __device__ static int64_t w_row(int64_t group, int r, const GemvArgs &a) {
         return min(group * kOuts + r % kOuts, a.N - 1) + (r / kOuts) * a.N;
@@ -153,7 +154,7 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&
 #pragma unroll
             for (int m = 0; m < MR; ++m) {
                 Chunk<T, V> xv;
-                if constexpr (XW) xv = xw[XW ? u : 0][m];
+                if constexpr (XW) xv = xw[u][m];
                 else xv.load_cached(xr[m] + (v + u * step) * V);
                 float xf[V];
                 xv.get(xf);
@@ -246,7 +247,7 @@ int gemv_split(int64_t rows_of_groups, int64_t vectors_per_row, int device) {
 // take several batches either way (more than 8). Between 5 and 8 the plain kernel's single batch of 8
 // wins (1536->8960 and 4864->896 measured slower with XW). On an H100 (graph replay, bf16) XW took
 // 896->128 from 1.97 to 1.52 us, 1536->1536 3.36 -> 3.18, 896->1152 2.58 -> 2.32 and 8960->1536
-// 12.7 -> 10.8.
+// 12.7 -> 10.8. linear_swiglu (2 loads per lane and row either way) follows linear's choice.
 bool gemv_x_with_w(int64_t vectors_per_row, int split) {
     const int64_t per_lane = (vectors_per_row + int64_t(split) * 32 - 1) / (int64_t(split) * 32);
     return per_lane <= 4 || per_lane > 8;
