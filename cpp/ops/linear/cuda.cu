@@ -82,8 +82,8 @@ __device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / 
 
 // ---- Epilogues: which W rows a group of warps reads and how their sums become outputs. ----
 // kRows: W rows per group; kOuts: outputs per group; kUnroll: loads in flight per lane and row (8
-// 16-byte loads per lane in all; registers bound it; at most 4 where x is loaded next to W). w_row(group, r, a) is the group's r-th W row,
-// groups past the end repeating the last row (computed, never stored). store(...) writes output o of
+// 16-byte loads per lane in all; registers bound it; at most 4 where x is loaded next to W). w_row(group,
+// r, a) is the group's r-th W row, groups past the end repeating the last row (computed, never stored). store(...) writes output o of
 // the group for x row m; sum(r, init) is init plus the group's f32 total for its r-th row, lanes and
 // split warps reduced in a fixed order.
 
@@ -249,7 +249,7 @@ int gemv_split(int64_t rows_of_groups, int64_t vectors_per_row, int device) {
 // 896->128 from 1.97 to 1.52 us, 1536->1536 3.36 -> 3.18, 896->1152 2.58 -> 2.32 and 8960->1536
 // 12.7 -> 10.8. linear_swiglu (2 loads per lane and row either way) follows linear's choice.
 bool gemv_x_with_w(int64_t vectors_per_row, int split) {
-    const int64_t per_lane = (vectors_per_row + int64_t(split) * 32 - 1) / (int64_t(split) * 32);
+    const int64_t per_lane = ceil_div(vectors_per_row, int64_t(split) * 32);
     return per_lane <= 4 || per_lane > 8;
 }
 
@@ -266,12 +266,10 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
     D *o = dptr<T>(out);
     const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
     const int dev = out.device().index;
-    if constexpr (MR == 1)
-        if (vec && gemv_x_with_w(a.K / VW, a.split))
-            return launch_pdl(gemv_kernel<D, MR, VW, Epi, true>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp,
-                              bp, a);
-    if (vec) launch_pdl(gemv_kernel<D, MR, VW, Epi, false>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
-    else launch_pdl(gemv_kernel<D, MR, 1, Epi, false>, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
+    auto kernel = vec ? gemv_kernel<D, MR, VW, Epi, false> : gemv_kernel<D, MR, 1, Epi, false>;
+    if constexpr (MR == 1) // the x-with-W kernel is only built for M = 1 with 16-byte rows
+        if (vec && gemv_x_with_w(a.K / VW, a.split)) kernel = gemv_kernel<D, MR, VW, Epi, true>;
+    launch_pdl(kernel, grid, kGemvWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
 }
 
 // True when every row of t [rows, cols] starts on a 16-byte boundary.
