@@ -33,6 +33,7 @@ SHAPES = [  # (M, K, N)
     (1, 896, 4864), (1, 1536, 256), (64, 896, 896),  # decode (Qwen2-0.5B MLP up, 1.5B k/v) and prefill-ish
     (8, 1030, 77), (9, 67, 100), (2, 8961, 13),  # the GEMV's last M, cuBLASLt's first, a multi-chunk K
     (1, 4104, 1111),  # M = 1, x loaded next to W in 3 batches on a lane (9 vectors; 2 warps per row on an H100)
+    (1, 896, 1152), (1, 2048, 300),  # M = 1, W preloaded before the previous kernel ends: 3.5 and 8 vectors a lane
 ]
 
 
@@ -344,7 +345,8 @@ def check_equals_unfused(device, dtype, M, K, I):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M,K,I", by_path([(1, 1536, 111), (2, 19, 111), (3, 1536, 111), (4, 19, 1), (8, 896, 19),
-                                           (9, 111, 19), (64, 896, 111), (1, 4104, 1111)]))
+                                           (9, 111, 19), (64, 896, 111), (1, 4104, 1111),
+                                           (1, 2048, 300)]))
 def test_linear_swiglu_equals_unfused(device, dtype, M, K, I):
     """The fusion changes no bit: g and u are summed in the same order and rounded to the dtype as the
     unfused path stores them. On CUDA that holds for the GEMV (M <= 8); for M > 8 both run cuBLASLt on

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace llaisys::ops::cuda {
 namespace {
@@ -29,6 +30,9 @@ constexpr int kGemvMaxM = 8;  // the largest M sent to the GEMV on purpose
 // warp and row). Prefetching whole rows instead let a 27.5 MB weight (8960->1536) fight the GEMV
 // before it for L2: 14.8 us against 12.9 us with 4 on an H100; 2, 3 and 6 measured no better.
 constexpr int kGemvPrefetch = 4;
+// gemv_preload_kernel: 16-byte vectors of its row each lane holds at most, and warps per block.
+constexpr int kGemvPreVectors = 8;
+constexpr int kGemvPreWarps = 16;
 
 // Widens 16 bytes (4 f32 or 8 f16/bf16) to f32.
 __device__ __forceinline__ void unpack(const uint4 &u, const float *, float (&f)[4]) {
@@ -231,6 +235,48 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
     }
 }
 
+// M = 1 GEMV for a small W (gemv_preload): one warp per W row and kGemvPreWarps warps per block, at
+// most one block per SM, which takes half its registers. So the next GEMV's blocks fit beside this
+// one's; started early by PDL, each lane loads its whole share of its row (at most kGemvPreVectors
+// 16-byte vectors) into registers before pdl_wait, and W streams while the kernel before is still
+// running. x goes through shared memory: one load per thread after pdl_wait, so a single L2 round trip
+// stands between pdl_wait and the math. Each row's sum runs in gemv_kernel's order at split 1.
+// On an H100 (graph replay, bf16) 1536->1536 went from 3.22 to 2.15 us and 1536->2048 from 3.46 to
+// 3.10 (gemv_kernel at split 2). Measured slower: 8 warps per block, 2.25 / 3.11; two rows per warp
+// (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory by TMA bulk copies, 2.95 / 3.68.
+template <typename T, int V>
+__global__ void __launch_bounds__(kGemvPreWarps * 32, 2)
+    gemv_preload_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w,
+                        const T *__restrict__ bias, GemvArgs a) {
+    __shared__ uint4 xs[32 * kGemvPreVectors];
+    const int lane = threadIdx.x & 31;
+    const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int nvec = int(a.K / V); // K = nvec * V <= 32 * kGemvPreVectors * V
+    const T *wr = w + min(n, a.N - 1) * a.ldw, *wl = wr + lane * V;
+    Chunk<T, V> wv[kGemvPreVectors];
+#pragma unroll
+    for (int u = 0; u < kGemvPreVectors; ++u)
+        if (lane + u * 32 < nvec) wv[u].load_stream(wl + u * 32 * V);
+    pdl_trigger();
+    pdl_wait();
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) xs[i] = __ldg(reinterpret_cast<const uint4 *>(x) + i);
+    __syncthreads();
+    float acc = 0.f;
+#pragma unroll
+    for (int u = 0; u < kGemvPreVectors; ++u)
+        if (lane + u * 32 < nvec) {
+            Chunk<T, V> xv;
+            xv.raw = xs[lane + u * 32];
+            float xf[V], wf[V];
+            xv.get(xf);
+            wv[u].get(wf);
+#pragma unroll
+            for (int e = 0; e < V; ++e) acc = fmaf(xf[e], wf[e], acc);
+        }
+    const float s = warp_sum(acc);
+    if (lane == 0 && n < a.N) out[n] = from_f32<T>((bias ? to_f32(bias[n]) : 0.f) + s);
+}
+
 // Warps per group of W rows: more when N alone gives too few warps to fill the GPU (N = 256 rows is
 // 256 warps), as long as each lane still gets 2+ vectors of a row and the grid still fits in one wave
 // (4 blocks of 8 warps per SM): a second, partly filled wave cost the 8960->1536 GEMV a third of its
@@ -253,19 +299,36 @@ bool gemv_x_with_w(int64_t vectors_per_row, int split) {
     return per_lane <= 4 || per_lane > 8;
 }
 
+// Whether the M = 1 GEMV (16-byte rows) for N outputs and rows of `vectors` 16-byte vectors (no partial one) runs
+// gemv_preload_kernel: each lane's share of a row fits its registers and the grid is at most one
+// block per SM (N <= 2112 on an H100: the 1.5B q/k/v and o projections, the 0.5B ones).
+bool gemv_preload(int64_t N, int64_t vectors, int device) {
+    return vectors >= 1 && vectors <= 32 * kGemvPreVectors && N <= int64_t(sm_count(device)) * kGemvPreWarps;
+}
+
 template <typename T, int MR, class Epi>
 void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, GemvArgs a, bool vec) {
     constexpr int VW = int(16 / sizeof(T));
     // The split linear's GEMV takes for N outputs at this M, whatever the epilogue: every output's
     // sum then runs in the same order as linear's.
     constexpr int plain_rows = PlainEpilogue<MR>::kRows;
-    a.split = gemv_split((a.N + plain_rows - 1) / plain_rows, (a.K + VW - 1) / VW, out.device().index);
+    const int64_t plain_groups = (a.N + plain_rows - 1) / plain_rows;
+    const int dev = out.device().index;
+    // With the preload kernel linear runs at split 1, and so does linear_swiglu for the same N.
+    const bool pre = MR == 1 && vec && a.K % VW == 0 && gemv_preload(a.N, a.K / VW, dev);
+    a.split = pre ? 1 : gemv_split(plain_groups, (a.K + VW - 1) / VW, dev);
+    using D = device_t<T>;
+    if constexpr (MR == 1 && std::is_same_v<Epi, PlainEpilogue<1>>)
+        if (pre) {
+            launch_pdl(gemv_preload_kernel<D, VW>, unsigned(ceil_div(a.N, int64_t(kGemvPreWarps))), kGemvPreWarps * 32, 0,
+                       stream_of(out), dev, dptr<T>(out), dptr<T>(x), dptr<T>(w),
+                       bias.defined() ? dptr<T>(bias) : nullptr, a);
+            return;
+        }
     const int64_t outs_per_block = int64_t(kGemvWarps / a.split) * Epi::kOuts;
     const dim3 grid(unsigned((a.N + outs_per_block - 1) / outs_per_block), unsigned((a.M + MR - 1) / MR));
-    using D = device_t<T>;
     D *o = dptr<T>(out);
     const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
-    const int dev = out.device().index;
     auto kernel = vec ? gemv_kernel<D, MR, VW, Epi, false> : gemv_kernel<D, MR, 1, Epi, false>;
     if constexpr (MR == 1) // the x-with-W kernel is only built for M = 1 with 16-byte rows
         if (vec && gemv_x_with_w(a.K / VW, a.split)) kernel = gemv_kernel<D, MR, VW, Epi, true>;
