@@ -242,8 +242,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
 // running. x goes through shared memory: one load per thread after pdl_wait, so a single L2 round trip
 // stands between pdl_wait and the math. Each row's sum runs in gemv_kernel's order at split 1.
 // On an H100 (graph replay, bf16) 1536->1536 went from 3.22 to 2.15 us and 1536->2048 from 3.46 to
-// 3.10 (gemv_kernel at split 2). Measured slower: 8 warps per block, 2.25 / 3.11; two rows per warp
-// (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory by TMA bulk copies, 2.95 / 3.68.
+// 3.10 (gemv_kernel at split 2). Measured slower (same calls): 8 warps per block, 2.23-2.35 / 3.09-3.16;
+// two rows per warp (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory by TMA bulk
+// copies, 2.95 / 3.68 (bench/RESULTS.md, 2026-11-25, third session).
 template <typename T, int V>
 __global__ void __launch_bounds__(kGemvPreWarps * 32, 2)
     gemv_preload_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w,
