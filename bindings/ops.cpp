@@ -17,10 +17,12 @@ void bind_ops(nb::module_ &m) {
     o.def("index_copy", &ops::index_copy, nb::arg("out"), nb::arg("index"), nb::arg("src"), G());
     o.def("argmax", &ops::argmax, nb::arg("max_idx"), nb::arg("max_val"), nb::arg("x"), G());
     o.def("embedding", &ops::embedding, nb::arg("out"), nb::arg("ids"), nb::arg("weight"), G());
-    o.def("linear", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias) {
-        ops::linear(out, x, w, bias ? *bias : Tensor());
-    }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), G());
-    o.def("linear_swiglu", &ops::linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), G());
+    o.def("linear", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias, bool constant_weight) {
+        ops::linear(out, x, w, bias ? *bias : Tensor(), constant_weight);
+    }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), nb::kw_only(),
+          nb::arg("constant_weight") = false, G());
+    o.def("linear_swiglu", &ops::linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), nb::kw_only(),
+          nb::arg("constant_weight") = false, G());
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
     o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
           nb::arg("eps"), G());

@@ -33,7 +33,7 @@ SHAPES = [  # (M, K, N)
     (1, 896, 4864), (1, 1536, 256), (64, 896, 896),  # decode (Qwen2-0.5B MLP up, 1.5B k/v) and prefill-ish
     (8, 1030, 77), (9, 67, 100), (2, 8961, 13),  # the GEMV's last M, cuBLASLt's first, a multi-chunk K
     (1, 4104, 1111),  # M = 1, x loaded next to W in 3 batches on a lane (9 vectors; 2 warps per row on an H100)
-    (1, 896, 1152), (1, 2048, 300),  # M = 1, W preloaded before the previous kernel ends: 3.5 and 8 vectors a lane
+    (1, 896, 1152), (1, 2048, 300),  # M = 1, 3.5 and 8 vectors a lane (test_linear_constant_weight has them too)
 ]
 
 
@@ -202,6 +202,66 @@ def test_linear_device_mismatch():
         llaisys.ops.linear(llaisys.empty((3, 5), "f32", "cuda"), x.to("cuda"), w, rand((5,), "f32", "cpu")[0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (1, 2048, 300), (1, 1536, 1536), (1, 1536, 256), (1, 8, 5),
+                                   (1, 4104, 111), (3, 896, 64)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_constant_weight(device, dtype, M, K, N, with_bias):
+    """constant_weight=True, as a model passes for its loaded weights. On CUDA the M = 1 shapes with
+    16-byte rows of at most 256 vectors take the GEMV that loads W before the kernel ahead of it ends
+    (3.5, 8, 6 vectors a lane; a single vector at K = 8 bf16); (1, 4104, 111) and M = 3 do not."""
+    x, x64 = rand((M, K), dtype, device, seed=60)
+    w, w64 = rand((N, K), dtype, device, seed=61)
+    b, b64 = rand((N,), dtype, device, seed=62) if with_bias else (None, None)
+    out = poisoned((M, N), dtype, device)
+    llaisys.ops.linear(out, x, w, b, constant_weight=True)
+    assert_close(out, ref_linear(x64, w64, b64), dtype, **tol(dtype, K))
+    # A transposed weight view is copied by a kernel just before the GEMV: that copy is not constant,
+    # and the op must not treat it so.
+    wt, wt64 = rand((K, N), dtype, device, seed=63)
+    out2 = poisoned((M, N), dtype, device)
+    llaisys.ops.linear(out2, x, wt.transpose(0, 1), b, constant_weight=True)
+    assert_close(out2, ref_linear(x64, wt64.T, b64), dtype, **tol(dtype, K))
+
+
+def test_linear_constant_weight_is_keyword_only():
+    """A stray positional True must not silently become the promise."""
+    x, _ = rand((1, 4), "f32", "cpu", seed=64)
+    w, _ = rand((2, 4), "f32", "cpu", seed=65)
+    with pytest.raises(TypeError):
+        llaisys.ops.linear(llaisys.empty((1, 2), "f32"), x, w, None, True)
+    with pytest.raises(TypeError):
+        llaisys.ops.linear_swiglu(llaisys.empty((1, 1), "f32"), x, w, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "f32"])
+def test_linear_weight_written_by_the_kernel_before(dtype):
+    """A weight the GEMV just before computed: k = xk @ wk^T (M = 8, a PDL kernel that lets the next one
+    start at once), then scores = q @ k^T (M = 1, N = 8, K = 128). With constant_weight left False the
+    second GEMV may not read k before the first has written it; 32 such pairs are queued without a
+    sync, each k poisoned with NaN first."""
+    dev = "cuda"
+    K1, D, n = 4096, 128, 8
+    xk, _ = rand((n, K1), dtype, dev, seed=70)
+    wk, _ = rand((D, K1), dtype, dev, seed=71, scale=1.0 / np.sqrt(K1))
+    q, q64 = rand((1, D), dtype, dev, seed=72)
+    ks, scores = [], []
+    for _ in range(32):
+        k = poisoned((n, D), dtype, dev)
+        s = poisoned((1, n), dtype, dev)
+        llaisys.ops.linear(k, xk, wk)
+        llaisys.ops.linear(s, q, k)
+        ks.append(k)
+        scores.append(s)
+    llaisys.synchronize(dev)
+    for k, s in zip(ks, scores):
+        k64 = to_f64(k)
+        assert np.isfinite(k64).all()
+        assert_close(s, q64 @ k64.T, dtype, **tol(dtype, D, 1.0, float(np.abs(k64).max())))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M,K,N", by_path([(1, 1536, 256), (4, 1536, 1536), (8, 8960, 64), (2, 19, 111),
@@ -322,20 +382,20 @@ def test_linear_swiglu_noncontiguous_and_3d(device, dtype, M):
     assert_close(out3, ref_linear_swiglu(xt64[:, :, 0].T, w64, dtype)[None], dtype, **t)
 
 
-def run_unfused(x, w, M, I, dtype, device):
+def run_unfused(x, w, M, I, dtype, device, constant_weight=False):
     """linear(gate); linear(up); swiglu(gate, gate, up) on the two halves of w, as a model without the fusion."""
     gate, up = poisoned((M, I), dtype, device), poisoned((M, I), dtype, device)
-    llaisys.ops.linear(gate, x, w.slice(0, 0, I))
-    llaisys.ops.linear(up, x, w.slice(0, I, 2 * I))
+    llaisys.ops.linear(gate, x, w.slice(0, 0, I), constant_weight=constant_weight)
+    llaisys.ops.linear(up, x, w.slice(0, I, 2 * I), constant_weight=constant_weight)
     llaisys.ops.swiglu(gate, gate, up)
     return gate
 
 
-def check_equals_unfused(device, dtype, M, K, I):
+def check_equals_unfused(device, dtype, M, K, I, constant_weight=False):
     x, _, w, _, ws = rand_swiglu_operands(M, K, I, dtype, device, seed=40)
     fused = poisoned((M, I), dtype, device)
-    llaisys.ops.linear_swiglu(fused, x, w)
-    unfused = run_unfused(x, w, M, I, dtype, device)
+    llaisys.ops.linear_swiglu(fused, x, w, constant_weight=constant_weight)
+    unfused = run_unfused(x, w, M, I, dtype, device, constant_weight)
     if device == "cpu" or M <= GEMV_MAX_M:
         np.testing.assert_array_equal(bits(fused), bits(unfused))
     else:
@@ -347,12 +407,14 @@ def check_equals_unfused(device, dtype, M, K, I):
 @pytest.mark.parametrize("M,K,I", by_path([(1, 1536, 111), (2, 19, 111), (3, 1536, 111), (4, 19, 1), (8, 896, 19),
                                            (9, 111, 19), (64, 896, 111), (1, 4104, 1111),
                                            (1, 2048, 300)]))
-def test_linear_swiglu_equals_unfused(device, dtype, M, K, I):
+@pytest.mark.parametrize("constant_weight", [False, True], ids=["written", "constant"])
+def test_linear_swiglu_equals_unfused(device, dtype, M, K, I, constant_weight):
     """The fusion changes no bit: g and u are summed in the same order and rounded to the dtype as the
     unfused path stores them. On CUDA that holds for the GEMV (M <= 8); for M > 8 both run cuBLASLt on
     the same problems, but cuBLASLt may pick another algorithm for the up half (its alignment differs
-    when K is odd), so there the two only have to agree within the tolerance."""
-    check_equals_unfused(device, dtype, M, K, I)
+    when K is odd), so there the two only have to agree within the tolerance. With constant_weight the
+    unfused linear takes the preloading GEMV for the small M = 1 shapes, and linear_swiglu its order."""
+    check_equals_unfused(device, dtype, M, K, I, constant_weight)
 
 
 @pytest.mark.cuda

@@ -25,12 +25,16 @@ void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x);
 // synchronize, through a device-side flag, so the op needs no host sync).
 void embedding(const Tensor &out, const Tensor &ids, const Tensor &weight);
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]); bias may be an undefined Tensor.
-void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias);
+// constant_weight promises that no kernel writes weight any more (a model's loaded weights): on CUDA
+// the M = 1 GEMV may then read it before the kernel ahead of it on the stream has finished. Leave it
+// false for a weight computed on the device, or that result may read the weight's old contents.
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool constant_weight = false);
 // The MLP's gate/up projections and SwiGLU in one op: x [..., K], w_gate_up [2I, K] (HF's gate_proj rows
 // stacked over up_proj rows), out [..., I] = swiglu(g, u) with g = x @ w_gate_up[:I]^T and
 // u = x @ w_gate_up[I:]^T, each summed in f32 and rounded to the dtype before the SwiGLU, so the result
 // equals linear + linear + swiglu bit for bit when the sums run in the same order (CPU; CUDA for M <= 8).
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up);
+// constant_weight as for linear (it picks the same GEMV summation order as linear with that flag).
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight = false);
 // out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
 void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps);
 // residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs.

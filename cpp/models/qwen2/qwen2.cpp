@@ -14,6 +14,11 @@
 
 namespace llaisys::models {
 
+// A model's weights are written once (load_weight), then only read: the projections tell linear so
+// (constant_weight), which lets the M = 1 GEMV start reading them early. check_ready() synchronizes
+// the device once after loading so no kernel that wrote a weight is still running.
+constexpr bool kConstantWeights = true;
+
 void Qwen2Config::validate() const {
     auto positive = [](int64_t v, const char *name) {
         LLAISYS_CHECK(v > 0, std::invalid_argument, "Qwen2Config: ", name, " must be positive, got ", v);
@@ -56,6 +61,7 @@ void Qwen2::check_ready() const {
     const auto missing = missing_weights();
     LLAISYS_CHECK(missing.empty(), std::invalid_argument, "Qwen2: ", missing.size(), " weight(s) not loaded, e.g. '",
                   missing.empty() ? "" : missing.front(), "'");
+    if (device_.is_cuda()) synchronize(device_); // kConstantWeights: every weight-writing kernel is done
     ready_ = true;
 }
 
@@ -80,7 +86,7 @@ void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vec
 // attn [T, nh, hd] -> o_proj -> [T, H]
 Tensor Qwen2::project_out(const Layer &L, const Tensor &attn, int64_t T) {
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    ops::linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo, Tensor());
+    ops::linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo, Tensor(), kConstantWeights);
     return out;
 }
 
@@ -94,13 +100,13 @@ Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::ve
     Tensor qkv, k, v; // fused: qkv [T, (nh + 2 nkvh) hd]; else k, v [T, nkvh, hd]
     if (fused_) {
         qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
-        ops::linear(qkv, x, L.wqkv, L.bqkv);
+        ops::linear(qkv, x, L.wqkv, L.bqkv, kConstantWeights);
     } else {
         k = Tensor::empty({T, nkvh, hd}, dtype_, device_);
         v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
-        ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq);
-        ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
-        ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
+        ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq, kConstantWeights);
+        ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk, kConstantWeights);
+        ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv, kConstantWeights);
         ops::rope(q, q, pos, config_.rope_theta);
         ops::rope(k, k, pos, config_.rope_theta);
     }
@@ -138,15 +144,15 @@ Tensor Qwen2::mlp(int l, const Tensor &x) {
     const int64_t T = x.size(0), I = config_.intermediate_size;
     Tensor act = Tensor::empty({T, I}, dtype_, device_);
     if (fused_) {
-        ops::linear_swiglu(act, x, L.w_gate_up);
+        ops::linear_swiglu(act, x, L.w_gate_up, kConstantWeights);
     } else {
         Tensor up = Tensor::empty({T, I}, dtype_, device_);
-        ops::linear(act, x, L.w_gate, Tensor());
-        ops::linear(up, x, L.w_up, Tensor());
+        ops::linear(act, x, L.w_gate, Tensor(), kConstantWeights);
+        ops::linear(up, x, L.w_up, Tensor(), kConstantWeights);
         ops::swiglu(act, act, up);
     }
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    ops::linear(out, act, L.w_down, Tensor());
+    ops::linear(out, act, L.w_down, Tensor(), kConstantWeights);
     return out;
 }
 
@@ -180,7 +186,7 @@ Tensor Qwen2::run(const Tensor &ids, const Tensor &pos, const std::vector<int> &
     ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.rms_norm_eps);
     const Tensor last = all_logits ? x : last_rows(x, tokens);
     Tensor logits = Tensor::empty({last.size(0), config_.vocab_size}, dtype_, device_);
-    ops::linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor());
+    ops::linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor(), kConstantWeights);
     return logits;
 }
 

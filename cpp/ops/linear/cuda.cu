@@ -201,9 +201,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
     for (int r = 0; r < R; ++r) wr[r] = w + Epi::w_row(g0 + group, r, a) * a.ldw;
     float acc[MR][R] = {};
     const int64_t nvec = a.K / V, step = int64_t(a.split) * 32;
-    // Launched with PDL: the weights never change, so the head of this block's rows starts streaming
-    // into L2 while the kernel before it (which writes x) is still finishing; x and out only after
-    // pdl_wait().
+    // Launched with PDL: the head of this block's W rows starts streaming into L2 while the kernel before
+    // it (which writes x) is still finishing. A prefetch hands back no data, so this is safe even for a W
+    // that kernel writes; x, W's values and out only after pdl_wait().
     for (int64_t v = sub * 32 + lane; v < nvec && v < sub * 32 + lane + kGemvPrefetch * step; v += step)
 #pragma unroll
         for (int r = 0; r < R; ++r) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + v * V));
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
     }
 }
 
-// M = 1 GEMV for a small W (gemv_preload): one warp per W row and kGemvPreWarps warps per block, at
+// M = 1 GEMV for a small, constant W (gemv_preload; linear's constant_weight): one warp per W row and kGemvPreWarps warps per block, at
 // most one block per SM, which takes half its registers. So the next GEMV's blocks fit beside this
 // one's; started early by PDL, each lane loads its whole share of its row (at most kGemvPreVectors
 // 16-byte vectors) into registers before pdl_wait, and W streams while the kernel before is still
@@ -308,15 +308,17 @@ bool gemv_preload(int64_t N, int64_t vectors, int device) {
 }
 
 template <typename T, int MR, class Epi>
-void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, GemvArgs a, bool vec) {
+void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, GemvArgs a, bool vec,
+                 bool constant_weight) {
     constexpr int VW = int(16 / sizeof(T));
     // The split linear's GEMV takes for N outputs at this M, whatever the epilogue: every output's
     // sum then runs in the same order as linear's.
     constexpr int plain_rows = PlainEpilogue<MR>::kRows;
     const int64_t plain_groups = (a.N + plain_rows - 1) / plain_rows;
     const int dev = out.device().index;
-    // With the preload kernel linear runs at split 1, and so does linear_swiglu for the same N.
-    const bool pre = MR == 1 && vec && a.K % VW == 0 && gemv_preload(a.N, a.K / VW, dev);
+    // The preload kernel reads W before pdl_wait, so only a constant W may take it. linear runs at split 1
+    // there, and so does linear_swiglu for the same N and flag.
+    const bool pre = constant_weight && MR == 1 && vec && a.K % VW == 0 && gemv_preload(a.N, a.K / VW, dev);
     a.split = pre ? 1 : gemv_split(plain_groups, (a.K + VW - 1) / VW, dev);
     using D = device_t<T>;
     if constexpr (MR == 1 && std::is_same_v<Epi, PlainEpilogue<1>>)
@@ -344,16 +346,16 @@ bool rows_aligned_16(const Tensor &t) {
 // The GEMV for any M, into out [M, N]: blocks of 8 rows of x when M > 8 (only linear's fallback and
 // K = 0 get there).
 template <typename T, template <int> class Epi>
-void gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
+void gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, bool constant_weight) {
     const int64_t M = x.size(0);
     GemvArgs a{M, out.size(1), w.size(1), linear_detail::ld(x), linear_detail::ld(w), 1};
     const bool vec = rows_aligned_16(w) && rows_aligned_16(x);
     LLAISYS_CHECK(M <= int64_t(65535) * kGemvMaxM, std::invalid_argument, "linear: the GEMV fallback takes at most ",
                   std::to_string(int64_t(65535) * kGemvMaxM), " rows of x, got ", std::to_string(M));
-    if (M == 1) launch_gemv<T, 1, Epi<1>>(out, x, w, bias, a, vec);
-    else if (M == 2) launch_gemv<T, 2, Epi<2>>(out, x, w, bias, a, vec);
-    else if (M <= 4) launch_gemv<T, 4, Epi<4>>(out, x, w, bias, a, vec);
-    else launch_gemv<T, 8, Epi<8>>(out, x, w, bias, a, vec);
+    if (M == 1) launch_gemv<T, 1, Epi<1>>(out, x, w, bias, a, vec, constant_weight);
+    else if (M == 2) launch_gemv<T, 2, Epi<2>>(out, x, w, bias, a, vec, constant_weight);
+    else if (M <= 4) launch_gemv<T, 4, Epi<4>>(out, x, w, bias, a, vec, constant_weight);
+    else launch_gemv<T, 8, Epi<8>>(out, x, w, bias, a, vec, constant_weight);
 }
 
 // ========================================== cuBLASLt ==========================================
@@ -502,19 +504,19 @@ bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor
 
 } // namespace
 
-void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool constant_weight) {
     detail::dispatch_float("linear", x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         const bool gemm = x.size(0) > kGemvMaxM && weight.size(1) > 0;
-        if (!(gemm && lt_matmul<T>(out, x, weight, bias))) gemv<T, PlainEpilogue>(out, x, weight, bias);
+        if (!(gemm && lt_matmul<T>(out, x, weight, bias))) gemv<T, PlainEpilogue>(out, x, weight, bias, constant_weight);
     });
 }
 
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight) {
     const int64_t M = out.size(0), I = out.size(1);
     if (M <= kGemvMaxM) {
         detail::dispatch_float("linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
-            gemv<typename decltype(tag)::type, SwigluEpilogue>(out, x, w_gate_up, Tensor());
+            gemv<typename decltype(tag)::type, SwigluEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
         });
         return;
     }
@@ -522,8 +524,8 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) 
     // each come out contiguous for the swiglu kernel.
     const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
     const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
-    linear(g, x, w_gate_up.slice(0, 0, I), Tensor());     // w_gate_up[:I]  [I, K]
-    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor()); // w_gate_up[I:]  [I, K]
+    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
+    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
     swiglu(out, g, u);
 }
 

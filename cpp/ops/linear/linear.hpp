@@ -17,7 +17,8 @@ namespace llaisys::ops::cpu {
 void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias);
 void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up);
 }
+// constant_weight (ops.hpp): no kernel writes weight any more, so the GEMV may read it before pdl_wait.
 namespace llaisys::ops::cuda {
-void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias);
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up);
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool constant_weight);
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight);
 }

@@ -46,15 +46,17 @@ static void check_linear_args(const Tensor &out, const Tensor &x, const Tensor &
 }
 
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]).
-void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
+void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool constant_weight) {
     check_linear_args(out, x, weight, bias);
     const int64_t N = weight.size(0), K = weight.size(1), M = out.numel() / std::max<int64_t>(N, 1);
     if (M == 0 || N == 0) return; // nothing to write
     const Tensor x2 = dense_rows(x, M, K), w2 = dense_rows(weight, N, K);
     const Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+    // A copy of the weight was just written by a kernel: not constant for the GEMV that reads it.
+    [[maybe_unused]] const bool constant = constant_weight && w2.storage() == weight.storage();
     detail::with_contiguous_out(out, [&](const Tensor &dst) {
         const Tensor o2 = dst.view({M, N});
-        LLAISYS_DEVICE_DISPATCH("linear", o2.device(), cpu::linear(o2, x2, w2, b), cuda::linear(o2, x2, w2, b));
+        LLAISYS_DEVICE_DISPATCH("linear", o2.device(), cpu::linear(o2, x2, w2, b), cuda::linear(o2, x2, w2, b, constant));
     });
 }
 
@@ -82,15 +84,16 @@ static void check_linear_swiglu_args(const Tensor &out, const Tensor &x, const T
 }
 
 // out [..., I] = swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T); out must not overlap x or w_gate_up.
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight) {
     check_linear_swiglu_args(out, x, w_gate_up);
     const int64_t I = w_gate_up.size(0) / 2, K = w_gate_up.size(1), M = out.numel() / std::max<int64_t>(I, 1);
     if (M == 0 || I == 0) return; // nothing to write
     const Tensor x2 = dense_rows(x, M, K), w2 = dense_rows(w_gate_up, 2 * I, K);
+    [[maybe_unused]] const bool constant = constant_weight && w2.storage() == w_gate_up.storage(); // as in linear
     detail::with_contiguous_out(out, [&](const Tensor &dst) {
         const Tensor o2 = dst.view({M, I});
         LLAISYS_DEVICE_DISPATCH("linear_swiglu", o2.device(), cpu::linear_swiglu(o2, x2, w2),
-                                cuda::linear_swiglu(o2, x2, w2));
+                                cuda::linear_swiglu(o2, x2, w2, constant));
     });
 }
 
