@@ -34,16 +34,17 @@ def embedding(ids: Tensor, weight: Tensor) -> Tensor:
     return out
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, constant_weight: bool = False) -> Tensor:
+    """x @ weight^T (+ bias); constant_weight as in :mod:`llaisys.ops`."""
     out = _like((*x.shape[:-1], weight.shape[0]), x)
-    ops.linear(out, x, weight, bias)
+    ops.linear(out, x, weight, bias, constant_weight=constant_weight)
     return out
 
 
-def linear_swiglu(x: Tensor, w_gate_up: Tensor) -> Tensor:
+def linear_swiglu(x: Tensor, w_gate_up: Tensor, *, constant_weight: bool = False) -> Tensor:
     """swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T) for w_gate_up [2I, K] (gate rows, then up rows)."""
     out = _like((*x.shape[:-1], w_gate_up.shape[0] // 2), x)
-    ops.linear_swiglu(out, x, w_gate_up)
+    ops.linear_swiglu(out, x, w_gate_up, constant_weight=constant_weight)
     return out
 
 

@@ -4,10 +4,11 @@ Every op validates its arguments (raising TypeError/ValueError/IndexError naming
 the tensors' device, enqueues on its current stream and never synchronizes. Semantics are documented
 in cpp/include/llaisys/ops.hpp; :mod:`llaisys.functional` has forms that allocate the output.
 
-``linear`` and ``linear_swiglu`` take ``constant_weight=False``. Pass True only for a weight that no
-device kernel writes any more, e.g. a loaded model's weights. On CUDA, the M = 1 GEMV may then start
-reading the weight before the kernel ahead of it on the stream has finished. If that weight was just
-computed on the device, the result may use its old contents.
+``linear`` and ``linear_swiglu`` take ``constant_weight=False``. Pass True only for a weight that
+every kernel that wrote it has finished with (synchronize after writing it) and that none will write
+again, e.g. a loaded model's weights. On CUDA, the M = 1 GEMV may then read the weight while the
+kernels ahead of it on the stream are still running. If the weight was computed on the device since
+the last synchronize, the result may use its old contents.
 """
 from ._core import ops as _ops
 

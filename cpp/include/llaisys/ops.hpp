@@ -25,9 +25,10 @@ void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x);
 // synchronize, through a device-side flag, so the op needs no host sync).
 void embedding(const Tensor &out, const Tensor &ids, const Tensor &weight);
 // out [..., N] = x [..., K] @ weight [N, K]^T (+ bias [N]); bias may be an undefined Tensor.
-// constant_weight promises that no kernel writes weight any more (a model's loaded weights): on CUDA
-// the M = 1 GEMV may then read it before the kernel ahead of it on the stream has finished. Leave it
-// false for a weight computed on the device, or that result may read the weight's old contents.
+// constant_weight promises that every kernel that wrote weight has finished (synchronize after writing
+// it) and that none writes it again, as for a loaded model's weights: on CUDA the M = 1 GEMV may then
+// read it while the kernels ahead of it on the stream are still running. Leave it false for a weight
+// computed on the device since the last synchronize, or the result may use the weight's old contents.
 void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool constant_weight = false);
 // The MLP's gate/up projections and SwiGLU in one op: x [..., K], w_gate_up [2I, K] (HF's gate_proj rows
 // stacked over up_proj rows), out [..., I] = swiglu(g, u) with g = x @ w_gate_up[:I]^T and

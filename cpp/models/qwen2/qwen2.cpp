@@ -16,7 +16,8 @@ namespace llaisys::models {
 
 // A model's weights are written once (load_weight), then only read: the projections tell linear so
 // (constant_weight), which lets the M = 1 GEMV start reading them early. check_ready() synchronizes
-// the device once after loading so no kernel that wrote a weight is still running.
+// the device once after loading so no kernel that wrote a weight is still running. A weight taken
+// zero-copy from the caller must not be changed in place afterwards without load_weight again.
 constexpr bool kConstantWeights = true;
 
 void Qwen2Config::validate() const {

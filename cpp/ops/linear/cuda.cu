@@ -1,5 +1,6 @@
 // CUDA linear: out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), accumulated in f32.
-//   M <= 8 (decode): gemv_kernel, which streams W once at memory bandwidth.
+//   M <= 8 (decode): gemv_kernel, which streams W once at memory bandwidth; for M = 1 and a small W the
+//   caller declared constant, gemv_preload_kernel, which loads W before the kernel ahead has finished.
 //   M > 8 (prefill): cuBLASLt with f32 compute (no TF32) and the bias fused as an epilogue; the
 //   GEMV also serves as the fallback if cuBLASLt offers no algorithm (and for K = 0).
 // linear_swiglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for M <= 8;
@@ -242,9 +243,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
 // running. x goes through shared memory: one load per thread after pdl_wait, so a single L2 round trip
 // stands between pdl_wait and the math. Each row's sum runs in gemv_kernel's order at split 1.
 // On an H100 (graph replay, bf16) 1536->1536 went from 3.22 to 2.15 us and 1536->2048 from 3.46 to
-// 3.10 (gemv_kernel at split 2). Measured slower (same calls): 8 warps per block, 2.23-2.35 / 3.09-3.16;
-// two rows per warp (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory by TMA bulk
-// copies, 2.95 / 3.68 (bench/RESULTS.md, 2026-11-25, third session).
+// 3.10 (gemv_kernel at split 2). In the same calls: 8 warps per block, 2.23-2.35 / 3.09-3.16 (o slower,
+// q/k/v the same); two rows per warp (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory
+// by TMA bulk copies, 2.95 / 3.68 (bench/RESULTS.md, 2026-11-25, third session).
 template <typename T, int V>
 __global__ void __launch_bounds__(kGemvPreWarps * 32, 2)
     gemv_preload_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w,
