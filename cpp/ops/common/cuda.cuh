@@ -37,13 +37,13 @@ int sm_count(int device);
 // A decode step is ~220 short kernels in a row; each one's start (launch, block scheduling, first
 // loads) would otherwise wait for the previous one to drain. A kernel started with launch_pdl may begin
 // while the kernel before it on the stream is still running, so it must call pdl_wait() - in every
-// block, before any early return - before it touches memory another kernel writes or reads: only
-// inputs no kernel writes any more may be read before it (weights the caller declared constant, as
-// linear's constant_weight; every PDL kernel triggers at its start, so several kernels ahead may still
-// be running). A prefetch into L2 returns no data and is safe on any address. pdl_trigger() lets the next PDL kernel start
-// (it fires once every block of this grid has called it or exited). Both are no-ops below sm_90 and
-// for kernels launched the ordinary way. LLAISYS_PDL=0 in the environment turns launch_pdl into an
-// ordinary launch.
+// block, before any early return - before it touches memory another kernel writes or reads: only inputs
+// no kernel writes any more may be read before it (weights the caller declared constant, as linear's
+// constant_weight; every PDL kernel triggers at its start, so several kernels ahead may still be
+// running). A prefetch into L2 returns no data and is safe on any address. pdl_trigger() lets the next
+// PDL kernel start (it fires once every block of this grid has called it or exited). Both are no-ops
+// below sm_90 and for kernels launched the ordinary way. LLAISYS_PDL=0 in the environment turns
+// launch_pdl into an ordinary launch.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

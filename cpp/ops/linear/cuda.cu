@@ -236,12 +236,13 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
     }
 }
 
-// M = 1 GEMV for a small, constant W (gemv_preload; linear's constant_weight): one warp per W row and kGemvPreWarps warps per block, at
-// most one block per SM, which takes half its registers. So the next GEMV's blocks fit beside this
-// one's; started early by PDL, each lane loads its whole share of its row (at most kGemvPreVectors
-// 16-byte vectors) into registers before pdl_wait, and W streams while the kernel before is still
-// running. x goes through shared memory: one load per thread after pdl_wait, so a single L2 round trip
-// stands between pdl_wait and the math. Each row's sum runs in gemv_kernel's order at split 1.
+// M = 1 GEMV for a small, constant W (gemv_preload; linear's constant_weight): one warp per W row and
+// kGemvPreWarps warps per block, at most one block per SM, which takes half its registers. So the next
+// GEMV's blocks fit beside this one's; started early by PDL, each lane loads its whole share of its row
+// (at most kGemvPreVectors 16-byte vectors) into registers before pdl_wait, and W streams while the
+// kernel before is still running. x goes through shared memory: one load per thread after pdl_wait, so
+// a single L2 round trip stands between pdl_wait and the math. Each row's sum runs in gemv_kernel's
+// order at split 1.
 // On an H100 (graph replay, bf16) 1536->1536 went from 3.22 to 2.15 us and 1536->2048 from 3.46 to
 // 3.10 (gemv_kernel at split 2). In the same calls: 8 warps per block, 2.23-2.35 / 3.09-3.16 (o slower,
 // q/k/v the same); two rows per warp (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory
@@ -301,9 +302,9 @@ bool gemv_x_with_w(int64_t vectors_per_row, int split) {
     return per_lane <= 4 || per_lane > 8;
 }
 
-// Whether the M = 1 GEMV (16-byte rows) for N outputs and rows of `vectors` 16-byte vectors (no partial one) runs
-// gemv_preload_kernel: each lane's share of a row fits its registers and the grid is at most one
-// block per SM (N <= 2112 on an H100: the 1.5B q/k/v and o projections, the 0.5B ones).
+// Whether the M = 1 GEMV (16-byte rows) for N outputs and rows of `vectors` 16-byte vectors (no partial
+// one) runs gemv_preload_kernel: each lane's share of a row fits its registers and the grid is at most
+// one block per SM (N <= 2112 on an H100: the 1.5B q/k/v and o projections, the 0.5B ones).
 bool gemv_preload(int64_t N, int64_t vectors, int device) {
     return vectors >= 1 && vectors <= 32 * kGemvPreVectors && N <= int64_t(sm_count(device)) * kGemvPreWarps;
 }
@@ -322,17 +323,17 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
     const bool pre = constant_weight && MR == 1 && vec && a.K % VW == 0 && gemv_preload(a.N, a.K / VW, dev);
     a.split = pre ? 1 : gemv_split(plain_groups, (a.K + VW - 1) / VW, dev);
     using D = device_t<T>;
-    if constexpr (MR == 1 && std::is_same_v<Epi, PlainEpilogue<1>>)
+    D *o = dptr<T>(out);
+    const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
+    if constexpr (std::is_same_v<Epi, PlainEpilogue<1>>) // linear at M = 1
         if (pre) {
-            launch_pdl(gemv_preload_kernel<D, VW>, unsigned(ceil_div(a.N, int64_t(kGemvPreWarps))), kGemvPreWarps * 32, 0,
-                       stream_of(out), dev, dptr<T>(out), dptr<T>(x), dptr<T>(w),
-                       bias.defined() ? dptr<T>(bias) : nullptr, a);
+            const unsigned blocks = unsigned(ceil_div(a.N, int64_t(kGemvPreWarps)));
+            launch_pdl(gemv_preload_kernel<D, VW>, blocks, kGemvPreWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp,
+                       a);
             return;
         }
     const int64_t outs_per_block = int64_t(kGemvWarps / a.split) * Epi::kOuts;
     const dim3 grid(unsigned((a.N + outs_per_block - 1) / outs_per_block), unsigned((a.M + MR - 1) / MR));
-    D *o = dptr<T>(out);
-    const D *xp = dptr<T>(x), *wp = dptr<T>(w), *bp = bias.defined() ? dptr<T>(bias) : nullptr;
     auto kernel = vec ? gemv_kernel<D, MR, VW, Epi, false> : gemv_kernel<D, MR, 1, Epi, false>;
     if constexpr (MR == 1) // the x-with-W kernel is only built for M = 1 with 16-byte rows
         if (vec && gemv_x_with_w(a.K / VW, a.split)) kernel = gemv_kernel<D, MR, VW, Epi, true>;
@@ -509,7 +510,8 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     detail::dispatch_float("linear", x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         const bool gemm = x.size(0) > kGemvMaxM && weight.size(1) > 0;
-        if (!(gemm && lt_matmul<T>(out, x, weight, bias))) gemv<T, PlainEpilogue>(out, x, weight, bias, constant_weight);
+        if (!(gemm && lt_matmul<T>(out, x, weight, bias)))
+            gemv<T, PlainEpilogue>(out, x, weight, bias, constant_weight);
     });
 }
 
