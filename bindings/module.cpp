@@ -60,6 +60,7 @@ void bind_runtime(nb::module_ &m) {
     nb::class_<Stream>(m, "Stream")
         .def_prop_ro("device", [](const Stream &s) { return s.device().str(); })
         .def_prop_ro("handle", [](const Stream &s) { return reinterpret_cast<uintptr_t>(s.handle()); })
+        .def_prop_ro("capturing", &Stream::capturing, "Whether the stream is being captured into a CUDA graph.")
         .def("synchronize", [](const Stream &s) {
             nb::gil_scoped_release release;
             s.synchronize();

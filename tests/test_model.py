@@ -117,6 +117,24 @@ def _core_model(eng, path, device, dtype, fused, num_slots=2, skip=()):
     return m
 
 
+@pytest.mark.cuda
+def test_first_step_under_a_graph_capture_raises_and_the_model_stays_usable(tiny):
+    """The first step after loading synchronizes once (the weights are constant from then on), which a graph
+    capture cannot hold: it raises a clear error, and the model then runs as if nothing happened."""
+    eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
+    m, fresh = (_core_model(eng, tiny, "cuda", "f32", True, num_slots=1) for _ in range(2))
+    ids = prompt_ids(eng.config.vocab_size, 5, 3)
+    stream = llaisys.current_stream("cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="Qwen2: the first step after load_weight .* cannot be captured"):
+        with torch.cuda.graph(graph, stream=torch.cuda.ExternalStream(stream.handle)):
+            m.forward([0], [ids])
+    assert m.cache_length(0) == 0
+    got = torch.from_dlpack(m.forward([0], [ids])).cpu()
+    want = torch.from_dlpack(fresh.forward([0], [ids])).cpu()
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_fused_projections_equal_unfused(tiny, device, dtype):

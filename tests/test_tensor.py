@@ -178,6 +178,28 @@ def test_cuda_streams_and_events():
     np.testing.assert_array_equal(out.to("cpu").numpy()[:2, :2], np.full((2, 2), 2, np.float32))
 
 
+@pytest.mark.cuda
+def test_host_wait_inside_a_graph_capture_raises_and_capture_ends_cleanly():
+    """A synchronize while llaisys' stream is being captured (here by torch, on that stream) raises a clear
+    error instead of invalidating the capture in the driver; the stream works normally afterwards."""
+    torch = pytest.importorskip("torch")
+    stream = llaisys.current_stream("cuda")
+    assert not stream.capturing and not llaisys.current_stream("cpu").capturing
+    seen = []
+    for wait in (lambda: llaisys.synchronize("cuda"), stream.synchronize):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="being captured into a CUDA graph"):
+            with torch.cuda.graph(graph, stream=torch.cuda.ExternalStream(stream.handle)):
+                seen.append(stream.capturing)
+                wait()
+    assert seen == [True, True] and not stream.capturing
+    a = llaisys.tensor(np.arange(6, dtype=np.float32), "cuda")
+    out = llaisys.empty((6,), "f32", "cuda")
+    llaisys.ops.add(out, a, a)
+    llaisys.synchronize("cuda")
+    np.testing.assert_array_equal(out.to("cpu").numpy(), 2 * np.arange(6, dtype=np.float32))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
 def test_add_matches_numpy(device, dtype):

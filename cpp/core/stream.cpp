@@ -14,6 +14,7 @@ void set_current_stream(const Stream &stream) { check_device_available(stream.de
 Stream new_stream(Device device) { return current_stream(device); }
 void synchronize(Device device) { check_device_available(device); }
 void Stream::synchronize() const {}
+bool Stream::capturing() const { return false; }
 
 Event::Event(Device device, bool) : device_(device) { check_device_available(device); }
 Event::~Event() = default;

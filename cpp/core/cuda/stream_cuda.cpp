@@ -100,8 +100,24 @@ Stream new_stream(Device device) {
     return Stream(device, s); // lives for the process, like torch's stream pool
 }
 
+bool Stream::capturing() const {
+    if (device_.is_cpu()) return false;
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    LLAISYS_CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(handle_), &status));
+    return status != cudaStreamCaptureStatusNone;
+}
+
+namespace {
+// A host wait inside a capture would fail in the driver and invalidate the capture; say why instead.
+void check_not_capturing(const Stream &stream, const char *what) {
+    LLAISYS_CHECK(!stream.capturing(), std::logic_error, what, ": cannot wait for ", stream.device().str(),
+                  " while its current stream is being captured into a CUDA graph (a host wait cannot be captured)");
+}
+} // namespace
+
 void Stream::synchronize() const {
     if (device_.is_cpu()) return;
+    check_not_capturing(*this, "Stream.synchronize");
     DeviceGuard g(device_);
     LLAISYS_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_)));
     check_error_flag(device_);
@@ -110,6 +126,7 @@ void Stream::synchronize() const {
 void synchronize(Device device) {
     check_device_available(device);
     if (device.is_cpu()) return;
+    check_not_capturing(current_stream(device), "synchronize");
     DeviceGuard g(device);
     LLAISYS_CUDA_CHECK(cudaDeviceSynchronize());
     check_error_flag(device);

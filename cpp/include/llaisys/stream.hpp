@@ -14,6 +14,7 @@ public:
     Device device() const { return device_; }
     void *handle() const { return handle_; } // cudaStream_t on CUDA; null on the CPU
     void synchronize() const;                // raises kernel errors as exceptions
+    bool capturing() const;                  // being captured into a CUDA graph (Graph::capture)
     bool operator==(const Stream &o) const { return device_ == o.device_ && handle_ == o.handle_; }
 
 private:
@@ -26,7 +27,8 @@ private:
 Stream current_stream(Device device);
 void set_current_stream(const Stream &stream);
 Stream new_stream(Device device);
-// Waits for all work on the device; surfaces asynchronous kernel errors as exceptions.
+// Waits for all work on the device; surfaces asynchronous kernel errors as exceptions. Both waits raise
+// std::logic_error while the stream (here: the device's current stream) is being captured.
 void synchronize(Device device);
 
 class Event {

@@ -5,6 +5,7 @@
 #include "core/runtime.hpp"
 #include "llaisys/graph.hpp"
 #include "llaisys/ops.hpp"
+#include "llaisys/stream.hpp"
 #include "models/qwen2/layer.hpp"
 
 #include <algorithm>
@@ -62,7 +63,12 @@ void Qwen2::check_ready() const {
     const auto missing = missing_weights();
     LLAISYS_CHECK(missing.empty(), std::invalid_argument, "Qwen2: ", missing.size(), " weight(s) not loaded, e.g. '",
                   missing.empty() ? "" : missing.front(), "'");
-    if (device_.is_cuda()) synchronize(device_); // kConstantWeights: every weight-writing kernel is done
+    if (device_.is_cuda()) { // kConstantWeights: every weight-writing kernel is done
+        LLAISYS_CHECK(!current_stream(device_).capturing(), std::logic_error,
+                      "Qwen2: the first step after load_weight waits for the weights to be written and cannot be "
+                      "captured into a CUDA graph; run one step before capturing");
+        synchronize(device_);
+    }
     ready_ = true;
 }
 
