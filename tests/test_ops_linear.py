@@ -204,13 +204,14 @@ def test_linear_device_mismatch():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (1, 2048, 300), (1, 1536, 1536), (1, 1536, 256), (1, 8, 5),
-                                   (1, 4104, 111), (3, 896, 64)])
+@pytest.mark.parametrize("M,K,N", [(1, 896, 1152), (1, 2048, 300), (1, 1536, 1536), (1, 1536, 2048), (1, 1536, 256),
+                                   (1, 8, 5), (1, 4104, 111), (3, 896, 64)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
 def test_linear_constant_weight(device, dtype, M, K, N, with_bias):
     """constant_weight=True, as a model passes for its loaded weights. On CUDA the M = 1 shapes with
     16-byte rows of at most 256 vectors take the GEMV that loads W before the kernel ahead of it ends
-    (3.5, 8, 6 vectors a lane; a single vector at K = 8 bf16); (1, 4104, 111) and M = 3 do not."""
+    (3.5, 8, 6 vectors a lane; a single vector at K = 8 bf16), its loads paced where the grid covers half
+    the SMs or more (N >= 1152 on an H100); (1, 4104, 111) and M = 3 do not."""
     x, x64 = rand((M, K), dtype, device, seed=60)
     w, w64 = rand((N, K), dtype, device, seed=61)
     b, b64 = rand((N,), dtype, device, seed=62) if with_bias else (None, None)
@@ -228,15 +229,17 @@ def test_linear_constant_weight(device, dtype, M, K, N, with_bias):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_linear_constant_weight_changes_no_bit(device, dtype, with_bias):
-    """At K = 448 and N = 300 the GEMV runs one warp per row either way (split 1), so the kernel that
-    preloads a constant weight (on CUDA, every dtype) must sum in the very same order as the other."""
+@pytest.mark.parametrize("N", [300, 1152])
+def test_linear_constant_weight_changes_no_bit(device, dtype, with_bias, N):
+    """At K = 448 and N = 300 or 1152 the GEMV runs one warp per row either way (split 1), so the kernel
+    that preloads a constant weight (on CUDA, every dtype; paced loads at N = 1152 on an H100) must sum in
+    the very same order as the other."""
     x, _ = rand((1, 448), dtype, device, seed=66)
-    w, _ = rand((300, 448), dtype, device, seed=67)
-    b = rand((300,), dtype, device, seed=68)[0] if with_bias else None
+    w, _ = rand((N, 448), dtype, device, seed=67)
+    b = rand((N,), dtype, device, seed=68)[0] if with_bias else None
     outs = []
     for constant in (False, True):
-        out = poisoned((1, 300), dtype, device)
+        out = poisoned((1, N), dtype, device)
         llaisys.ops.linear(out, x, w, b, constant_weight=constant)
         outs.append(bits(out))
     np.testing.assert_array_equal(outs[0], outs[1])

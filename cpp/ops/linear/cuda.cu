@@ -34,6 +34,9 @@ constexpr int kGemvPrefetch = 4;
 // gemv_preload_kernel: 16-byte vectors of its row each lane holds at most, and warps per block.
 constexpr int kGemvPreVectors = 8;
 constexpr int kGemvPreWarps = 16;
+// Nanoseconds a lane of the paced gemv_preload_kernel sleeps between two of its W loads (~6 loads a lane
+// on the 1.5B shapes: ~1 us in all). Tuned on an H100: 100, 300 and 600 measured slower.
+constexpr unsigned kGemvPrePaceNs = 200;
 
 // Widens 16 bytes (4 f32 or 8 f16/bf16) to f32.
 __device__ __forceinline__ void unpack(const uint4 &u, const float *, float (&f)[4]) {
@@ -238,29 +241,38 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
 
 // M = 1 GEMV for a small, constant W (gemv_preload; linear's constant_weight): one warp per W row and
 // kGemvPreWarps warps per block, at most one block per SM, which takes half its registers. So the next
-// GEMV's blocks fit beside this one's; started early by PDL, each lane loads its whole share of its row
-// (at most kGemvPreVectors 16-byte vectors) into registers before pdl_wait, and W streams while the
-// kernel before is still running. x goes through shared memory: one load per thread after pdl_wait, so
-// a single L2 round trip stands between pdl_wait and the math. Each row's sum runs in gemv_kernel's
-// order at split 1.
-// On an H100 (graph replay, bf16) 1536->1536 went from 3.22 to 2.15 us and 1536->2048 from 3.46 to
-// 3.10 (gemv_kernel at split 2). In the same calls: 8 warps per block, 2.23-2.35 / 3.09-3.16 (o slower,
-// q/k/v the same); two rows per warp (80 registers, 8 warps), 2.63 / 3.23; W copied into shared memory
-// by TMA bulk copies, 2.95 / 3.68 (bench/RESULTS.md, 2026-11-25, third session).
-template <typename T, int V>
+// kernel's blocks fit beside this one's. It triggers the next kernel at its start; each lane then loads
+// its whole share of its row (at most kGemvPreVectors 16-byte vectors) into registers before pdl_wait,
+// so W streams while the kernel before is still running. x goes through shared memory: one load per
+// thread after pdl_wait, so a single L2 round trip stands between pdl_wait and the math. Each row's sum
+// runs in gemv_kernel's order at split 1.
+// PACED (grids of at least half the SMs): a lane sleeps kGemvPrePaceNs between its W loads, so the
+// chip's W requests reach the memory system over about a microsecond instead of in one burst from every
+// SM at once. Why the burst is slower is not established; spreading it is what measured faster. On an
+// H100 (graph replay, bf16; bench/RESULTS.md, 2026-11-25, fifth session), against the unpaced kernel
+// that triggered after its loads: 1536->2048 3.18 -> 2.49 us, 1536->1536 2.30 -> 2.17, 896->1152
+// 1.70 -> 1.51; unpaced with the early trigger (small grids) 896->896 1.47 -> 1.46, 1536->256 1.46 -> 1.42.
+// Sleeping 100 / 300 / 600 ns measured 2.83 / 2.65 / 3.66 us on 1536->2048; 200 ns without the early
+// trigger 2.36 us, but 2.34 us on 1536->1536 and 1.84 on 1536->256. Issuing the block's loads in column
+// order (a barrier after each vector), delaying only the trigger, or staggering the warps' first loads
+// each did less.
+template <typename T, int V, bool PACED>
 __global__ void __launch_bounds__(kGemvPreWarps * 32, 2)
     gemv_preload_kernel(T *__restrict__ out, const T *__restrict__ x, const T *__restrict__ w,
                         const T *__restrict__ bias, GemvArgs a) {
     __shared__ uint4 xs[32 * kGemvPreVectors];
+    pdl_trigger();
     const int lane = threadIdx.x & 31;
     const int64_t n = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int nvec = int(a.K / V); // K = nvec * V <= 32 * kGemvPreVectors * V
     const T *wr = w + min(n, a.N - 1) * a.ldw, *wl = wr + lane * V;
     Chunk<T, V> wv[kGemvPreVectors];
 #pragma unroll
-    for (int u = 0; u < kGemvPreVectors; ++u)
+    for (int u = 0; u < kGemvPreVectors; ++u) {
+        if constexpr (PACED)
+            if (u > 0 && u * 32 < nvec) __nanosleep(kGemvPrePaceNs);
         if (lane + u * 32 < nvec) wv[u].load_stream(wl + u * 32 * V);
-    pdl_trigger();
+    }
     pdl_wait();
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) xs[i] = __ldg(reinterpret_cast<const uint4 *>(x) + i);
     __syncthreads();
@@ -328,8 +340,9 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
     if constexpr (std::is_same_v<Epi, PlainEpilogue<1>>) // linear at M = 1
         if (pre) {
             const unsigned blocks = unsigned(ceil_div(a.N, int64_t(kGemvPreWarps)));
-            launch_pdl(gemv_preload_kernel<D, VW>, blocks, kGemvPreWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp,
-                       a);
+            const bool paced = int64_t(blocks) * 2 >= sm_count(dev); // a small grid has no burst to spread
+            launch_pdl(paced ? gemv_preload_kernel<D, VW, true> : gemv_preload_kernel<D, VW, false>, blocks,
+                       kGemvPreWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
             return;
         }
     const int64_t outs_per_block = int64_t(kGemvWarps / a.split) * Epi::kOuts;
