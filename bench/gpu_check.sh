@@ -81,6 +81,8 @@ if has bench; then
   timeout 120 python3 bench/attention_vs_sdpa.py 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
   log "torch F.linear at M = 1 from a CUDA graph (compare with Linear/cuda_graph above)"
   timeout 120 python3 bench/linear_vs_torch.py 2>&1 | tail -14 | tee -a "$OUT/summary.txt"
+  log "argmax vs torch.max / torch.argmax"
+  timeout 120 python3 bench/argmax_vs_torch.py 2>&1 | tail -7 | tee -a "$OUT/summary.txt"
 fi
 
 if has sanitize; then

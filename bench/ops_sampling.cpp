@@ -1,6 +1,6 @@
-// The decode-step ops around the model: argmax (1 and 4 rows; 64 and 256 on CUDA) and sample over rows
-// of Qwen2 logits (V = 151936), and embedding of 1 id (decode) and 512 ids (prefill; 2048 and 8192 on
-// CUDA) for hidden sizes 896 (0.5B) and 1536 (1.5B).
+// The decode-step ops around the model: argmax (1 and 4 rows; 64 and 256 on CUDA, each next to a copy
+// of the same bytes) and sample over rows of Qwen2 logits (V = 151936), and embedding of 1 id (decode)
+// and 512 ids (prefill; 2048 and 8192 on CUDA) for hidden sizes 896 (0.5B) and 1536 (1.5B).
 // GB/s counts the bytes an op must move at least: the logits read once (sample reads them more than
 // once, so its figure is a lower bound of the traffic), and for embedding the rows read and written.
 // CUDA iterations time a batch of back-to-back calls with events, so launch gaps and host waits do not
@@ -69,6 +69,21 @@ void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows
     set_bytes(state, bytes);
 }
 
+// A copy (one cudaMemcpyAsync) that reads and writes as many bytes in all as argmax over rows x 151936
+// bf16 reads: what the copy path itself reaches at this size, next to the 1 GiB copy ceiling. It says
+// whether these rows are enough to fill the chip, as CopySameBytes does for the norms.
+void bench_argmax_copy(benchmark::State &state, Device dev, int64_t rows) {
+    if (!sampling_device_ok(state, dev)) return;
+    const double bytes = double(rows) * double(kSamplingVocab) * 2.0;
+    std::vector<Tensor> srcs, dsts;
+    for (int64_t i = 0, sets = llaisys::bench::cold_sets(bytes, dev); i < sets; ++i) {
+        srcs.push_back(Tensor::zeros({rows, kSamplingVocab / 2}, DType::BF16, dev));
+        dsts.push_back(Tensor::empty({rows, kSamplingVocab / 2}, DType::BF16, dev));
+    }
+    sampling_timed(state, dev, [&](size_t i) { ops::rearrange(dsts[i % dsts.size()], srcs[i % srcs.size()]); });
+    set_bytes(state, bytes);
+}
+
 struct SampleCase {
     float temperature;
     int top_k;
@@ -130,6 +145,9 @@ int register_sampling_benchmarks() {
         for (int64_t rows : {4, 64, 256})
             if (rows == 4 || d.device.is_cuda())
                 reg("Argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax, DType::BF16, rows);
+        if (d.device.is_cuda())
+            for (int64_t rows : {64, 256})
+                reg("CopySameBytes/argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax_copy, rows);
         for (DType dt : {DType::F32, DType::BF16})
             reg(std::string("Sample/") + dtype_name(dt) + "/V:151936/" + case_names[0], bench_sample, dt, cases[0]);
         for (int c = 1; c < 3; ++c) // plain temperature; top_p alone (the slow path on these flat logits)
