@@ -1,5 +1,6 @@
 // Timing pieces shared by the op benchmarks (ops_*.cpp).
 #pragma once
+#include "llaisys/graph.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 
 namespace llaisys::bench {
 
@@ -37,6 +39,33 @@ void time_filled_batches(benchmark::State &state, Device dev, int batch, int64_t
         stop.record(stream);
         stop.synchronize();
         state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
+    }
+}
+
+// Captures `batch` calls call(0 .. batch - 1) in one CUDA graph (after one warm-up call outside it) and
+// times replays of it with events on the current stream: the kernels' own time, as a decode step
+// captured in a graph sees it, without the host's launch cost. Sets the iteration time per call; an
+// exception while capturing skips the benchmark with its message.
+template <typename Fn>
+void time_graph_replays(benchmark::State &state, Device dev, int batch, Fn &&call) {
+    const Stream stream = current_stream(dev);
+    try {
+        call(0);
+        Graph graph(dev);
+        graph.capture([&] {
+            for (int b = 0; b < batch; ++b) call(b);
+        });
+        Event start(dev, true), stop(dev, true);
+        graph.replay(); // warm-up replay
+        for (auto _ : state) {
+            start.record(stream);
+            graph.replay();
+            stop.record(stream);
+            stop.synchronize();
+            state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
+        }
+    } catch (const std::exception &e) {
+        state.SkipWithError(e.what());
     }
 }
 

@@ -9,6 +9,7 @@
 // own weights. CUDA iterations time a batch of back-to-back calls with events, so the host's wait
 // does not count; Linear/cuda_graph/... replays the calls from a CUDA graph, so launch costs do not
 // either (what a decode step captured in a graph sees).
+#include "bench_timing.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
@@ -18,10 +19,6 @@
 #include <algorithm>
 #include <string>
 #include <vector>
-
-#ifdef LLAISYS_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace {
 
@@ -109,32 +106,7 @@ void bench_linear_cuda_graph(benchmark::State &state, LinearCase c, DType dtype)
     const int64_t w_bytes = c.N * c.K * int64_t(dtype_size(dtype));
     const int64_t want = std::max<int64_t>(16, ((int64_t(128) << 20) + w_bytes - 1) / w_bytes);
     const int batch = int(std::min<int64_t>(want, int64_t(ws.size())));
-    const Stream stream = current_stream(dev);
-    const auto s = static_cast<cudaStream_t>(stream.handle());
-    run_case(c, out, x, ws[0]); // warm-up outside the capture
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed) != cudaSuccess)
-        return state.SkipWithError("cudaStreamBeginCapture failed");
-    try {
-        for (int b = 0; b < batch; ++b) run_case(c, out, x, ws[size_t(b) % ws.size()]);
-    } catch (const std::exception &e) {
-        cudaStreamEndCapture(s, &graph);
-        return state.SkipWithError(e.what());
-    }
-    if (cudaStreamEndCapture(s, &graph) != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
-        return state.SkipWithError("CUDA graph capture failed");
-    Event start(dev, true), stop(dev, true);
-    cudaGraphLaunch(exec, s); // warm-up replay
-    for (auto _ : state) {
-        start.record(stream);
-        cudaGraphLaunch(exec, s);
-        stop.record(stream);
-        stop.synchronize();
-        state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    llaisys::bench::time_graph_replays(state, dev, batch, [&](int b) { run_case(c, out, x, ws[size_t(b) % ws.size()]); });
     set_linear_counters(state, c, dtype);
 }
 #endif

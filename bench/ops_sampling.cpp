@@ -1,6 +1,7 @@
-// The decode-step ops around the model: argmax (1 and 4 rows; 64 and 256 on CUDA, each next to a copy
-// of the same bytes) and sample over rows of Qwen2 logits (V = 151936), and embedding of 1 id (decode)
-// and 512 ids (prefill; 2048 and 8192 on CUDA) for hidden sizes 896 (0.5B) and 1536 (1.5B).
+// The decode-step ops around the model: argmax (1 and 4 rows; on CUDA also 64 and 256, next to a copy
+// of the same bytes, and every row count replayed from a CUDA graph too) and sample over rows of Qwen2
+// logits (V = 151936), and embedding of 1 id (decode) and 512 ids (prefill; 2048 and 8192 on CUDA) for
+// hidden sizes 896 (0.5B) and 1536 (1.5B).
 // GB/s counts the bytes an op must move at least: the logits read once (sample reads them more than
 // once, so its figure is a lower bound of the traffic), and for embedding the rows read and written.
 // CUDA iterations time a batch of back-to-back calls with events, so launch gaps and host waits do not
@@ -66,6 +67,20 @@ void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows
     for (int64_t i = 0; i < sets; ++i) xs.push_back(sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, uint32_t(1 + i)));
     const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
     sampling_timed(state, dev, [&](size_t i) { ops::argmax(idx, val, xs[i % xs.size()]); });
+    set_bytes(state, bytes);
+}
+
+// The same argmax calls replayed from a CUDA graph (bench_timing.hpp), as the linear rows
+// Linear/cuda_graph/... are: at least 16 calls a replay, cycling through the same cold copies.
+void bench_argmax_graph(benchmark::State &state, Device dev, DType dtype, int64_t rows) {
+    if (!sampling_device_ok(state, dev)) return;
+    const double bytes = double(rows) * double(kSamplingVocab) * double(dtype_size(dtype));
+    const int64_t sets = rows <= 4 ? 1 : llaisys::bench::cold_sets(bytes, dev);
+    std::vector<Tensor> xs;
+    for (int64_t i = 0; i < sets; ++i) xs.push_back(sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, uint32_t(1 + i)));
+    const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
+    const int batch = int(std::max<int64_t>(16, sets));
+    llaisys::bench::time_graph_replays(state, dev, batch, [&](int i) { ops::argmax(idx, val, xs[size_t(i) % xs.size()]); });
     set_bytes(state, bytes);
 }
 
@@ -146,8 +161,11 @@ int register_sampling_benchmarks() {
             if (rows == 4 || d.device.is_cuda())
                 reg("Argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax, DType::BF16, rows);
         if (d.device.is_cuda())
-            for (int64_t rows : {64, 256})
-                reg("CopySameBytes/argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax_copy, rows);
+            for (int64_t rows : {1, 4, 64, 256}) {
+                const std::string r = "/bf16/rows:" + std::to_string(rows) + "/V:151936";
+                reg("Argmax/graph" + r, bench_argmax_graph, DType::BF16, rows);
+                if (rows >= 64) reg("CopySameBytes/argmax" + r, bench_argmax_copy, rows);
+            }
         for (DType dt : {DType::F32, DType::BF16})
             reg(std::string("Sample/") + dtype_name(dt) + "/V:151936/" + case_names[0], bench_sample, dt, cases[0]);
         for (int c = 1; c < 3; ++c) // plain temperature; top_p alone (the slow path on these flat logits)

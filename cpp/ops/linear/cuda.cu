@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
 // PACED (grids of at least half the SMs): a lane sleeps kGemvPrePaceNs between its W loads, so the
 // chip's W requests reach the memory system over about a microsecond instead of in one burst from every
 // SM at once. Why the burst is slower is not established; spreading it is what measured faster. On an
-// H100 (graph replay, bf16; bench/RESULTS.md, 2026-11-25, fifth session), against the unpaced kernel
+// H100 (graph replay, bf16; bench/RESULTS.md, 2026-11-25, fourth session), against the unpaced kernel
 // that triggered after its loads: 1536->2048 3.18 -> 2.49 us, 1536->1536 2.30 -> 2.17, 896->1152
 // 1.70 -> 1.51; unpaced with the early trigger (small grids) 896->896 1.47 -> 1.46, 1536->256 1.46 -> 1.42.
 // Sleeping 100 / 300 / 600 ns measured 2.83 / 2.65 / 3.66 us on 1536->2048; 200 ns without the early
