@@ -210,8 +210,9 @@ def test_linear_device_mismatch():
 def test_linear_constant_weight(device, dtype, M, K, N, with_bias):
     """constant_weight=True, as a model passes for its loaded weights. On CUDA the M = 1 shapes with
     16-byte rows of at most 256 vectors take the GEMV that loads W before the kernel ahead of it ends
-    (3.5, 8, 6 vectors a lane; a single vector at K = 8 bf16), its loads paced where the grid covers half
-    the SMs or more (N >= 1152 on an H100); (1, 4104, 111) and M = 3 do not."""
+    (3.5, 8, 6 vectors a lane; a single vector at K = 8 bf16), its loads paced where its grid of 16-row
+    blocks covers half the SMs or more (N > 1040 on an H100's 132; which variant ran is not visible from
+    here); (1, 4104, 111) and M = 3 do not."""
     x, x64 = rand((M, K), dtype, device, seed=60)
     w, w64 = rand((N, K), dtype, device, seed=61)
     b, b64 = rand((N,), dtype, device, seed=62) if with_bias else (None, None)
@@ -232,8 +233,8 @@ def test_linear_constant_weight(device, dtype, M, K, N, with_bias):
 @pytest.mark.parametrize("N", [300, 1152])
 def test_linear_constant_weight_changes_no_bit(device, dtype, with_bias, N):
     """At K = 448 and N = 300 or 1152 the GEMV runs one warp per row either way (split 1), so the kernel
-    that preloads a constant weight (on CUDA, every dtype; paced loads at N = 1152 on an H100) must sum in
-    the very same order as the other."""
+    that preloads a constant weight (on CUDA, every dtype; at N = 1152 on an H100 the paced variant) must
+    sum in the very same order as the other."""
     x, _ = rand((1, 448), dtype, device, seed=66)
     w, _ = rand((N, 448), dtype, device, seed=67)
     b = rand((N,), dtype, device, seed=68)[0] if with_bias else None

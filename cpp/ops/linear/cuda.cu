@@ -35,7 +35,8 @@ constexpr int kGemvPrefetch = 4;
 constexpr int kGemvPreVectors = 8;
 constexpr int kGemvPreWarps = 16;
 // Nanoseconds a lane of the paced gemv_preload_kernel sleeps between two of its W loads (~6 loads a lane
-// on the 1.5B shapes: ~1 us in all). Tuned on an H100: 100, 300 and 600 measured slower.
+// on the 1.5B shapes: ~1 us in all). Tuned on an H100 only (as is the half-the-SMs rule in launch_gemv):
+// 100, 300 and 600 measured slower there.
 constexpr unsigned kGemvPrePaceNs = 200;
 
 // Widens 16 bytes (4 f32 or 8 f16/bf16) to f32.
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
 // so W streams while the kernel before is still running. x goes through shared memory: one load per
 // thread after pdl_wait, so a single L2 round trip stands between pdl_wait and the math. Each row's sum
 // runs in gemv_kernel's order at split 1.
-// PACED (grids of at least half the SMs): a lane sleeps kGemvPrePaceNs between its W loads, so the
+// PACED (with PDL, on grids of at least half the SMs): a lane sleeps kGemvPrePaceNs between its W loads, so the
 // chip's W requests reach the memory system over about a microsecond instead of in one burst from every
 // SM at once. Why the burst is slower is not established; spreading it is what measured faster. On an
 // H100 (graph replay, bf16; bench/RESULTS.md, 2026-11-25, fourth session), against the unpaced kernel
@@ -340,7 +341,8 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
     if constexpr (std::is_same_v<Epi, PlainEpilogue<1>>) // linear at M = 1
         if (pre) {
             const unsigned blocks = unsigned(ceil_div(a.N, int64_t(kGemvPreWarps)));
-            const bool paced = int64_t(blocks) * 2 >= sm_count(dev); // a small grid has no burst to spread
+            // Pacing only pays while the kernel ahead still runs (PDL); a small grid has no burst to spread.
+            const bool paced = pdl_enabled(dev) && int64_t(blocks) * 2 >= sm_count(dev);
             launch_pdl(paced ? gemv_preload_kernel<D, VW, true> : gemv_preload_kernel<D, VW, false>, blocks,
                        kGemvPreWarps * 32, 0, stream_of(out), dev, o, xp, wp, bp, a);
             return;
