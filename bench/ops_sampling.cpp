@@ -58,29 +58,20 @@ bool sampling_device_ok(benchmark::State &state, Device dev) {
 // rows x 151936. One and four rows (greedy decode) read logits the LM head has just written, so they
 // stay in L2 between calls; 64 and 256 rows (a batch) cycle through cold copies. On CUDA few long rows
 // take the split path (several blocks per row, then a one-warp combine per row), many rows one block per
-// row; see cpp/ops/argmax/cuda.cu.
-void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows) {
+// row; see cpp/ops/argmax/cuda.cu. With `graph` (CUDA), the same calls are replayed from a CUDA graph
+// (bench_timing.hpp), as the Linear/cuda_graph/... rows are: at least 16 calls a replay.
+void bench_argmax(benchmark::State &state, Device dev, DType dtype, int64_t rows, bool graph) {
     if (!sampling_device_ok(state, dev)) return;
     const double bytes = double(rows) * double(kSamplingVocab) * double(dtype_size(dtype));
     const int64_t sets = rows <= 4 ? 1 : llaisys::bench::cold_sets(bytes, dev);
     std::vector<Tensor> xs;
     for (int64_t i = 0; i < sets; ++i) xs.push_back(sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, uint32_t(1 + i)));
     const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
-    sampling_timed(state, dev, [&](size_t i) { ops::argmax(idx, val, xs[i % xs.size()]); });
-    set_bytes(state, bytes);
-}
-
-// The same argmax calls replayed from a CUDA graph (bench_timing.hpp), as the linear rows
-// Linear/cuda_graph/... are: at least 16 calls a replay, cycling through the same cold copies.
-void bench_argmax_graph(benchmark::State &state, Device dev, DType dtype, int64_t rows) {
-    if (!sampling_device_ok(state, dev)) return;
-    const double bytes = double(rows) * double(kSamplingVocab) * double(dtype_size(dtype));
-    const int64_t sets = rows <= 4 ? 1 : llaisys::bench::cold_sets(bytes, dev);
-    std::vector<Tensor> xs;
-    for (int64_t i = 0; i < sets; ++i) xs.push_back(sampling_random({rows, kSamplingVocab}, dtype, dev, 3.f, uint32_t(1 + i)));
-    const Tensor idx = Tensor::empty({rows}, DType::I64, dev), val = Tensor::empty({rows}, dtype, dev);
-    const int batch = int(std::max<int64_t>(16, sets));
-    llaisys::bench::time_graph_replays(state, dev, batch, [&](int i) { ops::argmax(idx, val, xs[size_t(i) % xs.size()]); });
+    const auto call = [&](size_t i) { ops::argmax(idx, val, xs[i % xs.size()]); };
+    if (graph)
+        llaisys::bench::time_graph_replays(state, dev, int(std::max<int64_t>(16, sets)), [&](int i) { call(size_t(i)); });
+    else
+        sampling_timed(state, dev, call);
     set_bytes(state, bytes);
 }
 
@@ -156,14 +147,14 @@ int register_sampling_benchmarks() {
             else b->UseRealTime();
         };
         for (DType dt : {DType::F32, DType::BF16})
-            reg(std::string("Argmax/") + dtype_name(dt) + "/V:151936", bench_argmax, dt, int64_t(1));
+            reg(std::string("Argmax/") + dtype_name(dt) + "/V:151936", bench_argmax, dt, int64_t(1), false);
         for (int64_t rows : {4, 64, 256})
             if (rows == 4 || d.device.is_cuda())
-                reg("Argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax, DType::BF16, rows);
+                reg("Argmax/bf16/rows:" + std::to_string(rows) + "/V:151936", bench_argmax, DType::BF16, rows, false);
         if (d.device.is_cuda())
             for (int64_t rows : {1, 4, 64, 256}) {
                 const std::string r = "/bf16/rows:" + std::to_string(rows) + "/V:151936";
-                reg("Argmax/graph" + r, bench_argmax_graph, DType::BF16, rows);
+                reg("Argmax/graph" + r, bench_argmax, DType::BF16, rows, true);
                 if (rows >= 64) reg("CopySameBytes/argmax" + r, bench_argmax_copy, rows);
             }
         for (DType dt : {DType::F32, DType::BF16})

@@ -91,10 +91,10 @@ __device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / 
 
 // ---- Epilogues: which W rows a group of warps reads and how their sums become outputs. ----
 // kRows: W rows per group; kOuts: outputs per group; kUnroll: loads in flight per lane and row (8
-// 16-byte loads per lane in all; registers bound it; at most 4 where x is loaded next to W). w_row(group,
-// r, a) is the group's r-th W row, groups past the end repeating the last row (computed, never stored). store(...) writes output o of
-// the group for x row m; sum(r, init) is init plus the group's f32 total for its r-th row, lanes and
-// split warps reduced in a fixed order.
+// 16-byte loads per lane in all; registers bound it; at most 4 where x is loaded next to W).
+// w_row(group, r, a) is the group's r-th W row, groups past the end repeating the last row (computed,
+// never stored). store(...) writes output o of the group for x row m; sum(r, init) is init plus the
+// group's f32 total for its r-th row, lanes and split warps reduced in a fixed order.
 
 // linear: group g owns W rows g*R .. g*R + R-1, one output column each (+ bias). More rows per group
 // when M is larger: each x load then feeds R rows.
@@ -247,9 +247,9 @@ __global__ void __launch_bounds__(kGemvWarps * 32, MR == 1 ? (XW ? Epi::kXBlocks
 // so W streams while the kernel before is still running. x goes through shared memory: one load per
 // thread after pdl_wait, so a single L2 round trip stands between pdl_wait and the math. Each row's sum
 // runs in gemv_kernel's order at split 1.
-// PACED (with PDL, on grids of at least half the SMs): a lane sleeps kGemvPrePaceNs between its W loads, so the
-// chip's W requests reach the memory system over about a microsecond instead of in one burst from every
-// SM at once. Why the burst is slower is not established; spreading it is what measured faster. On an
+// PACED (with PDL, on grids of at least half the SMs): a lane sleeps kGemvPrePaceNs between its W
+// loads, so the chip's W requests reach the memory system over about a microsecond instead of in one
+// burst from every SM at once. Why the burst is slower is not established; spreading it is what measured faster. On an
 // H100 (graph replay, bf16; bench/RESULTS.md, 2026-11-25, fourth session), against the unpaced kernel
 // that triggered after its loads: 1536->2048 3.18 -> 2.49 us, 1536->1536 2.30 -> 2.17, 896->1152
 // 1.70 -> 1.51; unpaced with the early trigger (small grids) 896->896 1.47 -> 1.46, 1536->256 1.46 -> 1.42.
