@@ -5,6 +5,8 @@
 //   4096 on CUDA, 1024 on the CPU. Compare with the device copy bandwidth (ops_ceilings.cpp). The "cap"
 //   cases are the decode step's call: self_attention_cached over a cache of that capacity with the
 //   length read from device memory (the kernels plan for the capacity), kvlen 256 of 4096.
+//   Paged decode (paged_attention, qlen = 1 per sequence): batch 1/64/256 at context 512/2048, block size
+//   16 with shuffled block ids; GB/s counting every sequence's K and V bytes read.
 // CUDA iterations cycle through independent K/V sets (like the layers of a model, >= 128 MiB in all) so
 // the decode K/V is not served from L2, and time a batch of back-to-back calls with events; a filler op
 // enqueued first keeps the GPU busy while the host enqueues the batch, so host overhead is not timed.
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -102,6 +105,55 @@ void bench_attn_cuda(benchmark::State &state, AttnShape s) {
 }
 #endif
 
+#ifdef LLAISYS_WITH_CUDA
+struct PagedShape {
+    int64_t batch, context, nh, nkvh, hd;
+    static constexpr int64_t block_size = 16;
+    double kv_bytes() const { return 2.0 * double(batch * context * nkvh * hd) * 2; } // bf16 K and V
+};
+
+Tensor i32_on(const std::vector<int32_t> &v, const Shape &shape, Device device) {
+    Tensor host = Tensor::empty(shape, DType::I32);
+    std::copy(v.begin(), v.end(), host.data_as<int32_t>());
+    return host.to(device);
+}
+
+// Independent paged caches (every sequence's blocks at shuffled ids) and the decode calls on them.
+std::vector<std::function<void()>> paged_calls(const PagedShape &s, Device device) {
+    const int64_t per_seq = (s.context + s.block_size - 1) / s.block_size, blocks = s.batch * per_seq;
+    const int64_t sets = llaisys::bench::cold_sets(s.kv_bytes(), device);
+    std::vector<std::function<void()>> calls;
+    for (int64_t i = 0; i < sets; ++i) {
+        const uint32_t seed = uint32_t(5 * i);
+        std::vector<int32_t> ids(static_cast<size_t>(blocks)), starts(static_cast<size_t>(s.batch + 1)),
+            lens(static_cast<size_t>(s.batch), int32_t(s.context));
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), std::mt19937(seed));
+        std::iota(starts.begin(), starts.end(), 0); // one query per sequence
+        const Tensor tables = i32_on(ids, {s.batch, per_seq}, device), q_start = i32_on(starts, {s.batch + 1}, device),
+                     kv_len = i32_on(lens, {s.batch}, device);
+        const Tensor q = attn_random({s.batch, s.nh, s.hd}, device, seed),
+                     k = attn_random({blocks, s.block_size, s.nkvh, s.hd}, device, seed + 1),
+                     v = attn_random({blocks, s.block_size, s.nkvh, s.hd}, device, seed + 2);
+        const Tensor out = Tensor::empty({s.batch, s.nh, s.hd}, DType::BF16, device);
+        const float scale = 1.f / std::sqrt(float(s.hd));
+        calls.push_back([=] { ops::paged_attention(out, q, k, v, tables, q_start, kv_len, scale, 1); });
+    }
+    return calls;
+}
+
+void bench_paged_decode_cuda(benchmark::State &state, PagedShape s) {
+    if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
+    const Device dev = Device::cuda(0);
+    DeviceGuard guard(dev);
+    const auto calls = paged_calls(s, dev);
+    llaisys::bench::time_filled_batches(state, dev, 20, int64_t(128) << 20,
+                                        [&](size_t i) { calls[i % calls.size()](); });
+    using C = benchmark::Counter;
+    state.counters["GB/s"] = C(s.kv_bytes() * 1e-9, C::kIsIterationInvariantRate);
+}
+#endif
+
 std::string attn_name(const char *kind, const char *dev, const AttnShape &s) {
     return std::string("Attention/") + kind + "/" + dev + "/bf16/heads:" + std::to_string(s.nh) + "x" +
            std::to_string(s.nkvh) + "x" + std::to_string(s.hd) + "/qlen:" + std::to_string(s.qlen) +
@@ -132,6 +184,15 @@ int register_attention_benchmarks() {
         const AttnShape step{1, 256, nh, nkvh, hd, 4096}; // the decode step's call
         benchmark::RegisterBenchmark(attn_name("decode", "cuda", step).c_str(), bench_attn_cuda, step)
             ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
+        for (int64_t batch : {1, 64, 256})
+            for (int64_t context : {512, 2048}) {
+                const PagedShape p{batch, context, nh, nkvh, hd};
+                const std::string name = "Attention/paged_decode/cuda/bf16/heads:" + std::to_string(nh) + "x" +
+                                         std::to_string(nkvh) + "x" + std::to_string(hd) + "/batch:" +
+                                         std::to_string(batch) + "/context:" + std::to_string(context) + "/block:16";
+                benchmark::RegisterBenchmark(name.c_str(), bench_paged_decode_cuda, p)
+                    ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
+            }
 #endif
     }
     return 0;

@@ -27,14 +27,21 @@ void bind_ops(nb::module_ &m) {
     o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
           nb::arg("eps"), G());
     o.def("rope", &ops::rope, nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
-    o.def("rope_qkv_cache", &ops::rope_qkv_cache, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"),
-          nb::arg("qkv"), nb::arg("pos_ids"), nb::arg("theta"), G());
+    o.def("rope_qkv_cache", [](const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                               const Tensor &pos_ids, float theta, const Tensor *slots) {
+        ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, theta, slots ? *slots : Tensor());
+    }, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("qkv"), nb::arg("pos_ids"), nb::arg("theta"),
+          nb::arg("slots") = nb::none(), G());
     o.def("self_attention", &ops::self_attention, nb::arg("out"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
           nb::arg("scale"), G());
     o.def("self_attention_cached", &ops::self_attention_cached, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),
           nb::arg("v_cache"), nb::arg("kv_len"), nb::arg("scale"), G());
+    o.def("paged_attention", &ops::paged_attention, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),
+          nb::arg("v_cache"), nb::arg("block_tables"), nb::arg("q_start"), nb::arg("kv_len"), nb::arg("scale"),
+          nb::arg("max_q_len"), G());
     o.def("swiglu", &ops::swiglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), G());
     o.def("sample", &ops::sample, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"),
           nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());
     o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
+    o.def("logit_bias", &ops::logit_bias, nb::arg("logits"), nb::arg("ids"), nb::arg("bias"), G());
 }

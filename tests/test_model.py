@@ -370,3 +370,59 @@ def test_review_regressions(tiny):
     with pytest.raises(RuntimeError, match="another generate"):
         list(a)
     assert eng.generate("a", max_new_tokens=20, temperature=0, ignore_eos=True).token_ids == base.token_ids
+
+
+def _nan_checkpoint(dirpath, name, rows=None):
+    """The tiny untied checkpoint with weight `name` (only `rows` of it, if given) set to NaN."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_qwen2(dirpath, seed=7)
+    file = f"{path}/model.safetensors"
+    weights = load_file(file)
+    weights[name][slice(None) if rows is None else rows] = float("nan")
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_non_finite_logits_raise_naming_the_step(tmp_path, device, dtype):
+    """NaN logits never become tokens (they used to come out as token 0): forward_sample raises naming the
+    step and the row, greedy or sampled, on the CUDA-graph decode path too. Feeding the token whose
+    embedding row is NaN makes only that step's logits NaN."""
+    bad = 9
+    path = _nan_checkpoint(tmp_path, "model.embed_tokens.weight", rows=bad)
+    eng = Engine(path, device="cpu", dtype="f32", progress=False)
+    m = _core_model(eng, path, device, dtype, None)
+    prompt = [t for t in prompt_ids(eng.config.vocab_size, 8, 5) if t != bad]
+    for temperature in [0.0, 0.8]:
+        sp = _core.SamplingParams()
+        sp.temperature, sp.top_k = temperature, 20
+        m.truncate(0, 0)
+        tokens = [m.forward_sample([0], [prompt], [sp], 1, 0)[0]]
+        for step, feed in enumerate([5, 6], 1):  # on CUDA: capture the decode graph, then replay it
+            tokens += m.forward_sample([0], [[feed]], [sp], 1, step)
+        assert all(0 <= t < eng.config.vocab_size for t in tokens)
+        with pytest.raises(RuntimeError, match=r"non-finite logits \(NaN or Inf\) at generation step 3 of sequence "
+                                               r"row 0 \(slot 0\)"):
+            m.forward_sample([0], [[bad]], [sp], 1, 3)  # a replay of the graph
+        m.truncate(0, len(prompt) + 2)  # drop the NaN keys/values: the model is usable again
+        assert 0 <= m.forward_sample([0], [[7]], [sp], 1, 3)[0] < eng.config.vocab_size
+        m.truncate(1, 0)
+        with pytest.raises(RuntimeError, match=r"at generation step 4 of sequence row 1 \(slot 1\)"):
+            m.forward_sample([0, 1], [[5], [bad]], [sp, sp], 1, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_engine_with_a_nan_weight_raises_instead_of_emitting_tokens(tmp_path, device, temperature):
+    path = _nan_checkpoint(tmp_path, "model.norm.weight")
+    eng = Engine(path, device=device, dtype="f32", progress=False)
+    with pytest.raises(RuntimeError, match=r"non-finite logits \(NaN or Inf\) at generation step 0 .*\(check the "
+                                           r"weights and the dtype\)"):
+        eng.generate("hello", max_new_tokens=4, temperature=temperature)
+    chunks = []
+    with pytest.raises(RuntimeError, match="at generation step 0"):
+        for chunk in eng.stream("hello", max_new_tokens=4, temperature=temperature):
+            chunks.append(chunk)
+    assert not any(c.token_ids for c in chunks)

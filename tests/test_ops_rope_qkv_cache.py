@@ -229,3 +229,91 @@ def test_cuda_device_mismatch_and_head_dim_limit():
         ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(np.array([2, 0, 5])), 1e4)
     with pytest.raises(ValueError, match="rope_qkv_cache: head_dim 1026 is not supported on CUDA"):
         ops.rope_qkv_cache(*small_args(tokens=1, hd=1026, device="cuda"), 1e4)
+
+
+# ---- slots: the cache rows of a paged cache, apart from the RoPE positions ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nh,nkvh,hd", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+@pytest.mark.parametrize("ids", [("i64", "i32"), ("i32", "i64")], ids=["pos64-slot32", "pos32-slot64"])
+def test_slots_equal_rope_and_index_copy_at_the_slot_rows(device, dtype, nh, nkvh, hd, tokens, ids):
+    """k_cache viewed as [num_blocks * block_size, nkvh, hd]: token t's rotated key lands in row slots[t]
+    (turned by pos_ids[t], which may exceed the capacity); bit for bit rope + index_copy at those rows, and
+    every other row untouched."""
+    num_blocks, block_size, theta, width = 9, 5, 1e6, (nh + 2 * nkvh) * hd
+    capacity = num_blocks * block_size
+    qkv, _ = rand((tokens, width), dtype, device, seed=31 + tokens)
+    p = np.random.default_rng(tokens).integers(0, 3 * capacity, tokens)  # positions need not fit the cache
+    s = positions(tokens, capacity, seed=32 + tokens)  # distinct rows, scattered over shuffled blocks
+    pos, slots = (llaisys.tensor(a.astype(NP_DTYPE[i]), device) for a, i in zip((p, s), ids))
+    base, _ = rand((num_blocks, block_size, nkvh, hd), dtype, device, seed=33)  # every row its own sentinel
+
+    def part(lo, hi, heads):  # a head range of qkv as [T, heads, hd]
+        return qkv.slice(1, lo * hd, hi * hd).view(tokens, heads, hd)
+
+    q1, k1 = poisoned((tokens, nh, hd), dtype, device), poisoned((tokens, nkvh, hd), dtype, device)
+    k_cache1, v_cache1 = (base.clone().view(capacity, nkvh, hd) for _ in range(2))
+    ops.rope(q1, part(0, nh, nh), pos, theta)
+    ops.rope(k1, part(nh, nh + nkvh, nkvh), pos, theta)
+    ops.index_copy(k_cache1, slots, k1)
+    ops.index_copy(v_cache1, slots, part(nh + nkvh, nh + 2 * nkvh, nkvh))
+
+    q2, paged_k, paged_v = poisoned((tokens, nh, hd), dtype, device), base.clone(), base.clone()
+    ops.rope_qkv_cache(q2, paged_k.view(capacity, nkvh, hd), paged_v.view(capacity, nkvh, hd), qkv, pos, theta,
+                       slots)
+    for name, unfused, fused in [("q", q1, q2), ("k_cache", k_cache1, paged_k), ("v_cache", v_cache1, paged_v)]:
+        a, b = bits(fused).reshape(-1), bits(unfused).reshape(-1)
+        assert np.array_equal(a, b), f"{name}: {np.count_nonzero(a != b)} elements differ from rope + index_copy"
+    untouched = np.setdiff1d(np.arange(capacity), s)
+    np.testing.assert_array_equal(bits(paged_k).reshape(capacity, -1)[untouched],
+                                  bits(base).reshape(capacity, -1)[untouched])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_slots_reference_and_functional_default(device):
+    """Against the float64 formula (q and k turned by the positions, rows from the slots); slots=None is the
+    old behaviour (rows = positions)."""
+    nh, nkvh, hd, tokens, capacity, theta = 4, 2, 8, 5, 20, 1e4
+    qkv, qkvr = rand((tokens, (nh + 2 * nkvh) * hd), "f32", device, seed=41)
+    k, kr, v, vr = make_caches(capacity, nkvh, hd, "f32", device, "dense", seed=42)
+    p, s = np.array([100, 3, 7, 250, 0]), positions(tokens, capacity, seed=43)
+    q = poisoned((tokens, nh, hd), "f32", device)
+    ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(p, device), theta, slots=llaisys.tensor(s, device))
+    x = qkvr.reshape(tokens, nh + 2 * nkvh, hd)
+    k_want, v_want = kr.copy(), vr.copy()
+    k_want[s] = ref_rope(x[:, nh: nh + nkvh], p, theta)
+    v_want[s] = x[:, nh + nkvh:]
+    assert_close(q, ref_rope(x[:, :nh], p, theta), "f32")
+    check_caches(k, v, k_want, v_want, kr, s, "f32")
+    p_small = np.array([1, 3, 7, 2, 0])
+    ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(p_small, device), theta, slots=None)
+    k_want[p_small] = ref_rope(x[:, nh: nh + nkvh], p_small, theta)
+    assert_close(to_f64(k)[p_small], k_want[p_small], "f32")
+
+
+def test_slots_errors():
+    q, k, v, qkv, pos = small_args()
+    k0 = to_f64(k)
+    with pytest.raises(IndexError, match=r"rope_qkv_cache: slot 8 at index 2 is out of range of the KV cache \[0, 8\)"):
+        ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, llaisys.tensor(np.array([1, 0, 8])))
+    np.testing.assert_array_equal(to_f64(k), k0)  # nothing written
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: slots must have shape \[3\], got \[2\]"):
+        ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, llaisys.tensor(np.array([1, 0])))
+    with pytest.raises(TypeError, match="rope_qkv_cache: slots must be i64 or i32, got f32"):
+        ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, llaisys.tensor(np.zeros(3, np.float32)))
+    # positions beyond the cache are fine when the rows come from slots
+    ops.rope_qkv_cache(q, k, v, qkv, llaisys.tensor(np.array([80, 90, 100])), 1e4, llaisys.tensor(np.array([1, 0, 7])))
+
+
+@pytest.mark.cuda
+def test_cuda_slot_out_of_range_raises_at_synchronize():
+    q, k, v, qkv, pos = small_args(device="cuda")
+    ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, llaisys.tensor(np.array([1, -1, 3], np.int32), "cuda"))
+    with pytest.raises(IndexError, match="rope_qkv_cache: a position is out of range of the KV cache"):
+        llaisys.synchronize("cuda")
+    llaisys.synchronize("cuda")
+    assert np.isnan(to_f64(q)[1]).all() and not np.isnan(to_f64(q)[[0, 2]]).any()
+    with pytest.raises(ValueError, match="rope_qkv_cache: all tensors must be on one device"):
+        ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, llaisys.tensor(np.array([1, 0, 3])))

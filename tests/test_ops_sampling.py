@@ -60,21 +60,56 @@ def test_argmax_ties_take_the_first_index(device, dtype):
     np.testing.assert_array_equal(val, [3.0, -1.0, 2.0, 5.0])
 
 
+def argmax_reference(a64):
+    """ops.argmax in float64: NumPy's max and first maximum, index -1 where the max is not finite (a NaN, a
+    +inf, or only -inf: no token to pick)."""
+    m = np.max(a64, axis=-1)  # NaN if the row holds one
+    return np.where(np.isfinite(m), np.argmax(a64, axis=-1), -1), m
+
+
+def non_finite_rows(V):
+    """Rows [n, V] (float64) and, per row, whether it has a finite maximum. NaN, +inf and -inf at the
+    start, middle and end of the row; -inf next to finite values is a mask, not an error."""
+    base = np.random.default_rng(V).standard_normal(V)
+    mid, nan, inf = V // 2, np.nan, np.inf
+    specs = [
+        ({0: nan}, False), ({V - 1: nan}, False), ({mid: np.copysign(nan, -1.0)}, False),  # NaN, any sign
+        ({mid: inf}, False), ({V - 1: inf, 0: nan}, False),  # +inf; +inf and NaN
+        ({}, True), ({0: -inf, V - 1: -inf}, True),  # finite; finite with masked tokens
+    ]
+    rows = []
+    for spec, _ in specs:
+        row = base.copy()
+        for i, v in spec.items():
+            row[i] = v
+        rows.append(row)
+    rows.append(np.full(V, -inf))  # only -inf
+    rows.append(np.full(V, nan))  # only NaN
+    row = np.full(V, -inf)
+    row[mid] = 2.5  # one finite value among -inf
+    rows.append(row)
+    return np.stack(rows), np.array([ok for _, ok in specs] + [False, False, True])
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_argmax_nan_and_inf_follow_numpy(device, dtype):
-    a = np.random.default_rng(0).standard_normal((5, 1000))
-    a[0, [900, 17]] = np.nan  # the first NaN wins, wherever the max is
-    a[1, :] = -np.inf  # all -inf: index 0
-    a[2, 300] = np.inf
-    a[3, :] = np.nan
-    a[4, [999]] = np.nan
-    x = vec(a, dtype, device)
-    idx, val = run_argmax(x, device)
-    ref = np.argmax(a.astype(NP_DTYPE[dtype]).astype(np.float64), axis=-1)
-    np.testing.assert_array_equal(idx, ref)
-    np.testing.assert_array_equal(idx, [17, 0, 300, 0, 999])
-    assert np.isnan(val[[0, 3, 4]]).all() and val[1] == -np.inf and val[2] == np.inf
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("V", [1000, 999])  # on CUDA: vector and scalar loads
+def test_argmax_rows_without_a_finite_max_give_minus_one(device, dtype, V):
+    a, finite = non_finite_rows(V)
+    a = a.astype(NP_DTYPE[dtype]).astype(np.float64)
+    idx, val = run_argmax(vec(a, dtype, device), device)
+    ref_idx, ref_max = argmax_reference(a)
+    np.testing.assert_array_equal(ref_idx >= 0, finite)  # the reference agrees with the table
+    np.testing.assert_array_equal(idx, ref_idx)
+    np.testing.assert_array_equal(val, ref_max)  # NaN where NumPy's max is NaN
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_argmax_single_values(device):
+    a = np.array([[np.nan], [np.inf], [-np.inf], [-3.0]])
+    idx, val = run_argmax(vec(a, "f32", device), device)
+    np.testing.assert_array_equal(idx, [-1, -1, -1, 0])
+    np.testing.assert_array_equal(val, np.max(a, axis=-1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -140,11 +175,13 @@ def argmax_split_rows(V, c):
         {c - 1: M, c: M},  # tie across a boundary: the earlier block wins
         {5 * c + 3: M, 2 * c + 7: M, V - 1: M},  # ties in three blocks
         {V - 2: M, V - 1: M},  # tie at the end of the row
-        {c + 1: M, 3 * c + 2: nan},  # a NaN after an equal max, in a later block: the NaN
+        {c + 1: M, 3 * c + 2: nan},  # a NaN after the max, in a later block: -1
         {c + 1: nan, 3 * c + 2: M},  # a NaN before the max, in an earlier block
-        {c // 2: M, 4 * c: M, 3 * c: nan, 2 * c + 5: nan},  # two NaN in different blocks: the first
+        {c // 2: M, 4 * c: M, 3 * c: nan, 2 * c + 5: nan},  # two NaN in different blocks
         {c: inf, 3 * c: inf, V - 1: nan},  # +inf in two blocks, a NaN last
-        {c: inf, 2 * c: neg_nan},  # a NaN with the sign bit set still beats +inf
+        {c: inf, 2 * c: neg_nan},  # a NaN with the sign bit set, after a +inf
+        {2 * c + 1: inf},  # +inf alone: -1
+        {c: -inf, V - 1: -inf},  # -inf next to finite values is a mask: the max still counts
     ]
     out = []
     for spec in specs:
@@ -152,11 +189,11 @@ def argmax_split_rows(V, c):
         for i, v in spec.items():
             row[i % V] = v  # short rows: positions wrap; the reference is still np.argmax
         out.append(row)
-    out.append(np.full(V, -inf))  # all -inf: index 0
+    out.append(np.full(V, -inf))  # all -inf: -1
     row = np.full(V, -inf)
     row[V - 1] = -3.0  # one finite value, last
     out.append(row)
-    out.append(np.full(V, nan))  # all NaN: index 0
+    out.append(np.full(V, nan))  # all NaN: -1
     for first, second in [(-0.0, 0.0), (0.0, -0.0)]:  # -0.0 == +0.0: the first of them
         row = np.full(V, -inf)
         row[(2 * c) % V], row[(c + 1) % V] = second, first
@@ -166,8 +203,8 @@ def argmax_split_rows(V, c):
 
 
 def check_argmax_exact(a, device, offset=0):
-    """argmax of a [rows, V] (already in the tested dtype) == NumPy's; the value is x's element, bit for bit.
-    offset > 0 puts the rows `offset` elements into their buffer (a misaligned view)."""
+    """argmax of a [rows, V] (already in the tested dtype) == argmax_reference; a finite max is x's element,
+    bit for bit. offset > 0 puts the rows `offset` elements into their buffer (a misaligned view)."""
     rows, V = a.shape
     if offset:
         flat = np.concatenate([np.zeros(offset, a.dtype), a.ravel()])
@@ -177,11 +214,13 @@ def check_argmax_exact(a, device, offset=0):
     idx = poisoned((rows,), "i64", device)
     val = poisoned((rows,), {np.dtype(v): k for k, v in NP_DTYPE.items()}[a.dtype], device)
     ops.argmax(idx, val, x)
-    ref = np.argmax(a.astype(np.float64), axis=-1)
+    ref, ref_max = argmax_reference(a.astype(np.float64))
     np.testing.assert_array_equal(idx.to("cpu").numpy(), ref)
     bits = np.uint32 if a.dtype.itemsize == 4 else np.uint16
-    got = np.asarray(val.to("cpu").numpy()).view(bits)
-    np.testing.assert_array_equal(got, a[np.arange(rows), ref].view(bits))
+    got = np.asarray(val.to("cpu").numpy())
+    ok = ref >= 0
+    np.testing.assert_array_equal(got[ok].view(bits), a[np.arange(rows)[ok], ref[ok]].view(bits))
+    np.testing.assert_array_equal(got[~ok].astype(np.float64), ref_max[~ok])  # NaN, +inf or -inf
 
 
 ARGMAX_SPLIT_CASES = [(dtype, V, rows, 0) for dtype in FLOAT_DTYPES for V in [151936, 151937, 40000, 1, 31]
@@ -216,7 +255,7 @@ def test_argmax_cuda_many_long_rows():
 # ---------------------------------------------------------------------------------------------- sample
 
 
-def run_sample(logits, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0):
+def sample_ids(logits, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, offset=0):
     """ops.sample with per-row parameters (scalars are broadcast); returns the ids as a NumPy array."""
     B = logits.shape[0]
 
@@ -226,7 +265,12 @@ def run_sample(logits, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, s
     out = poisoned((B,), "i64", device)
     ops.sample(out, logits, per_row(temperature, "f32"), per_row(top_k, "i32"), per_row(top_p, "f32"),
                per_row(min_p, "f32"), seed, offset)
-    ids = out.to("cpu").numpy()
+    return out.to("cpu").numpy()
+
+
+def run_sample(logits, device, *args, **kwargs):
+    """sample_ids for logits whose rows all have a finite maximum: every id is a token."""
+    ids = sample_ids(logits, device, *args, **kwargs)
     assert ((ids >= 0) & (ids < logits.shape[1])).all(), f"ids out of range: {ids}"
     return ids
 
@@ -310,16 +354,31 @@ def test_sample_greedy_and_top_k_1_equal_argmax(device, dtype, V):
     np.testing.assert_array_equal(run_sample(x, device, temperature=1.0, min_p=1.0, seed=4), ref)
 
 
+SAMPLE_NON_FINITE_PARAMS = [
+    dict(temperature=0.0),  # greedy
+    dict(temperature=1.0),  # plain draw
+    dict(temperature=0.7, top_k=5, top_p=0.9),  # sorted candidates
+    dict(temperature=1.0, top_p=0.5, min_p=0.01),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_sample_greedy_nan_rows_follow_argmax(device):
-    a = np.random.default_rng(1).standard_normal((2, 100))
-    a[0, [40, 60]] = np.nan
-    a[1, :] = np.nan
-    x = vec(a, "f32", device)
-    np.testing.assert_array_equal(run_sample(x, device, temperature=0.0), [40, 0])
-    # With temperature > 0 NaN tokens have no weight; a row of NaN falls back to argmax.
-    ids = run_sample(x, device, temperature=1.0)
-    assert ids[0] not in (40, 60) and ids[1] == 0
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("V", [1000, 999, V_LLM])  # on CUDA: vector and scalar loads; the LLM vocabulary
+def test_sample_rows_without_a_finite_max_give_minus_one(device, dtype, V):
+    """A row holding a NaN or +inf, or only -inf, gets -1 at every temperature (no token is emitted for
+    it); its neighbours are sampled as usual, and -inf next to finite logits only masks those tokens."""
+    a, finite = non_finite_rows(V)
+    a = a.astype(NP_DTYPE[dtype]).astype(np.float64)
+    x = vec(a, dtype, device)
+    for seed, params in enumerate(SAMPLE_NON_FINITE_PARAMS):
+        ids = sample_ids(x, device, seed=seed, **params)
+        np.testing.assert_array_equal(ids < 0, ~finite, err_msg=f"{params}")
+        assert (ids[~finite] == -1).all(), f"{params}: {ids}"
+        good = ids[finite]
+        assert (good < V).all() and np.isfinite(a[finite, :][np.arange(len(good)), good]).all(), f"{params}: {ids}"
+        if params["temperature"] == 0.0:
+            np.testing.assert_array_equal(good, np.argmax(a[finite], axis=-1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -328,8 +387,6 @@ def test_sample_never_draws_minus_inf(device):
     a[:, [3, 30, 49]] = [0.0, 1.0, -1.0]
     ids = run_sample(vec(a, "f32", device), device, temperature=2.0)
     assert set(ids) <= {3, 30, 49} and len(set(ids)) == 3
-    ids = run_sample(vec(np.full((64, 7), -np.inf), "f32", device), device)  # all -inf: uniform
-    assert len(set(ids)) > 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -440,6 +497,58 @@ def test_sample_argument_errors():
         ops.sample(out, rand((5,), "f32")[0], f32, i32, f32, f32, 0, 0)
     with pytest.raises(TypeError, match="sample: logits must be f32, f16 or bf16"):
         ops.sample(out, llaisys.empty([2, 5], "i64"), f32, i32, f32, f32, 0, 0)
+
+
+@pytest.mark.parametrize("name, bad, rule", [
+    ("temperature", -1.0, r"a finite number >= 0"), ("temperature", np.nan, r"a finite number >= 0"),
+    ("temperature", np.inf, r"a finite number >= 0"), ("top_k", -1, r"an int >= 0"),
+    ("top_p", 5.0, r"in \(0, 1\]"), ("top_p", 0.0, r"in \(0, 1\]"), ("top_p", np.nan, r"in \(0, 1\]"),
+    ("min_p", 1.5, r"in \[0, 1\]"), ("min_p", -0.1, r"in \[0, 1\]"),
+])
+def test_sample_parameter_values_are_checked(name, bad, rule):
+    """Out-of-range parameters raise naming the argument: the op checks host-resident values per row,
+    functional.sample checks its scalars on every device."""
+    x, _ = rand((3, 7), "f32")
+    params = dict(temperature=[1.0] * 3, top_k=[0] * 3, top_p=[1.0] * 3, min_p=[0.0] * 3)
+    params[name][2] = bad
+    with pytest.raises(ValueError, match=rf"sample: {name} must be {rule}.* in row 2"):
+        sample_ids(x, "cpu", **params)
+    with pytest.raises(ValueError, match=rf"^{name} must be {rule}"):
+        llaisys.functional.sample(x, **{name: bad})
+
+
+def test_functional_sample_issue_example_raises():
+    x, _ = rand((1, 7), "f32")
+    with pytest.raises(ValueError, match="temperature"):
+        llaisys.functional.sample(x, top_p=5, temperature=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_functional_argmax_and_sample_raise_on_non_finite_rows(device, dtype):
+    """The allocating forms raise ValueError naming the first row without a finite maximum."""
+    for value in [np.nan, np.inf]:
+        a = np.random.default_rng(0).standard_normal((4, 50))
+        a[2, 17] = value
+        a[3, :] = -np.inf
+        x = vec(a, dtype, device)
+        with pytest.raises(ValueError, match=r"argmax: row 2 of x has no finite maximum"):
+            llaisys.functional.argmax(x)
+        for temperature in [0.0, 0.8]:
+            with pytest.raises(ValueError, match=r"sample: row 2 of logits has no finite maximum"):
+                llaisys.functional.sample(x, temperature=temperature)
+    b = np.zeros((2, 3, 5))
+    b[1, 2, :] = -np.inf
+    with pytest.raises(ValueError, match=r"argmax: row \(1, 2\) of x"):
+        llaisys.functional.argmax(vec(b, dtype, device))
+    with pytest.raises(ValueError, match=r"argmax: x has no finite maximum"):
+        llaisys.functional.argmax(vec([1.0, np.nan], dtype, device))
+    ok = np.random.default_rng(1).standard_normal((3, 50))
+    ok[:, 7] = -np.inf  # a masked token is fine
+    idx, _ = llaisys.functional.argmax(vec(ok, dtype, device))
+    np.testing.assert_array_equal(idx.to("cpu").numpy(), np.argmax(ok.astype(NP_DTYPE[dtype]), axis=-1))
+    ids = llaisys.functional.sample(vec(ok, dtype, device), temperature=1.0).to("cpu").numpy()
+    assert ((ids >= 0) & (ids < 50) & (ids != 7)).all()
 
 
 @pytest.mark.cuda

@@ -23,10 +23,12 @@ void record_stream(const Storage &storage, const Stream &stream);
 MemoryStats stats(Device device);
 void reset_peak(Device device);
 void empty_cache(Device device);
+DeviceMemoryInfo mem_info(Device device);
 void memcpy(void *dst, const void *src, size_t n, const Stream &stream, bool wait);
 // A per-device int in device memory that kernels set to report bad input without a host sync; checked
 // and cleared by synchronize(). Codes: 1 embedding id out of range, 2 index_copy index out of range,
-// 3 self_attention_cached length out of range, 4 rope_qkv_cache position out of range.
+// 3 self_attention_cached length out of range, 4 rope_qkv_cache position out of range, 5 paged_attention
+// metadata out of range.
 int *error_flag(Device device);
 } // namespace cuda
 #endif

@@ -21,10 +21,24 @@ def cast(x: Tensor, dtype: str) -> Tensor:
     return out
 
 
+def _check_finite_rows(op: str, ids: Tensor, what: str) -> None:
+    """ValueError naming the first row the op marked -1 (no finite maximum). Reads the ids back, so this
+    waits for the device; the model checks the ids it copies anyway instead (ops.hpp)."""
+    import numpy as np
+
+    bad = np.argwhere(np.asarray(ids.to("cpu").numpy()) < 0)
+    if len(bad):
+        row = tuple(int(i) for i in bad[0])
+        where = f"row {row[0] if len(row) == 1 else row} of {what}" if row else what
+        raise ValueError(f"{op}: {where} has no finite maximum (it holds a NaN or +inf, or only -inf)")
+
+
 def argmax(x: Tensor) -> tuple[Tensor, Tensor]:
-    """(indices i64, values) of the maximum over the last dim."""
+    """(indices i64, values) of the maximum over the last dim. Raises ValueError for a row without a finite
+    maximum (a NaN, a +inf, or only -inf), where ops.argmax writes index -1."""
     idx, val = _like(x.shape[:-1], x, "i64"), _like(x.shape[:-1], x)
     ops.argmax(idx, val, x)
+    _check_finite_rows("argmax", idx, "x")
     return idx, val
 
 
@@ -83,9 +97,16 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
            seed: int = 0, offset: int = 0) -> Tensor:
-    """One token id per row of logits [B, V], with the same parameters for every row."""
+    """One token id per row of logits [B, V], with the same parameters for every row. Out-of-range
+    parameters raise ValueError naming them, as does a row without a finite maximum (a NaN, a +inf, or only
+    -inf: no token to sample)."""
     import numpy as np
 
+    from .sampling import _check  # the Engine's rules and messages
+
+    temperature, top_k, top_p, min_p = (_check(n, v) for n, v in
+                                        [("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                         ("min_p", min_p)])
     rows = logits.shape[0]
     dev = logits.device
     out = _like((rows,), logits, "i64")
@@ -93,4 +114,18 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: floa
                tensor(np.full(rows, temperature, np.float32), dev), tensor(np.full(rows, top_k, np.int32), dev),
                tensor(np.full(rows, top_p, np.float32), dev), tensor(np.full(rows, min_p, np.float32), dev),
                seed, offset)
+    _check_finite_rows("sample", out, "logits")
+    return out
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, q_start: Tensor,
+                    kv_len: Tensor, max_q_len: int, scale: float | None = None) -> Tensor:
+    """Causal GQA attention of a batch of sequences over a paged KV cache (see ``ops.paged_attention``).
+
+    Rows of the output outside every sequence's query rows are not written (uninitialised).
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out = _like(q.shape, q)
+    ops.paged_attention(out, q, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len)
     return out

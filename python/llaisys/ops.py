@@ -4,6 +4,9 @@ Every op validates its arguments (raising TypeError/ValueError/IndexError naming
 the tensors' device, enqueues on its current stream and never synchronizes. Semantics are documented
 in cpp/include/llaisys/ops.hpp; :mod:`llaisys.functional` has forms that allocate the output.
 
+``rope_qkv_cache`` takes an optional ``slots`` (the cache rows of the tokens in a paged cache viewed
+as ``[num_blocks * block_size, nkvh, hd]``; by default the rows are the positions).
+
 ``linear`` and ``linear_swiglu`` take ``constant_weight=False``. Pass True only for a weight that
 every kernel that wrote it has finished with (synchronize after writing it) and that none will write
 again, e.g. a loaded model's weights. On CUDA, the M = 1 GEMV may then read the weight while the
@@ -26,10 +29,12 @@ rope = _ops.rope
 rope_qkv_cache = _ops.rope_qkv_cache
 self_attention = _ops.self_attention
 self_attention_cached = _ops.self_attention_cached
+paged_attention = _ops.paged_attention
 swiglu = _ops.swiglu
 sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
+logit_bias = _ops.logit_bias
 
 __all__ = ["add", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "rope_qkv_cache",
-           "self_attention", "self_attention_cached", "swiglu", "sample", "repetition_penalty", "linear_swiglu"]
+           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "repetition_penalty", "logit_bias", "linear_swiglu"]

@@ -20,6 +20,9 @@ void rearrange(const Tensor &out, const Tensor &x);
 // CUDA graph serves every position. An index outside [0, R) raises (on CUDA at the next synchronize).
 void index_copy(const Tensor &out, const Tensor &index, const Tensor &src);
 // Over the last dim of x [..., V]: max_idx [...] (i64) and max_val [...] (x's dtype); ties -> first.
+// max_val is NumPy's max (NaN if the row holds one). A row without a finite maximum (a NaN, a +inf, or
+// nothing above -inf) gets max_idx -1: as logits such a row has no token to pick, and the -1 travels
+// with the ids the caller copies anyway, so the check costs no extra host sync.
 void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x);
 // out [n, D] = weight [V, D] rows picked by ids [n]. An id outside [0, V) raises (on CUDA at the next
 // synchronize, through a device-side flag, so the op needs no host sync).
@@ -44,12 +47,15 @@ void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, co
 // halves (HF convention). out may alias x.
 void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta);
 // After the fused QKV projection, in one launch: qkv [T, (nh + 2 * nkvh) * hd] (per row q heads, k heads,
-// v heads; any row stride), pos_ids [T] (i64/i32, on the device, distinct): q_out [T, nh, hd] = rope(q),
-// k_cache[pos[t]] = rope(k), v_cache[pos[t]] = v, with k_cache/v_cache [capacity, nkvh, hd] (contiguous
-// last dim). Equals rope + rope + index_copy + index_copy bit for bit; q_out may be qkv's q part. A position
-// outside [0, capacity) writes nothing for its token and raises (on CUDA at the next synchronize).
+// v heads; any row stride), pos_ids [T] (i64/i32, on the device): q_out [T, nh, hd] = rope(q),
+// k_cache[row[t]] = rope(k), v_cache[row[t]] = v, with k_cache/v_cache [capacity, nkvh, hd] (contiguous
+// last dim) and row = slots [T] (i64/i32, on the device, distinct) when given, else pos_ids (then distinct).
+// A paged cache [num_blocks, block_size, nkvh, hd] is passed viewed as [num_blocks * block_size, nkvh, hd]
+// with slots[t] = block * block_size + offset, while RoPE still turns by pos_ids[t]. Equals rope + rope +
+// index_copy + index_copy bit for bit; q_out may be qkv's q part. A row outside [0, capacity) writes
+// nothing for its token and raises (on CUDA at the next synchronize).
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, float theta);
+                    const Tensor &pos_ids, float theta, const Tensor &slots = Tensor());
 // Causal GQA attention. q [qlen, nh, hd], k/v [kvlen, nkvh, hd] (v may have its own head dim),
 // out [qlen, nh, hd_v]. Query i sees key j iff j <= i + kvlen - qlen.
 void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale);
@@ -59,15 +65,39 @@ void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const T
 // v_cache[:len], scale) — without the host knowing len, so one captured CUDA graph serves every step.
 void self_attention_cached(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                            const Tensor &kv_len, float scale);
+// Causal GQA attention of a batch of sequences over a paged KV cache. q [T, nh, hd] (the step's query
+// tokens, sequences concatenated; any seq/head strides), k_cache/v_cache [num_blocks, block_size, nkvh, hd]
+// (contiguous), block_tables [B, max_blocks] i32 (the cache block of each sequence's j-th block of
+// positions; entries past a sequence's length are ignored), q_start [B + 1] i32 (sequence b's queries are
+// rows q_start[b] .. q_start[b+1]-1 of q), kv_len [B] i32 (context length of sequence b INCLUDING this
+// step's tokens, whose keys/values are already in the cache) -> out [T, nh, hd] (unit last stride). Query i
+// of sequence b (qlen_b = q_start[b+1] - q_start[b]) sees keys j <= kv_len[b] - qlen_b + i. max_q_len: a
+// host-side upper bound of qlen_b (sizes the CUDA grid; all the per-sequence metadata stays on the device,
+// so one captured CUDA graph serves every decode step of a batch). A sequence with qlen_b = 0 writes
+// nothing, and rows of out outside every sequence are left as they were. Metadata is i32 and contiguous.
+// Requires 0 <= q_start[b] <= q_start[b+1] <= T, qlen_b <= max_q_len, qlen_b <= kv_len[b] <=
+// max_blocks * block_size and the used block ids in [0, num_blocks): violations raise on the CPU; on CUDA
+// the kernels clamp (never reading out of bounds, a bad sequence's rows may be left unwritten) and raise
+// at the next synchronize.
+void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
+                     const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
+                     int64_t max_q_len);
 // out = up * gate * sigmoid(gate), in f32.
 void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
 // Samples one token per row of logits [B, V] into out_ids [B] (i64). Per-row parameters live on the
 // logits' device: temperature [B] f32 (0 = greedy), top_k [B] i32 (0 = off), top_p [B] f32 (1 = off),
-// min_p [B] f32 (0 = off). The same (seed, offset) gives the same tokens.
+// min_p [B] f32 (0 = off). The same (seed, offset) gives the same tokens. A row whose logits hold a NaN
+// or a +inf, or nothing above -inf, gets the id -1 at any temperature (as argmax); -inf alone is a mask.
+// Parameters must be in range: temperature finite and >= 0, top_k >= 0, top_p in (0, 1], min_p in
+// [0, 1]; the op checks those on the host when they live there (on the device it cannot without a sync,
+// and the kernels read out-of-range values safely: NaN temperature = greedy, top_p >= 1 = off).
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
             const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset);
 // HF's repetition penalty in place: for each id in ids [B, n] (i64, -1 = padding, no duplicates per
 // row) logits[b, id] is divided by penalty if positive, multiplied if negative.
 void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);
+// Adds bias [B, n] (f32) to logits [B, V] at ids [B, n] (i64, -1 = padding, no duplicates per row), in
+// place: OpenAI's presence/frequency penalties and logit_bias, and -inf to ban a token (min_tokens).
+void logit_bias(const Tensor &logits, const Tensor &ids, const Tensor &bias);
 
 } // namespace llaisys::ops

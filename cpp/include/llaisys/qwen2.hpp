@@ -11,6 +11,11 @@
 #include <string>
 #include <vector>
 
+namespace llaisys::runtime {
+class KVPool;
+struct StepBatch;
+} // namespace llaisys::runtime
+
 namespace llaisys::models {
 
 struct Qwen2Config {
@@ -79,9 +84,17 @@ public:
     Tensor forward(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens,
                    bool all_logits = false);
     // forward(), then one token per sequence sampled on the device; only the ids are copied back.
+    // offset is the sampler's step counter (the engine passes the generation step). Logits without a
+    // finite max (NaN, +inf, all -inf) raise std::runtime_error naming that step and the row; the step's
+    // tokens stay in the cache, as after any forward().
     std::vector<int64_t> forward_sample(const std::vector<int> &slots,
                                         const std::vector<std::vector<int64_t>> &tokens,
                                         const std::vector<SamplingParams> &params, uint64_t seed, uint64_t offset);
+
+    // One step of a batch over a paged KV pool (the serving path): stores each token's key/value at its
+    // slot and returns the logits of the rows batch.last [B, vocab] (all_logits: of every token, [T, vocab]),
+    // in the model dtype, not synchronized. Every input is a device tensor, so a CUDA graph can capture it.
+    Tensor forward_step(const runtime::StepBatch &batch, const runtime::KVPool &pool, bool all_logits = false);
 
     // CUDA only: replay one captured graph per decode step (single sequence, one token). On by default
     // on CUDA; LLAISYS_CUDA_GRAPHS=0 in the environment turns it off.
@@ -113,6 +126,7 @@ private:
     Tensor attention(int layer, const Tensor &x, const Tensor &pos, const std::vector<int> &slots,
                      const std::vector<std::vector<int64_t>> &tokens, const Tensor &kv_len);
     Tensor project_out(const Layer &L, const Tensor &attn, int64_t T);
+    Tensor attention_paged(int layer, const Tensor &x, const runtime::StepBatch &batch, const runtime::KVPool &pool);
     Tensor decode_graphed(int slot, int64_t token);
     void upload_step(DecodeGraph &g, int64_t token, int64_t pos, int64_t len);
     Tensor mlp(int layer, const Tensor &x);

@@ -299,6 +299,11 @@ std::vector<int64_t> Qwen2::forward_sample(const std::vector<int> &slots,
     }
     std::vector<int64_t> result(static_cast<size_t>(B));
     runtime::memcpy(result.data(), Device::cpu(), out.data(), device_, size_t(B) * sizeof(int64_t));
+    // The kernels mark a row without a finite max logit with -1 (ops.hpp): checked here, with no extra sync.
+    for (size_t b = 0; b < result.size(); ++b)
+        LLAISYS_CHECK(result[b] >= 0, std::runtime_error, "Qwen2: non-finite logits (NaN or Inf) at generation step ",
+                      offset, " of sequence row ", b, " (slot ", slots[b],
+                      "): the model produced NaN/Inf, no token was sampled (check the weights and the dtype)");
     return result;
 }
 

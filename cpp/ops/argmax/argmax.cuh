@@ -104,16 +104,8 @@ __device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm) {
     return {best, best_i == INT_MAX ? 0 : best_i, nan};
 }
 
-// Index of the first NaN in row [V] (INT_MAX if none). Only runs for rows that hold a NaN.
-template <typename T>
-__device__ int block_first_nan(const T *row, int V, ArgmaxSmem &sm) {
-    int first = INT_MAX;
-    for (int i = threadIdx.x; i < V && i < first; i += blockDim.x)
-        if (to_f32(row[i]) != to_f32(row[i])) first = i;
-    float unused = 0.f;
-    block_merge_max(unused, first, sm); // equal values: keeps the lowest index
-    return first;
-}
+// Whether a row has a finite maximum (else argmax and sample give -1, ops.hpp).
+__device__ __forceinline__ bool finite_max(const RowMax &m) { return !m.any_nan && isfinite(m.val); }
 
 // ---- Orderable 64-bit keys: the argmax of any set of elements is the element with the largest key, so
 // partial results (threads, blocks) combine with a plain max, in any order.
@@ -154,13 +146,6 @@ __device__ __forceinline__ ArgmaxKey block_max_key(ArgmaxKey k, ArgmaxKey *scrat
     __syncthreads();
     k = lane < nwarps ? scratch[lane] : 0;
     return warp_max_key(k);
-}
-
-// NumPy's argmax of row [V]: the first NaN if there is one, else the first maximum.
-template <int VEC, typename T>
-__device__ int block_argmax(const T *row, int V, ArgmaxSmem &sm) {
-    const RowMax m = block_row_max<VEC>(row, V, sm);
-    return m.any_nan ? block_first_nan(row, V, sm) : m.idx;
 }
 
 } // namespace llaisys::ops::cuda

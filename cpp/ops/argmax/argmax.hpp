@@ -33,17 +33,17 @@ float row_max(const T *row, int64_t V, bool &any_nan) {
     return m;
 }
 
-// NumPy's argmax of row [V]: the first NaN if there is one, else the first maximum.
+// Whether a row with max m (NaN ignored) and any_nan has a finite maximum: else argmax and sample give -1.
+inline bool finite_max(float m, bool any_nan) { return !any_nan && std::isfinite(m); }
+
+// The first index of row [V] holding m (-1 if none: the callers pass the row's own max).
 template <typename T>
-int64_t argmax_row(const T *row, int64_t V) {
-    bool any_nan = false;
-    const float m = row_max(row, V, any_nan);
-    for (int64_t i = 0; i < V; ++i) {
-        const float v = load(row, i);
-        if (any_nan ? v != v : v == m) return i;
-    }
-    return 0; // every value is -inf
+int64_t first_index_of(const T *row, int64_t V, float m) {
+    for (int64_t i = 0; i < V; ++i)
+        if (load(row, i) == m) return i;
+    return -1;
 }
+
 } // namespace llaisys::ops::cpu
 
 namespace llaisys::ops::cuda {

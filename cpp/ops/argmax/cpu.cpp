@@ -5,14 +5,17 @@
 
 namespace llaisys::ops::cpu {
 
-// x [rows, V] -> max_idx [rows], max_val [rows]; the value is copied, not re-rounded (NaN stays NaN).
+// x [rows, V] -> max_idx [rows], max_val [rows]. A finite maximum is copied, not re-rounded; a row
+// without one gets -1 and NumPy's max (NaN, +inf or -inf).
 template <typename T>
 static void argmax_kernel(int64_t *max_idx, T *max_val, const T *x, int64_t rows, int64_t V) {
     parallel_for(rows, V, [&](int64_t r) {
         const T *row = x + r * V;
-        const int64_t i = argmax_row(row, V);
-        max_idx[r] = i;
-        max_val[r] = row[i];
+        bool any_nan = false;
+        const float m = row_max(row, V, any_nan);
+        const bool finite = finite_max(m, any_nan);
+        max_idx[r] = finite ? first_index_of(row, V, m) : -1;
+        max_val[r] = finite ? row[max_idx[r]] : from_float<T>(any_nan ? NAN : m);
     });
 }
 

@@ -1,15 +1,15 @@
-// argmax over the last dim of x [rows, V] on CUDA, NumPy's rule: the first maximum, or the first NaN if
-// the row holds one; the value is copied from x (NaN stays NaN, nothing is re-rounded).
+// argmax over the last dim of x [rows, V] on CUDA: the first maximum, its value copied from x (nothing is
+// re-rounded); a row without a finite maximum (a NaN, a +inf, nothing above -inf) gets -1 and NumPy's max.
 //
 // Two paths, chosen on the host from V, rows and the SM count:
-//  - one block per row (argmax_kernel, block_argmax of argmax.cuh): rows of <= 32 KiB, or rows >= SMs
+//  - one block per row (argmax_kernel, block_row_max of argmax.cuh): rows of <= 32 KiB, or rows >= SMs
 //    (enough blocks to fill the GPU). A 1024-thread block has 64 KiB in flight per pass.
 //  - P blocks per row (a long row and few rows, e.g. greedy decode over V = 151936, where one SM
 //    streaming 304 KiB costs ~10 us): grid (P, rows), P = min(ceil(row bytes / 8 KiB), ceil(2 * SMs /
 //    rows)); block p reads elements [p * chunk, min((p + 1) * chunk, V)) (chunk a multiple of 8, so
 //    16-byte aligned for the vector loads) and writes its max orderable key (argmax_key: order-
 //    preserving float bits, NaN above +inf, then ~index) to a workspace [rows, P]. A second one-warp
-//    kernel per row takes the max of the P keys, which is NumPy's answer, and copies the value from x.
+//    kernel per row takes the max of the P keys, which is the answer (or says there is no finite max).
 //    The workspace comes from the stream-ordered caching allocator (capture-safe); there is no host
 //    sync, memset or counter, so the pair replays in a CUDA graph.
 #include "ops/argmax/argmax.hpp"
@@ -34,10 +34,11 @@ template <int VEC, typename T>
 __global__ void __launch_bounds__(1024) argmax_kernel(int64_t *max_idx, T *max_val, const T *x, int V) {
     __shared__ ArgmaxSmem sm;
     const T *row = x + int64_t(blockIdx.x) * V;
-    const int i = block_argmax<VEC>(row, V, sm);
+    const RowMax m = block_row_max<VEC>(row, V, sm);
     if (threadIdx.x == 0) {
-        max_idx[blockIdx.x] = i;
-        max_val[blockIdx.x] = row[i];
+        const bool finite = finite_max(m);
+        max_idx[blockIdx.x] = finite ? m.idx : -1;
+        max_val[blockIdx.x] = finite ? row[m.idx] : from_f32<T>(m.any_nan ? NAN : m.val);
     }
 }
 
@@ -60,15 +61,9 @@ __global__ void __launch_bounds__(kPartThreads)
     bool nan = false;
     thread_scan_max<VEC, UNROLL>(row, lo + int64_t(threadIdx.x) * VEC, hi, stride, top, top_i, nan);
     // One key per thread (64 rows x 151936 took 17.5 us with a key per element, 11.8 us this way on an
-    // H100). Only -inf seen: key 0, the identity (a row of nothing but -inf then resolves to index 0).
-    ArgmaxKey best = top_i == INT_MAX ? 0 : argmax_key(top, top_i);
-    if (nan) // rare: the key of this thread's first NaN, which beats every number
-        for (int64_t base = lo + int64_t(threadIdx.x) * VEC; base < hi && best >> 32 != 0xffffffffu; base += stride)
-            for (int e = 0; e < VEC; ++e)
-                if (to_f32(row[base + e]) != to_f32(row[base + e])) {
-                    best = argmax_key(NAN, int(base + e));
-                    break;
-                }
+    // H100). Only -inf seen: key 0, the identity (a row of nothing but -inf keeps it). A NaN beats every
+    // number and makes the row's answer -1, so its index does not matter.
+    ArgmaxKey best = nan ? argmax_key(NAN, 0) : top_i == INT_MAX ? 0 : argmax_key(top, top_i);
     best = block_max_key(best, scratch);
     if (threadIdx.x == 0) keys[r * gridDim.x + blockIdx.x] = best;
 }
@@ -83,10 +78,15 @@ __global__ void __launch_bounds__(32)
     for (int p = threadIdx.x; p < parts; p += 32) best = max_key(best, keys[r * parts + p]);
     best = warp_max_key(best);
     if (threadIdx.x == 0) {
-        const uint32_t k = argmax_key_index(best);
-        const int i = k < uint32_t(V) ? int(k) : 0; // key 0 (no element) cannot happen: every part is non-empty
-        max_idx[r] = i;
-        max_val[r] = x[r * V + i];
+        const uint32_t order = uint32_t(best >> 32);
+        if (best == 0 || order >= argmax_order(INFINITY)) { // only -inf, or a +inf or NaN: no finite max
+            max_idx[r] = -1;
+            max_val[r] = from_f32<T>(best == 0 ? -INFINITY : order == argmax_order(NAN) ? NAN : INFINITY);
+        } else {
+            const int i = int(argmax_key_index(best));
+            max_idx[r] = i;
+            max_val[r] = x[r * V + i];
+        }
     }
 }
 

@@ -7,17 +7,19 @@
 
 namespace llaisys::ops::cpu {
 
-// Per token t with position p = pos[t]: q_out[t] = rope(q heads), k_cache[p] = rope(k heads),
-// v_cache[p] = v heads, with rope's own cos/sin and row rotation (rope_cpu.hpp), so the result equals
-// rope + index_copy bit for bit. Every position is checked before anything is written.
-template <typename T, typename I>
+// Per token t with position p = pos[t] and cache row r = row[t]: q_out[t] = rope(q heads),
+// k_cache[r] = rope(k heads), v_cache[r] = v heads, with rope's own cos/sin and row rotation
+// (rope_cpu.hpp), so the result equals rope + index_copy bit for bit. Every row is checked before anything
+// is written.
+template <typename T, typename I, typename R>
 static void rope_qkv_cache_kernel(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache,
-                                  const Tensor &qkv, const I *pos, const std::vector<float> &inv_freq) {
+                                  const Tensor &qkv, const I *pos, const R *row_of, const char *row_name,
+                                  const std::vector<float> &inv_freq) {
     const int64_t tokens = qkv.size(0), nh = q_out.size(1), nkvh = k_cache.size(1), hd = q_out.size(2), h = hd / 2;
     const int64_t capacity = k_cache.size(0);
     for (int64_t t = 0; t < tokens; ++t)
-        LLAISYS_CHECK(pos[t] >= 0 && pos[t] < capacity, std::out_of_range, "rope_qkv_cache: position ",
-                      int64_t(pos[t]), " at index ", t, " is out of range of the KV cache [0, ", capacity, ")");
+        LLAISYS_CHECK(row_of[t] >= 0 && row_of[t] < capacity, std::out_of_range, "rope_qkv_cache: ", row_name, " ",
+                      int64_t(row_of[t]), " at index ", t, " is out of range of the KV cache [0, ", capacity, ")");
     const T *x = qkv.data_as<T>(); // [tokens, nh + 2 nkvh, hd]: q heads, k heads, v heads; strides (qkv_s, hd, 1)
     T *q = q_out.data_as<T>();     // [tokens, nh, hd], strides (qs, qh, 1)
     T *k = k_cache.data_as<T>();   // [capacity, nkvh, hd], strides (ks, kh, 1)
@@ -27,24 +29,30 @@ static void rope_qkv_cache_kernel(const Tensor &q_out, const Tensor &k_cache, co
     parallel_for(tokens, (nh + 2 * nkvh) * hd, [&](int64_t t) {
         std::vector<float> cos_sin(size_t(2 * h)); // cos [h] | sin [h]
         rope_cos_sin(float(pos[t]), inv_freq, h, cos_sin.data());
-        const T *row = x + t * xs;
-        const int64_t p = int64_t(pos[t]);
+        const T *src = x + t * xs;
+        const int64_t r = int64_t(row_of[t]);
         for (int64_t head = 0; head < nh; ++head)
-            rope_row(q + t * qs + head * qh, row + head * hd, cos_sin.data(), h);
+            rope_row(q + t * qs + head * qh, src + head * hd, cos_sin.data(), h);
         for (int64_t head = 0; head < nkvh; ++head) {
-            rope_row(k + p * ks + head * kh, row + (nh + head) * hd, cos_sin.data(), h);
-            std::memcpy(v + p * vs + head * vh, row + (nh + nkvh + head) * hd, size_t(hd) * sizeof(T));
+            rope_row(k + r * ks + head * kh, src + (nh + head) * hd, cos_sin.data(), h);
+            std::memcpy(v + r * vs + head * vh, src + (nh + nkvh + head) * hd, size_t(hd) * sizeof(T));
         }
     });
 }
 
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, const std::vector<float> &inv_freq) {
-    detail::dispatch_float("rope_qkv_cache", qkv.dtype(), qkv.device(), [&](auto tag) {
+                    const Tensor &pos_ids, const Tensor &slots, const std::vector<float> &inv_freq) {
+    constexpr const char *op = "rope_qkv_cache";
+    const Tensor &rows = slots.defined() ? slots : pos_ids;
+    detail::dispatch_float(op, qkv.dtype(), qkv.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        detail::dispatch_index("rope_qkv_cache", pos_ids.dtype(), pos_ids.device(), [&](auto itag) {
+        detail::dispatch_index(op, pos_ids.dtype(), pos_ids.device(), [&](auto itag) {
             using I = typename decltype(itag)::type;
-            rope_qkv_cache_kernel<T>(q_out, k_cache, v_cache, qkv, pos_ids.data_as<I>(), inv_freq);
+            detail::dispatch_index(op, rows.dtype(), rows.device(), [&](auto rtag) {
+                using R = typename decltype(rtag)::type;
+                rope_qkv_cache_kernel<T>(q_out, k_cache, v_cache, qkv, pos_ids.data_as<I>(), rows.data_as<R>(),
+                                         slots.defined() ? "slot" : "position", inv_freq);
+            });
         });
     });
 }

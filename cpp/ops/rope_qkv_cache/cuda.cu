@@ -18,19 +18,28 @@ struct RopeQkvDims {
     int64_t vs, vh;     // v_cache strides over positions and heads
 };
 
-// One block per token t, p = pos[t]: the block stages cos/sin of the hd / 2 angles in shared memory
-// (rope's own evaluation, rope.cuh), then its threads stride over (head, VEC pairs) of the q and k heads
-// (q_out[t] and k_cache[p] get the turned pairs) and over (head, VEC elements) of the v heads (copied to
-// v_cache[p]). A thread reads what it writes first, so q_out may be qkv's q part. A position outside
-// [0, capacity) sets the error flag and the block writes nothing.
+// Cache rows of the tokens: slots [T] (i64 or i32, for a paged cache) or, without them, the positions.
+struct CacheRows {
+    const void *slots; // null: row = pos[t]
+    bool i64;
+};
+
+// One block per token t, p = pos[t], cache row r = slots[t] (or p): the block stages cos/sin of the
+// hd / 2 angles in shared memory (rope's own evaluation, rope.cuh), then its threads stride over (head,
+// VEC pairs) of the q and k heads (q_out[t] and k_cache[r] get the turned pairs) and over (head, VEC
+// elements) of the v heads (copied to v_cache[r]). A thread reads what it writes first, so q_out may be
+// qkv's q part. A row outside [0, capacity) sets the error flag and the block writes nothing.
 template <typename T, typename I, int VEC>
 __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T *qkv, const I *pos,
-                                      const RopeFreqs freqs, const RopeQkvDims d, int *error) {
+                                      const CacheRows rows, const RopeFreqs freqs, const RopeQkvDims d, int *error) {
     __shared__ float cos_s[kMaxRopePairs], sin_s[kMaxRopePairs];
     pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
     pdl_wait();
-    const int64_t t = blockIdx.x, p = int64_t(pos[t]);
-    if (p < 0 || p >= d.capacity) {
+    const int64_t t = blockIdx.x;
+    const int64_t r = !rows.slots ? int64_t(pos[t])
+                      : rows.i64  ? static_cast<const int64_t *>(rows.slots)[t]
+                                  : int64_t(static_cast<const int32_t *>(rows.slots)[t]);
+    if (r < 0 || r >= d.capacity) {
         if (threadIdx.x == 0) *error = kPositionOutOfRange;
         return;
     }
@@ -44,7 +53,7 @@ __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T 
         if (j < turns) {
             const int head = j / chunks, i0 = (j - head * chunks) * VEC;
             const T *src = row + head * d.hd; // [2 * half]
-            T *dst = head < d.nh ? q_out + t * d.qs + head * d.qh : k_cache + p * d.ks + (head - d.nh) * d.kh;
+            T *dst = head < d.nh ? q_out + t * d.qs + head * d.qh : k_cache + r * d.ks + (head - d.nh) * d.kh;
             const Vec<T, VEC> a = load_vec<VEC>(src + i0), b = load_vec<VEC>(src + i0 + half);
             Vec<T, VEC> oa, ob;
 #pragma unroll
@@ -57,7 +66,7 @@ __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T 
             store_vec(dst + i0 + half, ob);
         } else {
             const int c = j - turns, head = c / per_v, e0 = (c - head * per_v) * VEC;
-            store_vec(v_cache + p * d.vs + head * d.vh + e0, load_vec<VEC>(row + (d.nh + d.nkvh + head) * d.hd + e0));
+            store_vec(v_cache + r * d.vs + head * d.vh + e0, load_vec<VEC>(row + (d.nh + d.nkvh + head) * d.hd + e0));
         }
     }
 }
@@ -72,7 +81,7 @@ static bool rows_aligned(const Tensor &q_out, const Tensor &k_cache, const Tenso
 }
 
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, const std::vector<float> &inv_freq) {
+                    const Tensor &pos_ids, const Tensor &slots, const std::vector<float> &inv_freq) {
     constexpr const char *op = "rope_qkv_cache";
     const int64_t hd = q_out.size(2), half = hd / 2; // hd <= kRopeMaxCudaHeadDim: op.cpp checks it
     const RopeFreqs freqs = rope_freqs(inv_freq, half);
@@ -80,6 +89,7 @@ void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_
                         qkv.stride(0),      q_out.stride(0),      q_out.stride(1), k_cache.stride(0),
                         k_cache.stride(1),  v_cache.stride(0),    v_cache.stride(1)};
     int *error = runtime::cuda::error_flag(qkv.device());
+    const CacheRows rows{slots.defined() ? slots.data() : nullptr, slots.defined() && slots.dtype() == DType::I64};
     detail::dispatch_float(op, qkv.dtype(), qkv.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         const bool wide = rows_aligned<T>(q_out, k_cache, v_cache, qkv, half);
@@ -92,7 +102,7 @@ void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_
                 const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(items, 32) * 32)));
                 launch_pdl(rope_qkv_cache_kernel<device_t<T>, I, V>, unsigned(qkv.size(0)), threads, 0, stream_of(qkv),
                            qkv.device().index, dptr<T>(q_out), dptr<T>(k_cache), dptr<T>(v_cache), dptr<T>(qkv),
-                           pos_ids.data_as<I>(), freqs, d, error);
+                           pos_ids.data_as<I>(), rows, freqs, d, error);
             });
         });
     });

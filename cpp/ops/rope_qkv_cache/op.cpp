@@ -9,7 +9,8 @@
 namespace llaisys::ops {
 
 static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const Tensor &k_cache,
-                                      const Tensor &v_cache, const Tensor &qkv, const Tensor &pos_ids, float theta) {
+                                      const Tensor &v_cache, const Tensor &qkv, const Tensor &pos_ids, float theta,
+                                      const Tensor &slots) {
     detail::check_defined(op, "q_out", q_out);
     detail::check_defined(op, "k_cache", k_cache);
     detail::check_defined(op, "v_cache", v_cache);
@@ -29,6 +30,11 @@ static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const
     detail::check_shape(op, "k_cache", k_cache, {k_cache.size(0), nkvh, hd});
     detail::check_shape(op, "v_cache", v_cache, k_cache.shape());
     detail::check_shape(op, "pos_ids", pos_ids, {tokens});
+    if (slots.defined()) {
+        detail::check_same_device(op, {&qkv, &slots});
+        detail::check_index(op, "slots", slots);
+        detail::check_shape(op, "slots", slots, {tokens});
+    }
     LLAISYS_CHECK(qkv.size(1) == (nh + 2 * nkvh) * hd, std::invalid_argument, op,
                   ": qkv's last dim must be (nh + 2 * nkvh) * head_dim = (", nh, " + 2 * ", nkvh, ") * ", hd, " = ",
                   (nh + 2 * nkvh) * hd, ", got ", qkv.size(1));
@@ -43,16 +49,16 @@ static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const
 }
 
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, float theta) {
+                    const Tensor &pos_ids, float theta, const Tensor &slots) {
     constexpr const char *op = "rope_qkv_cache";
-    check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, theta);
+    check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, theta, slots);
     if (qkv.size(0) == 0) return;
     const Tensor x = qkv.stride(1) == 1 ? qkv : qkv.contiguous();
-    const Tensor pc = pos_ids.contiguous();
+    const Tensor pc = pos_ids.contiguous(), sc = slots.defined() ? slots.contiguous() : Tensor();
     const std::vector<float> &inv_freq = detail::rope_inv_freq(theta, q_out.size(2));
     auto run = [&](const Tensor &q) {
-        LLAISYS_DEVICE_DISPATCH(op, q.device(), cpu::rope_qkv_cache(q, k_cache, v_cache, x, pc, inv_freq),
-                                cuda::rope_qkv_cache(q, k_cache, v_cache, x, pc, inv_freq));
+        LLAISYS_DEVICE_DISPATCH(op, q.device(), cpu::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq),
+                                cuda::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq));
     };
     if (q_out.stride(2) == 1) return run(q_out);
     Tensor tmp = q_out.contiguous(); // holds q_out's values: a token that writes nothing leaves them as they were

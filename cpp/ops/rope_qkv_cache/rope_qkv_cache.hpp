@@ -5,13 +5,14 @@
 
 // Backends receive qkv [T, (nh + 2 * nkvh) * hd] with a contiguous last dim (any row stride), q_out
 // [T, nh, hd] with a contiguous last dim (may be qkv's q part: in place), k_cache/v_cache
-// [capacity, nkvh, hd] with contiguous last dims, pos_ids [T] contiguous i64/i32 and inv_freq [hd / 2].
-// T > 0. A position outside [0, capacity) writes nothing for its token.
+// [capacity, nkvh, hd] with contiguous last dims, pos_ids [T] contiguous i64/i32, slots [T] contiguous
+// i64/i32 or undefined (then the cache rows are pos_ids) and inv_freq [hd / 2]. T > 0. A cache row
+// outside [0, capacity) writes nothing for its token.
 namespace llaisys::ops::cpu {
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, const std::vector<float> &inv_freq);
+                    const Tensor &pos_ids, const Tensor &slots, const std::vector<float> &inv_freq);
 }
 namespace llaisys::ops::cuda {
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, const std::vector<float> &inv_freq);
+                    const Tensor &pos_ids, const Tensor &slots, const std::vector<float> &inv_freq);
 }

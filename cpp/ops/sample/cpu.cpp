@@ -38,12 +38,10 @@ struct Survivors {
     }
 };
 
-// Survivors of row [V] (see sample_math.hpp for the weights) into s, whose capacity is reused: fresh
-// megabyte-sized vectors for every row cost more in page faults than the sampling itself.
+// Survivors of row [V] with max m (see sample_math.hpp for the weights) into s, whose capacity is reused:
+// fresh megabyte-sized vectors for every row cost more in page faults than the sampling itself.
 template <typename T>
-void find_survivors(Survivors &s, const T *row, int64_t V, float inv_t, float min_p, float scale) {
-    bool any_nan = false;
-    const float m = row_max(row, V, any_nan);
+void find_survivors(Survivors &s, const T *row, int64_t V, float m, float inv_t, float min_p, float scale) {
     s.key.clear();
     s.mass.clear();
     s.idx.clear();
@@ -93,15 +91,19 @@ uint32_t mass_threshold(const Survivors &s, uint32_t lo, uint64_t target, std::v
     return uint32_t(good);
 }
 
-// One row: greedy, or the filtered draw of sample_math.hpp with random bits `bits`.
+// One row: -1 without a finite maximum (ops.hpp), else greedy or the filtered draw of sample_math.hpp
+// with random bits `bits`.
 template <typename T>
 int64_t sample_row(const T *row, int64_t V, const RowParams &p, float scale, uint64_t bits) {
-    if (is_greedy(p.temperature)) return argmax_row(row, V);
+    bool any_nan = false;
+    const float m = row_max(row, V, any_nan);
+    if (!finite_max(m, any_nan)) return -1;
+    if (is_greedy(p.temperature)) return first_index_of(row, V, m);
     static thread_local Survivors s; // scratch, one per OpenMP thread
     static thread_local std::vector<KeyValue> scratch;
     static thread_local std::vector<uint32_t> keys;
-    find_survivors(s, row, V, 1.f / p.temperature, clean_min_p(p.min_p), scale);
-    if (s.mass_from(0) == 0) return argmax_row(row, V); // only NaN logits: nothing to draw from
+    // The max has weight 1 and survives any min_p <= 1, so the kept mass is > 0.
+    find_survivors(s, row, V, m, 1.f / p.temperature, clean_min_p(p.min_p), scale);
     uint32_t th = 0;
     if (top_k_on(p.top_k, s.key.size())) th = kth_largest_key(s, p.top_k, keys);
     if (top_p_on(p.top_p)) th = mass_threshold(s, th, top_p_target(p.top_p, s.mass_from(th)), scratch);
@@ -112,7 +114,7 @@ int64_t sample_row(const T *row, int64_t V, const RowParams &p, float scale, uin
         acc += s.mass[i];
         if (acc > r) return s.idx[i];
     }
-    return argmax_row(row, V); // unreachable: r < the kept mass
+    return first_index_of(row, V, m); // unreachable: r < the kept mass
 }
 
 } // namespace

@@ -1,6 +1,7 @@
 // Sampling on CUDA: one block of 1024 threads per row of logits [B, V]. The rule is in sample_math.hpp;
 // the CPU backend applies the same rule (selection and binary search over survivors). Per row:
-//   1. max (and argmax) of the row; temperature <= 0 stops here (greedy).
+//   1. max (and argmax) of the row; a row without a finite max gets -1 (ops.hpp); temperature <= 0
+//      stops here (greedy).
 //   2. survivor pass: min_p survivors' count, exact fixed-point mass per warp (warp w owns a contiguous
 //      index range, so warp masses add up in index order) and, when top_k/top_p are on, a shared-memory
 //      histogram of d = (l - m) / t in 1/8 bins (counts; masses too when top_p runs without top_k).
@@ -245,7 +246,7 @@ __device__ int draw_in_order(const R &r, SampleSmem &sm, uint32_t th, bool have_
     }
     if (warp == 0) {
         const u64 wm = sm.warp_mass[lane], incl = warp_inclusive_scan_u64(wm);
-        const u64 target = scale_random(bits, __shfl_sync(kFull, incl, 31)); // total > 0: checked by the caller
+        const u64 target = scale_random(bits, __shfl_sync(kFull, incl, 31)); // total > 0: see sample_row
         const int w = __ffs(__ballot_sync(kFull, incl > target)) - 1;
         if (lane == w) {
             sm.draw_warp = w;
@@ -353,14 +354,14 @@ __device__ int sample_by_search(const R &r, SampleSmem &sm, bool k_on, int k, fl
     return draw_in_order(r, sm, th, false, bits);
 }
 
-// Steps 2-5 for a row with temperature > 0. `fallback` is the argmax, used when nothing has mass.
+// Steps 2-5 for a row with temperature > 0 and a finite max, which has weight 1 and survives any
+// min_p <= 1, so the survivors' mass is > 0.
 template <typename R>
 __device__ int sample_row(const R &r, SampleSmem &sm, int k, float p, u64 bits) {
     const bool p_on = top_p_on(p);
     // With top_k the cut-off is chosen by count, so the mass histogram is only built without it (if
     // k >= survivors turns top_k off after all, the missing masses just send the row to the slow path).
     const Survivors s = survivor_pass(r, sm, k > 0 || p_on, p_on && k <= 0);
-    if (s.z == 0) return -1; // only NaN logits
     const bool k_on = top_k_on(k, s.n);
     if (!k_on && !p_on) return draw_in_order(r, sm, 0, true, bits);
     pick_cut_bin(sm, k_on ? u64(k) : top_p_target(p, s.z), !k_on);
@@ -380,12 +381,11 @@ __global__ void __launch_bounds__(kThreads)
     const RowMax mx = block_row_max<VEC>(x, V, sm.amax);
     if (threadIdx.x == 0) sm.token = mx.idx; // defensive default for the draw
     const float t = temperature[b];
-    int token = -1;
-    if (!is_greedy(t)) {
+    int token = finite_max(mx) ? mx.idx : -1; // greedy, or no token at all
+    if (token >= 0 && !is_greedy(t)) {
         const Row<VEC, T> r{x, V, mx.val, 1.f / t, clean_min_p(min_p[b]), scale};
         token = sample_row(r, sm, top_k[b], top_p[b], row_random(seed, offset, uint64_t(b)));
     }
-    if (token < 0) token = mx.any_nan ? block_first_nan(x, V, sm.amax) : mx.idx; // greedy (NumPy's argmax)
     if (threadIdx.x == 0) out[b] = token;
 }
 

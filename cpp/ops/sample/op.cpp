@@ -3,12 +3,12 @@
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 
+#include <cmath>
 #include <cstdint>
 
 namespace llaisys::ops {
 
-// Checks dtypes, shapes and devices only: the Python sampling policy validates the values, and the
-// kernels treat out-of-range values safely (e.g. NaN temperature = greedy, top_p >= 1 = off).
+// Checks dtypes, shapes and devices.
 static void check_sample_args(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature,
                               const Tensor &top_k, const Tensor &top_p, const Tensor &min_p) {
     constexpr const char *op = "sample";
@@ -38,12 +38,33 @@ static void check_sample_args(const Tensor &out_ids, const Tensor &logits, const
     detail::check_shape(op, "min_p", min_p, {B});
 }
 
+// The parameter values, when they live on the host: on a device reading them would cost a host sync,
+// so there the caller validates them (the Python sampling policy does) and the kernels read out-of-range
+// values safely (NaN temperature = greedy, top_p >= 1 = off, ...).
+static void check_sample_values(const Tensor &temperature, const Tensor &top_k, const Tensor &top_p,
+                                const Tensor &min_p) {
+    if (!temperature.device().is_cpu()) return;
+    for (int64_t b = 0; b < temperature.size(0); ++b) {
+        const float t = temperature.data_as<float>()[b], p = top_p.data_as<float>()[b], m = min_p.data_as<float>()[b];
+        const int32_t k = top_k.data_as<int32_t>()[b];
+        LLAISYS_CHECK(t >= 0 && std::isfinite(t), std::invalid_argument,
+                      "sample: temperature must be a finite number >= 0 (0 = greedy), got ", t, " in row ", b);
+        LLAISYS_CHECK(k >= 0, std::invalid_argument, "sample: top_k must be an int >= 0 (0 = off), got ", k,
+                      " in row ", b);
+        LLAISYS_CHECK(p > 0 && p <= 1, std::invalid_argument, "sample: top_p must be in (0, 1] (1 = off), got ", p,
+                      " in row ", b);
+        LLAISYS_CHECK(m >= 0 && m <= 1, std::invalid_argument, "sample: min_p must be in [0, 1] (0 = off), got ", m,
+                      " in row ", b);
+    }
+}
+
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
             const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset) {
     check_sample_args(out_ids, logits, temperature, top_k, top_p, min_p);
     if (logits.size(0) == 0) return;
     const Tensor lc = logits.contiguous(), tc = temperature.contiguous(), kc = top_k.contiguous(),
                  pc = top_p.contiguous(), mc = min_p.contiguous();
+    check_sample_values(tc, kc, pc, mc);
     detail::with_contiguous_out(out_ids, [&](const Tensor &dst) {
         LLAISYS_DEVICE_DISPATCH("sample", dst.device(), cpu::sample(dst, lc, tc, kc, pc, mc, seed, offset),
                                 cuda::sample(dst, lc, tc, kc, pc, mc, seed, offset));

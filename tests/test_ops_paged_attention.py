@@ -1,0 +1,315 @@
+"""paged_attention: causal GQA attention of a batch of sequences over a paged KV cache, against a NumPy
+float64 reference that gathers each sequence's keys through its block table and applies the causal rule.
+
+Covers block sizes 1, 5, 16, 32 (and 256 on CUDA), partial last blocks, shuffled block ids, table
+entries past a sequence's length holding garbage, prefix hits and chunked prefill (kv_len > qlen > 1),
+pure decode batches of mixed lengths, sequences without queries, rows outside every sequence (left as
+they were), GQA ratios 1, 2, 6 and 7, head dims 19, 32, 64 and 128, strided q and out, NaN in every
+cache row no sequence may read, NaN-poisoned outputs and the argument checks. On CUDA the same cases plus
+long split-KV decodes, large batches, an over-sized max_q_len and the device-side error flag.
+"""
+import numpy as np
+import pytest
+
+import llaisys
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, poisoned, to_f64
+
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
+
+# (nh, nkvh, hd): Qwen2-0.5B (GQA 7), Qwen2-1.5B (GQA 6, hd 128), no GQA with an odd head dim, GQA 2.
+HEADS = [(14, 2, 64), (12, 2, 128), (4, 4, 19), (4, 2, 32)]
+HEAD_IDS = [f"{nh}x{nkvh}x{hd}" for nh, nkvh, hd in HEADS]
+
+
+def reference(q, kc, vc, tables, q_start, kv_len, scale, out0):
+    """float64: q [T, nh, hd], caches [num_blocks, bs, nkvh, hd], out0 [T, nh, hd] the output before the op
+    (rows of no sequence keep it). Key j of sequence b is cache row tables[b, j // bs] * bs + j % bs."""
+    _, bs, nkvh, hd = kc.shape
+    nh = q.shape[1]
+    group = nh // nkvh
+    rows_k, rows_v = kc.reshape(-1, nkvh, hd), vc.reshape(-1, nkvh, hd)
+    out = out0.copy()
+    for b in range(len(kv_len)):
+        qs, qe, kv = q_start[b], q_start[b + 1], kv_len[b]
+        qlen = qe - qs
+        if qlen == 0:
+            continue
+        j = np.arange(kv)
+        slots = tables[b, j // bs].astype(np.int64) * bs + j % bs
+        k = np.repeat(rows_k[slots], group, axis=1)  # head h reads kv head h // group
+        v = np.repeat(rows_v[slots], group, axis=1)
+        s = np.einsum("qhd,khd->hqk", q[qs:qe], k) * scale
+        visible = j[None, :] <= np.arange(qlen)[:, None] + (kv - qlen)
+        s = np.where(visible[None], s, -np.inf)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[qs:qe] = np.einsum("hqk,khd->qhd", p, v)
+    return out
+
+
+class Batch:
+    """A paged batch: random q, caches whose rows no sequence may read are NaN (unused blocks and the tail
+    of each last block), block ids shuffled over the pool, table entries past a sequence's blocks garbage."""
+
+    def __init__(self, qlens, kvlens, block_size, heads, dtype, device, seed=0, extra_rows=0, q_layout="dense"):
+        nh, nkvh, hd = heads
+        rng = np.random.default_rng(seed)
+        B, bs = len(qlens), block_size
+        need = [-(-kv // bs) for kv in kvlens]
+        max_blocks = max(need + [1]) + 1  # one spare column: always past every length
+        num_blocks = sum(need) + 3
+        ids = rng.permutation(num_blocks)
+        self.tables = rng.integers(-(10 ** 6), 10 ** 6, (B, max_blocks)).astype(np.int32)  # garbage past lengths
+        used, at = np.zeros(num_blocks * bs, bool), 0
+        for b, n in enumerate(need):
+            self.tables[b, :n] = ids[at: at + n]
+            at += n
+            j = np.arange(kvlens[b])
+            used[self.tables[b, j // bs].astype(np.int64) * bs + j % bs] = True
+        self.q_start = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+        self.kv_len = np.asarray(kvlens, np.int32)
+        T = int(self.q_start[-1]) + extra_rows
+        np_dt = NP_DTYPE[dtype]
+
+        def draw(shape):
+            return rng.standard_normal(shape).astype(np_dt)
+
+        kc, vc = draw((num_blocks, bs, nkvh, hd)), draw((num_blocks, bs, nkvh, hd))
+        for c in (kc, vc):
+            c.reshape(num_blocks * bs, nkvh, hd)[~used] = np.nan
+        q = draw((T, nh, hd))
+        self.ref_q, self.ref_k, self.ref_v = (a.astype(np.float64) for a in (q, kc, vc))
+        if q_layout == "dense":
+            self.q = llaisys.tensor(q, device)
+        else:  # rows of a wider buffer, as q inside a fused QKV row
+            wide = np.zeros((T, nh + 3, hd), np_dt)
+            wide[:, 1: nh + 1] = q
+            self.q = llaisys.tensor(wide, device).slice(1, 1, nh + 1)
+        self.k, self.v = llaisys.tensor(kc, device), llaisys.tensor(vc, device)
+        self.meta = [llaisys.tensor(a, device) for a in (self.tables, self.q_start, self.kv_len)]
+        self.max_q_len = max(list(qlens) + [0])
+        self.shape, self.dtype, self.device = (T, nh, hd), dtype, device
+
+    def run(self, scale, max_q_len=None, out=None):
+        out = poisoned(self.shape, self.dtype, self.device) if out is None else out
+        llaisys.ops.paged_attention(out, self.q, self.k, self.v, *self.meta, scale,
+                                    self.max_q_len if max_q_len is None else max_q_len)
+        return out
+
+    def expected(self, scale, out0=None):
+        out0 = np.full(self.shape, np.nan) if out0 is None else out0
+        return reference(self.ref_q, self.ref_k, self.ref_v, self.tables, self.q_start, self.kv_len, scale, out0)
+
+
+def check(batch, scale=None, max_q_len=None):
+    scale = batch.shape[2] ** -0.5 if scale is None else scale
+    out = batch.run(scale, max_q_len)
+    assert_close(out, batch.expected(scale), batch.dtype)
+    return out
+
+
+# (qlens, kvlens): a mixed step (chunked prefill with a prefix hit, a decode, a sequence without queries,
+# a fresh prefill), and one that ends exactly on a block boundary at every block size tested.
+MIXED = [([3, 1, 0, 7], [40, 17, 9, 7]), ([5, 1], [160, 160])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+@pytest.mark.parametrize("lens", MIXED, ids=["mixed", "full-blocks"])
+def test_paged_matches_reference(lens, block_size, heads, dtype, device):
+    check(Batch(*lens, block_size, heads, dtype, device, seed=block_size))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128)], ids=["0.5B", "1.5B"])
+def test_decode_batch_of_mixed_lengths(heads, dtype, device):
+    kvlens = np.random.default_rng(1).integers(1, 301, 33).tolist()
+    kvlens[:3] = [1, 300, 16]  # a first token, the longest, one full block
+    check(Batch([1] * 33, kvlens, 16, heads, dtype, device, seed=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("qlens,kvlens", [([100], [100]), ([37, 64], [300, 64]), ([1, 70, 1, 19], [250, 90, 2, 19])],
+                         ids=["prefill", "chunked+prefill", "decode+chunks"])
+def test_prefill_and_chunks(qlens, kvlens, dtype, device):
+    check(Batch(qlens, kvlens, 16, (14, 2, 64), dtype, device, seed=3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_strided_q_and_out_and_untouched_rows(dtype, device):
+    """q rows inside wider rows; out with a row stride; rows past the last sequence stay as they were."""
+    b = Batch([2, 0, 3], [9, 4, 30], 5, (4, 2, 32), dtype, device, seed=4, extra_rows=2, q_layout="strided")
+    T, nh, hd = b.shape
+    buf = poisoned((T, nh, 2 * hd), dtype, device)
+    out = buf.slice(2, 0, hd)
+    b.run(0.3, out=out)
+    assert_close(to_f64(buf)[..., :hd], b.expected(0.3), dtype)
+    assert np.isnan(to_f64(buf)[..., hd:]).all(), "wrote outside the out view"
+    assert np.isnan(to_f64(buf)[-2:]).all(), "wrote rows of no sequence"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_scale_max_q_len_and_functional(dtype, device):
+    b = Batch([4, 1], [23, 50], 16, (6, 3, 32), dtype, device, seed=5)
+    for scale in (1.0, 0.02):
+        check(b, scale)
+    check(b, 0.2, max_q_len=9)  # an upper bound larger than any sequence's query count
+    got = llaisys.functional.paged_attention(b.q, b.k, b.v, *b.meta, max_q_len=4)  # scale defaults to hd^-0.5
+    assert_close(got, b.expected(32 ** -0.5), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sequences_without_queries_write_nothing(device):
+    b = Batch([0, 0], [5, 0], 4, (4, 2, 32), "f32", device, seed=6, extra_rows=3)
+    out = b.run(0.5, max_q_len=0)
+    assert np.isnan(to_f64(out)).all()
+    out = b.run(0.5, max_q_len=4)
+    assert np.isnan(to_f64(out)).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_nan_in_a_read_key_reaches_its_rows_only(dtype, device):
+    """A NaN in a key a query sees makes that query's row NaN (as the reference); earlier queries of the
+    same sequence, which may not see it, and other sequences stay finite."""
+    b = Batch([3, 1], [6, 6], 4, (4, 2, 32), dtype, device, seed=7)
+    k = b.ref_k.copy()
+    slot = b.tables[0, 5 // 4] * 4 + 5 % 4  # key 5 of sequence 0: only its last query (i = 2) sees it
+    k.reshape(-1, 2, 32)[slot, 1, 0] = np.nan
+    b.k = llaisys.tensor(k.astype(NP_DTYPE[dtype]), device)
+    b.ref_k = k
+    out = to_f64(b.run(0.25))
+    assert np.isnan(out[2, 2:]).all() and not np.isnan(out[2, :2]).any()  # kv head 1 = heads 2, 3
+    assert not np.isnan(out[:2]).any() and not np.isnan(out[3]).any()
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128)], ids=["0.5B", "1.5B"])
+@pytest.mark.parametrize("qlens,kvlens,block_size", [
+    ([1], [8200], 16), ([1, 1, 1], [8200, 3, 1000], 256), ([1] * 256, None, 16), ([300, 1], [1000, 4000], 32)],
+    ids=["long-decode", "decode-bs256", "batch256", "long-prefill"])
+def test_cuda_large(qlens, kvlens, block_size, heads, dtype, device):
+    """Split-KV with many chunks, a 256-row block table, a batch of 256, prefill of many query tiles; and
+    the CUDA result equals the CPU op on the same inputs."""
+    if kvlens is None:
+        kvlens = np.random.default_rng(8).integers(1, 2049, len(qlens)).tolist()
+    b = Batch(qlens, kvlens, block_size, heads, dtype, device, seed=9)
+    out = check(b)
+    cpu = poisoned(b.shape, dtype, "cpu")
+    llaisys.ops.paged_attention(cpu, b.q.to("cpu"), b.k.to("cpu"), b.v.to("cpu"), *[m.to("cpu") for m in b.meta],
+                                b.shape[2] ** -0.5, b.max_q_len)
+    assert_close(out, to_f64(cpu), dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_bad_metadata_raises_at_synchronize():
+    """kv_len < qlen and a block id out of range: the kernels clamp (nothing out of bounds is read) and
+    the next synchronize raises; the flag is cleared after."""
+    b = Batch([2, 1], [5, 7], 4, (4, 2, 32), "f32", "cuda", seed=10)
+    for tables, kv_len in [(b.tables, np.array([1, 7], np.int32)),
+                           (np.where(np.arange(b.tables.shape[1]) == 0, 10 ** 6, b.tables).astype(np.int32),
+                            b.kv_len)]:
+        out = poisoned(b.shape, "f32", "cuda")
+        llaisys.ops.paged_attention(out, b.q, b.k, b.v, llaisys.tensor(tables, "cuda"), b.meta[1],
+                                    llaisys.tensor(kv_len, "cuda"), 0.5, 2)
+        with pytest.raises(IndexError, match="paged_attention: "):
+            llaisys.synchronize("cuda")
+        llaisys.synchronize("cuda")
+
+
+# ---- argument checks ----
+
+def small(device="cpu", dtype="f32"):
+    """(out, q, k_cache, v_cache, block_tables, q_start, kv_len) of a valid two-sequence batch."""
+    b = Batch([2, 1], [5, 7], 4, (4, 2, 8), dtype, device, seed=11)
+    return [poisoned(b.shape, dtype, device), b.q, b.k, b.v, *b.meta], b
+
+
+def call(args, scale=0.5, max_q_len=2):
+    llaisys.ops.paged_attention(*args, scale, max_q_len)
+
+
+def replaced(args, i, t):
+    a = list(args)
+    a[i] = t
+    return a
+
+
+def test_paged_attention_shape_and_dtype_errors():
+    args, b = small()
+    i32 = lambda a: llaisys.tensor(np.asarray(a, np.int32))  # noqa: E731
+    f32 = lambda *s: llaisys.tensor(np.zeros(s, np.float32))  # noqa: E731
+    cases = [
+        (TypeError, "paged_attention: q must be f32, f16 or bf16, got i32", 1, llaisys.tensor(np.zeros((3, 4, 8), np.int32))),
+        (TypeError, "paged_attention: k_cache must have dtype f32 like the other operands, got bf16", 2,
+         small(dtype="bf16")[0][2]),
+        (TypeError, "paged_attention: out must have dtype f32", 0, poisoned((3, 4, 8), "f16")),
+        (TypeError, "paged_attention: q_start must be i32, got i64", 5, llaisys.tensor(np.array([0, 2, 3]))),
+        (ValueError, "paged_attention: block_tables must be contiguous i32, got i64", 4,
+         llaisys.tensor(b.tables.astype(np.int64))),
+        (ValueError, "paged_attention: k_cache must be 4-D", 2, f32(8, 2, 8)),
+        (ValueError, r"paged_attention: v_cache must have shape \[7, 4, 2, 8\], got \[7, 4, 2, 9\]", 3, f32(7, 4, 2, 9)),
+        (ValueError, r"paged_attention: out must have shape \[3, 4, 8\], got \[2, 4, 8\]", 0, poisoned((2, 4, 8))),
+        (ValueError, r"paged_attention: q_start must have shape \[3\], got \[2\]", 5, i32([0, 2])),
+        (ValueError, r"paged_attention: kv_len must have shape \[2\], got \[3\]", 6, i32([5, 7, 1])),
+        (ValueError, r"paged_attention: the number of query heads \(4\) must be a multiple of the number of kv heads "
+                     r"\(3\)", 2, f32(6, 4, 3, 8)),
+        (ValueError, "paged_attention: k_cache must have head dim 8 like q", 2, f32(6, 4, 2, 4)),
+        (ValueError, "paged_attention: k_cache and v_cache must be contiguous", 2,
+         llaisys.tensor(np.zeros((7, 4, 2, 16), np.float32)).slice(3, 0, 8)),
+        (ValueError, "paged_attention: out must have a unit last stride", 0, poisoned((8, 4, 3)).permute(2, 1, 0)),
+        (ValueError, "paged_attention: kv_len must be contiguous", 6, i32([5, 0, 7, 0]).view(2, 2).select(1, 0)),
+    ]
+    for exc, msg, i, t in cases:
+        with pytest.raises(exc, match=msg):
+            call(replaced(args, i, t))
+    with pytest.raises(ValueError, match="paged_attention: max_q_len must be >= 0, got -1"):
+        call(args, max_q_len=-1)
+    assert np.isnan(to_f64(args[0])).all()  # nothing was written by any failed call
+
+
+@pytest.mark.parametrize("what,exc,msg", [
+    ("kv_len<qlen", IndexError, r"paged_attention: kv_len\[0\] = 1 is out of range \[2, 12\]"),
+    ("kv_len>capacity", IndexError, r"paged_attention: kv_len\[1\] = 13 is out of range \[1, 12\]"),
+    ("q_start", ValueError, r"paged_attention: sequence 1 has query rows \[2, 1\): q_start must be non-decreasing "
+                            r"within \[0, 3\]"),
+    ("max_q_len", ValueError, "paged_attention: sequence 0 has 2 queries, more than max_q_len = 1"),
+    ("block_id", IndexError, r"paged_attention: block_tables\[1, 1\] = 7 is out of range \[0, 7\)"),
+])
+def test_paged_attention_metadata_errors_on_cpu(what, exc, msg):
+    args, b = small()
+    i32 = lambda a: llaisys.tensor(np.asarray(a, np.int32))  # noqa: E731
+    max_q_len = 2
+    if what == "kv_len<qlen":
+        args[6] = i32([1, 7])
+    elif what == "kv_len>capacity":
+        args[6] = i32([5, 13])  # max_blocks (3) * block_size (4) = 12
+    elif what == "q_start":
+        args[5] = i32([0, 2, 1])
+    elif what == "max_q_len":
+        max_q_len = 1
+    else:
+        t = b.tables.copy()
+        t[1, 1] = 7  # the pool has 7 blocks
+        args[4] = i32(t)
+    with pytest.raises(exc, match=msg):
+        call(args, max_q_len=max_q_len)
+    assert np.isnan(to_f64(args[0])).all()
+
+
+@pytest.mark.cuda
+def test_cuda_device_mismatch_and_head_dim_limit():
+    args, _ = small(device="cuda")
+    with pytest.raises(ValueError, match="paged_attention: all tensors must be on one device"):
+        call(replaced(args, 6, args[6].to("cpu")))
+    q = llaisys.tensor(np.zeros((3, 4, 160), np.float32), "cuda")
+    kc = llaisys.tensor(np.zeros((6, 4, 2, 160), np.float32), "cuda")
+    with pytest.raises(ValueError, match="paged_attention: head dim 160 in f32 is not supported on CUDA"):
+        call([poisoned((3, 4, 160), "f32", "cuda"), q, kc, kc, *args[4:]])
