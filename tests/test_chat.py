@@ -281,3 +281,49 @@ def test_bad_tools_and_non_string_template():
         render_chat_template(QWEN25_TEMPLATE, CONVERSATIONS["user only"], tools=["get_weather"])
     with pytest.raises(ValueError, match="must be a string"):
         render_chat_template(b"{{ 1 }}", CONVERSATIONS["user only"])
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{% for i in range(10**9) %}{% endfor %}", "stopped: it passed 1000000000 to a function"),
+    ("{{ 'x' * 10**10 }}", r"stopped: it repeated a str 10000000000 times \(limit 4194304 items\)"),
+    ("{{ [0] * 10**10 }}", "stopped: it repeated a list"),
+    ("{{ 7 ** 100000 }}", r"stopped: it computed 7 \*\* 100000"),
+    ("{{ 'x'.center(10**9) }}", "integer arguments are limited to 100000"),
+    ("{{ 'x' | center(10**9) }}", "integer arguments are limited to 100000"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+     "stopped: it built a str of 8388608 items"),
+    ("{% set ns = namespace(s='ab') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+     "stopped: it built a str"),
+    ("{% for i in range(100000) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "stopped: its output passed 4194304"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "failed: RecursionError"),
+    ("{{ 1 // 0 }}", "failed: ZeroDivisionError"),
+])
+def test_every_template_failure_and_runaway_is_a_value_error(template, match):
+    with pytest.raises(ValueError, match=match):
+        render_chat_template(template, CONVERSATIONS["user only"])
+
+
+@pytest.mark.parametrize("template", [
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "{% set s = 'ab' * 50000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",  # no calls, no output
+])
+def test_templates_that_run_too_long_are_stopped(monkeypatch, template):
+    import llaisys.chat
+
+    monkeypatch.setattr(llaisys.chat, "TIME_LIMIT_S", 0.2)
+    with pytest.raises(ValueError, match=r"chat template stopped: it ran longer than 0.2 s"):
+        render_chat_template(template, CONVERSATIONS["user only"])
+
+
+def test_bounded_loops_keep_loop_variables():
+    template = "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ '.' if loop.last }} {% endfor %}"
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert render_chat_template(template, msgs) == "1/2 2/2. "
+    assert render_chat_template("{{ 'a' ~ 1 ~ none }}{{ range(3) | list }}", msgs) == "a1None[0, 1, 2]"
+
+
+def test_lone_surrogates_in_messages_are_named():
+    with pytest.raises(ValueError, match=r"message 1 \(role 'user'\) content is not valid Unicode: lone surrogate "
+                                         r"'\\ud800' at position 3"):
+        render_chat_template(QWEN25_TEMPLATE, [{"role": "system", "content": "s"},
+                                               {"role": "user", "content": "abc\ud800"}])

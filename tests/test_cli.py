@@ -13,6 +13,7 @@ import pytest
 
 import llaisys
 from llaisys import cli
+from llaisys.chat import render_chat_template
 
 
 @dataclass
@@ -48,6 +49,7 @@ class FakeEngine:
     def chat(self, messages, stream=False, **sampling):
         assert stream is True
         self.calls.append(("chat", copy.deepcopy(messages), sampling))
+        render_chat_template(self.chat_template, messages)  # as the real engine does, before generating
         if self.script and isinstance(self.script[0], ValueError):  # refused before generating
             raise self.script.pop(0)
         return self._reply()
@@ -154,6 +156,7 @@ def test_python_dash_m_runs_the_cli():
     (["bench", "--shape", "qwen9"], "invalid choice: 'qwen9'"),
     (["bench", "--prompt-len", "0"], "argument --prompt-len: must be >= 1, got 0"),
     (["bench", "--new-tokens", "many"], "argument --new-tokens: expected a whole number, got 'many'"),
+    (["generate", "--max-seq-len", "0", "x"], "argument --max-seq-len: must be >= 1, got 0"),
 ])
 def test_argument_errors_exit_2_with_usage(capsys, fake, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -398,3 +401,24 @@ def test_bench_passes_parsed_arguments(capsys, fake):
     args = fake.bench_args[1]
     assert (args.model, args.shape, args.device, args.dtype, args.prompt_len, args.new_tokens, args.peers,
             args.json) == ("tiny", None, "auto", "auto", 128, 256, False, None)
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for i in range(10**9) %}{% endfor %}", "integer arguments are limited"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{{ 'x' * 10**10 }}", "repeated a str"),
+])
+def test_a_failing_chat_template_is_a_one_line_error(capsys, fake, template, message):
+    FakeEngine.template = template
+    FakeEngine.script = [["never"]]
+    code, out, err = run(capsys, ["generate", "hi"])
+    assert code == 2 and out == "" and err.startswith("llaisys: error: chat template ")
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_peers_without_torch_is_a_one_line_error(capsys, fake, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` meets when torch is not installed
+    code, out, err = run(capsys, ["bench", "--shape", "qwen2-0.5b", "--peers"])
+    assert code == 2 and fake.bench_args == []
+    assert err.startswith("llaisys: error: --peers runs HF transformers on torch, which are not installed")
+    assert "pip install 'llaisys[test]'" in err and len(err.strip().splitlines()) == 1

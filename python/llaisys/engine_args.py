@@ -1,0 +1,98 @@
+"""Checks of the Engine's arguments, run before any file is read or any token is generated, so a wrong
+argument fails at once with a message naming it (not minutes into loading, not deep in the bindings)."""
+from __future__ import annotations
+
+import ctypes
+import numbers
+import os
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._runtime import build_info, cuda_device_count
+
+_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16", "f32": "f32",
+           "float32": "f32"}
+
+
+def resolve_dtype(dtype) -> str:
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str (auto, bf16, f16 or f32), got {type(dtype).__name__} {dtype!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, bf16, f16, f32; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device) -> str:
+    """"auto" | "cpu" | "cuda" | "cuda:N" -> "cpu" or "cuda:N", checked against this build and machine."""
+    if not isinstance(device, str):
+        raise TypeError(f"device must be a str (auto, cpu, cuda or cuda:N), got {type(device).__name__} "
+                        f"{device!r}")
+    m = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", device)
+    if m is None:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    has_cuda = bool(build_info()["cuda"])
+    count = cuda_device_count() if has_cuda else 0
+    if device == "auto":
+        return "cuda:0" if count else "cpu"
+    if device == "cpu":
+        return device
+    if not has_cuda:
+        raise RuntimeError(f"device {device!r}: this llaisys build has no CUDA backend (a CPU-only build); "
+                           f"use device='cpu', or reinstall with a CUDA toolkit (LLAISYS_CUDA=ON pip install .)")
+    index = int(m.group(1) or 0)
+    if index >= count:
+        raise RuntimeError(f"device {device!r}: " + (f"only {count} CUDA device(s) are visible" if count
+                                                     else "no CUDA GPU is visible on this machine"))
+    return f"cuda:{index}"
+
+
+def check_max_seq_len(max_seq_len) -> None:
+    """Type and sign only: the upper bound comes from the model's config."""
+    if max_seq_len is None:
+        return
+    if not isinstance(max_seq_len, numbers.Integral) or isinstance(max_seq_len, bool):
+        raise TypeError(f"max_seq_len must be an int or None, got {type(max_seq_len).__name__} {max_seq_len!r}")
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+
+
+def check_model_arg(model) -> str:
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a str or path (catalog name, HF directory, .gguf file or repo id), "
+                        f"got {type(model).__name__}")
+    return os.fspath(model)
+
+
+def check_text(name: str, text: str) -> None:
+    """Lone surrogates (e.g. from surrogateescape'd bytes) are not text the tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: lone surrogate {text[e.start]!r} at position "
+                         f"{e.start}") from None
+
+
+def token_sequence(name: str, value) -> list:
+    """A list or tuple of ints, a range, or a 1-D numpy integer array -> a list (elements checked later)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or not np.issubdtype(value.dtype, np.integer):
+            raise TypeError(f"{name}: a numpy array of token ids must be 1-D with an integer dtype, got "
+                            f"{value.ndim}-D {value.dtype}")
+        return value.tolist()
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a str or a sequence of token ids (list/tuple of ints, 1-D integer "
+                        f"numpy array), got {type(value).__name__}"
+                        + (" (decode bytes to str first)" if isinstance(value, (bytes, bytearray)) else ""))
+    return list(value)
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS. glibc keeps what the loader's temporary arrays freed, which
+    would otherwise stay in the process's RSS; elsewhere (no malloc_trim) this does nothing."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    malloc_trim(0)
