@@ -1,0 +1,88 @@
+// Quantized weights: GGUF block formats kept as they are in the file, and the ops that read them.
+//
+// A QuantMatrix is not a Tensor dtype: its elements come in blocks (32 or 256 of them) that share
+// scales, so per-element strides cannot describe it. It holds the raw blocks of an [N, K] matrix as a
+// u8 Tensor [N, row_bytes] (host or device memory, shared like any tensor's storage), row n being the
+// blocks of weights W[n, 0:K].
+#pragma once
+#include "llaisys/tensor.hpp"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace llaisys {
+
+enum class QuantFormat : uint8_t { Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0 };
+
+struct QuantFormatInfo {
+    const char *name;  // "q4_0", ...
+    int block_elems;   // weights per block: 32, or 256 for the K-quants
+    int block_bytes;   // bytes per block
+    int gguf_type;     // GGML type id in GGUF files (gguf.GGMLQuantizationType)
+};
+
+const QuantFormatInfo &quant_format_info(QuantFormat format);
+QuantFormat quant_format_from_name(const std::string &name); // "q4_0" or "Q4_0"; ValueError otherwise
+QuantFormat quant_format_from_gguf(int gguf_type);           // ValueError for types not listed above
+// Bytes of one row of `cols` weights; ValueError unless cols is a positive multiple of the block size.
+int64_t quant_row_bytes(QuantFormat format, int64_t cols);
+
+class QuantMatrix {
+public:
+    QuantMatrix() = default; // undefined: defined() is false
+    // Wraps `bytes` (u8 [rows, quant_row_bytes(format, cols)], contiguous) without copying; a view of
+    // a mapped file keeps the file alive through the tensor's storage (Tensor::from_blob's on_free).
+    QuantMatrix(QuantFormat format, int64_t rows, int64_t cols, Tensor bytes);
+    // Rows of `parts` stacked in order (fused q/k/v, gate/up): same format, cols and device; a copy.
+    static QuantMatrix concat_rows(const std::vector<QuantMatrix> &parts);
+
+    bool defined() const { return bytes_.defined(); }
+    QuantFormat format() const { return format_; }
+    int64_t rows() const { return rows_; }
+    int64_t cols() const { return cols_; }
+    int64_t row_bytes() const { return defined() ? bytes_.size(1) : 0; }
+    int64_t nbytes() const { return rows_ * row_bytes(); }
+    Device device() const { return bytes_.device(); }
+    const Tensor &bytes() const { return bytes_; }
+    const uint8_t *row(int64_t r) const { return bytes_.data_as<uint8_t>() + r * row_bytes(); }
+
+    QuantMatrix slice_rows(int64_t start, int64_t end) const; // a view of rows [start, end)
+    QuantMatrix to(Device device) const;                       // a copy on `device` (self if already there)
+
+private:
+    QuantFormat format_ = QuantFormat::Q8_0;
+    int64_t rows_ = 0, cols_ = 0;
+    Tensor bytes_; // u8 [rows, row_bytes]
+};
+
+// out [n, cols] (host f32, contiguous) = the weights of rows [row0, row0 + n) of a host matrix, decoded
+// with the same f32 arithmetic as gguf-py's gguf.quants.dequantize (bit for bit).
+void dequantize_rows(const QuantMatrix &m, int64_t row0, int64_t n, float *out);
+
+// Which CPU code the quantized ops run. Auto picks the widest the CPU has at run time; the others
+// force a path (ValueError if this CPU lacks it): for A/B tests and for testing the portable path.
+enum class QuantCpuPath { Auto, Portable, Avx2, Avx512Vnni };
+void set_quant_cpu_path(QuantCpuPath path);
+QuantCpuPath quant_cpu_path();               // what runs now (never Auto)
+bool quant_cpu_path_supported(QuantCpuPath path);
+const char *quant_cpu_path_name(QuantCpuPath path);
+QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "portable", "avx2", "avx512vnni"
+
+namespace ops {
+// out [..., N] = x [..., K] @ dequant(weight)[N, K]^T (+ bias [N]); x, bias and out share a float dtype.
+// On the CPU each x row is first quantized to 8-bit blocks (d = max|x| / 127 per block of 32, or of
+// 256 for the K-quants, q = round(x / d)) and the products are integer dot products per block, as
+// llama.cpp computes them; the result is thus x's 8-bit rounding times the exact weights. CUDA does
+// the same for M <= 8 rows of x; for more it decodes the weight to x's dtype and runs the dense linear
+// on the unquantized x (a transient [N, K] copy of the weight in that dtype; ops/quant_linear/cuda.cu).
+void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight, const Tensor &bias);
+// out [..., I] = swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T) with w_gate_up [2I, K]; g and u are
+// rounded to out's dtype before the SwiGLU, so it equals two quant_linear calls + swiglu bit for bit.
+void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &w_gate_up);
+// out [n, D] = dequantized rows of weight [V, D] picked by ids [n] (i64/i32); an id outside [0, V) raises
+// (on CUDA at the next synchronize, as embedding does, its row zero-filled).
+void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight);
+} // namespace ops
+
+} // namespace llaisys

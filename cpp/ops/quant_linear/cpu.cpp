@@ -1,0 +1,258 @@
+// CPU quantized linear: out [M, N] = x [M, K] @ dequant(W)[N, K]^T, the way llama.cpp computes it.
+//
+// Each x row is quantized once per call to 8-bit blocks of the weight's block size (Q8Act: one f32
+// scale, int8 codes and the sums of each 16 codes, which the weight offsets and mins multiply).
+// Threads then split the W rows; each W row is dotted with every x row in integer arithmetic per block
+// (kernels.inc), compiled three times: portable C++, AVX2 and AVX-512 VNNI, picked at run time.
+// Decode (M = 1) reads each weight byte once, so it is bound by memory bandwidth: the quantized rows
+// are 3.5-7 times fewer bytes than bf16 ones.
+//
+// This file is compiled with -ffp-contract=off (CMakeLists.txt), so a*b+c is never fused behind our
+// back: the three paths round the same float operations and return the same bits.
+#include "ops/quant_linear/quant_linear.hpp"
+
+#include "ops/common/checks.hpp"
+#include "ops/common/cpu.hpp"
+#include "ops/quant_linear/isa.hpp"
+#include "ops/swiglu/swiglu.hpp"
+#include "quant/formats.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace llaisys::ops::cpu {
+namespace {
+
+// One block of a quantized x row: x[e] ~ d * q[e]; sums[g] = q[16g] + ... + q[16g + 15].
+template <int BK>
+struct Q8Act {
+    float d;
+    int16_t sums[BK / 16];
+    int8_t q[BK];
+};
+
+// col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
+using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
+
+namespace portable {
+using S = quant_isa::Portable;
+#include "ops/quant_linear/kernels.inc"
+} // namespace portable
+
+#ifdef LLAISYS_QUANT_X86
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+using S = quant_isa::Avx2;
+#include "ops/quant_linear/kernels.inc"
+} // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))), \
+                             apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
+#endif
+namespace vnni {
+using S = quant_isa::Avx512Vnni;
+#include "ops/quant_linear/kernels.inc"
+} // namespace vnni
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif // LLAISYS_QUANT_X86
+
+QuantCpuPath detect_best() {
+#ifdef LLAISYS_QUANT_X86
+    // Every CPU with AVX2 and FMA (Haswell, Zen 1 and later) also has F16C.
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bw"))
+        return QuantCpuPath::Avx512Vnni;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return QuantCpuPath::Avx2;
+#endif
+    return QuantCpuPath::Portable;
+}
+
+const QuantCpuPath kBest = detect_best();
+std::atomic<QuantCpuPath> g_path{kBest};
+
+ColumnFn column_fn(QuantFormat format) {
+    switch (g_path.load(std::memory_order_relaxed)) {
+#ifdef LLAISYS_QUANT_X86
+    case QuantCpuPath::Avx512Vnni: return vnni::column_fn(format);
+    case QuantCpuPath::Avx2: return avx2::column_fn(format);
+#endif
+    default: return portable::column_fn(format);
+    }
+}
+
+// ---- Activation quantization: d = max|x| / 127, q = round(x / d) (as x * (1 / d), halves away from
+// zero), the formula of gguf-py's Q8_0 with d kept in f32. A block holding NaN or Inf gets d = NaN
+// (and q = 0), so the outputs it feeds are NaN rather than an arbitrary number.
+template <int BK, typename T>
+void quantize_row(const T *x /*[nb * BK]*/, int64_t nb, Q8Act<BK> *out /*[nb]*/) {
+    for (int64_t b = 0; b < nb; ++b) {
+        float v[BK], amax = 0.f;
+        bool finite = true;
+        for (int j = 0; j < BK; ++j) {
+            v[j] = load(x, b * BK + j);
+            finite = finite && std::isfinite(v[j]);
+            amax = std::max(amax, std::fabs(v[j]));
+        }
+        const float d = amax / 127.f, id = d != 0.f && finite ? 1.f / d : 0.f;
+        Q8Act<BK> &a = out[b];
+        a.d = finite ? d : std::numeric_limits<float>::quiet_NaN();
+        for (int g = 0; g < BK / 16; ++g) {
+            int sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; ++j) {
+                a.q[j] = int8_t(std::round(v[j] * id));
+                sum += a.q[j];
+            }
+            a.sums[g] = int16_t(sum);
+        }
+    }
+}
+
+// x [M, K] quantized to Q8Act blocks of the weight's block size: M rows of nb blocks.
+struct QuantizedX {
+    std::unique_ptr<uint8_t[]> data;
+    int64_t M = 0, nb = 0, row_bytes = 0;
+    const void *row(int64_t m) const { return data.get() + m * row_bytes; }
+};
+
+template <int BK, typename T>
+QuantizedX quantize_x(const Tensor &x, int64_t M, int64_t K) {
+    QuantizedX q;
+    q.M = M;
+    q.nb = K / BK;
+    q.row_bytes = q.nb * int64_t(sizeof(Q8Act<BK>));
+    q.data.reset(new uint8_t[size_t(M * q.row_bytes)]);
+    const T *xp = x.data_as<T>();
+    const int64_t ldx = M > 1 ? x.stride(0) : K;
+    parallel_for(M, K, [&](int64_t m) {
+        quantize_row<BK>(xp + m * ldx, q.nb, reinterpret_cast<Q8Act<BK> *>(q.data.get() + m * q.row_bytes));
+    });
+    return q;
+}
+
+template <typename T>
+QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
+    const int64_t M = x.size(0), K = x.size(1);
+    if (quant_format_info(format).block_elems == quant::kQK) return quantize_x<quant::kQK, T>(x, M, K);
+    return quantize_x<quant::kQK_K, T>(x, M, K);
+}
+
+// out [M, N] (+ bias [N]) = W [N, K] . x rows; threads split the W rows.
+template <typename T>
+void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out) {
+    constexpr int64_t kChunk = 64; // x rows per call: the column buffer lives on the stack
+    const ColumnFn fn = column_fn(w.format());
+    const int64_t M = xq.M, N = w.rows();
+    parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
+        for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+            float col[kChunk];
+            const int64_t mm = std::min(kChunk, M - m0);
+            fn(w.row(n), xq.row(m0), mm, xq.nb, col);
+            for (int64_t i = 0; i < mm; ++i) store(out + (m0 + i) * N, n, bias ? col[i] + load(bias, n) : col[i]);
+        }
+    });
+}
+
+} // namespace
+
+void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight, const Tensor &bias) {
+    detail::dispatch_float("quant_linear", x.dtype(), x.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const QuantizedX xq = quantize_x<T>(x, weight.format());
+        run_columns<T>(xq, weight, bias.defined() ? bias.data_as<T>() : nullptr, out.data_as<T>());
+    });
+}
+
+// x is quantized once for both halves; g and u are rounded to T, then combined by the swiglu kernel,
+// as two quant_linear calls and a swiglu would.
+void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &w_gate_up) {
+    const int64_t M = out.size(0), I = out.size(1);
+    detail::dispatch_float("quant_linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const QuantizedX xq = quantize_x<T>(x, w_gate_up.format());
+        const Tensor gu = Tensor::empty({2, M, I}, out.dtype()); // [g; u], each [M, I]
+        const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+        run_columns<T>(xq, w_gate_up.slice_rows(0, I), nullptr, g.data_as<T>());
+        run_columns<T>(xq, w_gate_up.slice_rows(I, 2 * I), nullptr, u.data_as<T>());
+        swiglu(out, g, u);
+    });
+}
+
+void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight) {
+    const int64_t n = ids.numel(), D = weight.cols();
+    detail::dispatch_float("quant_embedding", out.dtype(), out.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        detail::dispatch_index("quant_embedding", ids.dtype(), ids.device(), [&](auto itag) {
+            const auto *id = ids.data_as<typename decltype(itag)::type>();
+            T *o = out.data_as<T>();
+            parallel_for(n, D, [&](int64_t i) {
+                if constexpr (std::is_same_v<T, float>) {
+                    dequantize_rows(weight, int64_t(id[i]), 1, o + i * D);
+                } else {
+                    std::vector<float> row(static_cast<size_t>(D)); // [D]
+                    dequantize_rows(weight, int64_t(id[i]), 1, row.data());
+                    for (int64_t k = 0; k < D; ++k) store(o + i * D, k, row[size_t(k)]);
+                }
+            });
+        });
+    });
+}
+
+} // namespace llaisys::ops::cpu
+
+namespace llaisys {
+
+bool quant_cpu_path_supported(QuantCpuPath path) {
+    switch (path) {
+    case QuantCpuPath::Auto:
+    case QuantCpuPath::Portable: return true;
+    case QuantCpuPath::Avx2: return ops::cpu::kBest != QuantCpuPath::Portable;
+    case QuantCpuPath::Avx512Vnni: return ops::cpu::kBest == QuantCpuPath::Avx512Vnni;
+    }
+    return false;
+}
+
+void set_quant_cpu_path(QuantCpuPath path) {
+    LLAISYS_CHECK(quant_cpu_path_supported(path), std::invalid_argument, "set_quant_cpu_path: this CPU cannot run ",
+                  quant_cpu_path_name(path), " (best here: ", quant_cpu_path_name(ops::cpu::kBest), ")");
+    ops::cpu::g_path = path == QuantCpuPath::Auto ? ops::cpu::kBest : path;
+}
+
+QuantCpuPath quant_cpu_path() { return ops::cpu::g_path.load(); }
+
+const char *quant_cpu_path_name(QuantCpuPath path) {
+    switch (path) {
+    case QuantCpuPath::Auto: return "auto";
+    case QuantCpuPath::Portable: return "portable";
+    case QuantCpuPath::Avx2: return "avx2";
+    case QuantCpuPath::Avx512Vnni: return "avx512vnni";
+    }
+    return "?";
+}
+
+QuantCpuPath quant_cpu_path_from_name(const std::string &name) {
+    for (QuantCpuPath p : {QuantCpuPath::Auto, QuantCpuPath::Portable, QuantCpuPath::Avx2, QuantCpuPath::Avx512Vnni})
+        if (name == quant_cpu_path_name(p)) return p;
+    throw std::invalid_argument("unknown quantized CPU path '" + name + "' (expected auto, portable, avx2 or avx512vnni)");
+}
+
+} // namespace llaisys

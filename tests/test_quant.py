@@ -1,0 +1,420 @@
+"""Quantized weights: block decoding against gguf-py, and the CPU quantized linear against float64.
+
+Decoding must equal ``gguf.quants.dequantize`` bit for bit, on random blocks and on the default
+model's tensors. The linear's reference is float64 arithmetic on the dequantized weights and on x
+quantized to 8-bit blocks with the formula the op documents (d = max|x| / 127 in f32, q = round(x / d)
+halves away from zero), so its tolerance covers only the op's f32 accumulation.
+"""
+import glob
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import llaisys
+from llaisys import quant
+from utils import FLOAT_DTYPES, NP_DTYPE, TOL, bits, poisoned
+
+gguf = pytest.importorskip("gguf")
+GQT = gguf.GGMLQuantizationType
+
+FORMATS = ["q4_0", "q4_k", "q5_0", "q5_k", "q6_k", "q8_0"]
+GGUF_QUANTIZES = {"q4_0", "q5_0", "q8_0"}  # gguf-py has no quantizer for the K-quants
+PATHS = ["portable", "avx2", "avx512vnni"]
+# Bytes of each block holding the codes (not d, dmin or the sub-block scales): zeroing them leaves a
+# block whose decoded values are the offsets/mins alone (see weight_magnitude).
+CODE_BYTES = {"q4_0": (2, 18), "q5_0": (2, 22), "q8_0": (2, 34), "q4_k": (16, 144), "q5_k": (16, 176),
+              "q6_k": (0, 192)}
+# Where the f16 scales d (and dmin) sit in a block.
+SCALE_OFFSETS = {"q4_0": [0], "q5_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+
+
+def gtype(fmt):
+    return getattr(GQT, fmt.upper())
+
+
+def block_elems(fmt):
+    return quant.format_info(fmt)["block_elems"]
+
+
+def random_blocks(fmt, rows, cols, seed, from_floats=True):
+    """uint8 [rows, row_bytes]: gguf-py's quantization of normal floats where it has one, else random
+    bytes (every code and sub-block scale value occurs) with f16 scales d, dmin in [1e-3, 0.05]."""
+    rng = np.random.default_rng(seed)
+    if from_floats and fmt in GGUF_QUANTIZES:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), gtype(fmt))
+    info = quant.format_info(fmt)
+    nb = cols // info["block_elems"]
+    blocks = rng.integers(0, 256, (rows, nb, info["block_bytes"]), dtype=np.uint8)
+    for off in SCALE_OFFSETS[fmt]:
+        d = rng.uniform(1e-3, 0.05, (rows, nb)).astype(np.float16)
+        blocks[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return blocks.reshape(rows, -1)
+
+
+def matrix(fmt, data):
+    rows = data.shape[0]
+    cols = data.shape[1] // quant.format_info(fmt)["block_bytes"] * block_elems(fmt)
+    return quant.from_numpy(fmt, rows, cols, np.ascontiguousarray(data))
+
+
+# ---- decoding ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("from_floats", [True, False], ids=["quantized", "random_bytes"])
+def test_dequantize_bit_equal_to_gguf(fmt, from_floats):
+    data = random_blocks(fmt, 37, 4 * 256, seed=11, from_floats=from_floats)
+    w = matrix(fmt, data)
+    assert (w.rows, w.cols, w.row_bytes) == (37, 1024, data.shape[1])
+    ref = gguf.quants.dequantize(data, gtype(fmt))
+    np.testing.assert_array_equal(w.dequantize().view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(w.dequantize(5, 3).view(np.uint32), ref[5:8].view(np.uint32))
+
+
+def default_model_path():
+    hits = glob.glob(os.path.expanduser("~/.cache/llaisys/models/*/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))
+    return hits[0] if hits else None
+
+
+@pytest.fixture(scope="module")
+def model_tensors():
+    """{format: [tensors]} of the default model's GGUF (memory-mapped by gguf.GGUFReader)."""
+    path = default_model_path()
+    if path is None:
+        pytest.skip("the default model's GGUF (qwen2.5-coder-0.5b-instruct-q4_k_m.gguf) is not in ~/.cache/llaisys; "
+                    "`llaisys generate` downloads it")
+    by_format = {}
+    for t in gguf.GGUFReader(path).tensors:
+        name = t.tensor_type.name.lower()
+        if name in FORMATS:
+            by_format.setdefault(name, []).append(t)
+    return by_format
+
+
+def test_default_model_has_the_expected_formats(model_tensors):
+    assert set(model_tensors) == {"q4_k", "q5_0", "q6_k", "q8_0"}  # issue 19: what the Q4_K_M file holds
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_0", "q6_k", "q8_0"])
+def test_dequantize_real_tensors(model_tensors, fmt):
+    # Up to 3 tensors per format, at most 1024 rows each (the 151936-row embedding is Q5_0 or Q8_0).
+    for t in model_tensors.get(fmt, [])[:3]:
+        data = np.asarray(t.data)[:1024]  # uint8 [rows, row_bytes], a view of the mapped file
+        w = quant.from_numpy(fmt, data.shape[0], int(t.shape[0]), data)
+        ref = gguf.quants.dequantize(data, t.tensor_type)
+        np.testing.assert_array_equal(w.dequantize().view(np.uint32), ref.view(np.uint32), err_msg=t.name)
+
+
+# ---- the quantized linear -----------------------------------------------------------------------
+
+def quantized_x(x32, bk):
+    """float64 values of x after the op's 8-bit block quantization (x32: f32 [M, K])."""
+    M, K = x32.shape
+    xb = x32.reshape(M, K // bk, bk)
+    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)  # f32, as in the op
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    v = (xb * inv).astype(np.float64)  # the f32 product, then rounded half away from zero exactly
+    q = np.sign(v) * np.floor(np.abs(v) + 0.5)
+    return (q * d.astype(np.float64)).reshape(M, K)
+
+
+def weight_magnitude(fmt, data):
+    """Per weight |w| + 2 |offset part| (f64 [N, K]): the op sums code and offset parts separately
+    (d * sc * q and d * sc * 32, or d * sc * q and dmin * m), so their sizes, not |w|, bound its
+    rounding. The offset part is what decodes from the block with its code bytes zeroed."""
+    lo, hi = CODE_BYTES[fmt]
+    bb = quant.format_info(fmt)["block_bytes"]
+    z = data.reshape(data.shape[0], -1, bb).copy()
+    z[:, :, lo:hi] = 0
+    off = gguf.quants.dequantize(z.reshape(data.shape), gtype(fmt)).astype(np.float64)
+    w = gguf.quants.dequantize(data, gtype(fmt)).astype(np.float64)
+    return np.abs(w) + 2 * np.abs(off)
+
+
+def linear_tol(fmt, dtype, xq, data):
+    """TOL[dtype] with atol widened by a bound on the f32 accumulation.
+
+    Reason: per x row and W row the op adds one f32 term per block (nb of them, into 8 lanes, then a
+    horizontal sum and the offset correction): each rounding is at most 2^-24 of a partial sum, and
+    every partial sum is at most S = sum_k |xq_k| * (|w_k| + 2 |offset_k|). (nb + 8) * 2^-24 * S bounds
+    the total; it matters where the output cancels to near zero. The output's own rounding to the
+    dtype stays in TOL's rtol."""
+    K = xq.shape[1]
+    nb = K // block_elems(fmt)
+    S = np.abs(xq) @ weight_magnitude(fmt, data).T
+    t = dict(TOL[dtype])
+    return t["rtol"], t["atol"] + (nb + 8) * 2.0**-24 * S
+
+
+# CUDA runs batches of up to 8 rows through the quantized GEMV (x quantized as on the CPU); larger ones
+# decode the weight to x's dtype and run the dense linear on the unquantized x (quant_linear/cuda.cu).
+CUDA_GEMV_MAX_M = 8
+
+
+def dense_tol(dtype, x64, wd64):
+    """TOL[dtype] for CUDA's M > 8 path (the weight decoded to the dtype, then the dense linear).
+
+    Reason for the wider atol: as in test_ops_linear.tol, the dense GEMM sums K products in f32 in an
+    order of its own; that error random-walks to about eps_f32 * K * |x||w| / 3 and matters only for
+    outputs that cancel to near zero, so atol gets 2 * eps_f32 * K * mean|x| * mean|w|. The weight's
+    rounding to the dtype is part of the op here and sits in the reference (wd64 holds the rounded
+    values), not in the tolerance."""
+    t = dict(TOL[dtype])
+    t["atol"] = max(t["atol"], 2 * 2.0**-24 * x64.shape[1] * np.abs(x64).mean() * np.abs(wd64).mean())
+    return t["rtol"], t["atol"]
+
+
+def run_linear(fmt, dtype, M, N, K, seed, with_bias=False, device="cpu"):
+    data = random_blocks(fmt, N, K, seed=seed)
+    w = matrix(fmt, data).to(device)
+    rng = np.random.default_rng(seed + 1)
+    x = rng.standard_normal((M, K)).astype(NP_DTYPE[dtype])
+    b = rng.standard_normal(N).astype(NP_DTYPE[dtype]) if with_bias else None
+    out = poisoned((M, N), dtype, device)
+    quant.linear_(out, llaisys.tensor(x, device), w, llaisys.tensor(b, device) if with_bias else None)
+    if device != "cpu" and M > CUDA_GEMV_MAX_M:  # CUDA's dequantize + dense path: x is not quantized
+        wd = gguf.quants.dequantize(data, gtype(fmt)).astype(NP_DTYPE[dtype]).astype(np.float64)
+        ref = x.astype(np.float64) @ wd.T
+        tol = dense_tol(dtype, x.astype(np.float64), wd)
+    else:
+        xq = quantized_x(x.astype(np.float32), block_elems(fmt))
+        ref = xq @ gguf.quants.dequantize(data, gtype(fmt)).astype(np.float64).T
+        tol = linear_tol(fmt, dtype, xq, data)
+    if with_bias:
+        ref = ref + b.astype(np.float64)
+    return out, ref, tol
+
+
+def check(out, ref, tol):
+    rtol, atol = tol
+    got = np.asarray(out.to("cpu").numpy()).astype(np.float64)
+    assert not np.isnan(got).any(), "output has NaN (an element was not written?)"
+    err = np.abs(got - ref)
+    bad = err > atol + rtol * np.abs(ref)
+    assert not bad.any(), f"{bad.sum()} outputs off; worst error {err.max():.3g} (ref {np.abs(ref).max():.3g})"
+
+
+@pytest.fixture(params=PATHS)
+def cpu_path(request):
+    if not quant.cpu_path_supported(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    quant.set_cpu_path(request.param)
+    yield request.param
+    quant.set_cpu_path("auto")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 64])
+@pytest.mark.parametrize("N", [19, 111])
+def test_linear_matches_float64(fmt, dtype, M, N):
+    out, ref, tol = run_linear(fmt, dtype, M, N, 512, seed=M * 1000 + N)
+    check(out, ref, tol)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 7, 64])
+def test_linear_each_cpu_path(cpu_path, fmt, dtype, M):
+    """Every path matches the reference, and the SIMD paths give the portable path's bits (isa.hpp)."""
+    out, ref, tol = run_linear(fmt, dtype, M, 111, 768, seed=M, with_bias=True)
+    check(out, ref, tol)
+    quant.set_cpu_path("portable")
+    portable, _, _ = run_linear(fmt, dtype, M, 111, 768, seed=M, with_bias=True)
+    np.testing.assert_array_equal(bits(out), bits(portable))
+
+
+@pytest.mark.parametrize("fmt", ["q5_0", "q4_k"])
+def test_linear_nan_input_makes_its_row_nan(fmt):
+    data = random_blocks(fmt, 19, 512, seed=3)
+    x = np.random.default_rng(4).standard_normal((3, 512)).astype(np.float32)
+    x[1, 300] = np.nan
+    out = poisoned((3, 19))
+    quant.linear_(out, llaisys.tensor(x), matrix(fmt, data))
+    got = out.numpy()
+    assert np.isnan(got[1]).all() and np.isfinite(got[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_real_weights(model_tensors, fmt):
+    if fmt not in model_tensors:
+        pytest.skip(f"the default model has no {fmt} tensor")
+    t = model_tensors[fmt][0]
+    data = np.asarray(t.data)[:256]
+    w = quant.from_numpy(fmt, data.shape[0], int(t.shape[0]), data)
+    x = np.random.default_rng(5).standard_normal((2, w.cols)).astype(np.float32)
+    xq = quantized_x(x, block_elems(fmt))
+    out = quant.linear(llaisys.tensor(x), w)
+    check(out, xq @ gguf.quants.dequantize(data, t.tensor_type).astype(np.float64).T, linear_tol(fmt, "f32", xq, data))
+
+
+@pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 9])
+def test_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M):
+    data = random_blocks(fmt, 2 * 37, 512, seed=8)
+    w = matrix(fmt, data)
+    x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]))
+    out = poisoned((M, 37), dtype)
+    quant.linear_swiglu_(out, x, w)
+    g, u = quant.linear(x, w.slice_rows(0, 37)), quant.linear(x, w.slice_rows(37, 74))
+    ref = poisoned((M, 37), dtype)
+    llaisys.ops.swiglu(ref, g, u)
+    np.testing.assert_array_equal(bits(out), bits(ref))
+
+
+def test_concat_rows_stacks_blocks():
+    parts = [random_blocks("q8_0", n, 64, seed=n) for n in (3, 5, 2)]
+    cat = quant.QuantMatrix.concat_rows([matrix("q8_0", p) for p in parts])
+    assert cat.shape == (10, 64)
+    np.testing.assert_array_equal(np.asarray(cat.bytes.numpy()), np.concatenate(parts))
+
+
+@pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_embedding_picks_dequantized_rows(fmt, dtype):
+    data = random_blocks(fmt, 50, 256, seed=12)
+    w = matrix(fmt, data)
+    ids = np.array([[3, 49], [0, 3]], np.int64)
+    out = poisoned((2, 2, 256), dtype)
+    quant.embedding_(out, llaisys.tensor(ids), w)
+    ref = gguf.quants.dequantize(data, gtype(fmt))[ids].astype(NP_DTYPE[dtype])
+    np.testing.assert_array_equal(bits(out), ref.view(f"u{ref.itemsize}"))
+
+
+# ---- error paths ------------------------------------------------------------------------------
+
+def test_errors():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant.row_bytes("q4_k", 896)  # Qwen2-0.5B's width: why that model's file uses Q5_0/Q8_0 there
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        quant.row_bytes("q3_k", 256)
+    with pytest.raises(ValueError, match="needs contiguous bytes of shape"):
+        quant.from_numpy("q8_0", 2, 64, np.zeros((2, 60), np.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        quant.from_numpy("q8_0", 2, 64, np.zeros((2, 68), np.int8))
+    assert quant.format_from_gguf(14) == "q6_k"
+    with pytest.raises(ValueError, match="GGML type 1 "):
+        quant.format_from_gguf(1)  # F16 is not a quantized format
+
+    w = matrix("q8_0", random_blocks("q8_0", 4, 64, seed=1))
+    x = llaisys.tensor(np.ones((2, 64), np.float32))
+    with pytest.raises(TypeError, match="quant_linear: x must be f32, f16 or bf16, got i32"):
+        quant.linear_(llaisys.empty([2, 4], "i32"), llaisys.tensor(np.ones((2, 64), np.int32)), w)
+    with pytest.raises(TypeError, match="quant_linear: out must have dtype f32"):
+        quant.linear_(llaisys.empty([2, 4], "bf16"), x, w)
+    with pytest.raises(ValueError, match="quant_linear: x's last dim must equal weight's cols K = 64"):
+        quant.linear_(llaisys.empty([2, 4]), llaisys.tensor(np.ones((2, 32), np.float32)), w)
+    with pytest.raises(ValueError, match="quant_linear: out must have shape"):
+        quant.linear_(llaisys.empty([2, 5]), x, w)
+    with pytest.raises(ValueError, match="quant_linear: bias must have shape"):
+        quant.linear_(llaisys.empty([2, 4]), x, w, llaisys.empty([5]))
+    with pytest.raises(ValueError, match="quant_linear_swiglu: w_gate_up must have 2I rows"):
+        quant.linear_swiglu_(llaisys.empty([2, 1]), x, w.slice_rows(0, 3))
+    with pytest.raises(IndexError, match="quant_embedding: id 4 at position 1"):
+        quant.embedding_(llaisys.empty([2, 64]), llaisys.tensor(np.array([0, 4], np.int64)), w)
+    with pytest.raises(ValueError, match="unknown quantized CPU path"):
+        quant.set_cpu_path("sse")
+
+
+# ---- CUDA (quant_linear/cuda.cu): run by `pytest -m cuda` on a GPU machine -----------------------
+
+cuda = pytest.mark.cuda
+
+
+@cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 64])
+@pytest.mark.parametrize("N", [19, 111])
+def test_cuda_linear_matches_float64(fmt, dtype, M, N):
+    """M <= 8: the GEMV against the quantized-x reference; M > 8: the dense path against dequantized W
+    (rounded to the dtype) times the unquantized x (run_linear picks the reference)."""
+    out, ref, tol = run_linear(fmt, dtype, M, N, 512, seed=M * 1000 + N, with_bias=N == 111, device="cuda")
+    check(out, ref, tol)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_cuda_gemv_agrees_with_cpu(fmt, dtype, M):
+    """Both devices quantize x the same way (the same bits), so they differ by accumulation order only:
+    each is within linear_tol of the reference, so they are within twice it of each other."""
+    cpu, ref, (rtol, atol) = run_linear(fmt, dtype, M, 333, 1536, seed=M + 40, with_bias=True)
+    gpu, _, _ = run_linear(fmt, dtype, M, 333, 1536, seed=M + 40, with_bias=True, device="cuda")
+    check(cpu, ref, (rtol, atol))
+    check(gpu, np.asarray(cpu.numpy()).astype(np.float64), (2 * rtol, 2 * atol))
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("M", [3, 9])
+def test_cuda_linear_nan_input_makes_its_row_nan(fmt, M):
+    data = random_blocks(fmt, 19, 512, seed=3)
+    x = np.random.default_rng(4).standard_normal((M, 512)).astype(np.float32)
+    x[1, 300] = np.nan
+    out = poisoned((M, 19), "f32", "cuda")
+    quant.linear_(out, llaisys.tensor(x, "cuda"), matrix(fmt, data).to("cuda"))
+    got = out.to("cpu").numpy()
+    assert np.isnan(got[1]).all() and np.isfinite(np.delete(got, 1, axis=0)).all()
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_0", "q6_k", "q8_0"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M", [1, 5, 9])
+def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M):
+    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs the
+    dense linear_swiglu on the same decoded weight."""
+    w = matrix(fmt, random_blocks(fmt, 2 * 37, 512, seed=8)).to("cuda")
+    x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]), "cuda")
+    out = poisoned((M, 37), dtype, "cuda")
+    quant.linear_swiglu_(out, x, w)
+    g, u = quant.linear(x, w.slice_rows(0, 37)), quant.linear(x, w.slice_rows(37, 74))
+    ref = poisoned((M, 37), dtype, "cuda")
+    llaisys.ops.swiglu(ref, g, u)
+    np.testing.assert_array_equal(bits(out), bits(ref))
+
+
+@cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("id_dtype", ["i64", "i32"])
+def test_cuda_embedding_bit_equal_to_gguf(fmt, dtype, id_dtype):
+    """The device decode is gguf-py's f32 arithmetic (blocks.cuh), then one rounding to the dtype."""
+    data = random_blocks(fmt, 50, 512, seed=12, from_floats=False)
+    w = matrix(fmt, data).to("cuda")
+    ids = np.array([[3, 49, 0], [0, 3, 17]], NP_DTYPE[id_dtype])
+    out = poisoned((2, 3, 512), dtype, "cuda")
+    quant.embedding_(out, llaisys.tensor(ids, "cuda"), w)
+    ref = gguf.quants.dequantize(data, gtype(fmt))[ids].astype(NP_DTYPE[dtype])
+    np.testing.assert_array_equal(bits(out), ref.view(f"u{ref.itemsize}"))
+
+
+@cuda
+def test_cuda_embedding_id_out_of_range_raises_at_synchronize():
+    data = random_blocks("q8_0", 10, 64, seed=2)
+    w = matrix("q8_0", data).to("cuda")
+    out = poisoned((3, 64), "f32", "cuda")
+    quant.embedding_(out, llaisys.tensor(np.array([2, 10, 3], np.int64), "cuda"), w)  # no host sync: no raise yet
+    with pytest.raises(IndexError, match="embedding: an id is out of range"):
+        llaisys.synchronize("cuda")
+    got = out.to("cpu").numpy()
+    np.testing.assert_array_equal(got[1], 0.0)  # the bad row is zero-filled, so the output is defined
+    np.testing.assert_array_equal(got[[0, 2]], gguf.quants.dequantize(data, GQT.Q8_0)[[2, 3]])
+
+
+@cuda
+def test_cuda_errors():
+    w = matrix("q4_k", random_blocks("q4_k", 4, 256, seed=1))
+    x = llaisys.tensor(np.ones((2, 256), np.float32), "cuda")
+    with pytest.raises(ValueError, match="quant_linear: weight is on cpu but the tensors are on cuda:0"):
+        quant.linear_(llaisys.empty([2, 4], "f32", "cuda"), x, w)
+    # Q4_K's reader loads 4-byte words: bytes starting 1 byte into an allocation are refused.
+    raw = llaisys.empty([1, 145], "u8", "cuda").slice(1, 1, 145)
+    odd = quant.QuantMatrix("q4_k", 1, 256, raw)
+    with pytest.raises(ValueError, match="quant_linear: q4_k weight bytes must start on a 4-byte boundary"):
+        quant.linear_(llaisys.empty([2, 1], "f32", "cuda"), x, odd)
