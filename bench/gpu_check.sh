@@ -3,14 +3,14 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [model] [ab] [breakdown] [bench] [sanitize]   (default: all but ab, in this order:
+#   bash bench/gpu_check.sh [build] [test] [serving] [model] [ab] [breakdown] [bench] [sanitize]   (default: all but ab, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-steps=${*:-build test model breakdown bench sanitize}
+steps=${*:-build test serving model breakdown bench sanitize}
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
@@ -36,8 +36,20 @@ fi
 
 if has test; then
   log "pytest -m cuda"
-  timeout ${T_TEST:-300} python3 -m pytest -q -m cuda tests -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
+  # TESTS narrows the files (default: all of tests/)
+  timeout ${T_TEST:-300} python3 -m pytest -q -m cuda ${TESTS:-tests} -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
   tail -15 "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
+fi
+
+if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol
+  for shape in qwen2-0.5b qwen2-1.5b; do
+    log "batched engine, one request, $shape (compare: llaisys bench --shape $shape in 'model')"
+    timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
+      grep -E "^(llaisys|one)" | tee -a "$OUT/summary.txt"
+    log "batched engine throughput, $shape, ${N_REQ:-256} requests ${PEERS:+(with HF generate_batch)}"
+    timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} ${PEERS:+--peers} \
+      2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+  done
 fi
 
 if has model; then

@@ -1,20 +1,19 @@
 // The ceilings the op benchmarks are read against:
 //   Ceiling/cuda/copy      device-to-device cudaMemcpyAsync of 1 GiB; GB/s counts bytes read + written
 //   Ceiling/cuda/gemm_bf16 cuBLAS bf16 GEMM, 8192^3, f32 compute; TFLOP/s = 2 M N K
-//   Ceiling/cpu/memcpy     memcpy of 256 MiB split over the OpenMP threads; GB/s counts bytes read + written
+//   Ceiling/cpu/memcpy     memcpy of 256 MiB split over the CPU pool's threads; GB/s counts bytes read + written
 //   Ceiling/cpu/read       one read-only pass over 256 MiB (all a decode GEMV must do); GB/s of bytes read
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
+#include "llaisys/thread_pool.hpp"
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
-#ifdef LLAISYS_WITH_OPENMP
-#include <omp.h>
-#endif
 #ifdef LLAISYS_WITH_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -32,15 +31,8 @@ constexpr int64_t kCpuCeilingBytes = int64_t(256) << 20;
 // Splits [0, n) into one contiguous range per thread.
 template <typename Fn>
 void ceiling_parallel_ranges(int64_t n, Fn &&fn) {
-#ifdef LLAISYS_WITH_OPENMP
-#pragma omp parallel
-    {
-        const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        fn(n * t / nt, n * (t + 1) / nt);
-    }
-#else
-    fn(int64_t(0), n);
-#endif
+    const int64_t nt = cpu_threads();
+    parallel_tasks(nt, [&](int64_t t) { fn(n * t / nt, n * (t + 1) / nt); });
 }
 
 void BM_CeilingCpuMemcpy(benchmark::State &state) {
@@ -57,7 +49,7 @@ void BM_CeilingCpuMemcpy(benchmark::State &state) {
 void BM_CeilingCpuRead(benchmark::State &state) {
     const std::vector<uint64_t> src(size_t(kCpuCeilingBytes / 8), 1);
     for (auto _ : state) {
-        uint64_t folded = 0;
+        std::atomic<uint64_t> folded{0};
         ceiling_parallel_ranges(int64_t(src.size()), [&](int64_t b, int64_t e) {
             uint64_t acc = 0;
             int64_t i = b;
@@ -66,12 +58,9 @@ void BM_CeilingCpuRead(benchmark::State &state) {
                 for (int j = 0; j < 8; ++j) acc ^= src[size_t(i + j)];
             }
             for (; i < e; ++i) acc ^= src[size_t(i)];
-#ifdef LLAISYS_WITH_OPENMP
-#pragma omp atomic
-#endif
-            folded ^= acc;
+            folded.fetch_xor(acc, std::memory_order_relaxed);
         });
-        benchmark::DoNotOptimize(folded);
+        benchmark::DoNotOptimize(folded.load());
     }
     state.counters["GB/s"] = benchmark::Counter(kCpuCeilingBytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }

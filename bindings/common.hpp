@@ -8,3 +8,4 @@ void bind_runtime(nb::module_ &m);
 void bind_tensor(nb::module_ &m);
 void bind_ops(nb::module_ &m);
 void bind_model(nb::module_ &m);
+void bind_serving(nb::module_ &m);

@@ -3,12 +3,15 @@
 #include "llaisys/common.hpp"
 #include "llaisys/memory.hpp"
 #include "llaisys/stream.hpp"
+#include "llaisys/thread_pool.hpp"
 
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
 
 using namespace llaisys;
+
+void bind_quant(nb::module_ &m); // bindings/quant.cpp
 
 static nb::dict build_info() {
     nb::dict d;
@@ -23,11 +26,7 @@ static nb::dict build_info() {
 #endif
     d["compiler"] = LLAISYS_CXX_COMPILER;
     d["cpu_flags"] = LLAISYS_CPU_FLAGS;
-#ifdef LLAISYS_WITH_OPENMP
-    d["openmp"] = true;
-#else
-    d["openmp"] = false;
-#endif
+    d["cpu_threads"] = cpu_threads();
     return d;
 }
 
@@ -101,4 +100,6 @@ NB_MODULE(_core, m) {
     bind_tensor(m);
     bind_ops(m);
     bind_model(m);
+    bind_quant(m);
+    bind_serving(m);
 }

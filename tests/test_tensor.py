@@ -1,4 +1,6 @@
 """Tensor core through Python: views, copies, zero-copy exchange, memory statistics, errors."""
+import os
+
 import numpy as np
 import pytest
 
@@ -83,8 +85,9 @@ def test_cuda_in_cpu_build_says_how_to_rebuild():
 
 def test_build_info_fields():
     info = llaisys.build_info()
-    for key in ("version", "cuda", "cuda_version", "cuda_archs", "compiler", "openmp"):
+    for key in ("version", "cuda", "cuda_version", "cuda_archs", "compiler", "cpu_threads"):
         assert key in info
+    assert info["cpu_threads"] == len(os.sched_getaffinity(0))  # the default: every core this process may use
 
 
 @pytest.mark.parametrize("device", DEVICES)

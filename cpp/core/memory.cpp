@@ -4,6 +4,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <mutex>
 
 namespace llaisys {
@@ -91,6 +93,22 @@ void empty_cache(Device device) {
 #ifdef LLAISYS_WITH_CUDA
     if (device.is_cuda()) runtime::cuda::empty_cache(device);
 #endif
+}
+
+DeviceMemoryInfo device_memory_info(Device device) {
+    check_device_available(device);
+#ifdef LLAISYS_WITH_CUDA
+    if (device.is_cuda()) return runtime::cuda::mem_info(device);
+#endif
+    DeviceMemoryInfo info;
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key, unit;
+    size_t kib = 0;
+    while (meminfo >> key >> kib >> unit) {
+        if (key == "MemTotal:") info.total = kib << 10;
+        if (key == "MemAvailable:") info.free = kib << 10;
+    }
+    return info;
 }
 
 namespace runtime {

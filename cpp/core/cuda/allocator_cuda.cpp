@@ -237,6 +237,13 @@ MemoryStats stats(Device device) { return allocator().stats(device); }
 void reset_peak(Device device) { allocator().reset_peak(device); }
 void empty_cache(Device device) { allocator().empty_cache(device); }
 
+DeviceMemoryInfo mem_info(Device device) {
+    DeviceGuard guard(device);
+    size_t free_b = 0, total_b = 0;
+    LLAISYS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return {free_b, total_b};
+}
+
 void memcpy(void *dst, const void *src, size_t n, const Stream &stream, bool wait) {
     DeviceGuard guard(stream.device());
     auto s = static_cast<cudaStream_t>(stream.handle());

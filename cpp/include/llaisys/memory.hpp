@@ -55,4 +55,11 @@ void reset_peak_memory(Device device);
 // Returns cached, unused device blocks to the driver.
 void empty_cache(Device device);
 
+// What the driver reports for a CUDA device (cudaMemGetInfo); for the CPU, the system's available and
+// total memory (MemAvailable / MemTotal). Blocks cached by llaisys' allocator count as used.
+struct DeviceMemoryInfo {
+    size_t free = 0, total = 0;
+};
+DeviceMemoryInfo device_memory_info(Device device);
+
 } // namespace llaisys

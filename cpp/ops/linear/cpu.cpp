@@ -16,9 +16,6 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#ifdef LLAISYS_WITH_OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12 reports the deliberately undefined pass-through operand inside its own AVX-512 intrinsics
@@ -259,14 +256,6 @@ void run_task(const TiledArgs<S, T> &a, int64_t m_begin, int64_t m_end, int64_t 
     }
 }
 
-int max_threads() {
-#ifdef LLAISYS_WITH_OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 // Splits out [M, N] into tasks of [mc, nc]: nc W rows fill about 256 KiB (they stay in L2 while
 // mc = 64 rows of x pass), shrunk until every thread has a few tasks (decode has M = 1, so its
 // parallelism comes from N alone).
@@ -278,15 +267,10 @@ void linear_tiled(const TiledArgs<S, T> &a) {
     int64_t nc = std::clamp<int64_t>((256 << 10) / row_bytes / kTileN * kTileN, kTileN, 512);
     while (nc > kTileN && m_tasks * ((a.N + nc - 1) / nc) < want_tasks) nc = std::max<int64_t>(kTileN, nc / 2 / kTileN * kTileN);
     const int64_t n_tasks = (a.N + nc - 1) / nc, tasks = m_tasks * n_tasks;
-    // Dynamic scheduling: when another process takes a core, the other threads pick up its tasks
-    // instead of the whole op waiting for it (a fixed split is no faster when the machine is quiet).
-#ifdef LLAISYS_WITH_OPENMP
-#pragma omp parallel for schedule(dynamic) if (tasks > 1 && a.M * a.N * a.K >= (1 << 16))
-#endif
-    for (int64_t t = 0; t < tasks; ++t) {
+    run_tasks(tasks, a.M * a.N * a.K >= (1 << 16), [&](int64_t t) {
         const int64_t m = t / n_tasks * mc, n = t % n_tasks * nc;
         run_task(a, m, std::min(a.M, m + mc), n, std::min(a.N, n + nc));
-    }
+    });
 }
 
 // Runs the tiled path with step S, first converting x to S::X when the step reads x in another type

@@ -9,10 +9,6 @@
 #include <limits>
 #include <vector>
 
-#ifdef LLAISYS_WITH_OPENMP
-#include <omp.h>
-#endif
-
 namespace llaisys::ops::cpu {
 
 namespace {
@@ -68,7 +64,6 @@ void tile_scores(const float *q, const float *kT, int64_t n, int64_t hd, float *
         float s[kLanes] = {};
         for (int64_t d = 0; d < hd; ++d) {
             const float qd = q[d], *kd = kT + d * kKeyTile + c0;
-#pragma omp simd
             for (int64_t c = 0; c < kLanes; ++c) s[c] += qd * kd[c];
         }
         std::copy(s, s + kLanes, scores + c0);
@@ -83,7 +78,6 @@ void tile_pv(float *acc, const float *p, const float *v, int64_t n, int64_t hd_v
         std::copy(acc + d0, acc + d0 + kLanes, a);
         for (int64_t c = 0; c < n; ++c) {
             const float pc = p[c], *vc = v + c * hd_v + d0;
-#pragma omp simd
             for (int64_t d = 0; d < kLanes; ++d) a[d] += pc * vc[d];
         }
         std::copy(a, a + kLanes, acc + d0);
@@ -167,14 +161,6 @@ void attend_item(const Problem<T> &p, const Item &it) {
     }
 }
 
-inline int max_threads() {
-#ifdef LLAISYS_WITH_OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 // Items are (kv head, head chunk, query block). A GQA group is split into head chunks only when
 // there are too few items to keep the threads busy (decode); otherwise each K/V tile is converted
 // once per group, which is what bounds decode (memory) and short prefill (conversion).
@@ -185,17 +171,14 @@ void attention_kernel(const Problem<T> &p) {
     const int64_t heads_per_item = (group + std::min(group, (want + base - 1) / base) - 1) /
                                    std::min(group, (want + base - 1) / base);
     const int64_t hsplit = (group + heads_per_item - 1) / heads_per_item, items = base * hsplit;
-#ifdef LLAISYS_WITH_OPENMP
-    // Later query blocks see more keys: hand the items out heaviest first, dynamically.
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && p.qlen * p.kvlen * p.nh * p.hd >= (1 << 16))
-#endif
-    for (int64_t n = 0; n < items; ++n) {
+    // Later query blocks see more keys: items are claimed heaviest first.
+    run_tasks(items, p.qlen * p.kvlen * p.nh * p.hd >= (1 << 16), [&](int64_t n) {
         const int64_t b = nqb - 1 - n / (p.nkvh * hsplit), kvh = n / hsplit % p.nkvh, hc = n % hsplit;
         const int64_t h0 = kvh * group + hc * heads_per_item;
         const int64_t i0 = b * kQueryBlock;
         attend_item(p, Item{kvh, h0, std::min(h0 + heads_per_item, (kvh + 1) * group), i0,
                             std::min(p.qlen, i0 + kQueryBlock)});
-    }
+    });
 }
 
 template <typename T>

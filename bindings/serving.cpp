@@ -1,0 +1,103 @@
+// llaisys._core.KVPool and Runner: the paged KV cache and the step runner the Python scheduler drives.
+#include "bindings/common.hpp"
+#include "llaisys/runner.hpp"
+
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+using namespace llaisys;
+using namespace llaisys::runtime;
+
+namespace {
+template <typename T>
+using Array = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+template <typename T, typename U = T>
+std::vector<U> to_vector(const Array<T> &a) {
+    return std::vector<U>(a.data(), a.data() + a.shape(0));
+}
+
+HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const Array<int64_t> &slots,
+                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len,
+                     const nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> &tables) {
+    HostBatch b;
+    b.ids = to_vector(ids);
+    b.pos = to_vector(pos);
+    b.slots = to_vector(slots);
+    b.q_start = to_vector(q_start);
+    b.kv_len = to_vector(kv_len);
+    b.max_blocks = int64_t(tables.shape(1));
+    b.block_tables.assign(tables.data(), tables.data() + tables.shape(0) * tables.shape(1));
+    LLAISYS_CHECK(int64_t(tables.shape(0)) == b.num_seqs(), std::invalid_argument,
+                  "Runner: block_tables needs one row per sequence");
+    return b;
+}
+} // namespace
+
+void bind_serving(nb::module_ &m) {
+    using G = nb::call_guard<nb::gil_scoped_release>;
+    m.def("device_memory_info", [](const std::string &d) {
+        const DeviceMemoryInfo info = device_memory_info(Device::parse(d));
+        return std::make_pair(info.free, info.total);
+    }, nb::arg("device"), "(free, total) bytes of `device` (CUDA: cudaMemGetInfo; CPU: MemAvailable/MemTotal).");
+
+    nb::class_<KVPool>(m, "KVPool")
+        .def("__init__", [](KVPool *self, int64_t layers, int64_t blocks, int64_t block_size, int64_t nkvh,
+                            int64_t hd, const std::string &dtype, const std::string &device) {
+            new (self) KVPool(layers, blocks, block_size, nkvh, hd, dtype_from_name(dtype), Device::parse(device));
+        }, nb::arg("num_layers"), nb::arg("num_blocks"), nb::arg("block_size"), nb::arg("num_kv_heads"),
+             nb::arg("head_dim"), nb::arg("dtype"), nb::arg("device"))
+        .def_static("block_bytes", [](int64_t layers, int64_t block_size, int64_t nkvh, int64_t hd,
+                                      const std::string &dtype) {
+            return KVPool::block_bytes(layers, block_size, nkvh, hd, dtype_from_name(dtype));
+        }, nb::arg("num_layers"), nb::arg("block_size"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"))
+        .def_prop_ro("num_blocks", &KVPool::num_blocks)
+        .def_prop_ro("block_size", &KVPool::block_size)
+        .def_prop_ro("nbytes", &KVPool::nbytes)
+        .def("keys", &KVPool::keys, nb::arg("layer"))
+        .def("values", &KVPool::values, nb::arg("layer"));
+
+    nb::class_<Runner>(m, "Runner")
+        .def("__init__", [](Runner *self, models::Qwen2 &model, KVPool &pool, std::vector<int64_t> graph_sizes,
+                            int64_t max_blocks_per_seq, bool cuda_graphs) {
+            new (self) Runner(model, pool, RunnerConfig{std::move(graph_sizes), max_blocks_per_seq, cuda_graphs});
+        }, nb::arg("model"), nb::arg("pool"), nb::arg("graph_batch_sizes"), nb::arg("max_blocks_per_seq"),
+             nb::arg("cuda_graphs"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+        .def("step", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
+                        Array<int32_t> q_start, Array<int32_t> kv_len,
+                        nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
+                        Array<float> temperature, Array<int32_t> top_k, Array<float> top_p, Array<float> min_p,
+                        Array<float> repetition_penalty, Array<uint64_t> seed, Array<uint64_t> step,
+                        std::vector<std::vector<int64_t>> penalty_ids) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+            const size_t B = size_t(b.num_seqs());
+            LLAISYS_CHECK(temperature.shape(0) == B && top_k.shape(0) == B && top_p.shape(0) == B &&
+                              min_p.shape(0) == B && repetition_penalty.shape(0) == B && seed.shape(0) == B &&
+                              step.shape(0) == B && (penalty_ids.empty() || penalty_ids.size() == B),
+                          std::invalid_argument, "Runner.step: need one sampling value per sequence (", B, ")");
+            std::vector<RowSampling> rows(B);
+            for (size_t i = 0; i < B; ++i) {
+                rows[i] = RowSampling{temperature.data()[i], top_k.data()[i], top_p.data()[i], min_p.data()[i],
+                                      repetition_penalty.data()[i], seed.data()[i], step.data()[i], {}};
+                if (!penalty_ids.empty()) rows[i].penalty_ids = std::move(penalty_ids[i]);
+            }
+            nb::gil_scoped_release release;
+            return r.step(b, rows);
+        }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
+             nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+             nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
+             "Runs one step and returns one sampled token id per sequence.")
+        .def("logits", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
+                          Array<int32_t> q_start, Array<int32_t> kv_len,
+                          nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
+                          bool all_logits) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+            nb::gil_scoped_release release;
+            return r.logits(b, all_logits);
+        }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
+             nb::arg("block_tables"), nb::arg("all_logits") = false,
+             "The step's logits [B, vocab] (or [T, vocab] with all_logits), not synchronized.")
+        .def_prop_ro("captured_batch_sizes", &Runner::captured_batch_sizes);
+}

@@ -1,0 +1,207 @@
+// The pool behind llaisys::parallel_tasks (thread_pool.hpp says why it replaces OpenMP).
+//
+// One job at a time: the caller holding caller_mu_ writes the job's fields, then publishes
+// state_ = epoch << 32 | n. Every thread, the caller included, claims task n - r by decrementing the
+// unclaimed count r with a CAS that also compares the epoch, so a worker waking late can never claim a
+// task of a later job. A claim pins its job (the caller returns only when done_ == n), so the fields a
+// thread reads after claiming are those of the job it claimed from.
+#include "llaisys/thread_pool.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifdef __linux__
+#include <pthread.h>
+#include <sched.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace llaisys {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+// How long an idle worker spins for the next job before it sleeps: the ops of a decode step follow
+// each other within microseconds, so a short spin keeps workers awake through a step without taking
+// a busy machine's cores between steps.
+constexpr auto kWorkerSpin = std::chrono::microseconds(100);
+// Pauses the caller spins waiting for tasks that workers have started, before it yields its core
+// (which a descheduled worker may be waiting for).
+constexpr int kCallerSpins = 2000;
+
+int threads_from_environment() {
+    if (const char *s = std::getenv("LLAISYS_NUM_THREADS")) { // A/B runs only: read here and nowhere else
+        const int n = std::atoi(s);
+        if (n > 0) return n;
+    }
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+#endif
+    return int(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+thread_local bool t_in_task = false; // true on workers, and on a caller while it runs its own job's tasks
+
+class Pool {
+  public:
+    explicit Pool(int threads) {
+        for (int t = 1; t < threads; ++t) workers_.emplace_back([this] { worker_loop(); });
+    }
+    void run(int64_t n, void (*task)(void *, int64_t), void *ctx);
+
+  private:
+    static constexpr uint64_t kCountMask = 0xffffffffu;
+    void work(uint64_t epoch);
+    void worker_loop();
+    void sleep_until_job(uint64_t seen);
+    void record_error();
+
+    std::vector<std::thread> workers_; // never joined: the pool lives until the process ends
+    std::mutex caller_mu_;             // held by the caller whose job is running
+    // The current job, written by its caller before state_ publishes it.
+    void (*task_)(void *, int64_t) = nullptr;
+    void *ctx_ = nullptr;
+    int64_t n_ = 0;
+    uint64_t epoch_ = 0;
+    std::mutex error_mu_;
+    std::exception_ptr error_;
+    alignas(64) std::atomic<uint64_t> state_{0}; // epoch << 32 | tasks not yet claimed
+    alignas(64) std::atomic<int64_t> done_{0};   // tasks of the current job finished or skipped
+    std::atomic<bool> failed_{false};
+    alignas(64) std::atomic<int> sleepers_{0};
+    std::mutex sleep_mu_;
+    std::condition_variable wake_;
+};
+
+void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
+    std::unique_lock<std::mutex> caller(caller_mu_, std::defer_lock);
+    if (t_in_task || !caller.try_lock()) { // nested, or another thread's job is running
+        for (int64_t i = 0; i < n; ++i) task(ctx, i);
+        return;
+    }
+    task_ = task, ctx_ = ctx, n_ = n, ++epoch_;
+    done_.store(0, std::memory_order_relaxed);
+    failed_.store(false, std::memory_order_relaxed);
+    state_.store((epoch_ & kCountMask) << 32 | uint64_t(n), std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) { // pairs with the increment in sleep_until_job
+        { std::lock_guard<std::mutex> g(sleep_mu_); }
+        wake_.notify_all();
+    }
+    t_in_task = true;
+    work(epoch_ & kCountMask);
+    t_in_task = false;
+    for (int spins = 0; done_.load(std::memory_order_acquire) != n; ++spins) {
+        if (spins < kCallerSpins) cpu_relax();
+        else std::this_thread::yield();
+    }
+    if (failed_.load(std::memory_order_relaxed)) {
+        std::exception_ptr e;
+        std::swap(e, error_); // the pool keeps no reference to the exception
+        std::rethrow_exception(e);
+    }
+}
+
+// Claims and runs tasks of job `epoch` until none is left unclaimed (or a later job is published).
+void Pool::work(uint64_t epoch) {
+    uint64_t s = state_.load(std::memory_order_acquire);
+    while ((s >> 32) == epoch && (s & kCountMask) != 0) {
+        if (!state_.compare_exchange_weak(s, s - 1, std::memory_order_acquire, std::memory_order_acquire)) continue;
+        if (!failed_.load(std::memory_order_relaxed)) {
+            try {
+                task_(ctx_, n_ - int64_t(s & kCountMask));
+            } catch (...) {
+                record_error();
+            }
+        }
+        done_.fetch_add(1, std::memory_order_release);
+        s = state_.load(std::memory_order_acquire);
+    }
+}
+
+void Pool::record_error() {
+    std::lock_guard<std::mutex> g(error_mu_);
+    if (!error_) error_ = std::current_exception();
+    failed_.store(true, std::memory_order_relaxed);
+}
+
+void Pool::worker_loop() {
+    t_in_task = true;
+    uint64_t seen = 0; // the epoch of the last job this worker looked at
+    for (;;) {
+        const auto deadline = std::chrono::steady_clock::now() + kWorkerSpin;
+        for (int i = 1; (state_.load(std::memory_order_acquire) >> 32) == seen; ++i) {
+            cpu_relax();
+            if (i % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
+                sleep_until_job(seen);
+                break;
+            }
+        }
+        seen = state_.load(std::memory_order_acquire) >> 32;
+        work(seen);
+    }
+}
+
+void Pool::sleep_until_job(uint64_t seen) {
+    std::unique_lock<std::mutex> lk(sleep_mu_);
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    wake_.wait(lk, [&] { return (state_.load(std::memory_order_seq_cst) >> 32) != seen; });
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+}
+
+std::atomic<Pool *> g_pool{nullptr};
+
+Pool &pool() {
+    static std::mutex create_mu;
+    Pool *p = g_pool.load(std::memory_order_acquire);
+    if (p) return *p;
+    std::lock_guard<std::mutex> g(create_mu);
+    if (!g_pool.load(std::memory_order_relaxed)) {
+#ifdef __linux__
+        // A forked child has none of the workers: it builds a new pool when it first needs one (the
+        // old one is leaked; destroying its std::thread objects would terminate).
+        static const bool registered =
+            pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr, std::memory_order_relaxed); }) == 0;
+        (void)registered;
+#endif
+        g_pool.store(new Pool(cpu_threads()), std::memory_order_release);
+    }
+    return *g_pool.load(std::memory_order_relaxed);
+}
+
+} // namespace
+
+int cpu_threads() {
+    static const int threads = threads_from_environment();
+    return threads;
+}
+
+void parallel_tasks(int64_t n, void (*task)(void *ctx, int64_t i), void *ctx) {
+    if (n <= 0) return;
+    if (uint64_t(n) > 0xffffffffu)
+        throw std::invalid_argument("parallel_tasks: " + std::to_string(n) + " tasks (at most 2^32 - 1)");
+    if (n == 1 || cpu_threads() == 1) {
+        for (int64_t i = 0; i < n; ++i) task(ctx, i);
+        return;
+    }
+    pool().run(n, task, ctx);
+}
+
+} // namespace llaisys

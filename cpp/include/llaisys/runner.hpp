@@ -1,0 +1,76 @@
+// The step runner of the serving path: takes one step's batch as host arrays (built by the Python
+// scheduler), uploads it in two copies, runs the model over the paged KV pool (replaying a captured
+// CUDA graph for decode batches, padded to the next graph batch size) and samples one token per
+// sequence with that sequence's own parameters and random stream.
+#pragma once
+#include "llaisys/graph.hpp"
+#include "llaisys/kv_pool.hpp"
+#include "llaisys/qwen2.hpp"
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+namespace llaisys::models {
+class InputStaging;
+}
+
+namespace llaisys::runtime {
+
+// One step as the scheduler sees it (StepBatch's fields, on the host). Block tables are row-major
+// [B, max_blocks]; unused entries may hold anything in [0, num_blocks).
+struct HostBatch {
+    std::vector<int64_t> ids, pos, slots; // [T]
+    std::vector<int32_t> q_start;         // [B + 1]
+    std::vector<int32_t> kv_len;          // [B]
+    std::vector<int32_t> block_tables;    // [B * max_blocks]
+    int64_t max_blocks = 0;
+    int64_t num_seqs() const { return int64_t(kv_len.size()); }
+};
+
+// Sampling for one sequence of the batch. Its random draw depends only on (seed, step): the same
+// request samples the same tokens whatever its row or its neighbours.
+struct RowSampling {
+    float temperature = 0.f; // 0 = greedy
+    int32_t top_k = 0;       // 0 = off
+    float top_p = 1.f;       // 1 = off
+    float min_p = 0.f;       // 0 = off
+    float repetition_penalty = 1.f;
+    uint64_t seed = 0, step = 0;
+    std::vector<int64_t> penalty_ids; // distinct ids seen so far, penalised when repetition_penalty != 1
+};
+
+struct RunnerConfig {
+    std::vector<int64_t> graph_batch_sizes; // decode batches up to the largest are padded and replayed
+    int64_t max_blocks_per_seq = 1;         // block-table width of the graphs (max_seq_len / block_size)
+    bool cuda_graphs = true;                // CUDA only
+};
+
+class Runner {
+public:
+    Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config);
+    ~Runner();
+    // Runs the step and returns one sampled token id per sequence (the only host sync of a step).
+    std::vector<int64_t> step(const HostBatch &batch, const std::vector<RowSampling> &rows);
+    // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
+    Tensor logits(const HostBatch &batch, bool all_logits);
+    // Graphs captured so far, by padded batch size.
+    std::vector<int64_t> captured_batch_sizes() const;
+
+private:
+    struct Graphed; // one captured decode step and its fixed input buffers
+    StepBatch upload(const HostBatch &batch);
+    void check(const HostBatch &batch) const;
+    int64_t graph_size_for(const HostBatch &batch) const;
+    Tensor run_graphed(const HostBatch &batch, int64_t size);
+    void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
+
+    models::Qwen2 &model_;
+    KVPool &pool_;
+    RunnerConfig config_;
+    std::unique_ptr<models::InputStaging> staging_;
+    std::map<int64_t, std::unique_ptr<Graphed>> graphs_;
+};
+
+} // namespace llaisys::runtime

@@ -1,0 +1,35 @@
+// The CPU ops' threads: one persistent pool per process, shared by every parallel call.
+//
+// Why not OpenMP: its regions end in a barrier that waits for every thread, and its idle threads spin.
+// When another process takes a core, a descheduled thread stalls every op (decode fell 4x beside one
+// busy process, 50x beside a second engine). Here tasks are claimed one at a time from an atomic
+// counter and the calling thread claims too, so the caller only ever waits for a task that a worker
+// has already started; idle workers spin briefly, then sleep.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+
+namespace llaisys {
+
+// Threads a parallel call may use, the caller included: the cores this process may run on
+// (sched_getaffinity), or LLAISYS_NUM_THREADS when set (an A/B switch for benchmarks, not a user setting).
+int cpu_threads();
+
+// Calls task(ctx, i) exactly once for every i in [0, n) on the pool's threads and the calling thread,
+// and returns when all have finished. The first exception a task throws is rethrown here (the tasks
+// not yet started are skipped). Nested calls (from inside a task) and calls made while another thread
+// is using the pool run inline on the calling thread, so any thread may call at any time.
+// Keep tasks small (a few microseconds or more, many per thread): a task a descheduled worker has
+// started is the only thing the caller can be left waiting for.
+void parallel_tasks(int64_t n, void (*task)(void *ctx, int64_t i), void *ctx);
+
+template <typename Fn>
+void parallel_tasks(int64_t n, Fn &&fn) {
+    using F = std::remove_reference_t<Fn>;
+    parallel_tasks(n, [](void *ctx, int64_t i) { (*static_cast<F *>(ctx))(i); },
+                   const_cast<void *>(static_cast<const void *>(std::addressof(fn))));
+}
+
+} // namespace llaisys

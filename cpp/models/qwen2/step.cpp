@@ -1,0 +1,68 @@
+// Qwen2's layer math for one step of a batch over the paged KV pool (the serving path). The step's
+// description (ids, positions, slots, block tables, lengths) lives in device tensors only, so the
+// same code runs eagerly and under CUDA-graph capture.
+#include "llaisys/kv_pool.hpp"
+#include "llaisys/ops.hpp"
+#include "llaisys/qwen2.hpp"
+#include "llaisys/stream.hpp"
+#include "models/qwen2/layer.hpp"
+
+#include <cmath>
+
+namespace llaisys::models {
+
+// x [T, H] -> attention output projected back to [T, H]; this step's keys/values go to the pool first.
+Tensor Qwen2::attention_paged(int l, const Tensor &x, const runtime::StepBatch &b, const runtime::KVPool &pool) {
+    const Layer &L = layers_[size_t(l)];
+    const int64_t T = x.size(0), nh = config_.num_heads, nkvh = config_.num_kv_heads, hd = config_.head_dim;
+    Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
+    if (fused_) {
+        Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
+        ops::linear(qkv, x, L.wqkv, L.bqkv, true);
+        ops::rope_qkv_cache(q, pool.key_rows(l), pool.value_rows(l), qkv, b.pos, config_.rope_theta, b.slots);
+    } else {
+        Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
+        ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq, true);
+        ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk, true);
+        ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv, true);
+        ops::rope(q, q, b.pos, config_.rope_theta);
+        ops::rope(k, k, b.pos, config_.rope_theta);
+        ops::index_copy(pool.key_rows(l), b.slots, k);
+        ops::index_copy(pool.value_rows(l), b.slots, v);
+    }
+    Tensor attn = Tensor::empty({T, nh, hd}, dtype_, device_);
+    ops::paged_attention(attn, q, pool.keys(l), pool.values(l), b.block_tables, b.q_start, b.kv_len,
+                         1.f / std::sqrt(float(hd)), b.max_q_len);
+    return project_out(L, attn, T);
+}
+
+Tensor Qwen2::forward_step(const runtime::StepBatch &b, const runtime::KVPool &pool, bool all_logits) {
+    check_ready();
+    LLAISYS_CHECK(pool.num_layers() == config_.num_layers && pool.dtype() == dtype_ && pool.device() == device_,
+                  std::invalid_argument, "Qwen2: the KV pool does not match the model (layers, dtype or device)");
+    DeviceGuard guard(device_);
+    const int64_t T = b.num_tokens(), H = config_.hidden_size;
+    Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
+    Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
+    ops::embedding(h, b.ids, embed_);
+    Tensor mlp_out;
+    for (int l = 0; l < int(layers_.size()); ++l) {
+        const Layer &L = layers_[size_t(l)];
+        if (l == 0) ops::rms_norm(x, h, L.input_norm, config_.rms_norm_eps);
+        else ops::add_rms_norm(x, h, mlp_out, L.input_norm, config_.rms_norm_eps);
+        const Tensor attn_out = attention_paged(l, x, b, pool);
+        ops::add_rms_norm(x, h, attn_out, L.post_norm, config_.rms_norm_eps);
+        mlp_out = mlp(l, x);
+    }
+    ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.rms_norm_eps);
+    Tensor rows = x;
+    if (!all_logits) { // each sequence's last token: a row gather the graph can replay (embedding by row ids)
+        rows = Tensor::empty({b.num_seqs(), H}, dtype_, device_);
+        ops::embedding(rows, b.last, x);
+    }
+    Tensor logits = Tensor::empty({rows.size(0), config_.vocab_size}, dtype_, device_);
+    ops::linear(logits, rows, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor(), true);
+    return logits;
+}
+
+} // namespace llaisys::models

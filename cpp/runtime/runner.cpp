@@ -1,0 +1,225 @@
+#include "llaisys/runner.hpp"
+
+#include "core/runtime.hpp"
+#include "llaisys/ops.hpp"
+#include "llaisys/stream.hpp"
+#include "models/qwen2/staging.hpp"
+
+#include <algorithm>
+#include <set>
+
+namespace llaisys::runtime {
+
+// A captured decode step for `size` sequences of one token each: the inputs live in two fixed device
+// buffers (i64 and i32 fields) that every replay refills with one copy each.
+struct Runner::Graphed {
+    Tensor buf64, buf32, logits;
+    StepBatch batch;
+    std::unique_ptr<Graph> graph;
+};
+
+Runner::Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config)
+    : model_(model), pool_(pool), config_(std::move(config)),
+      staging_(std::make_unique<models::InputStaging>(model.device())) {
+    LLAISYS_CHECK(pool.device() == model.device() && pool.dtype() == model.dtype(), std::invalid_argument,
+                  "Runner: the KV pool must have the model's device and dtype");
+    LLAISYS_CHECK(config_.max_blocks_per_seq >= 1, std::invalid_argument,
+                  "Runner: max_blocks_per_seq must be >= 1, got ", config_.max_blocks_per_seq);
+    auto &sizes = config_.graph_batch_sizes;
+    std::sort(sizes.begin(), sizes.end());
+    sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+    LLAISYS_CHECK(sizes.empty() || sizes.front() >= 1, std::invalid_argument, "Runner: graph batch sizes must be >= 1");
+    config_.cuda_graphs = config_.cuda_graphs && model.device().is_cuda();
+}
+
+Runner::~Runner() = default;
+
+void Runner::check(const HostBatch &b) const {
+    const int64_t B = b.num_seqs(), T = int64_t(b.ids.size());
+    LLAISYS_CHECK(B >= 1 && int64_t(b.q_start.size()) == B + 1 && b.q_start.front() == 0 && b.q_start.back() == T,
+                  std::invalid_argument, "Runner: q_start must have B + 1 entries from 0 to the token count ", T);
+    LLAISYS_CHECK(int64_t(b.pos.size()) == T && int64_t(b.slots.size()) == T, std::invalid_argument,
+                  "Runner: ids, pos and slots must have one entry per token");
+    LLAISYS_CHECK(b.max_blocks >= 1 && int64_t(b.block_tables.size()) == B * b.max_blocks, std::invalid_argument,
+                  "Runner: block_tables must hold B * max_blocks = ", B * b.max_blocks, " entries, got ",
+                  b.block_tables.size());
+    const int64_t rows = pool_.num_blocks() * pool_.block_size();
+    for (int64_t s : b.slots)
+        LLAISYS_CHECK(s >= 0 && s < rows, std::out_of_range, "Runner: slot ", s, " outside the pool's ", rows, " rows");
+    for (int32_t blk : b.block_tables)
+        LLAISYS_CHECK(blk >= 0 && blk < pool_.num_blocks(), std::out_of_range, "Runner: block ", blk,
+                      " outside the pool's ", pool_.num_blocks(), " blocks");
+    for (int64_t i = 0; i < B; ++i) {
+        const int64_t n = b.q_start[i + 1] - b.q_start[i];
+        LLAISYS_CHECK(n >= 1 && b.kv_len[i] >= n && b.kv_len[i] <= b.max_blocks * pool_.block_size(),
+                      std::invalid_argument, "Runner: sequence ", i, " has ", n, " tokens and context ", b.kv_len[i],
+                      " (need 1 <= tokens <= context <= ", b.max_blocks * pool_.block_size(), ")");
+    }
+}
+
+// Lays the batch out as [ids | pos | slots | last] (i64) and [q_start | kv_len | block_tables] (i32),
+// padded to `P` sequences of block-table width `W`: padded sequences are one token at position 0 of
+// block 0 (reserved), so they compute finite garbage that nobody reads.
+static void pack(const HostBatch &b, int64_t P, int64_t W, std::vector<int64_t> &h64, std::vector<int32_t> &h32) {
+    const int64_t B = b.num_seqs(), T = int64_t(b.ids.size()), Tp = T + (P - B);
+    h64.assign(size_t(3 * Tp + P), 0);
+    std::copy(b.ids.begin(), b.ids.end(), h64.begin());
+    std::copy(b.pos.begin(), b.pos.end(), h64.begin() + Tp);
+    std::copy(b.slots.begin(), b.slots.end(), h64.begin() + 2 * Tp);
+    for (int64_t i = 0; i < P; ++i) h64[size_t(3 * Tp + i)] = i < B ? b.q_start[size_t(i + 1)] - 1 : T + (i - B);
+    h32.assign(size_t((P + 1) + P + P * W), 0);
+    for (int64_t i = 0; i <= P; ++i) h32[size_t(i)] = i <= B ? b.q_start[size_t(i)] : int32_t(T + (i - B));
+    for (int64_t i = 0; i < P; ++i) h32[size_t(P + 1 + i)] = i < B ? b.kv_len[size_t(i)] : 1;
+    int32_t *tables = h32.data() + 2 * P + 1;
+    for (int64_t i = 0; i < B; ++i)
+        std::copy_n(b.block_tables.begin() + i * b.max_blocks, std::min(W, b.max_blocks), tables + i * W);
+}
+
+static StepBatch views(const Tensor &buf64, const Tensor &buf32, int64_t P, int64_t Tp, int64_t W, int64_t max_q) {
+    StepBatch s;
+    s.ids = buf64.slice(0, 0, Tp);
+    s.pos = buf64.slice(0, Tp, 2 * Tp);
+    s.slots = buf64.slice(0, 2 * Tp, 3 * Tp);
+    s.last = buf64.slice(0, 3 * Tp, 3 * Tp + P);
+    s.q_start = buf32.slice(0, 0, P + 1);
+    s.kv_len = buf32.slice(0, P + 1, 2 * P + 1);
+    s.block_tables = buf32.slice(0, 2 * P + 1, 2 * P + 1 + P * W).view({P, W});
+    s.max_q_len = max_q;
+    return s;
+}
+
+static int64_t max_q_len(const HostBatch &b) {
+    int64_t m = 1;
+    for (size_t i = 0; i + 1 < b.q_start.size(); ++i) m = std::max<int64_t>(m, b.q_start[i + 1] - b.q_start[i]);
+    return m;
+}
+
+StepBatch Runner::upload(const HostBatch &b) {
+    std::vector<int64_t> h64;
+    std::vector<int32_t> h32;
+    pack(b, b.num_seqs(), b.max_blocks, h64, h32);
+    const Tensor buf64 = staging_->upload(h64, DType::I64), buf32 = staging_->upload(h32, DType::I32);
+    return views(buf64, buf32, b.num_seqs(), int64_t(b.ids.size()), b.max_blocks, max_q_len(b));
+}
+
+int64_t Runner::graph_size_for(const HostBatch &b) const {
+    if (!config_.cuda_graphs || config_.graph_batch_sizes.empty()) return 0;
+    if (int64_t(b.ids.size()) != b.num_seqs() || b.max_blocks > config_.max_blocks_per_seq) return 0; // not decode
+    for (int64_t size : config_.graph_batch_sizes)
+        if (size >= b.num_seqs()) return size;
+    return 0;
+}
+
+Tensor Runner::run_graphed(const HostBatch &b, int64_t P) {
+    const int64_t W = config_.max_blocks_per_seq;
+    auto it = graphs_.find(P);
+    if (it == graphs_.end()) {
+        // Built aside and installed only once captured, so a failure leaves no half-built graph. The eager
+        // run first fills the allocator's cache (capture must not cudaMalloc); replay recomputes the same.
+        auto g = std::make_unique<Graphed>();
+        std::vector<int64_t> h64;
+        std::vector<int32_t> h32;
+        pack(b, P, W, h64, h32);
+        g->buf64 = staging_->upload(h64, DType::I64);
+        g->buf32 = staging_->upload(h32, DType::I32);
+        g->batch = views(g->buf64, g->buf32, P, P, W, 1);
+        g->logits = model_.forward_step(g->batch, pool_);
+        g->graph = std::make_unique<Graph>(model_.device());
+        g->graph->capture([&] { g->logits = model_.forward_step(g->batch, pool_); });
+        it = graphs_.emplace(P, std::move(g)).first;
+    } else {
+        std::vector<int64_t> h64;
+        std::vector<int32_t> h32;
+        pack(b, P, W, h64, h32);
+        staging_->upload_into(it->second->buf64, h64.data(), h64.size() * sizeof(int64_t));
+        staging_->upload_into(it->second->buf32, h32.data(), h32.size() * sizeof(int32_t));
+    }
+    it->second->graph->replay();
+    return it->second->logits.slice(0, 0, b.num_seqs());
+}
+
+Tensor Runner::logits(const HostBatch &b, bool all_logits) {
+    check(b);
+    DeviceGuard guard(model_.device());
+    const int64_t size = all_logits ? 0 : graph_size_for(b);
+    if (size > 0) return run_graphed(b, size);
+    const StepBatch s = upload(b);
+    return model_.forward_step(s, pool_, all_logits);
+}
+
+std::vector<int64_t> Runner::captured_batch_sizes() const {
+    std::vector<int64_t> out;
+    for (const auto &[size, g] : graphs_) out.push_back(size);
+    return out;
+}
+
+// One repetition_penalty call per distinct penalty value; each covers the rows using that value
+// (ids [B, n] padded with -1, so other rows are untouched).
+static void apply_penalties(const Tensor &logits, const std::vector<RowSampling> &rows, models::InputStaging &st) {
+    std::set<float> penalties;
+    size_t width = 0;
+    for (const RowSampling &r : rows)
+        if (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) {
+            penalties.insert(r.repetition_penalty);
+            width = std::max(width, r.penalty_ids.size());
+        }
+    const int64_t B = int64_t(rows.size());
+    for (float penalty : penalties) {
+        std::vector<int64_t> ids(size_t(B) * width, -1);
+        for (size_t b = 0; b < rows.size(); ++b)
+            if (rows[b].repetition_penalty == penalty)
+                std::copy(rows[b].penalty_ids.begin(), rows[b].penalty_ids.end(), ids.begin() + int64_t(b * width));
+        ops::repetition_penalty(logits, st.upload(ids, DType::I64).view({B, int64_t(width)}), penalty);
+    }
+}
+
+// Greedy rows take the argmax of every row (one launch); each sampled row then draws with its own
+// (seed, step), so its tokens never depend on its row index.
+// TODO: one sample launch for all rows once the op takes per-row seeds and steps.
+void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
+    const int64_t B = int64_t(rows.size());
+    apply_penalties(logits, rows, *staging_);
+    Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
+    ops::argmax(out, max_val, logits);
+    std::vector<int64_t> sampled;
+    std::vector<float> temperature, top_p, min_p;
+    std::vector<int32_t> top_k;
+    for (int64_t b = 0; b < B; ++b)
+        if (rows[size_t(b)].temperature > 0.f) {
+            const RowSampling &r = rows[size_t(b)];
+            sampled.push_back(b);
+            temperature.push_back(r.temperature);
+            top_k.push_back(r.top_k);
+            top_p.push_back(r.top_p);
+            min_p.push_back(r.min_p);
+        }
+    if (sampled.empty()) return;
+    const Tensor t = staging_->upload(temperature, DType::F32), k = staging_->upload(top_k, DType::I32),
+                 p = staging_->upload(top_p, DType::F32), m = staging_->upload(min_p, DType::F32);
+    for (size_t i = 0; i < sampled.size(); ++i) {
+        const int64_t b = sampled[i], j = int64_t(i);
+        const RowSampling &r = rows[size_t(b)];
+        ops::sample(out.slice(0, b, b + 1), logits.slice(0, b, b + 1), t.slice(0, j, j + 1), k.slice(0, j, j + 1),
+                    p.slice(0, j, j + 1), m.slice(0, j, j + 1), r.seed, r.step);
+    }
+}
+
+std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
+    LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
+                  b.num_seqs(), " sequences, got ", rows.size());
+    const Tensor lg = logits(b, false);
+    DeviceGuard guard(model_.device());
+    const int64_t B = b.num_seqs();
+    Tensor out = Tensor::empty({B}, DType::I64, model_.device());
+    sample(out, lg, rows);
+    std::vector<int64_t> ids(size_t(B), 0);
+    runtime::memcpy(ids.data(), Device::cpu(), out.data(), model_.device(), size_t(B) * sizeof(int64_t));
+    for (int64_t i = 0; i < B; ++i) // argmax and sample mark a row without a finite maximum with -1
+        LLAISYS_CHECK(ids[size_t(i)] >= 0, std::runtime_error, "non-finite logits (NaN or Inf) in row ", i,
+                      " of the step, at generation step ", rows[size_t(i)].step,
+                      " of its request: the model produced NaN/Inf, no token was sampled (check the weights and "
+                      "the dtype)");
+    return ids;
+}
+
+} // namespace llaisys::runtime

@@ -1,0 +1,147 @@
+"""KV block allocation with prefix caching.
+
+Blocks hold `block_size` positions of one sequence. A full block is identified by the hash of its tokens
+chained with the previous block's hash, so equal prefixes (a system prompt, earlier turns of a chat)
+map to the same blocks, which are shared with reference counts. A block whose count drops to 0 keeps
+its contents and its hash: it is free, but a later request with the same prefix can take it back.
+Free blocks are reused unhashed ones first, then the least recently freed cached one (LRU eviction).
+Block 0 is never handed out: the runner points padded rows of a CUDA graph at it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.caching = enable_prefix_caching
+        self.ref = [0] * num_blocks
+        self.key: list[tuple | None] = [None] * num_blocks  # (hash, tokens) of a full, registered block
+        self.by_hash: dict[int, int] = {}
+        self.free_plain = list(range(num_blocks - 1, 0, -1))  # a stack; block 0 reserved
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.queried_tokens = self.hit_tokens = 0  # prefix-cache statistics over admitted prompts
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_plain) + len(self.free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - 1 - self.num_free
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def _take(self) -> int:
+        if self.free_plain:
+            b = self.free_plain.pop()
+        else:
+            b, _ = self.free_cached.popitem(last=False)  # evict the least recently freed cached block
+            self._unregister(b)
+        self.ref[b] = 1
+        return b
+
+    def _unregister(self, b: int) -> None:
+        if self.key[b] is not None:
+            h = self.key[b][0]
+            if self.by_hash.get(h) == b:
+                del self.by_hash[h]
+            self.key[b] = None
+
+    def _lookup(self, prev: int | None, tokens: tuple[int, ...]) -> int | None:
+        b = self.by_hash.get(chain_hash(prev, tokens))
+        return b if b is not None and self.key[b][1] == tokens else None  # tokens compared: no false hits
+
+    def _hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks covering a prefix of seq. The block holding the last token is never a hit: its
+        logits are needed, so that position is computed (into a private block, never a shared one)."""
+        hits, prev, bs = [], None, self.block_size
+        if not self.caching:
+            return hits
+        for i in range((len(seq) - 1) // bs):
+            tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            b = self._lookup(prev, tokens)
+            if b is None:
+                break
+            hits.append(b)
+            prev = self.key[b][0]
+        return hits
+
+    def can_admit(self, seq: Sequence) -> bool:
+        hits = self._hits(seq)
+        revived = sum(1 for b in hits if self.ref[b] == 0)  # free cached blocks the hits take back
+        return self.blocks_for(len(seq)) - len(hits) <= self.num_free - revived
+
+    def admit(self, seq: Sequence) -> None:
+        """Gives seq blocks for all its current tokens, reusing cached prefix blocks."""
+        assert not seq.block_table
+        hits = self._hits(seq)
+        for b in hits:
+            if self.ref[b] == 0:
+                self.free_cached.pop(b, None)
+            self.ref[b] += 1
+        seq.block_table = hits + [self._take() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        seq.num_computed = len(hits) * self.block_size
+        seq.registered, seq.chain = len(hits), (self.key[hits[-1]][0] if hits else None)
+        self.queried_tokens += seq.num_prompt
+        if seq.num_output == 0:  # a first admission (not a recompute after preemption)
+            seq.num_cached_prompt = min(seq.num_computed, seq.num_prompt)
+        self.hit_tokens += min(seq.num_computed, seq.num_prompt)
+
+    def admit_private(self, seq: Sequence) -> None:
+        """Fresh blocks for all of seq's tokens, no prefix hits (scoring needs every position computed)."""
+        seq.block_table = [self._take() for _ in range(self.blocks_for(len(seq)))]
+
+    def can_grow(self, seq: Sequence) -> bool:
+        return self.blocks_for(len(seq)) <= len(seq.block_table) or self.num_free > 0
+
+    def grow(self, seq: Sequence) -> None:
+        """Adds a block when seq's tokens outgrew its table (before a decode step computes the last one)."""
+        while self.blocks_for(len(seq)) > len(seq.block_table):
+            seq.block_table.append(self._take())
+
+    def register_full(self, seq: Sequence) -> None:
+        """After a step: blocks completely computed become findable by their token chain."""
+        if not self.caching:
+            return
+        bs = self.block_size
+        for i in range(seq.registered, seq.num_computed // bs):
+            b = seq.block_table[i]
+            tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
+            if self.key[b] is None:
+                h = chain_hash(seq.chain, tokens)
+                self.key[b] = (h, tokens)
+                self.by_hash.setdefault(h, b)
+            seq.chain, seq.registered = self.key[b][0], i + 1
+
+    def free(self, seq: Sequence) -> None:
+        """Releases seq's blocks (last first, so a later eviction takes a chain's tail before its head)."""
+        for b in reversed(seq.block_table):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if self.key[b] is not None:
+                    self.free_cached[b] = None
+                else:
+                    self.free_plain.append(b)
+        seq.block_table = []
+        seq.num_computed = seq.registered = 0
+        seq.chain = None
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

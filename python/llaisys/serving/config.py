@@ -1,0 +1,79 @@
+"""EngineConfig: every knob of the batched engine in one frozen object.
+
+Environment variables only supply defaults, here and nowhere else; they exist for A/B runs:
+LLAISYS_CUDA_GRAPHS=0 (no CUDA graphs), LLAISYS_PREFIX_CACHE=0 (no prefix caching),
+LLAISYS_KV_BLOCKS=N (a fixed number of KV blocks, e.g. to force preemption).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value in (None, "") else value != "0"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond: padding wastes at most 15 rows of work."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    step = 8
+    while sizes[-1] < max_num_seqs:
+        if sizes[-1] >= 64:
+            step = 16
+        sizes.append(min(sizes[-1] + step, max_num_seqs))
+    return tuple(sizes)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the batched engine. Pass one to Engine(config=...) or its fields as keywords."""
+
+    max_num_seqs: int = 256               # sequences in one step (decode batch size)
+    max_num_batched_tokens: int = 4096    # tokens in one step: prefill is chunked to fit beside decodes
+    block_size: int = 16                  # positions per KV block (the prefix cache's granularity)
+    gpu_memory_utilization: float = 0.9   # CUDA: fraction of the device the engine may fill (KV pool sized to it)
+    cpu_kv_cache_bytes: int = 1 << 30     # CPU: bytes for the KV pool
+    num_kv_blocks: int | None = field(default_factory=lambda: _env_int("LLAISYS_KV_BLOCKS"))  # overrides both
+    enable_prefix_caching: bool = field(default_factory=lambda: _env_flag("LLAISYS_PREFIX_CACHE", True))
+    cuda_graphs: bool = field(default_factory=lambda: _env_flag("LLAISYS_CUDA_GRAPHS", True))
+    graph_batch_sizes: tuple[int, ...] | None = None  # None: default_graph_sizes(max_num_seqs)
+    max_queued_requests: int = 4096       # submit() beyond this raises (a server answers 503)
+
+    def __post_init__(self):
+        ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "cpu_kv_cache_bytes": 1,
+                "max_queued_requests": 1}
+        for name, low in ints.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
+        if self.block_size > 1024:
+            raise ValueError(f"EngineConfig.block_size must be at most 1024, got {self.block_size}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"EngineConfig.num_kv_blocks must be an int >= 2 (block 0 is reserved), "
+                             f"got {self.num_kv_blocks!r}")
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
+        for name in ("enable_prefix_caching", "cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        sizes = self.graph_batch_sizes
+        if sizes is not None and (not isinstance(sizes, (tuple, list)) or
+                                  not all(isinstance(s, int) and s >= 1 for s in sizes)):
+            raise ValueError(f"EngineConfig.graph_batch_sizes must be a tuple of ints >= 1, got {sizes!r}")
+
+    @property
+    def graph_sizes(self) -> tuple[int, ...]:
+        sizes = self.graph_batch_sizes or default_graph_sizes(self.max_num_seqs)
+        return tuple(sorted(s for s in sizes if s <= self.max_num_seqs))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))

@@ -1,0 +1,131 @@
+"""EngineCore: the KV pool, block manager, scheduler and runner of one model; step() advances every
+scheduled sequence. Not thread-safe: one step loop (serving/loop.py) owns it."""
+from __future__ import annotations
+
+import math
+import time
+
+from .. import _core
+from ..sampling import resolve_sampling
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .scheduler import Scheduler, Step
+from .sequence import Sequence
+
+_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_GREEDY = resolve_sampling({}, temperature=0)
+
+
+def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len: int) -> int:
+    """Blocks the pool gets: EngineConfig.num_kv_blocks, else the CPU byte budget, else the CUDA
+    memory fraction minus what is in use and an estimate of the step's activations and graphs."""
+    block = _core.KVPool.block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
+                                     dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if not device.startswith("cuda"):
+        budget = config.cpu_kv_cache_bytes
+    else:
+        _core.empty_cache(device)  # blocks our allocator caches count as used in the driver's figure
+        free, total = _core.device_memory_info(device)
+        dsize = _DTYPE_BYTES[dtype]
+        per_row = (mc.vocab_size + 4 * mc.intermediate_size + 8 * mc.hidden_size) * dsize
+        graphs = sum(config.graph_sizes) * per_row if config.cuda_graphs else 0
+        prefill = config.max_num_batched_tokens * per_row // 4 + config.max_num_seqs * mc.vocab_size * 4
+        budget = int(config.gpu_memory_utilization * total) - (total - free) - graphs - prefill - (256 << 20)
+    blocks = budget // block
+    need = math.ceil(max_seq_len / config.block_size) + 1
+    if blocks < need:
+        raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {max(blocks, 0)} blocks of "
+                         f"{config.block_size} tokens; one sequence of max_seq_len {max_seq_len} needs {need}: "
+                         f"raise the budget (EngineConfig.cpu_kv_cache_bytes / gpu_memory_utilization) "
+                         f"or lower max_seq_len")
+    return int(blocks)
+
+
+class EngineCore:
+    def __init__(self, model, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int):
+        self.config, self.max_seq_len = config, max_seq_len
+        num_blocks = kv_blocks_for(config, mc, dtype, device, max_seq_len)
+        self.pool = _core.KVPool(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
+                                 mc.head_dim, dtype, device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.pool, config.block_size, math.ceil(max_seq_len / config.block_size),
+                                  config.graph_sizes, config.cuda_graphs)
+        # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
+        # includes the model and the one host sync), and bookkeeping after it
+        self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
+        """ValueError (with the numbers) for a request that could never run."""
+        if n_prompt >= self.max_seq_len:
+            raise ValueError(f"prompt has {n_prompt} tokens but the context holds {self.max_seq_len} "
+                             f"(max_seq_len)")
+        need = min(n_prompt + max_new_tokens, self.max_seq_len)
+        if need > self.blocks.capacity_tokens:
+            raise ValueError(f"the request needs up to {need} tokens of KV cache ({n_prompt} prompt + "
+                             f"{max_new_tokens} new) but the whole pool holds {self.blocks.capacity_tokens}")
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+
+    def finish(self, seq: Sequence, reason: str | None) -> None:
+        self.scheduler.finish(seq, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[tuple[Sequence, int]]:
+        """One step. Returns (sequence, new token) for each sequence that produced one; sequences that
+        end (EOS, max_new_tokens, max_seq_len) are finished, their blocks freed."""
+        t0 = time.perf_counter()
+        step = self.scheduler.schedule()
+        if not step.seqs:
+            return []
+        t1 = time.perf_counter()
+        tokens = self.runner.step(step)
+        t2 = time.perf_counter()
+        produced = []
+        for seq, n, token in zip(step.seqs, step.num_tokens, tokens):
+            seq.num_computed += n
+            self.blocks.register_full(seq)
+            if seq.num_computed < len(seq):
+                continue  # a prefill chunk: more of the prompt to go
+            seq.append(int(token))
+            produced.append((seq, int(token)))
+            if token in seq.eos:
+                self.finish(seq, "stop")
+            elif seq.num_output >= seq.params.max_new_tokens or len(seq) >= self.max_seq_len:
+                self.finish(seq, "length")
+        t = self.timing
+        t["steps"] += 1
+        t["tokens"] += sum(step.num_tokens)
+        t["schedule_s"] += t1 - t0
+        t["run_s"] += t2 - t1
+        t["postprocess_s"] += time.perf_counter() - t2
+        return produced
+
+    def stats(self) -> dict:
+        b, s = self.blocks, self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": b.num_used,
+                "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
+                "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions}
+
+
+def score_logits(core: EngineCore, ids: list[int]):
+    """Teacher-forced logits of every position of ids, [len, vocab] (a tensor on the model's device).
+    Runs on the loop thread between steps, in blocks of its own (no prefix hits: every position's
+    logits are computed) that are freed at once."""
+    bm = core.blocks
+    seq = Sequence(ids, _GREEDY, seed=0, eos=frozenset())
+    need = bm.blocks_for(len(ids))
+    if need > bm.num_free:
+        raise ValueError(f"score(): {len(ids)} tokens need {need} KV blocks but only {bm.num_free} are free")
+    bm.admit_private(seq)
+    try:
+        return core.runner.logits(Step([seq], [len(ids)]), all_logits=True)
+    finally:
+        bm.free(seq)
+

@@ -1,0 +1,288 @@
+"""The Engine: load a Qwen2-family model and generate, stream or chat with it, many requests at once.
+
+    eng = llaisys.Engine("qwen2.5-coder-0.5b-instruct")          # catalog name, HF dir, .gguf or repo id
+    print(eng.chat([{"role": "user", "content": "Hi"}]).text)
+    results = eng.generate(["def add(a, b):", "# quicksort"], seed=[1, 2], temperature=0.7)
+    for chunk in eng.stream("def fib(n):", max_new_tokens=64):
+        print(chunk.text, end="", flush=True)
+
+Every call becomes requests of one background step loop that batches all running sequences over a paged
+KV cache with prefix caching; any thread may call any method at any time, and each caller gets its own
+answer. submit() is the request interface for servers (iterate the handle, abort() it).
+"""
+from __future__ import annotations
+
+import random
+import sys
+from typing import Iterator, Sequence as Seq
+
+import numpy as np
+
+from .. import _core, catalog, loader
+from .._tensor import _wrap
+from ..chat import render_chat_template
+from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
+                           token_sequence, trim_heap)
+from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
+from .config import EngineConfig
+from .core import EngineCore, score_logits
+from .loop import StepLoop
+from .prompts import split_sampling
+from .request import GenerationResult, Request, StreamChunk
+from .sequence import Sequence
+
+DEFAULT_MAX_SEQ_LEN = 8192  # context per sequence when the caller does not choose (the model may allow more)
+
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "StreamChunk", "Request"]
+
+
+def _engine_config(config, settings: dict) -> EngineConfig:
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+    unknown = sorted(set(settings) - set(EngineConfig.names()))
+    if unknown:
+        raise TypeError(f"Engine() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} (engine "
+                        f"settings: {', '.join(EngineConfig.names())})")
+    if config is None:
+        return EngineConfig(**settings)
+    import dataclasses
+    return dataclasses.replace(config, **settings)
+
+
+class Engine:
+    """A loaded model plus its tokenizer, chat template, generation defaults and batched runtime."""
+
+    def __init__(self, model: str = catalog.DEFAULT_MODEL, device: str = "auto", dtype: str = "auto",
+                 max_seq_len: int | None = None, progress: bool = True, config: EngineConfig | None = None,
+                 **settings):
+        self._loop = None  # set last: close() and a failed __init__ leave an engine without one
+        # every argument is checked before any file is read
+        self.dtype = resolve_dtype(dtype)
+        self.device = resolve_device(device)
+        check_max_seq_len(max_seq_len)
+        self.engine_config = _engine_config(config, settings)
+        model = check_model_arg(model)
+        loaded = loader.load(catalog.resolve(model), progress=progress)
+        self.config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.chat_template = loaded.chat_template
+        self.generation_config = {**catalog.generation_defaults(model), **loaded.generation_config}
+        self.source = loaded.source
+        limit = self.config.max_position_embeddings
+        max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
+        if max_seq_len > limit:
+            raise ValueError(f"max_seq_len must be at most {limit} for this model, got {max_seq_len}")
+        self.max_seq_len = int(max_seq_len)
+        # The model's own dense cache is unused by the batched runtime: give it one position.
+        net = _core.Qwen2(self._config_dict(), self.dtype, self.device, 1)
+        self._load_weights(net, loaded.weights, progress)
+        del loaded
+        trim_heap()
+        self._core = EngineCore(net, self.config, self.engine_config, self.dtype, self.device, self.max_seq_len)
+        self._model = net
+        self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
+
+    def _config_dict(self) -> dict:
+        c = self.config
+        return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                    num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                    rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
+
+    def _load_weights(self, model, weights: dict, progress: bool) -> None:
+        from tqdm import tqdm
+
+        names = list(weights)
+        for name in tqdm(names, desc=f"uploading to {self.device}", unit="tensor", disable=not progress,
+                         file=sys.stderr, leave=False):
+            # weights may be read-only views of the mapped checkpoint: the model never writes them
+            model.load_weight(name, _wrap(np.ascontiguousarray(weights.pop(name))))
+        missing = model.missing_weights()
+        if missing:
+            raise ValueError(f"{self.source}: missing weights, e.g. {missing[:3]}")
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def generate(self, prompt, **sampling):
+        """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
+        Each sampling keyword takes one value, or (for a list) one value per prompt. Arguments left as
+        None come from the model's generation_config.json; temperature=0 is greedy."""
+        if self._is_batch(prompt):
+            per = split_sampling("generate", sampling, len(prompt))
+            for s in per:
+                check_sampling_names("generate", s)
+            reqs = self._submit_all([(self._encode(p), self._params("generate", s)) for p, s in zip(prompt, per)])
+            return self._results(reqs)
+        req = self._submit_ids(self._encode(prompt), self._params("generate", sampling))
+        return self._results([req])[0]
+
+    def stream(self, prompt, **sampling) -> Iterator[StreamChunk]:
+        """Like generate() for one prompt, yielding text deltas (always whole UTF-8 characters) as they are
+        produced; the last chunk carries finish_reason, usage and timings. Closing the iterator aborts."""
+        params = self._params("stream", sampling)
+        return self._chunks(self._submit_ids(self._encode(prompt), params))
+
+    def submit(self, prompt, **sampling) -> Request:
+        """The request interface for servers: queue one prompt and return its handle at once. Iterate the
+        handle (from any thread) for its StreamChunks, call result() to wait for all, abort() to stop it."""
+        return self._submit_ids(self._encode(prompt), self._params("submit", sampling))
+
+    def chat(self, messages, stream: bool = False, add_generation_prompt: bool = True, **sampling):
+        """Render messages with the model's chat template and generate the assistant's reply; a list of
+        conversations gives a list of replies (stream=False only)."""
+        for name, value in (("stream", stream), ("add_generation_prompt", add_generation_prompt)):
+            if not isinstance(value, bool):
+                raise TypeError(f"chat(): {name} must be True or False, got {value!r}")
+        if not self.chat_template:
+            raise ValueError(f"{self.source} has no chat template; use generate() with a raw prompt")
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        if batch and stream:
+            raise ValueError("chat(): stream=True takes one conversation, not a list of them")
+        convs = list(messages) if batch else [messages]
+        ids = [self._render(m, add_generation_prompt) for m in convs]
+        per = split_sampling("chat", sampling, len(convs)) if batch else [sampling]
+        reqs = self._submit_all([(i, self._params("chat", s)) for i, s in zip(ids, per)])
+        if stream:
+            return self._chunks(reqs[0])
+        results = self._results(reqs)
+        return results if batch else results[0]
+
+    def score(self, token_ids: Seq[int]) -> np.ndarray:
+        """Logits for every position of token_ids, [len, vocab] float32 (teacher forcing)."""
+        ids = self._check_ids(token_sequence("token_ids", token_ids))
+
+        def run():
+            logits = score_logits(self._core, ids)
+            return np.asarray(logits.to("cpu").to("f32").numpy(), dtype=np.float32).copy()
+        return self._open().call(run)
+
+    def stats(self) -> dict:
+        """Running and waiting requests, KV blocks used/free, prefix-cache hit rate, preemptions."""
+        return self._open().stats()
+
+    def reset(self) -> None:
+        """Kept for compatibility: conversations need no reset (the prefix cache finds shared prefixes)."""
+        self._open()
+
+    def close(self) -> None:
+        """Stop the step loop (running requests end with an error), free the model and KV cache. Later calls
+        raise RuntimeError; closing twice is fine."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        loop.close()  # joins the loop thread and drops its reference to the core
+        del loop
+        self._core = self._model = None
+        if self.device.startswith("cuda"):
+            _core.empty_cache(self.device)  # the pool's memory goes back to the driver, not only our cache
+        trim_heap()
+
+    @property
+    def closed(self) -> bool:
+        return self._loop is None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        # the step loop's thread would otherwise keep the model alive until the interpreter exits
+        if getattr(self, "_loop", None) is not None:
+            self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _open(self) -> StepLoop:
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("engine is closed: create a new Engine to generate again")
+        return loop
+
+    @staticmethod
+    def _is_batch(prompt) -> bool:
+        """A list/tuple of prompts (str or token-id sequences), as opposed to one list of token ids."""
+        return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+            isinstance(p, (str, list, tuple, np.ndarray)) for p in prompt)
+
+    def _params(self, call: str, sampling: dict) -> SamplingParams:
+        self._open()
+        check_sampling_names(call, sampling)
+        params = resolve_sampling(self.generation_config, **sampling)
+        vocab = self.config.vocab_size
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids: {t} is not a token id of this model (vocab size {vocab})")
+        return params
+
+    def _render(self, messages, add_generation_prompt: bool) -> list[int]:
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            check_text("prompt", prompt)
+            return self._check_ids(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return self._check_ids(token_sequence("prompt", prompt))
+
+    def _check_ids(self, ids: list) -> list[int]:
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.config.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id at position {i} is {t!r}, not an int in [0, {vocab})")
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len} "
+                             f"(raise max_seq_len: Engine(max_seq_len=N) or `--max-seq-len N` in the CLI, up to "
+                             f"{self.config.max_position_embeddings} for this model)")
+        return [int(t) for t in ids]
+
+    def _request(self, ids: list[int], params: SamplingParams) -> Request:
+        self._core.check_fits(len(ids), params.max_new_tokens)
+        eos = params.stop_token_ids if params.ignore_eos else eos_union(
+            self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(ids, params, seed, frozenset(eos))
+        return Request(seq, self.tokenizer.inner, params.stop, self._open())
+
+    def _submit_ids(self, ids: list[int], params: SamplingParams) -> Request:
+        return self._open().submit(self._request(ids, params))
+
+    def _submit_all(self, items) -> list[Request]:
+        """Every request is built (and checked) before any is queued: one bad item fails the whole call."""
+        reqs = [self._request(ids, params) for ids, params in items]
+        loop, queued = self._open(), []
+        try:
+            for r in reqs:
+                queued.append(loop.submit(r))
+        except BaseException:
+            for r in queued:
+                r.abort()
+            raise
+        return queued
+
+    @staticmethod
+    def _chunks(req: Request) -> Iterator[StreamChunk]:
+        done = False
+        try:
+            for chunk in req:
+                yield chunk
+            done = True
+        finally:
+            if not done:  # the caller stopped reading (break, close, Ctrl-C): free the request's blocks
+                req.abort()
+
+    @staticmethod
+    def _results(reqs: list[Request]) -> list[GenerationResult]:
+        try:
+            return [r.result() for r in reqs]
+        except BaseException:  # an error or Ctrl-C: the requests still running are aborted
+            for r in reqs:
+                r.abort()
+            raise

@@ -1,0 +1,139 @@
+"""The step loop: one background thread drives every request of an engine. Any thread may submit,
+read and abort; the loop alone touches the scheduler, the KV pool and the model."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+from .core import EngineCore
+from .request import Request
+
+
+class StepLoop:
+    def __init__(self, core: EngineCore, max_queued: int):
+        self.core, self.max_queued = core, max_queued
+        self._cv = threading.Condition()
+        self._incoming: list[Request] = []
+        self._aborts: list[Request] = []
+        self._calls: list[tuple] = []
+        self._live: dict[int, Request] = {}  # seq_id -> request, while the core holds it
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, req: Request) -> Request:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            if len(self._incoming) + len(self._live) >= self.max_queued:
+                raise RuntimeError(f"too many requests in flight ({self.max_queued}, EngineConfig.max_queued_requests)")
+            self._incoming.append(req)
+            self._start()
+            self._cv.notify()
+        return req
+
+    def abort(self, req: Request) -> None:
+        with self._cv:
+            if self._closed:
+                return  # close() already ended every request
+            self._aborts.append(req)
+            self._cv.notify()
+
+    def call(self, fn):
+        """Runs fn() on the loop thread between steps (it may use the core) and returns its result."""
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._calls.append((fn, fut))
+            self._start()
+            self._cv.notify()
+        return fut.result()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is None:
+            self.core = None
+        elif self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def stats(self) -> dict:
+        return self.call(lambda: self.core.stats())
+
+    # ---- the loop thread ------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="llaisys-step-loop", daemon=True)
+            self._thread.start()
+
+    def _take(self):
+        with self._cv:
+            while not (self._incoming or self._aborts or self._calls or self._closed or self.core.has_work()):
+                self._cv.wait()
+            work = self._incoming, self._aborts, self._calls
+            self._incoming, self._aborts, self._calls = [], [], []
+            return work, self._closed
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # a bug in the loop itself: fail everyone rather than leave them waiting
+            with self._cv:
+                self._closed = True
+                waiting = self._incoming + list(self._live.values())
+                calls = self._calls
+                self._incoming, self._calls = [], []
+            for req in waiting:
+                req.fail(RuntimeError(f"the engine's step loop failed: {e!r}"))
+            for _, fut in calls:
+                fut.set_exception(RuntimeError(f"the engine's step loop failed: {e!r}"))
+            raise
+
+    def _serve(self) -> None:
+        while True:
+            (incoming, aborts, calls), closed = self._take()
+            for req in incoming:
+                self._live[req.seq.seq_id] = req
+                self.core.add(req.seq)
+            for req in aborts:
+                self._end(req, "abort")
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller, who re-raises it
+                    fut.set_exception(e)
+            if closed:
+                for req in list(self._live.values()):
+                    req.fail(RuntimeError("the engine was closed while this request was running"))
+                    self.core.finish(req.seq, "abort")
+                self._live.clear()
+                self.core = None  # handles the caller still holds must not keep the model alive
+                return
+            if self.core.has_work():
+                self._step()
+
+    def _end(self, req: Request, reason: str) -> None:
+        if self._live.pop(req.seq.seq_id, None) is not None:
+            self.core.finish(req.seq, reason)
+            req.finish(reason)
+
+    def _step(self) -> None:
+        try:
+            produced = self.core.step()
+        except Exception as e:  # a failed step fails the requests it held; the engine keeps serving
+            for req in list(self._live.values()):
+                if req.seq in self.core.scheduler.running:
+                    req.fail(e)
+                    self._live.pop(req.seq.seq_id)
+                    self.core.finish(req.seq, "error")
+            return
+        for seq, token in produced:
+            req = self._live.get(seq.seq_id)
+            if req is None:
+                continue
+            if req.on_token(token):
+                self._end(req, "stop")
+            elif seq.finish_reason is not None:
+                self._live.pop(seq.seq_id)
+                req.finish(seq.finish_reason)

@@ -1,0 +1,62 @@
+"""Turns a scheduled Step into the runner's host arrays and back into one token per sequence."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import _core
+from .scheduler import Step
+
+
+class ModelRunner:
+    def __init__(self, model, pool, block_size: int, max_blocks_per_seq: int, graph_sizes, cuda_graphs: bool):
+        self.block_size = block_size
+        self.runner = _core.Runner(model, pool, list(graph_sizes), max_blocks_per_seq, cuda_graphs)
+        self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
+
+    def _arrays(self, step: Step):
+        bs = self.block_size
+        ids, pos, slots, q_start, kv_len = [], [], [], [0], []
+        width = max(len(s.block_table) for s in step.seqs)
+        tables = np.zeros((len(step.seqs), width), dtype=np.int32)
+        for row, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
+            start, table = seq.num_computed, seq.block_table
+            if n == 1:  # a decode: plain ints are several times cheaper than small numpy arrays
+                ids.append(seq.tokens[start])
+                pos.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids += seq.tokens[start:start + n]
+                p = np.arange(start, start + n, dtype=np.int64)
+                pos += p.tolist()
+                slots += (np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs).tolist()
+            q_start.append(q_start[-1] + n)
+            kv_len.append(start + n)
+            tables[row, :len(table)] = table
+        return (np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
+                np.asarray(q_start, dtype=np.int32), np.asarray(kv_len, dtype=np.int32), tables)
+
+    def step(self, step: Step) -> list[int]:
+        """Runs the step; the token of each sequence (meaningful only where its prefill is complete)."""
+        t0 = time.perf_counter()
+        arrays = self._arrays(step)
+        seqs = step.seqs
+        params = [s.params for s in seqs]
+        penalty = [p.repetition_penalty for p in params]
+        penalty_ids = [sorted(s.seen) if s.seen is not None else [] for s in seqs] if any(
+            v != 1.0 for v in penalty) else []
+        sampling = (
+            np.asarray([p.temperature for p in params], dtype=np.float32),
+            np.asarray([p.top_k for p in params], dtype=np.int32),
+            np.asarray([p.top_p for p in params], dtype=np.float32),
+            np.asarray([p.min_p for p in params], dtype=np.float32),
+            np.asarray(penalty, dtype=np.float32),
+            np.asarray([s.seed for s in seqs], dtype=np.uint64),
+            np.asarray([s.num_output for s in seqs], dtype=np.uint64),
+            penalty_ids)
+        self.prepare_s += time.perf_counter() - t0
+        return self.runner.step(*arrays, *sampling)
+
+    def logits(self, step: Step, all_logits: bool):
+        return self.runner.logits(*self._arrays(step), all_logits)

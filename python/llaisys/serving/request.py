@@ -1,0 +1,120 @@
+"""A submitted request as its caller sees it: chunks of text arrive in a thread-safe queue, fed by the
+step loop; iterate the handle to read them, abort() to stop it and free its blocks at once."""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from ..stops import StopStringMatcher
+from ..streaming import IncrementalDetokenizer
+from .sequence import Sequence
+
+
+@dataclass
+class StreamChunk:
+    """A piece of streamed output. The last chunk has finish_reason, usage and timings set."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: dict | None = None
+    timings: dict | None = None
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
+    timings: dict = field(default_factory=dict)  # ttft_s, prefill_tokens_per_s, decode_tokens_per_s, total_s
+
+
+_END = object()
+
+
+class Request:
+    """Owned by the step loop after submit(): on_token/finish run there; the caller only reads chunks."""
+
+    def __init__(self, seq: Sequence, tokenizer_inner, stops: tuple[str, ...], loop):
+        self.seq, self._loop = seq, loop
+        self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
+        self._stops = StopStringMatcher(stops)
+        self._pending: list[int] = []
+        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self.start, self.first = time.perf_counter(), None
+        self.done = False
+
+    # ---- the step loop's side -------------------------------------------------------------------
+    def on_token(self, token: int) -> bool:
+        """Queues the text the token completes; True when a stop string was hit (the text before it is
+        queued and the request must end)."""
+        self.first = self.first or time.perf_counter()
+        self._pending.append(token)  # ids travel with the next chunk that carries text
+        if token in self.seq.eos:
+            return False
+        text, hit = self._stops.feed(self._detok.step(token))
+        if hit:
+            self._tail = text
+            return True
+        if text:
+            self._chunks.put(StreamChunk(text, self._pending))
+            self._pending = []
+        return False
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        tail = getattr(self, "_tail", None)
+        if tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
+            tail, hit = self._stops.feed(self._detok.flush())
+            tail += "" if hit else self._stops.flush()
+            if self._stops.hit:
+                reason = "stop"
+        self._chunks.put(StreamChunk(tail, self._pending, reason, self.usage(), self.timings()))
+        self._chunks.put(_END)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.done = True
+            self._chunks.put(error)
+            self._chunks.put(_END)
+
+    def usage(self) -> dict:
+        s = self.seq
+        return {"prompt_tokens": s.num_prompt, "completion_tokens": s.num_output,
+                "cached_tokens": s.num_cached_prompt}
+
+    def timings(self) -> dict:
+        end = time.perf_counter()
+        ttft = (self.first - self.start) if self.first else 0.0
+        decode_s = end - self.first if self.first else 0.0
+        n, prefilled = self.seq.num_output, self.seq.num_prompt - self.seq.num_cached_prompt
+        return {"ttft_s": ttft, "prefill_tokens_per_s": prefilled / ttft if ttft > 0 else 0.0,
+                "decode_tokens_per_s": (n - 1) / decode_s if decode_s > 0 and n > 1 else 0.0,
+                "total_s": end - self.start}
+
+    # ---- the caller's side ----------------------------------------------------------------------
+    def __iter__(self):
+        """Yields StreamChunks until the last one (with finish_reason); re-raises a step's error."""
+        while True:
+            item = self._chunks.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def result(self) -> GenerationResult:
+        text, ids, last = [], [], None
+        for chunk in self:
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            last = chunk
+        return GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings)
+
+    def abort(self) -> None:
+        """Ends the request now (finish_reason "abort"); its blocks are freed before the next step."""
+        self._loop.abort(self)

@@ -1,0 +1,58 @@
+"""A request's sequence as the scheduler and block manager see it: token ids, KV blocks, progress."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+from ..sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """prompt + generated tokens. num_computed tokens have their keys/values in the blocks of
+    block_table; a step computes the next ones (a prefill chunk, or the one new token of a decode)."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, seed: int, eos: frozenset[int]):
+        self.seq_id = next(_ids)
+        self.tokens = list(prompt)
+        self.num_prompt = len(prompt)
+        self.params = params
+        self.seed = seed
+        self.eos = eos
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.registered, self.chain = 0, None  # full blocks registered in the prefix cache, last one's hash
+        self.num_cached_prompt = 0  # prompt tokens found in the prefix cache (reported in usage)
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        # penalised ids for repetition_penalty (HF: prompt and output), kept only when it is on
+        self.seen: set[int] | None = set(prompt) if params.repetition_penalty != 1.0 else None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute before the next token can be sampled (1 for a decode step)."""
+        return len(self.tokens) - self.num_computed
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        if self.seen is not None:
+            self.seen.add(token)
