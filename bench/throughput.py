@@ -117,7 +117,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import llaisys
-    from llaisys.serving.engine import Engine
+    from llaisys.engine.engine import Engine
 
     tmp = tempfile.TemporaryDirectory() if args.shape else None
     path = random_checkpoint(args.shape, tmp.name) if args.shape else args.model

@@ -42,6 +42,8 @@ void bind_ops(nb::module_ &m) {
     o.def("swiglu", &ops::swiglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), G());
     o.def("sample", &ops::sample, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"),
           nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());
+    o.def("sample_rows", &ops::sample_rows, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"),
+          nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("seeds"), nb::arg("steps"), G());
     o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
     o.def("logit_bias", &ops::logit_bias, nb::arg("logits"), nb::arg("ids"), nb::arg("bias"), G());
 }

@@ -70,24 +70,33 @@ void bind_serving(nb::module_ &m) {
                         nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
                         Array<float> temperature, Array<int32_t> top_k, Array<float> top_p, Array<float> min_p,
                         Array<float> repetition_penalty, Array<uint64_t> seed, Array<uint64_t> step,
-                        std::vector<std::vector<int64_t>> penalty_ids) {
+                        std::vector<std::vector<int64_t>> penalty_ids, std::vector<std::vector<int64_t>> bias_ids,
+                        std::vector<std::vector<float>> bias) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             const size_t B = size_t(b.num_seqs());
             LLAISYS_CHECK(temperature.shape(0) == B && top_k.shape(0) == B && top_p.shape(0) == B &&
                               min_p.shape(0) == B && repetition_penalty.shape(0) == B && seed.shape(0) == B &&
-                              step.shape(0) == B && (penalty_ids.empty() || penalty_ids.size() == B),
+                              step.shape(0) == B && (penalty_ids.empty() || penalty_ids.size() == B) &&
+                              bias_ids.size() == bias.size() && (bias_ids.empty() || bias_ids.size() == B),
                           std::invalid_argument, "Runner.step: need one sampling value per sequence (", B, ")");
             std::vector<RowSampling> rows(B);
             for (size_t i = 0; i < B; ++i) {
                 rows[i] = RowSampling{temperature.data()[i], top_k.data()[i], top_p.data()[i], min_p.data()[i],
                                       repetition_penalty.data()[i], seed.data()[i], step.data()[i], {}};
                 if (!penalty_ids.empty()) rows[i].penalty_ids = std::move(penalty_ids[i]);
+                if (!bias_ids.empty()) {
+                    LLAISYS_CHECK(bias_ids[i].size() == bias[i].size(), std::invalid_argument,
+                                  "Runner.step: bias_ids and bias of row ", i, " differ in length");
+                    rows[i].bias_ids = std::move(bias_ids[i]);
+                    rows[i].bias = std::move(bias[i]);
+                }
             }
             nb::gil_scoped_release release;
             return r.step(b, rows);
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
+             nb::arg("bias_ids"), nb::arg("bias"),
              "Runs one step and returns one sampled token id per sequence.")
         .def("logits", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len,
@@ -99,5 +108,7 @@ void bind_serving(nb::module_ &m) {
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("all_logits") = false,
              "The step's logits [B, vocab] (or [T, vocab] with all_logits), not synchronized.")
+        .def("last_logits", &Runner::last_logits,
+             "The logits the last step sampled from [B, vocab] (after penalties, before temperature).")
         .def_prop_ro("captured_batch_sizes", &Runner::captured_batch_sizes);
 }

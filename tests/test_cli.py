@@ -116,7 +116,7 @@ def run(capsys, argv, stdin=None, monkeypatch=None):
 @pytest.mark.parametrize("argv, expected", [
     ([], ["generate", "chat", "download", "models", "info", "bench", "examples:", "Qwen2 family"]),
     (["generate"], ["PROMPT", "--raw", "--system", "--stop", "--temperature", "--top-k", "--top-p", "--min-p",
-                    "--repetition-penalty", "--seed", "--max-new-tokens", "--device", "--dtype", "--model",
+                    "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-tokens", "--seed", "--max-new-tokens", "--device", "--dtype", "--model",
                     "from stdin", "examples:", "generation_config.json"]),
     (["chat"], ["/reset", "/exit", "Ctrl-C", "--system", "--temperature", "example:"]),
     (["download"], ["NAME", "--force", "cache"]),
@@ -173,14 +173,16 @@ def test_generate_streams_the_chat_reply_and_prints_a_summary(capsys, fake):
     FakeEngine.script = [["Hello", ",", " wor", "ld 😀"]]
     code, out, err = run(capsys, ["generate", "--model", "m", "--device", "cpu", "--dtype", "f32", "--max-seq-len",
                                   "512", "--temperature", "0", "--max-new-tokens", "5", "--top-k", "3", "--top-p",
-                                  "0.9", "--min-p", "0.1", "--repetition-penalty", "1.1", "--seed", "7", "--stop",
+                                  "0.9", "--min-p", "0.1", "--repetition-penalty", "1.1", "--presence-penalty", "0.5",
+                                  "--frequency-penalty", "0.25", "--min-tokens", "2", "--seed", "7", "--stop",
                                   "\\n\\n", "--stop", "END", "Hi there"])
     assert code == 0 and out == "Hello, world 😀\n"
     e = engine()
     assert e.args == dict(model="m", device="cpu", dtype="f32", max_seq_len=512)
     assert e.calls == [("chat", [{"role": "user", "content": "Hi there"}],
                         dict(temperature=0.0, max_new_tokens=5, top_k=3, top_p=0.9, min_p=0.1,
-                             repetition_penalty=1.1, seed=7, stop=["\n\n", "END"]))]
+                             repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25, min_tokens=2,
+                             seed=7, stop=["\n\n", "END"]))]
     assert err.strip() == "[4 tokens (prompt 9), TTFT 12 ms, 34.6 tok/s, finish: length]"
     assert e.closed == [True]
 

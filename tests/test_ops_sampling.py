@@ -635,3 +635,31 @@ def test_repetition_penalty_cuda_skips_out_of_range_ids():
     llaisys.synchronize("cuda")  # no error: out-of-range ids are ignored on CUDA
     valid = np.where((ids >= 0) & (ids < 10), ids, -1)
     assert_close(x, penalty_reference(x64, valid, 1.5), "f32")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_sample_rows_draws_each_row_from_its_own_seed_and_step(device, dtype):
+    """Row b of sample_rows equals sample() of that row alone with (seeds[b], steps[b]): what makes a
+    batched request's tokens independent of its row."""
+    B, V = 9, 999
+    logits, _ = rand((B, V), dtype, device, seed=21, scale=3.0)
+    rng = np.random.default_rng(5)
+    temp = rng.uniform(0.3, 1.5, B).astype(np.float32)
+    top_k = rng.integers(0, 50, B).astype(np.int32)
+    top_p = rng.uniform(0.5, 1.0, B).astype(np.float32)
+    min_p = rng.uniform(0.0, 0.1, B).astype(np.float32)
+    seeds = rng.integers(0, 2**62, B, dtype=np.int64)
+    steps = rng.integers(0, 1000, B, dtype=np.int64)
+    out = llaisys.empty([B], "i64", device)
+    t = lambda a: llaisys.tensor(a, device)  # noqa: E731
+    llaisys.ops.sample_rows(out, logits, t(temp), t(top_k), t(top_p), t(min_p), t(seeds), t(steps))
+    got = out.to("cpu").numpy().tolist()
+    for b in range(B):
+        one = llaisys.empty([1], "i64", device)
+        llaisys.ops.sample(one, logits.slice(0, b, b + 1), t(temp[b:b + 1]), t(top_k[b:b + 1]), t(top_p[b:b + 1]),
+                           t(min_p[b:b + 1]), int(seeds[b]), int(steps[b]))
+        assert got[b] == int(one.to("cpu").numpy()[0]), f"row {b}"
+    assert len(set(got)) > 1  # the rows really were drawn, not all the argmax of one row
+    with pytest.raises((TypeError, ValueError), match="seeds"):
+        llaisys.ops.sample_rows(out, logits, t(temp), t(top_k), t(top_p), t(min_p), t(seeds[:3]), t(steps))

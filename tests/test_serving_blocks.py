@@ -5,9 +5,9 @@ import random
 import pytest
 
 from llaisys.sampling import resolve_sampling
-from llaisys.serving.block_manager import BlockManager
-from llaisys.serving.scheduler import Scheduler
-from llaisys.serving.sequence import Sequence, Status
+from llaisys.engine.block_manager import BlockManager
+from llaisys.engine.scheduler import Scheduler
+from llaisys.engine.sequence import Sequence, Status
 
 
 def seq(tokens, max_new=4):

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from llaisys.serving.engine import Engine  # noqa: E402
+from llaisys.engine.engine import Engine  # noqa: E402
 from tiny_model import make_tiny_qwen2  # noqa: E402
 from utils import DEVICES  # noqa: E402
 
@@ -170,4 +170,77 @@ def test_chat_accepts_a_list_of_conversations(tiny):
     assert [r.token_ids for r in both] == [eng.chat(c, max_new_tokens=6, temperature=0).token_ids for c in convs]
     with pytest.raises(ValueError, match="one conversation"):
         eng.chat(convs, stream=True)
+    eng.close()
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def _reference_greedy(eng, prompt, n, bias_fn):
+    """Greedy decoding written from the formulas: score()'s last-row logits + bias_fn(step, generated)."""
+    out = []
+    for step in range(n):
+        logits = eng.score(prompt + out)[-1].astype(np.float64)
+        for t, b in bias_fn(step, out).items():
+            logits[t] += b
+        out.append(int(np.argmax(logits)))
+    return out
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula(tiny):
+    eng = engine(tiny, "cpu")
+    prompt = prompts(eng.config.vocab_size, [9], seed=9)[0]
+    pres, freq = 1.5, 0.7
+
+    def bias(step, out):
+        counts = {t: out.count(t) for t in set(out)}
+        return {t: -(pres + freq * c) for t, c in counts.items()}
+    ref = _reference_greedy(eng, prompt, 24, bias)
+    got = eng.generate(prompt, max_new_tokens=24, temperature=0, ignore_eos=True, presence_penalty=pres,
+                       frequency_penalty=freq).token_ids
+    assert got == ref
+    plain = eng.generate(prompt, max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
+    assert len(set(got)) > len(set(plain))  # the penalty really changed something
+    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty="1"), dict(min_tokens=-1), dict(logprobs=21)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            eng.generate(prompt, **bad)
+    eng.close()
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(tiny):
+    eng = engine(tiny, "cpu")
+    prompt = prompts(eng.config.vocab_size, [6], seed=10)[0]
+    first = eng.generate(prompt, max_new_tokens=1, temperature=0, ignore_eos=True).token_ids[0]
+    early = eng.generate(prompt, max_new_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[first])
+    assert early.token_ids == [first] and early.finish_reason == "stop"
+    ref = _reference_greedy(eng, prompt, 4, lambda step, out: {first: -np.inf} if step < 4 else {})
+    late = eng.generate(prompt, max_new_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=[first],
+                        min_tokens=4)
+    assert late.token_ids[:4] == ref and first not in late.token_ids[:4] and len(late.token_ids) > 4
+    eng.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_log_softmax_of_the_sampled_logits(tiny, temperature):
+    eng = engine(tiny, "cpu")
+    prompt = prompts(eng.config.vocab_size, [7], seed=11)[0]
+    r = eng.generate(prompt, max_new_tokens=6, temperature=temperature, seed=3, ignore_eos=True, logprobs=5)
+    assert len(r.logprobs) == len(r.token_ids) == 6
+    logits = eng.score(prompt + r.token_ids)
+    for i, (tok, entry) in enumerate(zip(r.token_ids, r.logprobs)):
+        ref = _log_softmax(logits[len(prompt) - 1 + i] / (temperature or 1.0))
+        assert entry["token_id"] == tok
+        assert entry["logprob"] == pytest.approx(ref[tok], abs=1e-4)
+        top = entry["top"]
+        assert [t for t, _ in top] == list(np.argsort(-ref, kind="stable")[:5])
+        assert [lp for _, lp in top] == sorted([lp for _, lp in top], reverse=True)
+        if temperature == 0:
+            assert top[0][0] == tok
+    chunks = list(eng.stream(prompt, max_new_tokens=6, temperature=temperature, seed=3, ignore_eos=True, logprobs=0))
+    streamed = [e for c in chunks for e in (c.logprobs or [])]
+    assert [e["token_id"] for e in streamed] == r.token_ids and all(e["top"] == [] for e in streamed)
+    assert eng.generate(prompt, max_new_tokens=2).logprobs is None
     eng.close()

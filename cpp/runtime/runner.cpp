@@ -173,41 +173,65 @@ static void apply_penalties(const Tensor &logits, const std::vector<RowSampling>
     }
 }
 
-// Greedy rows take the argmax of every row (one launch); each sampled row then draws with its own
-// (seed, step), so its tokens never depend on its row index.
-// TODO: one sample launch for all rows once the op takes per-row seeds and steps.
+// One logit_bias call covering every row's (id, bias) pairs (ids [B, n] padded with -1).
+static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &rows, models::InputStaging &st) {
+    size_t width = 0;
+    for (const RowSampling &r : rows) width = std::max(width, r.bias_ids.size());
+    if (width == 0) return;
+    const int64_t B = int64_t(rows.size());
+    std::vector<int64_t> ids(size_t(B) * width, -1);
+    std::vector<float> bias(size_t(B) * width, 0.f);
+    for (size_t b = 0; b < rows.size(); ++b) {
+        std::copy(rows[b].bias_ids.begin(), rows[b].bias_ids.end(), ids.begin() + int64_t(b * width));
+        std::copy(rows[b].bias.begin(), rows[b].bias.end(), bias.begin() + int64_t(b * width));
+    }
+    ops::logit_bias(logits, st.upload(ids, DType::I64).view({B, int64_t(width)}),
+                    st.upload(bias, DType::F32).view({B, int64_t(width)}));
+}
+
+// Greedy rows take the argmax of every row (one launch); the sampled rows are gathered and drawn in one
+// launch, each from its own request's (seed, step), so its tokens never depend on its row.
 void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
     const int64_t B = int64_t(rows.size());
     apply_penalties(logits, rows, *staging_);
+    apply_biases(logits, rows, *staging_);
     Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
     ops::argmax(out, max_val, logits);
-    std::vector<int64_t> sampled;
+    std::vector<int64_t> sampled, seeds, steps;
     std::vector<float> temperature, top_p, min_p;
     std::vector<int32_t> top_k;
-    for (int64_t b = 0; b < B; ++b)
-        if (rows[size_t(b)].temperature > 0.f) {
-            const RowSampling &r = rows[size_t(b)];
-            sampled.push_back(b);
-            temperature.push_back(r.temperature);
-            top_k.push_back(r.top_k);
-            top_p.push_back(r.top_p);
-            min_p.push_back(r.min_p);
-        }
-    if (sampled.empty()) return;
-    const Tensor t = staging_->upload(temperature, DType::F32), k = staging_->upload(top_k, DType::I32),
-                 p = staging_->upload(top_p, DType::F32), m = staging_->upload(min_p, DType::F32);
-    for (size_t i = 0; i < sampled.size(); ++i) {
-        const int64_t b = sampled[i], j = int64_t(i);
+    for (int64_t b = 0; b < B; ++b) {
         const RowSampling &r = rows[size_t(b)];
-        ops::sample(out.slice(0, b, b + 1), logits.slice(0, b, b + 1), t.slice(0, j, j + 1), k.slice(0, j, j + 1),
-                    p.slice(0, j, j + 1), m.slice(0, j, j + 1), r.seed, r.step);
+        if (!(r.temperature > 0.f)) continue;
+        sampled.push_back(b);
+        seeds.push_back(int64_t(r.seed));
+        steps.push_back(int64_t(r.step));
+        temperature.push_back(r.temperature);
+        top_k.push_back(r.top_k);
+        top_p.push_back(r.top_p);
+        min_p.push_back(r.min_p);
     }
+    if (sampled.empty()) return;
+    const int64_t S = int64_t(sampled.size());
+    const bool all = S == B; // else gather the sampled rows and scatter their ids back
+    const Tensor rows_d = all ? Tensor() : staging_->upload(sampled, DType::I64);
+    Tensor lg = logits, ids = out;
+    if (!all) {
+        lg = Tensor::empty({S, logits.size(1)}, logits.dtype(), logits.device());
+        ops::embedding(lg, rows_d, logits); // a row gather
+        ids = Tensor::empty({S}, DType::I64, logits.device());
+    }
+    ops::sample_rows(ids, lg, staging_->upload(temperature, DType::F32), staging_->upload(top_k, DType::I32),
+                     staging_->upload(top_p, DType::F32), staging_->upload(min_p, DType::F32),
+                     staging_->upload(seeds, DType::I64), staging_->upload(steps, DType::I64));
+    if (!all) ops::index_copy(out, rows_d, ids);
 }
 
 std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
     LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
                   b.num_seqs(), " sequences, got ", rows.size());
     const Tensor lg = logits(b, false);
+    last_logits_ = lg;
     DeviceGuard guard(model_.device());
     const int64_t B = b.num_seqs();
     Tensor out = Tensor::empty({B}, DType::I64, model_.device());
@@ -215,10 +239,10 @@ std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampl
     std::vector<int64_t> ids(size_t(B), 0);
     runtime::memcpy(ids.data(), Device::cpu(), out.data(), model_.device(), size_t(B) * sizeof(int64_t));
     for (int64_t i = 0; i < B; ++i) // argmax and sample mark a row without a finite maximum with -1
-        LLAISYS_CHECK(ids[size_t(i)] >= 0, std::runtime_error, "non-finite logits (NaN or Inf) in row ", i,
-                      " of the step, at generation step ", rows[size_t(i)].step,
-                      " of its request: the model produced NaN/Inf, no token was sampled (check the weights and "
-                      "the dtype)");
+        LLAISYS_CHECK(ids[size_t(i)] >= 0, std::runtime_error, "non-finite logits (NaN or Inf) at generation step ",
+                      rows[size_t(i)].step, " of the request in row ", i,
+                      " of the step: the model produced NaN/Inf, no token was sampled (check the weights and the "
+                      "dtype)");
     return ids;
 }
 

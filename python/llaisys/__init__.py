@@ -34,7 +34,7 @@ __version__ = build_info()["version"]
 
 
 def __getattr__(name):  # the engine pulls in tokenizers/jinja2: import it on first use
-    if name in ("Engine", "GenerationResult", "StreamChunk"):
+    if name in ("Engine", "EngineConfig", "GenerationResult", "StreamChunk"):
         from . import engine
 
         return getattr(engine, name)
@@ -45,5 +45,5 @@ __all__ = [
     "Tensor", "tensor", "empty", "zeros", "from_dlpack", "ops", "functional", "build_info",
     "memory_stats", "reset_peak_memory_stats", "empty_cache", "synchronize", "current_stream",
     "new_stream", "set_current_stream", "Stream", "Event", "cuda_device_count", "cuda_is_available",
-    "Engine", "GenerationResult", "StreamChunk",
+    "Engine", "EngineConfig", "GenerationResult", "StreamChunk",
 ]

@@ -51,6 +51,10 @@ def _sampling_parent() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, metavar="P", help="sample from the smallest set with probability >= P")
     g.add_argument("--min-p", type=float, metavar="P", help="drop tokens less likely than P x the top token")
     g.add_argument("--repetition-penalty", type=float, metavar="R", help="> 1 discourages repeating tokens")
+    g.add_argument("--presence-penalty", type=float, metavar="P", help="OpenAI's: lowers every generated token by P")
+    g.add_argument("--frequency-penalty", type=float, metavar="F",
+                   help="OpenAI's: lowers a generated token by F per occurrence")
+    g.add_argument("--min-tokens", type=int, metavar="N", help="no EOS/stop token before N tokens")
     g.add_argument("--seed", type=int, metavar="S", help="random seed, for reproducible sampling")
     g.add_argument("--stop", action="append", metavar="STR",
                    help="stop when this text appears (repeat for several; \\n and \\t are understood)")
@@ -116,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    description="Print the build (version, CUDA, compiler) and the visible devices."
                    ).set_defaults(func=cmd_info)
     _add_bench(sub, fmt, debug)
+    from .server.cli import add_serve_parser  # argparse only; FastAPI/uvicorn load when the server starts
+    add_serve_parser(sub)
     return parser
 
 
@@ -270,7 +276,8 @@ def conversation(system: str | None) -> list[dict]:
 
 def sampling_kwargs(args) -> dict:
     """The sampling options the user gave (None ones are left to the model's generation config)."""
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "min_tokens", "seed")
     out = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     if args.stop:
         out["stop"] = [_unescape(s) for s in args.stop]

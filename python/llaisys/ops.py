@@ -34,7 +34,8 @@ swiglu = _ops.swiglu
 sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
 logit_bias = _ops.logit_bias
+sample_rows = _ops.sample_rows
 
 __all__ = ["add", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "rope_qkv_cache",
-           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "repetition_penalty", "logit_bias", "linear_swiglu"]
+           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "linear_swiglu"]

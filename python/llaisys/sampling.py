@@ -16,6 +16,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 # HF GenerationConfig defaults, used when generation_config.json lacks a key.
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 _INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # top alternatives reported per token, as OpenAI allows
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...]
     seed: int | None
     ignore_eos: bool
+    presence_penalty: float = 0.0   # OpenAI: subtracted once from the logit of every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence of a token already generated
+    min_tokens: int = 0             # EOS and stop_token_ids are banned until this many tokens are generated
+    logprobs: int | None = None     # None = off; k = the chosen token's logprob and the k most likely
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +75,10 @@ _CHECKS = {
     "min_p": (_real, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 = off)"),
     "repetition_penalty": (_real, lambda v: 0.0 < v < math.inf, "a finite number > 0 (1 = off)"),
     "max_new_tokens": (_int, lambda v: v >= 1, "an int >= 1"),
+    "presence_penalty": (_real, lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
+    "frequency_penalty": (_real, lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
+    "min_tokens": (_int, lambda v: v >= 0, "an int >= 0"),
+    "logprobs": (_int, lambda v: 0 <= v <= MAX_LOGPROBS, f"None or an int in [0, {MAX_LOGPROBS}]"),
 }
 
 
@@ -126,10 +135,14 @@ def _temperature(gc: dict, temperature) -> float:
 
 def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, temperature=None, top_k=None,
                      top_p=None, min_p=None, repetition_penalty=None, stop=None, stop_token_ids=None, seed=None,
-                     ignore_eos=False) -> SamplingParams:
+                     ignore_eos=False, presence_penalty=None, frequency_penalty=None, min_tokens=None,
+                     logprobs=None) -> SamplingParams:
     """Sampling settings for one request: each argument left as None comes from `generation_config`
     (the model's generation_config.json as a dict), else from HF's defaults. Raises ValueError naming the
-    parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine."""
+    parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine.
+    presence/frequency penalties, min_tokens and logprobs have no generation_config counterpart (0 / off).
+    logprobs are the log-softmax of the logits the token was drawn from: after the penalties and the
+    temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1."""
     gc = dict(generation_config or {})
 
     def pick(name, value):
@@ -149,6 +162,10 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
         stop_token_ids=_token_ids(stop_token_ids),
         seed=_seed(seed),
         ignore_eos=ignore_eos,
+        presence_penalty=0.0 if presence_penalty is None else _check("presence_penalty", presence_penalty),
+        frequency_penalty=0.0 if frequency_penalty is None else _check("frequency_penalty", frequency_penalty),
+        min_tokens=0 if min_tokens is None else _check("min_tokens", min_tokens),
+        logprobs=None if logprobs is None else _check("logprobs", logprobs),
     )
 
 

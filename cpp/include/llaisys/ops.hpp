@@ -93,6 +93,11 @@ void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
 // and the kernels read out-of-range values safely: NaN temperature = greedy, top_p >= 1 = off).
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
             const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset);
+// sample() with each row's own random stream: seeds [B] and steps [B] (i64, on the logits' device). Row b
+// draws exactly what sample() draws for that row alone with (seed, offset) = (seeds[b], steps[b]), so a
+// request's tokens never depend on its row in a batch.
+void sample_rows(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
+                 const Tensor &top_p, const Tensor &min_p, const Tensor &seeds, const Tensor &steps);
 // HF's repetition penalty in place: for each id in ids [B, n] (i64, -1 = padding, no duplicates per
 // row) logits[b, id] is divided by penalty if positive, multiplied if negative.
 void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);

@@ -39,6 +39,10 @@ struct RowSampling {
     float repetition_penalty = 1.f;
     uint64_t seed = 0, step = 0;
     std::vector<int64_t> penalty_ids; // distinct ids seen so far, penalised when repetition_penalty != 1
+    // Added to the logits at these ids (distinct) after the repetition penalty: presence/frequency
+    // penalties, and -inf for tokens banned this step (EOS before min_tokens).
+    std::vector<int64_t> bias_ids;
+    std::vector<float> bias;
 };
 
 struct RunnerConfig {
@@ -55,6 +59,9 @@ public:
     std::vector<int64_t> step(const HostBatch &batch, const std::vector<RowSampling> &rows);
     // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
     Tensor logits(const HostBatch &batch, bool all_logits);
+    // The logits the last step() sampled from ([B, vocab], after penalties and biases, before
+    // temperature), valid until the next step: what logprobs are computed from.
+    const Tensor &last_logits() const { return last_logits_; }
     // Graphs captured so far, by padded batch size.
     std::vector<int64_t> captured_batch_sizes() const;
 
@@ -71,6 +78,7 @@ private:
     RunnerConfig config_;
     std::unique_ptr<models::InputStaging> staging_;
     std::map<int64_t, std::unique_ptr<Graphed>> graphs_;
+    Tensor last_logits_;
 };
 
 } // namespace llaisys::runtime

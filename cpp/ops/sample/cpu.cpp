@@ -120,7 +120,7 @@ int64_t sample_row(const T *row, int64_t V, const RowParams &p, float scale, uin
 } // namespace
 
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
-            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset) {
+            const Tensor &top_p, const Tensor &min_p, const sampling::SeedSource &seeds) {
     const int64_t B = logits.size(0), V = logits.size(1);
     const float scale = std::ldexp(1.f, mass_shift(V));
     int64_t *out = out_ids.data_as<int64_t>();
@@ -130,7 +130,7 @@ void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperatu
         parallel_for(B, V * 8, [&](int64_t b) {
             const RowParams p{temperature.data_as<float>()[b], top_k.data_as<int32_t>()[b], top_p.data_as<float>()[b],
                               min_p.data_as<float>()[b]};
-            out[b] = sample_row(x + b * V, V, p, scale, row_random(seed, offset, uint64_t(b)));
+            out[b] = sample_row(x + b * V, V, p, scale, seeds.bits(uint64_t(b)));
         });
     });
 }

@@ -374,7 +374,7 @@ __device__ int sample_row(const R &r, SampleSmem &sm, int k, float p, u64 bits) 
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(int64_t *out, const T *logits, int V, const float *temperature, const int *top_k,
-                  const float *top_p, const float *min_p, uint64_t seed, uint64_t offset, float scale) {
+                  const float *top_p, const float *min_p, sampling::SeedSource seeds, float scale) {
     __shared__ SampleSmem sm;
     const int b = blockIdx.x;
     const T *x = logits + int64_t(b) * V;
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(kThreads)
     int token = finite_max(mx) ? mx.idx : -1; // greedy, or no token at all
     if (token >= 0 && !is_greedy(t)) {
         const Row<VEC, T> r{x, V, mx.val, 1.f / t, clean_min_p(min_p[b]), scale};
-        token = sample_row(r, sm, top_k[b], top_p[b], row_random(seed, offset, uint64_t(b)));
+        token = sample_row(r, sm, top_k[b], top_p[b], seeds.bits(uint64_t(b)));
     }
     if (threadIdx.x == 0) out[b] = token;
 }
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kThreads)
 } // namespace
 
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
-            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset) {
+            const Tensor &top_p, const Tensor &min_p, const sampling::SeedSource &seeds) {
     const int64_t B = logits.size(0), V = logits.size(1);
     LLAISYS_CHECK(B <= INT32_MAX, std::invalid_argument, "sample: too many rows for one launch: ", B);
     LLAISYS_CHECK(V < (int64_t(1) << 30), std::invalid_argument, "sample: vocabulary must be < 2^30 on CUDA, got ", V);
@@ -403,7 +403,7 @@ void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperatu
         auto launch = [&](auto kernel) {
             kernel<<<unsigned(B), kThreads, 0, stream_of(out_ids)>>>(
                 out_ids.data_as<int64_t>(), dptr<T>(logits), int(V), temperature.data_as<float>(),
-                top_k.data_as<int32_t>(), top_p.data_as<float>(), min_p.data_as<float>(), seed, offset, scale);
+                top_k.data_as<int32_t>(), top_p.data_as<float>(), min_p.data_as<float>(), seeds, scale);
             CUDA_CHECK_LAUNCH();
         };
         if (rows_vectorizable<D>(logits.data(), V)) launch(sample_kernel<kRowVec<D>, D>);

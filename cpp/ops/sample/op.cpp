@@ -58,17 +58,39 @@ static void check_sample_values(const Tensor &temperature, const Tensor &top_k, 
     }
 }
 
-void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
-            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset) {
-    check_sample_args(out_ids, logits, temperature, top_k, top_p, min_p);
-    if (logits.size(0) == 0) return;
+static void run_sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
+                       const Tensor &top_p, const Tensor &min_p, const sampling::SeedSource &seeds) {
     const Tensor lc = logits.contiguous(), tc = temperature.contiguous(), kc = top_k.contiguous(),
                  pc = top_p.contiguous(), mc = min_p.contiguous();
     check_sample_values(tc, kc, pc, mc);
     detail::with_contiguous_out(out_ids, [&](const Tensor &dst) {
-        LLAISYS_DEVICE_DISPATCH("sample", dst.device(), cpu::sample(dst, lc, tc, kc, pc, mc, seed, offset),
-                                cuda::sample(dst, lc, tc, kc, pc, mc, seed, offset));
+        LLAISYS_DEVICE_DISPATCH("sample", dst.device(), cpu::sample(dst, lc, tc, kc, pc, mc, seeds),
+                                cuda::sample(dst, lc, tc, kc, pc, mc, seeds));
     });
+}
+
+void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
+            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset) {
+    check_sample_args(out_ids, logits, temperature, top_k, top_p, min_p);
+    if (logits.size(0) == 0) return;
+    run_sample(out_ids, logits, temperature, top_k, top_p, min_p, sampling::SeedSource{seed, offset, nullptr, nullptr});
+}
+
+void sample_rows(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
+                 const Tensor &top_p, const Tensor &min_p, const Tensor &seeds, const Tensor &steps) {
+    constexpr const char *op = "sample_rows";
+    check_sample_args(out_ids, logits, temperature, top_k, top_p, min_p);
+    detail::check_defined(op, "seeds", seeds);
+    detail::check_defined(op, "steps", steps);
+    detail::check_same_device(op, {&logits, &seeds, &steps});
+    detail::check_dtype(op, "seeds", seeds, DType::I64);
+    detail::check_dtype(op, "steps", steps, DType::I64);
+    detail::check_shape(op, "seeds", seeds, {logits.size(0)});
+    detail::check_shape(op, "steps", steps, {logits.size(0)});
+    if (logits.size(0) == 0) return;
+    const Tensor sc = seeds.contiguous(), stc = steps.contiguous();
+    run_sample(out_ids, logits, temperature, top_k, top_p, min_p,
+               sampling::SeedSource{0, 0, sc.data_as<int64_t>(), stc.data_as<int64_t>()});
 }
 
 } // namespace llaisys::ops

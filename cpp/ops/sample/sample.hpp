@@ -1,5 +1,6 @@
 #pragma once
 #include "llaisys/tensor.hpp"
+#include "ops/sample/sample_math.hpp"
 
 #include <cstdint>
 
@@ -7,9 +8,9 @@
 // per-row parameters temperature [B] f32, top_k [B] i32, top_p [B] f32, min_p [B] f32 on one device.
 namespace llaisys::ops::cpu {
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
-            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset);
+            const Tensor &top_p, const Tensor &min_p, const sampling::SeedSource &seeds);
 }
 namespace llaisys::ops::cuda {
 void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
-            const Tensor &top_p, const Tensor &min_p, uint64_t seed, uint64_t offset);
+            const Tensor &top_p, const Tensor &min_p, const sampling::SeedSource &seeds);
 }

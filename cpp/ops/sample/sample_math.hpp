@@ -87,6 +87,17 @@ LLAISYS_HD uint64_t row_random(uint64_t seed, uint64_t offset, uint64_t row) {
     return splitmix64(splitmix64(splitmix64(seed) ^ offset) ^ row);
 }
 
+// Where row b's random bits come from: one (seed, offset) for the whole call with the row index mixed
+// in, or each row's own (seeds[b], steps[b]) with row 0 (the batched engine: a request's draw then never
+// depends on its row). seeds/steps point into the logits' device memory.
+struct SeedSource {
+    uint64_t seed = 0, offset = 0;
+    const int64_t *seeds = nullptr, *steps = nullptr;
+    LLAISYS_HD uint64_t bits(uint64_t row) const {
+        return seeds ? row_random(uint64_t(seeds[row]), uint64_t(steps[row]), 0) : row_random(seed, offset, row);
+    }
+};
+
 // floor(bits / 2^64 * z): a uniform draw in [0, z) without rounding through a float.
 LLAISYS_HD uint64_t scale_random(uint64_t bits, uint64_t z) {
 #ifdef __CUDA_ARCH__

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
+
 from .. import _core
 from ..sampling import resolve_sampling
 from .block_manager import BlockManager
@@ -77,9 +79,9 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[tuple[Sequence, int]]:
-        """One step. Returns (sequence, new token) for each sequence that produced one; sequences that
-        end (EOS, max_new_tokens, max_seq_len) are finished, their blocks freed."""
+    def step(self) -> list[tuple[Sequence, int, dict | None]]:
+        """One step. Returns (sequence, new token, its logprobs or None) for each sequence that produced
+        one; sequences that end (EOS, max_new_tokens, max_seq_len) are finished, their blocks freed."""
         t0 = time.perf_counter()
         step = self.scheduler.schedule()
         if not step.seqs:
@@ -88,13 +90,14 @@ class EngineCore:
         tokens = self.runner.step(step)
         t2 = time.perf_counter()
         produced = []
-        for seq, n, token in zip(step.seqs, step.num_tokens, tokens):
+        for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             seq.num_computed += n
             self.blocks.register_full(seq)
             if seq.num_computed < len(seq):
                 continue  # a prefill chunk: more of the prompt to go
+            lp = None if seq.params.logprobs is None else self._logprobs(row, int(token), seq.params)
             seq.append(int(token))
-            produced.append((seq, int(token)))
+            produced.append((seq, int(token), lp))
             if token in seq.eos:
                 self.finish(seq, "stop")
             elif seq.num_output >= seq.params.max_new_tokens or len(seq) >= self.max_seq_len:
@@ -106,6 +109,18 @@ class EngineCore:
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
         return produced
+
+    def _logprobs(self, row: int, token: int, params) -> dict:
+        """Log-softmax of the row's logits after the temperature (1 for greedy), before top-k/top-p: the
+        chosen token's logprob and the `params.logprobs` most likely, highest first."""
+        x = np.asarray(self.runner.last_logits().slice(0, row, row + 1).to("cpu").to("f32").numpy(),
+                       dtype=np.float64)[0] / (params.temperature or 1.0)
+        m = x.max()
+        lp = x - (m + np.log(np.exp(x - m).sum()))
+        k = params.logprobs
+        top = np.argpartition(-lp, k)[:k] if 0 < k < lp.size else np.arange(lp.size if k else 0)
+        top = sorted(top.tolist(), key=lambda i: (-lp[i], i))
+        return {"token_id": token, "logprob": float(lp[token]), "top": [[int(i), float(lp[i])] for i in top]}
 
     def stats(self) -> dict:
         b, s = self.blocks, self.scheduler

@@ -20,6 +20,8 @@ class StreamChunk:
     finish_reason: str | None = None
     usage: dict | None = None
     timings: dict | None = None
+    # with logprobs=k: one entry per token id of the chunk, {"token_id", "logprob", "top": [[id, logprob], ...]}
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -29,6 +31,7 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "abort"
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
     timings: dict = field(default_factory=dict)  # ttft_s, prefill_tokens_per_s, decode_tokens_per_s, total_s
+    logprobs: list[dict] | None = None  # one entry per token id, with logprobs=k
 
 
 _END = object()
@@ -42,16 +45,19 @@ class Request:
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
+        self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self.start, self.first = time.perf_counter(), None
         self.done = False
 
     # ---- the step loop's side -------------------------------------------------------------------
-    def on_token(self, token: int) -> bool:
+    def on_token(self, token: int, logprobs: dict | None = None) -> bool:
         """Queues the text the token completes; True when a stop string was hit (the text before it is
         queued and the request must end)."""
         self.first = self.first or time.perf_counter()
         self._pending.append(token)  # ids travel with the next chunk that carries text
+        if self._pending_lp is not None:
+            self._pending_lp.append(logprobs)
         if token in self.seq.eos:
             return False
         text, hit = self._stops.feed(self._detok.step(token))
@@ -59,9 +65,15 @@ class Request:
             self._tail = text
             return True
         if text:
-            self._chunks.put(StreamChunk(text, self._pending))
+            self._chunks.put(StreamChunk(text, self._pending, logprobs=self._take_lp()))
             self._pending = []
         return False
+
+    def _take_lp(self) -> list[dict] | None:
+        lp = self._pending_lp
+        if lp is not None:
+            self._pending_lp = []
+        return lp
 
     def finish(self, reason: str) -> None:
         if self.done:
@@ -73,7 +85,7 @@ class Request:
             tail += "" if hit else self._stops.flush()
             if self._stops.hit:
                 reason = "stop"
-        self._chunks.put(StreamChunk(tail, self._pending, reason, self.usage(), self.timings()))
+        self._chunks.put(StreamChunk(tail, self._pending, reason, self.usage(), self.timings(), self._take_lp()))
         self._chunks.put(_END)
 
     def fail(self, error: BaseException) -> None:
@@ -108,12 +120,14 @@ class Request:
             yield item
 
     def result(self) -> GenerationResult:
-        text, ids, last = [], [], None
+        text, ids, lps, last = [], [], [], None
         for chunk in self:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
+            lps.extend(chunk.logprobs or [])
             last = chunk
-        return GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings)
+        return GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings,
+                                lps if self.seq.params.logprobs is not None else None)
 
     def abort(self) -> None:
         """Ends the request now (finish_reason "abort"); its blocks are freed before the next step."""

@@ -105,7 +105,7 @@ class StepLoop:
                     fut.set_exception(e)
             if closed:
                 for req in list(self._live.values()):
-                    req.fail(RuntimeError("the engine was closed while this request was running"))
+                    req.fail(RuntimeError("engine is closed: this request was still running"))
                     self.core.finish(req.seq, "abort")
                 self._live.clear()
                 self.core = None  # handles the caller still holds must not keep the model alive
@@ -128,11 +128,11 @@ class StepLoop:
                     self._live.pop(req.seq.seq_id)
                     self.core.finish(req.seq, "error")
             return
-        for seq, token in produced:
+        for seq, token, logprobs in produced:
             req = self._live.get(seq.seq_id)
             if req is None:
                 continue
-            if req.on_token(token):
+            if req.on_token(token, logprobs):
                 self._end(req, "stop")
             elif seq.finish_reason is not None:
                 self._live.pop(seq.seq_id)

@@ -46,6 +46,9 @@ class ModelRunner:
         penalty = [p.repetition_penalty for p in params]
         penalty_ids = [sorted(s.seen) if s.seen is not None else [] for s in seqs] if any(
             v != 1.0 for v in penalty) else []
+        biases = [s.biases() if s.counts is not None or s.params.min_tokens else {} for s in seqs]
+        if not any(biases):
+            biases = []
         sampling = (
             np.asarray([p.temperature for p in params], dtype=np.float32),
             np.asarray([p.top_k for p in params], dtype=np.int32),
@@ -54,9 +57,13 @@ class ModelRunner:
             np.asarray(penalty, dtype=np.float32),
             np.asarray([s.seed for s in seqs], dtype=np.uint64),
             np.asarray([s.num_output for s in seqs], dtype=np.uint64),
-            penalty_ids)
+            penalty_ids, [list(b) for b in biases], [list(b.values()) for b in biases])
         self.prepare_s += time.perf_counter() - t0
         return self.runner.step(*arrays, *sampling)
+
+    def last_logits(self):
+        """The logits the last step sampled from, [B, vocab] on the device (after penalties)."""
+        return self.runner.last_logits()
 
     def logits(self, step: Step, all_logits: bool):
         return self.runner.logits(*self._arrays(step), all_logits)

@@ -12,8 +12,10 @@ answer. submit() is the request interface for servers (iterate the handle, abort
 """
 from __future__ import annotations
 
+import atexit
 import random
 import sys
+import weakref
 from typing import Iterator, Sequence as Seq
 
 import numpy as np
@@ -30,6 +32,9 @@ from .loop import StepLoop
 from .prompts import split_sampling
 from .request import GenerationResult, Request, StreamChunk
 from .sequence import Sequence
+
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # closed at exit, before the extension is torn down
+atexit.register(lambda: [e.close() for e in list(_OPEN)])
 
 DEFAULT_MAX_SEQ_LEN = 8192  # context per sequence when the caller does not choose (the model may allow more)
 
@@ -81,6 +86,7 @@ class Engine:
         self._core = EngineCore(net, self.config, self.engine_config, self.dtype, self.device, self.max_seq_len)
         self._model = net
         self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
+        _OPEN.add(self)
 
     def _config_dict(self) -> dict:
         c = self.config

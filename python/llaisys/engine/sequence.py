@@ -35,6 +35,9 @@ class Sequence:
         self.error: BaseException | None = None
         # penalised ids for repetition_penalty (HF: prompt and output), kept only when it is on
         self.seen: set[int] | None = set(prompt) if params.repetition_penalty != 1.0 else None
+        # generated-token counts for the presence/frequency penalties (OpenAI: output tokens only)
+        self.counts: dict[int, int] | None = (
+            {} if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 else None)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -56,3 +59,15 @@ class Sequence:
         self.tokens.append(token)
         if self.seen is not None:
             self.seen.add(token)
+        if self.counts is not None:
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+    def biases(self) -> dict[int, float]:
+        """Logit biases for this step: -(presence + frequency * count) per generated token, and -inf on
+        EOS / stop_token_ids while fewer than min_tokens have been generated."""
+        p, out = self.params, {}
+        if self.counts:
+            out = {t: -(p.presence_penalty + p.frequency_penalty * c) for t, c in self.counts.items()}
+        if self.num_output < p.min_tokens:
+            out.update(dict.fromkeys(self.eos, float("-inf")))
+        return out
