@@ -1,0 +1,110 @@
+"""`llaisys serve`: the OpenAI-compatible server on uvicorn. llaisys/cli.py adds the subcommand with
+add_serve_parser(sub) and the command runs run_serve(args). FastAPI and uvicorn are imported only when
+the server starts (pip install 'llaisys[serve]')."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+
+SERVE_EPILOG = """\
+examples:
+  llaisys serve                                   the default model on http://127.0.0.1:8000/v1
+  llaisys serve --model ./Qwen2.5-0.5B-Instruct --port 9000 --api-key secret
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "qwen2.5-coder-0.5b-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+The API key defaults to $LLAISYS_API_KEY; /health and /metrics need none."""
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _device(text: str) -> str:
+    if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EPILOG,
+                              description="Serve a model at /v1/chat/completions, /v1/completions and "
+                                          "/v1/models (OpenAI's API), with /health and /metrics (Prometheus).")
+    p.add_argument("--model", "-m", metavar="M", help="catalog name, HF model directory, .gguf file or HF repo "
+                   "id (default: the catalog's default model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
+    p.add_argument("--device", default="auto", type=_device, metavar="DEV", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"], help="default auto = bf16")
+    p.add_argument("--max-seq-len", type=_int_at_least(2), metavar="N", help="context per sequence (default: "
+                   "up to 8192)")
+    p.add_argument("--api-key", default=os.environ.get("LLAISYS_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $LLAISYS_API_KEY, else none)")
+    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --model)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("engine settings (EngineConfig; left out: its defaults)")
+    g.add_argument("--max-num-seqs", type=_int_at_least(1), metavar="N", help="sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), metavar="N", help="tokens per step")
+    g.add_argument("--block-size", type=_int_at_least(1), metavar="N", help="positions per KV block")
+    g.add_argument("--gpu-memory-utilization", type=float, metavar="F", help="CUDA: share of the device to fill")
+    g.add_argument("--cpu-kv-cache-bytes", type=_int_at_least(1), metavar="B", help="CPU: bytes of KV cache")
+    g.add_argument("--num-kv-blocks", type=_int_at_least(2), metavar="N", help="a fixed number of KV blocks")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None)
+    g.add_argument("--max-queued-requests", type=_int_at_least(1), metavar="N",
+                   help="requests in flight before new ones get 503")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
+                   "cpu_kv_cache_bytes", "num_kv_blocks", "enable_prefix_caching", "cuda_graphs",
+                   "max_queued_requests")
+
+
+def run_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        raise RuntimeError(f"the server needs FastAPI and uvicorn ({e}): pip install 'llaisys[serve]'") from None
+    from .. import catalog
+    from .backend import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    model = args.model or catalog.DEFAULT_MODEL
+    settings = {k: getattr(args, k) for k in ENGINE_SETTINGS if getattr(args, k) is not None}
+    engine = Engine(model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len, **settings)
+    try:
+        app = create_app(engine, args.served_model_name or model, args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+        _serve(config, app.state.llaisys)
+    finally:
+        engine.close()
+    return 0
+
+
+def _serve(config, state) -> None:
+    """uvicorn's Server, except that SIGINT/SIGTERM first ends the running requests (streams get an error
+    chunk): uvicorn's graceful shutdown waits for open responses, which must not wait for generations."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.request_shutdown()
+            super().handle_exit(sig, frame)
+
+    Server(config).run()

@@ -1,0 +1,161 @@
+"""One /v1/chat/completions or /v1/completions request, from its parsed body to the response: prompts to
+token ids, n choices with their own seeds, then a whole response or an SSE stream.
+
+Every request ends in exactly one log line (id, status, tokens, TTFT) and one metrics observation. A
+client that leaves (stream or not) aborts its engine requests, which frees their KV blocks before the
+next step; a server shutdown aborts them too and the client gets an error (chunk).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .backend import Generation, chat_ids, choice_seed, prompt_ids
+from .protocol import APIError, ChatRequest, CompletionRequest
+from .responses import Choice, Formatter, total_usage
+
+log = logging.getLogger("llaisys.server")
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
+
+
+class ClientGone(Exception):
+    pass
+
+
+def prepare(eng, req: ChatRequest | CompletionRequest, chat: bool) -> tuple[list, list[str]]:
+    """(groups for Generation.start, the text echoed before each choice). Runs in a worker thread: chat
+    templates and tokenizers take a while on long prompts."""
+    sampling = req.sampling()
+    if chat:
+        prompts = [chat_ids(eng, req.message_dicts())]
+    else:
+        prompts = [prompt_ids(eng, p) for p in req.prompts()]
+    for ids in prompts:
+        if len(ids) >= eng.max_seq_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's context holds {eng.max_seq_len} "
+                                f"(the prompt and at least one generated token must fit)",
+                           "messages" if chat else "prompt", "context_length_exceeded")
+    n = req.n or 1
+    groups = [(ids, [{**sampling, "seed": choice_seed(sampling["seed"], i)} for i in range(n)]) for ids in prompts]
+    echo = []
+    if not chat and req.echo:
+        echo = [p if isinstance(p, str) else eng.tokenizer.decode(p) for p in req.prompts() for _ in range(n)]
+    return groups, echo
+
+
+class Call:
+    """The state of one generation request while it is answered."""
+
+    def __init__(self, state, rid: str, req, chat: bool):
+        self.state, self.rid, self.req = state, rid, req
+        self.t0 = time.perf_counter()
+        self.ttft: float | None = None
+        self.gen = Generation(state.engine, state.engine.engine_config.block_size)
+        self.fmt = Formatter(state.engine, rid, chat, state.model_name, req.num_logprobs() is not None,
+                             req.include_usage)
+        self.choices: list[Choice] = []
+        self.leaders: list[int] = []
+
+    async def start(self, chat: bool) -> None:
+        eng, req = self.state.engine, self.req
+        try:
+            groups, echo = await asyncio.to_thread(prepare, eng, req, chat)
+            self.choices = [Choice(echo=echo[i] if echo else "") for i in range(len(groups) * (req.n or 1))]
+            self.leaders = [k * (req.n or 1) for k in range(len(groups))]
+            self.gen.start(groups)
+        except (ValueError, TypeError) as e:  # a bad value, or a prompt that can never fit: the numbers
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:  # the queue is full (EngineConfig.max_queued_requests) or closing
+            raise APIError(503, str(e), code="server_busy") from None
+        self.state.live.add(self)
+        self.state.metrics.in_flight += 1
+
+    async def _chunks(self):
+        """(index, Choice, chunk) as they arrive; raises APIError for a request the server cut short."""
+        async for index, chunk in self.gen.events():
+            if self.ttft is None:
+                self.ttft = time.perf_counter() - self.t0
+            if chunk.finish_reason == "abort":  # only the server aborts what a client still reads
+                raise APIError(503, "the server is shutting down", code="server_shutdown")
+            choice = self.choices[index]
+            choice.add(chunk)
+            yield index, choice, chunk
+
+    def usage(self) -> dict:
+        return total_usage(self.choices, self.leaders)
+
+    def end(self, status: int, outcome: str, error: str | None = None) -> None:
+        """Frees what is still running, records metrics and writes the request's one log line."""
+        self.gen.abort()
+        self.state.live.discard(self)
+        self.state.metrics.in_flight -= 1
+        total = time.perf_counter() - self.t0
+        usage = self.usage() if outcome == "ok" else None
+        rates = [c.timings.get("decode_tokens_per_s", 0.0) for c in self.choices if c.timings]
+        self.state.metrics.finished(outcome, usage, self.ttft, total if outcome == "ok" else None, rates)
+        u = self.usage()
+        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
+        tail = f" error={error!r}" if error else ""
+        user = f" user={self.req.user!r}" if self.req.user else ""
+        log.info("%s %d %s prompt=%d cached=%d completion=%d n=%d ttft=%s total=%.3fs%s%s", self.rid, status,
+                 outcome, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
+                 len(self.choices), ttft, total, user, tail)
+
+    # ---- non-streaming --------------------------------------------------------------------------
+    async def respond(self, request: Request) -> JSONResponse:
+        consume = asyncio.ensure_future(self._consume())
+        try:
+            while not consume.done():
+                await asyncio.wait({consume}, timeout=DISCONNECT_POLL_S)
+                if not consume.done() and await request.is_disconnected():
+                    raise ClientGone()
+            consume.result()
+        except ClientGone:
+            consume.cancel()
+            self.end(499, "aborted", "the client disconnected")
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        except APIError as e:
+            self.end(e.status, "error", e.message)
+            return JSONResponse(e.body(), status_code=e.status)
+        except Exception as e:  # an engine step failed
+            self.end(500, "error", str(e))
+            err = APIError(500, f"generation failed: {e}")
+            return JSONResponse(err.body(), status_code=500)
+        self.end(200, "ok")
+        return JSONResponse(self.fmt.response(self.choices, self.usage()))
+
+    async def _consume(self) -> None:
+        async for _ in self._chunks():
+            pass
+
+    # ---- streaming ------------------------------------------------------------------------------
+    def stream(self) -> StreamingResponse:
+        return StreamingResponse(self._sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _sse(self):
+        status, outcome, error = 200, "ok", None
+        try:
+            async for index, choice, chunk in self._chunks():
+                yield _event(self.fmt.stream_chunk(index, choice, chunk))
+            if self.fmt.include_usage:
+                yield _event(self.fmt.usage_chunk(self.usage()))
+        except asyncio.CancelledError:  # Starlette cancels the stream when the client disconnects
+            status, outcome, error = 499, "aborted", "the client disconnected"
+            raise
+        except Exception as e:  # headers are sent: the error goes in the stream, as vLLM does
+            err = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
+            status, outcome, error = err.status, "error", err.message
+            yield _event(err.body())
+        finally:
+            self.end(status, outcome, error)
+        yield "data: [DONE]\n\n"
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

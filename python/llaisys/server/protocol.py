@@ -1,0 +1,195 @@
+"""Request bodies of the OpenAI API as pydantic models, and OpenAI-shaped errors.
+
+Models are strict (a string is not a number, 1 is not true) and forbid unknown fields: a field we do not
+support (tools, response_format, logit_bias, ...) is refused with a 400 that names it, never ignored.
+Ranges OpenAI documents are checked here; the engine checks the rest (and its own limits) on submit.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_N = 16           # choices per request: each is a sequence in the batch
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error",
+             503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Union[str, list[TextPart]]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text_parts(cls, value):
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part of type {kind!r} is not supported (only 'text' parts)")
+        return value
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields chat and completions share. None means "the model's generation config decides"."""
+
+    model: str
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    n: Optional[int] = Field(1, ge=1, le=MAX_N)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    user: Optional[str] = None  # accepted for API compatibility; appears in the request log
+    # vLLM's extras
+    top_k: Optional[int] = Field(None, ge=-1)  # -1 and 0: off
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = False
+    min_tokens: Optional[int] = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+    def num_logprobs(self) -> Optional[int]:
+        return None
+
+    def sampling(self) -> dict:
+        """Engine keywords for the fields set; the rest come from the model's generation config. Keywords
+        the engine may lack (penalties, min_tokens, logprobs) are passed only when asked for."""
+        out = {"max_new_tokens": self.max_new_tokens(), "temperature": self.temperature, "top_p": self.top_p,
+               "top_k": 0 if self.top_k == -1 else self.top_k, "min_p": self.min_p,
+               "repetition_penalty": self.repetition_penalty, "stop": self.stop,
+               "stop_token_ids": self.stop_token_ids, "ignore_eos": bool(self.ignore_eos),
+               # OpenAI takes any int64 seed; the engine's seeds are unsigned 64-bit
+               "seed": None if self.seed is None else self.seed % 2**64}
+        optional = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                    "min_tokens": self.min_tokens or None, "logprobs": self.num_logprobs()}
+        out.update({k: v for k, v in optional.items() if v is not None})
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: Optional[bool] = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, value):
+        def ids(x):
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        shape = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+        if isinstance(value, str) or ids(value) and value:
+            items = [value]
+        elif isinstance(value, list) and value and (all(isinstance(p, str) for p in value) or all(map(ids, value))):
+            items = value
+        else:
+            raise ValueError(f"prompt must be {shape} (not empty)")
+        if any(not p for p in items):
+            raise ValueError("prompt is empty (give text or token ids)")
+        return value
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+        return self
+
+    def num_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
+    def prompts(self) -> list:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+
+
+def parse(model: type[_Strict], body) -> _Strict:
+    """Validates a decoded JSON body; raises APIError(400) naming the first offending field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors) -> APIError:
+    err = errors[0]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    # pydantic adds the union member it tried (e.g. "str", "list[TextPart]") to the location: drop it
+    param = ".".join(x for x in loc if not any(c in x for c in "[]") and x not in ("str", "int", "function-after"))
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"unsupported field {param!r}: this server does not support it", param,
+                        "unsupported_field")
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {err.get('msg')}", None, "invalid_json")
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    where = f"{param}: " if param else ""
+    return APIError(400, f"{where}{msg}", param or None, "invalid_value")

@@ -1,0 +1,122 @@
+"""Response bodies in OpenAI's shapes: chat.completion(.chunk) and text_completion, logprobs, usage.
+
+A Choice accumulates the engine's chunks of one choice; a Formatter turns chunks into stream chunks and
+finished choices into the whole response, for chat or for completions.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .backend import token_bytes
+
+
+@dataclass
+class Choice:
+    echo: str = ""  # completions with echo: the prompt text, sent before the generated text
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # the engine's entries: token_id, logprob, top
+    finish_reason: str | None = None
+    usage: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    started: bool = False  # its first stream chunk (the role, or the echoed prompt) was sent
+    chars_before: int = 0  # generated characters before the last chunk (its logprobs' text_offset)
+
+    def add(self, chunk) -> None:
+        self.chars_before += sum(map(len, self.text[-1:]))
+        self.text.append(chunk.text)
+        self.logprobs.extend(getattr(chunk, "logprobs", None) or ())
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.usage, self.timings = chunk.finish_reason, chunk.usage, chunk.timings
+
+
+def total_usage(choices: list[Choice], leaders: list[int]) -> dict:
+    """Prompt tokens once per prompt (its first choice computed it; the others share its blocks) and the
+    completion tokens of every choice."""
+    prompt = sum(choices[i].usage.get("prompt_tokens", 0) for i in leaders)
+    cached = sum(choices[i].usage.get("cached_tokens", 0) for i in leaders)
+    completion = sum(c.usage.get("completion_tokens", 0) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class Formatter:
+    def __init__(self, eng, rid: str, chat: bool, model: str, want_logprobs: bool, include_usage: bool = False):
+        self.eng, self.id, self.chat, self.model = eng, rid, chat, model
+        self.want_logprobs, self.include_usage = want_logprobs, include_usage
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # ---- streaming --------------------------------------------------------------------------
+    def stream_chunk(self, index: int, choice: Choice, chunk) -> dict:
+        """The stream chunk for `chunk`, already added to `choice`."""
+        entries = getattr(chunk, "logprobs", None) or []
+        if self.chat:
+            delta = {} if choice.started else {"role": "assistant", "content": ""}
+            if chunk.text:
+                delta["content"] = chunk.text
+            body = {"index": index, "delta": delta, "logprobs": self._chat_logprobs(entries),
+                    "finish_reason": chunk.finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            text = chunk.text if choice.started else choice.echo + chunk.text
+            offset = len(choice.echo) + choice.chars_before
+            body = {"index": index, "text": text, "logprobs": self._completion_logprobs(entries, offset),
+                    "finish_reason": chunk.finish_reason}
+            obj = "text_completion"
+        choice.started = True
+        out = {**self._head(obj), "choices": [body]}
+        if self.include_usage:
+            out["usage"] = None  # OpenAI: null on every chunk but the last
+        return out
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+    # ---- whole response ---------------------------------------------------------------------
+    def response(self, choices: list[Choice], usage: dict) -> dict:
+        out = []
+        for i, c in enumerate(choices):
+            text = "".join(c.text)
+            if self.chat:
+                out.append({"index": i, "message": {"role": "assistant", "content": text},
+                            "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": i, "text": c.echo + text,
+                            "logprobs": self._completion_logprobs(c.logprobs, len(c.echo)),
+                            "finish_reason": c.finish_reason})
+        return {**self._head(self.object), "choices": out, "usage": usage}
+
+    # ---- logprobs ---------------------------------------------------------------------------
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        raw = token_bytes(self.eng, token_id)
+        return raw.decode("utf-8", errors="replace"), raw
+
+    def _chat_logprobs(self, entries: list[dict]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for e in entries:
+            text, raw = self._token(e["token_id"])
+            top = []
+            for tid, lp in e["top"]:
+                t, b = self._token(tid)
+                top.append({"token": t, "logprob": lp, "bytes": list(b)})
+            content.append({"token": text, "logprob": e["logprob"], "bytes": list(raw), "top_logprobs": top})
+        return {"content": content}
+
+    def _completion_logprobs(self, entries: list[dict], offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        tokens, offsets = [], []
+        for e in entries:
+            offsets.append(offset)
+            tokens.append(self._token(e["token_id"])[0])
+            offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self._token(t)[0]: lp for t, lp in e["top"]} for e in entries],
+                "text_offset": offsets}
