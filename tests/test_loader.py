@@ -443,12 +443,84 @@ def test_truncated_real_gguf_raises(real_gguf, tmp_path):
         loader.load(part, progress=False)
 
 
-def test_progress_goes_to_stderr(tiny_dirs, tmp_path, capfd):
-    loader.load(tiny_dirs["f32"], progress=True)
+def test_load_prints_nothing(tiny_dirs, tmp_path, capfd):
+    """load() reads no weight (the consumer's upload shows progress), so it has nothing to report."""
     path = write_tiny_gguf(tiny_dirs["f32"], tmp_path / "p.gguf", qtype="Q8_0")
     capfd.readouterr()
-    loader.load(path, progress=True)
-    out, err = capfd.readouterr()
-    assert out == "" and "dequantizing p.gguf" in err
-    loader.load(path, progress=False)
-    assert capfd.readouterr() == ("", "")
+    for source in (tiny_dirs["f32"], path):
+        loader.load(source, progress=True)
+        assert capfd.readouterr() == ("", "")
+
+
+# ---- loading without a converted copy of the whole model (issue 16, item 8) ---------------------------
+
+
+def test_gguf_weights_are_dequantized_one_at_a_time(tiny_dirs, tmp_path, monkeypatch):
+    """load() dequantizes one row of each tensor (to fail early on an unknown type), then each pop one
+    tensor: a dequantized float32 copy of the whole model never exists."""
+    from llaisys.loader import gguf as gguf_loader
+
+    path = write_tiny_gguf(tiny_dirs["f32"], tmp_path / "m.gguf", qtype="Q8_0")
+    ref = dict(loader.load(path, progress=False).weights.items())
+    made = []
+    real = gguf_loader.dequantize
+    monkeypatch.setattr(gguf_loader, "dequantize", lambda data, qtype: made.append(real(data, qtype)) or made[-1])
+    m = loader.load(path, progress=False)
+    shapes = expected_weight_shapes(m.config)
+    assert max(a.size for a in made) <= max(s[-1] for s in shapes.values())  # at most one row each
+    made.clear()
+    names = list(m.weights)
+    assert sorted(names) == sorted(shapes) and not made  # listing names dequantizes nothing
+    for i, name in enumerate(names):
+        w = m.weights.pop(name)
+        assert w.shape == shapes[name] and w.dtype == np.float32 and len(made) == i + 1
+        np.testing.assert_array_equal(w, ref[name], err_msg=name)
+    assert len(m.weights) == 0
+
+
+def _rss_file_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:")) / 1024
+
+
+def test_popping_a_weight_releases_the_previous_ones_file_pages(tmp_path):
+    """An f32 checkpoint loaded as bf16 is read (converted) tensor by tensor; without releasing the pages
+    each read leaves resident, a load would end holding the whole file as well as the converted model."""
+    from llaisys.loader import FileSpan, LazyWeights
+
+    n = 16 << 20  # floats per tensor: 64 MB
+    path = tmp_path / "two.safetensors"
+    write_safetensors(path, {"a": np.arange(n, dtype=np.float32), "b": np.ones(n, np.float32)})
+    from llaisys.loader.safetensors import _read
+
+    arrays, spans = _read(os.fspath(path))
+    assert isinstance(spans["a"], FileSpan)
+    weights = LazyWeights({k: (lambda a=a: a) for k, a in arrays.items()}, spans)
+    before = _rss_file_mb()
+    a = weights.pop("a")
+    assert a.astype(ml_dtypes.bfloat16)[-1] == n - 1  # read it all, as a converting upload does
+    assert _rss_file_mb() - before > 48
+    b = weights.pop("b")
+    assert _rss_file_mb() - before < 16  # a's pages went back; b's were not read yet
+    assert b.sum() == n and a[-1] == n - 1  # released pages read back from the file
+
+
+def test_pop_releases_only_the_previously_popped_weight():
+    from llaisys.loader import LazyWeights
+
+    released = []
+
+    class Span:
+        def __init__(self, name):
+            self.name = name
+
+        def release(self):
+            released.append(self.name)
+
+    weights = LazyWeights({n: (lambda n=n: np.full(2, ord(n))) for n in "abc"}, {n: Span(n) for n in "abc"})
+    assert list(weights) == ["a", "b", "c"] and weights["b"][0] == ord("b") and not released
+    assert weights.pop("b")[0] == ord("b") and not released  # still in use by whoever popped it
+    weights.pop("a")
+    assert released == ["b"] and list(weights) == ["c"]
+    with pytest.raises(KeyError):
+        weights.pop("b")

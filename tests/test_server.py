@@ -339,8 +339,12 @@ def test_engine_feature_chat_logprobs_match_score(client, eng):
     content = r.choices[0].logprobs.content
     assert [bytes(e.bytes) for e in content] == [token_bytes(eng, t) for t in out]
     logits = eng.score(prompt + out)
+    penalty = eng.generation_config.get("repetition_penalty") or 1.0  # the model's default applies here too
     for j, (e, t) in enumerate(zip(content, out)):
-        ref = log_softmax(logits[len(prompt) + j - 1])
+        row = logits[len(prompt) + j - 1].astype(np.float64)
+        seen = np.array(sorted(set(prompt + out[:j])))
+        row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)  # HF's formula
+        ref = log_softmax(row)
         # decode (one row) and score (a whole prefill) round bf16 differently: a few hundredths of a nat
         assert e.logprob == pytest.approx(ref[t], abs=0.1)
         tops = [x.logprob for x in e.top_logprobs]

@@ -21,7 +21,8 @@ _GREEDY = resolve_sampling({}, temperature=0)
 
 def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len: int) -> int:
     """Blocks the pool gets: EngineConfig.num_kv_blocks, else the CPU byte budget, else the CUDA
-    memory fraction minus what is in use and an estimate of the step's activations and graphs."""
+    memory fraction minus what is in use and an estimate of the step's activations and graphs; at most
+    what max_num_seqs sequences of max_seq_len tokens can use."""
     block = _core.KVPool.block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
                                      dtype)
     if config.num_kv_blocks is not None:
@@ -36,8 +37,11 @@ def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len
         graphs = sum(config.graph_sizes) * per_row if config.cuda_graphs else 0
         prefill = config.max_num_batched_tokens * per_row // 4 + config.max_num_seqs * mc.vocab_size * 4
         budget = int(config.gpu_memory_utilization * total) - (total - free) - graphs - prefill - (256 << 20)
-    blocks = budget // block
-    need = math.ceil(max_seq_len / config.block_size) + 1
+    per_seq = math.ceil(max_seq_len / config.block_size)
+    need = per_seq + 1
+    # More than every sequence at full length (plus block 0) is never used at once: don't take it from
+    # the device (or from other models sharing it). The prefix cache keeps what fits in this.
+    blocks = min(budget // block, config.max_num_seqs * per_seq + 1)
     if blocks < need:
         raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {max(blocks, 0)} blocks of "
                          f"{config.block_size} tokens; one sequence of max_seq_len {max_seq_len} needs {need}: "

@@ -5,14 +5,16 @@
     m.weights["model.layers.0.self_attn.q_proj.weight"]        # numpy, HF names and shapes
 
 Loading is strict: the expected weights (names and shapes) come from the config, and a missing, unknown or
-mis-shaped tensor, or a non-float one, raises ValueError naming the tensor and the file. Safetensors
-weights are zero-copy views of a read-only mmap in their stored dtype; GGUF weights are dequantized to
-float32.
+mis-shaped tensor, or a non-float one, raises ValueError naming the tensor and the file, before any
+weight is read. `weights` makes each tensor only when it is asked for (LazyWeights), so loading never holds
+a converted copy of the whole model: safetensors weights are zero-copy views of a read-only mmap in their
+stored dtype; GGUF weights are dequantized to float32 one tensor at a time.
 """
 from __future__ import annotations
 
+import mmap
 import os
-import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import ml_dtypes
@@ -21,15 +23,59 @@ import numpy as np
 from ..tokenizer import Tokenizer, read_json, read_tokenizer_config
 from .config import Qwen2Config, check_weight_shapes, expected_weight_shapes
 
-__all__ = ["LoadedModel", "Qwen2Config", "load", "expected_weight_shapes"]
+__all__ = ["LazyWeights", "LoadedModel", "Qwen2Config", "load", "expected_weight_shapes"]
 
 _FLOAT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
+
+
+@dataclass(frozen=True)
+class FileSpan:
+    """Bytes [offset, offset + nbytes) of a read-only mapping of a checkpoint file."""
+
+    mapping: mmap.mmap
+    offset: int
+    nbytes: int
+
+    def release(self) -> None:
+        """Drop this process's resident pages that lie wholly inside the span. The mapping is a shared
+        read-only file mapping, so a later read (a zero-copy weight) faults the bytes back in from the file."""
+        start = -(-self.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (self.offset + self.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start and not self.mapping.closed:
+            self.mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+class LazyWeights(Mapping):
+    """{HF name: array} whose arrays are made when asked for, each time anew (a GGUF tensor is dequantized
+    by every read). A consumer takes each weight with pop(): when it pops the next one it is done with the
+    previous, whose file pages are released then, so a load's peak is the model plus about one tensor
+    rather than the model, its file and a float32 copy of it."""
+
+    def __init__(self, makers: dict[str, Callable[[], np.ndarray]], spans: dict[str, FileSpan]):
+        self._makers, self._spans = dict(makers), spans
+        self._previous: str | None = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._makers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def pop(self, name: str) -> np.ndarray:
+        make = self._makers.pop(name)
+        if self._previous in self._spans:
+            self._spans.pop(self._previous).release()
+        self._previous = name
+        return make()
 
 
 @dataclass
 class LoadedModel:
     config: Qwen2Config
-    weights: dict[str, np.ndarray]  # HF names; lm_head.weight only when untied
+    weights: LazyWeights  # HF names; lm_head.weight only when untied
     tokenizer: Tokenizer
     chat_template: str | None
     generation_config: dict  # generation_config.json, or the bos/eos/pad ids of a GGUF file
@@ -37,10 +83,12 @@ class LoadedModel:
 
 
 def load(path: str | os.PathLike, progress: bool = True) -> LoadedModel:
-    """Load an HF checkpoint directory (config.json, *.safetensors, tokenizer.json) or a .gguf file."""
+    """Load an HF checkpoint directory (config.json, *.safetensors, tokenizer.json) or a .gguf file.
+    `progress` is accepted for callers of earlier versions: no weight is read here any more, so the
+    consumer of `weights` (the Engine's upload) is what shows progress."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        return _load_hf_dir(path, progress)
+        return _load_hf_dir(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     with open(path, "rb") as f:
@@ -49,35 +97,32 @@ def load(path: str | os.PathLike, progress: bool = True) -> LoadedModel:
                              f"and *.safetensors, or a .gguf file)")
     from .gguf import load_gguf
 
-    config, weights, tokenizer, template, gen = load_gguf(path, progress)
+    config, weights, tokenizer, template, gen = load_gguf(path)
     return LoadedModel(config, weights, tokenizer, template, gen, path)
 
 
-def _load_hf_dir(path: str, progress: bool) -> LoadedModel:
-    from tqdm import tqdm
-
+def _load_hf_dir(path: str) -> LoadedModel:
     from .safetensors import read_checkpoint_dir
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path}: no config.json (expected an HF checkpoint directory or a .gguf file)")
     config = Qwen2Config.from_hf(read_json(config_file), config_file)
-    tensors, file_of = read_checkpoint_dir(path)
+    tensors, file_of, spans = read_checkpoint_dir(path)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store a copy; the embedding is the weight
     for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
         del tensors[name]  # a buffer older transformers saved; recomputed from rope_theta
     check_weight_shapes({n: t.shape for n, t in tensors.items()}, config, file_of)
-    weights = {}
-    for name in tqdm(list(expected_weight_shapes(config)), desc=f"reading {os.path.basename(path)}",
-                     unit="tensor", disable=not progress, file=sys.stderr, leave=False):
-        array = tensors[name]
-        if array.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{file_of[name]}: tensor {name!r} has dtype {array.dtype}, expected float32, float16 "
-                             f"or bfloat16")
-        weights[name] = array
+    names = list(expected_weight_shapes(config))
+    for name in names:
+        if tensors[name].dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{file_of[name]}: tensor {name!r} has dtype {tensors[name].dtype}, expected float32, "
+                             f"float16 or bfloat16")
+    # views cost nothing until read; the consumer converts (or wraps) them one at a time
+    weights = LazyWeights({n: (lambda a=tensors[n]: a) for n in names}, {n: spans[n] for n in names})
     # the config's dtype describes the weights as stored (config.json's "dtype" is sometimes stale)
-    config = replace(config, dtype=_FLOAT_DTYPES[weights["model.embed_tokens.weight"].dtype])
+    config = replace(config, dtype=_FLOAT_DTYPES[tensors["model.embed_tokens.weight"].dtype])
     tokenizer = Tokenizer.from_hf_dir(path)
     chat_template = read_tokenizer_config(path).get("chat_template")
     gen = read_json(os.path.join(path, "generation_config.json")) or {}

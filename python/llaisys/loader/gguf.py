@@ -1,5 +1,6 @@
 """Reading a Qwen2 GGUF file (llama.cpp's format): config from its metadata, weights dequantized to float32
-under their HF names, and the tokenizer rebuilt from its tokenizer.ggml.* metadata.
+under their HF names (one tensor at a time, as the consumer asks), and the tokenizer rebuilt from its
+tokenizer.ggml.* metadata.
 
 Qwen2's q/k projections are stored as in HF (llama.cpp's converter permutes q/k rows only for LLaMA-style
 models; transformers' GGUF loader un-permutes only those), which tests/test_loader.py checks against
@@ -9,13 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import gguf
 import numpy as np
 from gguf.quants import dequantize
 
 from ..tokenizer import Tokenizer
+from . import FileSpan, LazyWeights
 from .config import Qwen2Config, check_weight_shapes
 
 # GGUF tensor name -> HF name: whole-model tensors, then the part after "blk.N." / "model.layers.N."
@@ -42,8 +43,8 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def load_gguf(path: str, progress: bool = True):
-    """-> (config, weights {HF name: float32 array}, tokenizer, chat_template, generation_config)."""
+def load_gguf(path: str):
+    """-> (config, weights LazyWeights {HF name: float32 array}, tokenizer, chat_template, generation_config)."""
     reader = _open(path)
     meta = _Metadata(reader, path)
     arch = meta.get("general.architecture")
@@ -51,8 +52,7 @@ def load_gguf(path: str, progress: bool = True):
         raise ValueError(f"{path}: architecture {arch} is not supported, llaisys runs Qwen2-family models")
     config = _config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors), source=path)
     tokenizer = _tokenizer(meta, path)
-    plan = _plan(reader, config, path)
-    weights = _dequantize_all(plan, path, progress)
+    weights = _lazy_weights(reader, _plan(reader, config, path), path)
     # what transformers' GGUF load puts in its generation_config
     ids = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
     gen = {k: int(v) for k, key in ids.items() if (v := meta.get(f"tokenizer.ggml.{key}")) is not None}
@@ -101,7 +101,9 @@ def _field_value(field):
 class _Reader(gguf.GGUFReader):
     # GGUFReader slices its np.memmap once per metadata string (~600k for a 150k vocabulary); on a plain
     # ndarray view of the same mapping each slice is ~3x cheaper. Both stay zero-copy views of the file.
+    # The memmap's mmap (all of the file, from offset 0) is kept to release tensors' pages after use.
     def _build_fields(self, offs, count):
+        self.mapping = self.data._mmap
         self.data = self.data.view(np.ndarray)
         return super()._build_fields(offs, count)
 
@@ -170,29 +172,21 @@ def _plan(reader, config: Qwen2Config, path: str) -> list:
         found[name], gguf_names[name] = shape, t.name
         plan.append((name, shape, t))
     check_weight_shapes(found, config, {n: path for n in found}, gguf_names=gguf_names)
+    for _, _, t in plan:  # one row of each, so an unsupported type fails here rather than halfway through a load
+        _dequantize(t.data[:1] if t.data.ndim > 1 else t.data, t, path)
     return plan
 
 
-def _dequantize_all(plan: list, path: str, progress: bool) -> dict[str, np.ndarray]:
-    """Dequantize every tensor to float32 (F32 tensors stay views of the file). numpy releases the GIL in
-    the bulk of the work, so a few threads overlap tensors."""
-    from concurrent.futures import ThreadPoolExecutor
+def _dequantize(data: np.ndarray, t, path: str) -> np.ndarray:
+    try:
+        return dequantize(data, t.tensor_type)
+    except NotImplementedError:
+        raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot "
+                         f"dequantize") from None
 
-    from tqdm import tqdm
 
-    def one(item):
-        name, shape, t = item
-        try:
-            return name, dequantize(t.data, t.tensor_type).reshape(shape)
-        except NotImplementedError:
-            raise ValueError(f"{path}: tensor {t.name} has type {t.tensor_type.name}, which gguf cannot "
-                             f"dequantize") from None
-
-    weights = {}
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool, \
-            tqdm(total=len(plan), desc=f"dequantizing {os.path.basename(path)}", unit="tensor",
-                 disable=not progress, file=sys.stderr, leave=False) as bar:
-        for name, array in pool.map(one, plan):
-            weights[name] = array
-            bar.update()
-    return weights
+def _lazy_weights(reader, plan: list, path: str) -> LazyWeights:
+    """Each tensor dequantized to float32 when asked for (F32 tensors stay views of the file)."""
+    makers = {name: (lambda t=t, shape=shape: _dequantize(t.data, t, path).reshape(shape)) for name, shape, t in plan}
+    spans = {name: FileSpan(reader.mapping, int(t.data_offset), int(t.n_bytes)) for name, _, t in plan}
+    return LazyWeights(makers, spans)

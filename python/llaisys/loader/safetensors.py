@@ -15,6 +15,8 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from . import FileSpan
+
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
@@ -28,7 +30,11 @@ _MAX_HEADER = 100 << 20  # the format's own limit on the JSON header
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """All tensors of one file, validated against the file's size. Raises ValueError naming the file."""
-    path = os.fspath(path)
+    return _read(os.fspath(path))[0]
+
+
+def _read(path: str) -> tuple[dict[str, np.ndarray], dict[str, FileSpan]]:
+    """read_safetensors, plus where each tensor lies in the mapping (to release its pages after use)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
@@ -45,7 +51,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: corrupt safetensors header: expected a JSON object")
         header.pop("__metadata__", None)
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else b""
-    spans = []
+    spans, file_spans = [], {}
     tensors = {}
     for name, info in header.items():
         dtype, shape, (begin, end) = _tensor_info(path, name, info)
@@ -59,8 +65,9 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         spans.append((begin, end, name))
         tensors[name] = np.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize,
                                       offset=8 + n + begin).reshape(shape)
+        file_spans[name] = FileSpan(buf, 8 + n + begin, nbytes)
     _check_no_overlap(path, spans)
-    return tensors
+    return tensors, file_spans
 
 
 def _tensor_info(path: str, name: str, info) -> tuple[np.dtype, tuple[int, ...], tuple[int, int]]:
@@ -85,9 +92,10 @@ def _check_no_overlap(path: str, spans: list) -> None:
             raise ValueError(f"{path}: corrupt safetensors header: tensors {a!r} and {b!r} overlap")
 
 
-def read_checkpoint_dir(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Every tensor of an HF checkpoint directory, and the file each came from. Sharded checkpoints are
-    read through model.safetensors.index.json; without an index, every *.safetensors file is read."""
+def read_checkpoint_dir(path: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, FileSpan]]:
+    """Every tensor of an HF checkpoint directory, the file each came from and where it lies in that file's
+    mapping. Sharded checkpoints are read through model.safetensors.index.json; without an index, every
+    *.safetensors file is read."""
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         files, expected_in = _read_index(index_path)
@@ -98,17 +106,18 @@ def read_checkpoint_dir(path: str) -> tuple[dict[str, np.ndarray], dict[str, str
         other = [f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".gguf"))]
         hint = f" (found {', '.join(sorted(other))}; only safetensors checkpoints are read)" if other else ""
         raise FileNotFoundError(f"{path}: no *.safetensors weights{hint}")
-    tensors, file_of = {}, {}
+    tensors, file_of, spans = {}, {}, {}
     for file in files:
-        for name, array in read_safetensors(file).items():
+        arrays, file_spans = _read(file)
+        for name, array in arrays.items():
             if name in tensors:
                 raise ValueError(f"{file}: tensor {name!r} is also in {file_of[name]}")
-            tensors[name], file_of[name] = array, file
+            tensors[name], file_of[name], spans[name] = array, file, file_spans[name]
     for name, file in expected_in.items():
         if file_of.get(name) != file:
             raise ValueError(f"{index_path}: tensor {name!r} is listed in {os.path.basename(file)} but "
                              f"{'is in ' + file_of[name] if name in file_of else 'is not in any shard'}")
-    return tensors, file_of
+    return tensors, file_of, spans
 
 
 def _read_index(index_path: str) -> tuple[list[str], dict[str, str]]:
