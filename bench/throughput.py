@@ -25,11 +25,15 @@ SHAPES = {  # HF config fields of the real models
 }
 
 
-def random_checkpoint(shape: str, dirpath: str) -> str:
+def random_checkpoint(shape: str) -> str:
     """A random HF checkpoint of the shape (every weight its own tensor, bf16, real vocab) with a small
-    trained tokenizer: what both llaisys and transformers load."""
+    trained tokenizer: what both llaisys and transformers load. Kept in the temp dir for later runs."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from tiny_model import make_tiny_qwen2
+
+    dirpath = os.path.join(tempfile.gettempdir(), f"llaisys-bench-{shape}")
+    if os.path.exists(os.path.join(dirpath, "generation_config.json")):
+        return dirpath
 
     cfg = dict(SHAPES[shape])
     tie = cfg.pop("tie")
@@ -119,8 +123,7 @@ def main() -> int:
     import llaisys
     from llaisys.engine.engine import Engine
 
-    tmp = tempfile.TemporaryDirectory() if args.shape else None
-    path = random_checkpoint(args.shape, tmp.name) if args.shape else args.model
+    path = random_checkpoint(args.shape) if args.shape else args.model
     eng = Engine(path, device=args.device, dtype="bf16", progress=False, max_seq_len=2 * args.max_len + 16,
                  max_num_seqs=args.max_num_seqs)
     print(f"llaisys {llaisys.__version__ if hasattr(llaisys, '__version__') else ''} on {eng.device}: "

@@ -66,3 +66,14 @@ def test_below_roofline_prints_no_warning():
     assert bench.roofline_warning(_result(0.97)) is None
     peer = {k: v for k, v in _result(2.0).items() if k != "fraction_of_roofline"}  # peers have no roofline
     assert "WARNING" not in bench.format_row(peer)
+
+
+def test_bench_model_runs_one_request_through_the_engine(tmp_path):
+    """--model measures the Engine users get (scheduler, paged KV cache), on fresh prompts."""
+    from llaisys import bench
+    from tiny_model import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path / "m", seed=3)
+    r = bench.bench(model=path, device="cpu", dtype="f32", prompt_len=20, new_tokens=6)
+    assert r["model"] == path and r["prompt_len"] == 20 and r["new_tokens"] == 6
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0

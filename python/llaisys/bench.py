@@ -145,6 +145,23 @@ def run_model(model, vocab: int, device: str, prompt_len: int, new_tokens: int, 
             "decode_ms_per_token": decode_s / new_tokens * 1e3, "decode_device_mallocs": new_mallocs}
 
 
+def run_engine(eng, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+    """The same measurement through the Engine (scheduler, runner, paged KV cache): one request alone.
+    Each prompt is fresh random ids, so the timed prefill gets no prefix-cache hit."""
+    rng = np.random.default_rng(seed)
+    warm, timed = ([int(t) for t in rng.integers(0, eng.config.vocab_size, prompt_len)] for _ in range(2))
+    kw = dict(temperature=0, ignore_eos=True)
+    eng.generate(warm, max_new_tokens=8, **kw)  # warm-up at the timed shapes: GEMM handles, graph capture
+    cuda = eng.device != "cpu"
+    mallocs = memory_stats(eng.device)["device_mallocs"] if cuda else 0
+    t = eng.generate(timed, max_new_tokens=new_tokens, **kw).timings
+    # counted over the whole timed request (prefill included), after the warm-up
+    new_mallocs = memory_stats(eng.device)["device_mallocs"] - mallocs if cuda else 0
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_ms": t["ttft_s"] * 1e3,
+            "prefill_tok_s": t["prefill_tokens_per_s"], "decode_tok_s": t["decode_tokens_per_s"],
+            "decode_ms_per_token": 1e3 / max(t["decode_tokens_per_s"], 1e-9), "decode_device_mallocs": new_mallocs}
+
+
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
           prompt_len: int = 128, new_tokens: int = 256) -> dict:
     if device == "auto":
@@ -155,16 +172,16 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
     if model is not None:
         from .engine import Engine
 
-        eng = Engine(model, device=device, dtype=dtype, max_seq_len=max(max_seq, 256))
-        c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
-        net, name = eng._model, model
-    else:
+        with Engine(model, device=device, dtype=dtype, max_seq_len=max(max_seq, 256)) as eng:
+            c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
+            name = model
+            result = run_engine(eng, prompt_len, new_tokens)
+    else:  # random weights: the model's own single-sequence path (no scheduler), as before the engine
         shape = shape or "qwen2-0.5b"
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
         c, name = SHAPES[shape], shape
-        net = random_model(c, dtype, device, max_seq)
-    result = run_model(net, c["vocab_size"], device, prompt_len, new_tokens)
+        result = run_model(random_model(c, dtype, device, max_seq), c["vocab_size"], device, prompt_len, new_tokens)
     bw = copy_bandwidth(device)
     weight_bytes = decode_weight_bytes(c, dtype)
     roofline = bw / weight_bytes
