@@ -149,3 +149,18 @@ def test_bf16_is_as_accurate_as_hf_bf16_on_raw_code(hf32, hf_bf16, eng_bf16, hf_
     rel = lambda x: float(np.linalg.norm(x - ref32) / np.linalg.norm(ref32))  # noqa: E731
     assert rel(ours) <= 1.1 * rel(ref_bf16), (rel(ours), rel(ref_bf16))
     assert _agree(ours, ref32).mean() >= _agree(ref_bf16, ref32).mean() - 0.01
+
+
+def test_f32_batched_equals_each_request_alone(eng32):
+    """The real model in f32 on the CPU: requests of 1 to 500 prompt tokens and different output lengths
+    run together give every request exactly the tokens it gets alone (greedy, and seeded sampling)."""
+    rng = np.random.default_rng(17)
+    lengths, outs = [1, 9, 64, 130, 500], [12, 5, 20, 8, 3]
+    prompts = [[int(t) for t in rng.integers(0, 150000, n)] for n in lengths]
+    kw = dict(ignore_eos=True)
+    for temperature in (0.0, 0.8):
+        alone = [eng32.generate(p, max_new_tokens=n, temperature=temperature, seed=i, **kw).token_ids
+                 for i, (p, n) in enumerate(zip(prompts, outs))]
+        together = eng32.generate(prompts, max_new_tokens=outs, temperature=temperature,
+                                  seed=list(range(len(prompts))), **kw)
+        assert [r.token_ids for r in together] == alone
