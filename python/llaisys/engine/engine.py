@@ -139,20 +139,36 @@ class Engine:
         for name, value in (("stream", stream), ("add_generation_prompt", add_generation_prompt)):
             if not isinstance(value, bool):
                 raise TypeError(f"chat(): {name} must be True or False, got {value!r}")
-        if not self.chat_template:
-            raise ValueError(f"{self.source} has no chat template; use generate() with a raw prompt")
         batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
             isinstance(m, (list, tuple)) for m in messages)
         if batch and stream:
             raise ValueError("chat(): stream=True takes one conversation, not a list of them")
         convs = list(messages) if batch else [messages]
-        ids = [self._render(m, add_generation_prompt) for m in convs]
+        ids = [self._check_ids(self.render_chat(m, add_generation_prompt)) for m in convs]
         per = split_sampling("chat", sampling, len(convs)) if batch else [sampling]
         reqs = self._submit_all([(i, self._params("chat", s)) for i, s in zip(ids, per)])
         if stream:
             return self._chunks(reqs[0])
         results = self._results(reqs)
         return results if batch else results[0]
+
+    def tokenize(self, prompt) -> list[int]:
+        """A raw prompt (text, or token ids) as the token ids a request gets, before the vocabulary and
+        context checks of submitting it (text gets BOS when the model wants it)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            check_text("prompt", prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return token_sequence("prompt", prompt)
+
+    def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """Messages rendered with the model's chat template and tokenized, as chat() submits them."""
+        if not self.chat_template:
+            raise ValueError(f"{self.source} has no chat template; use generate() with a raw prompt")
+        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def score(self, token_ids: Seq[int]) -> np.ndarray:
         """Logits for every position of token_ids, [len, vocab] float32 (teacher forcing)."""
@@ -223,18 +239,8 @@ class Engine:
                 raise ValueError(f"stop_token_ids: {t} is not a token id of this model (vocab size {vocab})")
         return params
 
-    def _render(self, messages, add_generation_prompt: bool) -> list[int]:
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
-        return self._check_ids(self.tokenizer.encode(text, add_special_tokens=False))
-
     def _encode(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            check_text("prompt", prompt)
-            return self._check_ids(self.tokenizer.encode(prompt, add_special_tokens=True))
-        return self._check_ids(token_sequence("prompt", prompt))
+        return self._check_ids(self.tokenize(prompt))
 
     def _check_ids(self, ids: list) -> list[int]:
         if not ids:

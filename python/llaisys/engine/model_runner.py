@@ -46,7 +46,7 @@ class ModelRunner:
         penalty = [p.repetition_penalty for p in params]
         penalty_ids = [sorted(s.seen) if s.seen is not None else [] for s in seqs] if any(
             v != 1.0 for v in penalty) else []
-        biases = [s.biases() if s.counts is not None or s.params.min_tokens else {} for s in seqs]
+        biases = [s.biases() for s in seqs]
         if not any(biases):
             biases = []
         sampling = (

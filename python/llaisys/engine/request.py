@@ -45,6 +45,7 @@ class Request:
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
+        self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self.start, self.first = time.perf_counter(), None
@@ -79,7 +80,7 @@ class Request:
         if self.done:
             return
         self.done = True
-        tail = getattr(self, "_tail", None)
+        tail = self._tail
         if tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())
             tail += "" if hit else self._stops.flush()

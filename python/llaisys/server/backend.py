@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import threading
 
-from ..chat import render_chat_template
 from ..engine import Engine
 from ..tokenizer import _BYTE_CHARS
 
@@ -21,22 +20,15 @@ _CHAR_BYTE = {c: b for b, c in enumerate(_BYTE_CHARS)}
 
 
 def chat_ids(eng: Engine, messages: list[dict]) -> list[int]:
-    """Renders the conversation with the model's template (as Engine.chat does) and tokenizes it."""
+    """The conversation as Engine.chat submits it; the server's own message when there is no template."""
     if not eng.chat_template:
         raise ValueError(f"the model {eng.source} has no chat template: use /v1/completions with a raw prompt")
-    tok = eng.tokenizer
-    text = render_chat_template(eng.chat_template, messages, add_generation_prompt=True,
-                                bos_token=tok.bos_token, eos_token=tok.eos_token)
-    return tok.encode(text, add_special_tokens=False)
+    return eng.render_chat(messages)
 
 
 def prompt_ids(eng: Engine, prompt) -> list[int]:
     """A completion prompt (text or token ids) as the engine reads it (text gets BOS when the model wants)."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty")
-        return eng.tokenizer.encode(prompt, add_special_tokens=True)
-    return list(prompt)
+    return eng.tokenize(prompt)
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
