@@ -81,8 +81,14 @@ void bind_serving(nb::module_ &m) {
                           std::invalid_argument, "Runner.step: need one sampling value per sequence (", B, ")");
             std::vector<RowSampling> rows(B);
             for (size_t i = 0; i < B; ++i) {
-                rows[i] = RowSampling{temperature.data()[i], top_k.data()[i], top_p.data()[i], min_p.data()[i],
-                                      repetition_penalty.data()[i], seed.data()[i], step.data()[i], {}};
+                RowSampling &r = rows[i];
+                r.temperature = temperature.data()[i];
+                r.top_k = top_k.data()[i];
+                r.top_p = top_p.data()[i];
+                r.min_p = min_p.data()[i];
+                r.repetition_penalty = repetition_penalty.data()[i];
+                r.seed = seed.data()[i];
+                r.step = step.data()[i];
                 if (!penalty_ids.empty()) rows[i].penalty_ids = std::move(penalty_ids[i]);
                 if (!bias_ids.empty()) {
                     LLAISYS_CHECK(bias_ids[i].size() == bias[i].size(), std::invalid_argument,

@@ -3,10 +3,10 @@
 #include "core/runtime.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
+#include "models/qwen2/penalties.hpp"
 #include "models/qwen2/staging.hpp"
 
 #include <algorithm>
-#include <set>
 
 namespace llaisys::runtime {
 
@@ -153,26 +153,6 @@ std::vector<int64_t> Runner::captured_batch_sizes() const {
     return out;
 }
 
-// One repetition_penalty call per distinct penalty value; each covers the rows using that value
-// (ids [B, n] padded with -1, so other rows are untouched).
-static void apply_penalties(const Tensor &logits, const std::vector<RowSampling> &rows, models::InputStaging &st) {
-    std::set<float> penalties;
-    size_t width = 0;
-    for (const RowSampling &r : rows)
-        if (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) {
-            penalties.insert(r.repetition_penalty);
-            width = std::max(width, r.penalty_ids.size());
-        }
-    const int64_t B = int64_t(rows.size());
-    for (float penalty : penalties) {
-        std::vector<int64_t> ids(size_t(B) * width, -1);
-        for (size_t b = 0; b < rows.size(); ++b)
-            if (rows[b].repetition_penalty == penalty)
-                std::copy(rows[b].penalty_ids.begin(), rows[b].penalty_ids.end(), ids.begin() + int64_t(b * width));
-        ops::repetition_penalty(logits, st.upload(ids, DType::I64).view({B, int64_t(width)}), penalty);
-    }
-}
-
 // One logit_bias call covering every row's (id, bias) pairs (ids [B, n] padded with -1).
 static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &rows, models::InputStaging &st) {
     size_t width = 0;
@@ -193,7 +173,7 @@ static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &r
 // launch, each from its own request's (seed, step), so its tokens never depend on its row.
 void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
     const int64_t B = int64_t(rows.size());
-    apply_penalties(logits, rows, *staging_);
+    models::apply_repetition_penalties(logits, rows, *staging_);
     apply_biases(logits, rows, *staging_);
     Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
     ops::argmax(out, max_val, logits);

@@ -29,16 +29,11 @@ struct HostBatch {
     int64_t num_seqs() const { return int64_t(kv_len.size()); }
 };
 
-// Sampling for one sequence of the batch. Its random draw depends only on (seed, step): the same
-// request samples the same tokens whatever its row or its neighbours.
-struct RowSampling {
-    float temperature = 0.f; // 0 = greedy
-    int32_t top_k = 0;       // 0 = off
-    float top_p = 1.f;       // 1 = off
-    float min_p = 0.f;       // 0 = off
-    float repetition_penalty = 1.f;
+// Sampling for one sequence of the batch: the model's per-row parameters plus the request's random
+// stream and logit biases. Its random draw depends only on (seed, step): the same request samples the
+// same tokens whatever its row or its neighbours.
+struct RowSampling : models::SamplingParams {
     uint64_t seed = 0, step = 0;
-    std::vector<int64_t> penalty_ids; // distinct ids seen so far, penalised when repetition_penalty != 1
     // Added to the logits at these ids (distinct) after the repetition penalty: presence/frequency
     // penalties, and -inf for tokens banned this step (EOS before min_tokens).
     std::vector<int64_t> bias_ids;

@@ -7,6 +7,7 @@
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
 #include "models/qwen2/layer.hpp"
+#include "models/qwen2/penalties.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -254,27 +255,6 @@ Tensor Qwen2::decode_graphed(int slot, int64_t token) {
     graph_->graph->replay();
     cache_->advance(slot, 1);
     return graph_->logits;
-}
-
-// One repetition_penalty call per distinct penalty value; each covers the rows using that value
-// (ids [B, n] padded with -1, so other rows are untouched).
-static void apply_repetition_penalties(const Tensor &logits, const std::vector<SamplingParams> &params,
-                                       InputStaging &staging) {
-    std::set<float> penalties;
-    size_t width = 0;
-    for (const SamplingParams &p : params)
-        if (p.repetition_penalty != 1.f && !p.penalty_ids.empty()) {
-            penalties.insert(p.repetition_penalty);
-            width = std::max(width, p.penalty_ids.size());
-        }
-    const int64_t B = int64_t(params.size());
-    for (float penalty : penalties) {
-        std::vector<int64_t> ids(size_t(B) * width, -1);
-        for (size_t b = 0; b < params.size(); ++b)
-            if (params[b].repetition_penalty == penalty)
-                std::copy(params[b].penalty_ids.begin(), params[b].penalty_ids.end(), ids.begin() + int64_t(b * width));
-        ops::repetition_penalty(logits, staging.upload(ids, DType::I64).view({B, int64_t(width)}), penalty);
-    }
 }
 
 std::vector<int64_t> Qwen2::forward_sample(const std::vector<int> &slots,
