@@ -1,8 +1,10 @@
 // llaisys._core.Qwen2: the model class the Python engine drives.
 #include "bindings/common.hpp"
 #include "llaisys/qwen2.hpp"
+#include "llaisys/quant.hpp"
 
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -49,7 +51,11 @@ void bind_model(nb::module_ &m) {
         }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("max_seq_len"), nb::arg("num_slots") = 1,
              nb::arg("fused").none() = nb::none())
         .def("load_weight", &Qwen2::load_weight, nb::arg("name"), nb::arg("value"), G())
+        .def("load_quant_weight", &Qwen2::load_quant_weight, nb::arg("name"), nb::arg("value"), G(),
+             "Takes a projection or embedding weight as a QuantMatrix (GGUF blocks), kept quantized.")
         .def("missing_weights", &Qwen2::missing_weights)
+        .def("weight_formats", &Qwen2::weight_formats, "[(HF name, stored format 'bf16' / 'q4_k' / ..., bytes)]")
+        .def_prop_ro("weight_bytes", &Qwen2::weight_bytes, "Bytes the weights take on the model's device.")
         .def("forward", &Qwen2::forward, nb::arg("slots"), nb::arg("tokens"), nb::arg("all_logits") = false, G(),
              "Appends tokens to each slot's context; returns last-token logits [B, vocab] (or every token's "
              "with all_logits), not synchronized.")

@@ -70,7 +70,8 @@ def _model_parent() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", type=_device, metavar="DEV",
                    help="auto (a GPU when there is one), cpu, cuda or cuda:N (default auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"],
-                   help="compute dtype (default auto = bf16)")
+                   help="compute dtype (default auto: a GGUF file's quantized weights are kept as stored, "
+                        "computing in f32 on the CPU and bf16 on CUDA; anything else runs in bf16)")
     g.add_argument("--max-seq-len", type=_positive, metavar="N", help="context size to reserve (default: up to 8192)")
     return p
 
@@ -116,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("models", parents=[debug], help="list the model catalog",
                    description="List the models of the catalog: --model accepts their names, and "
                                "`llaisys download NAME` fetches one ahead of time.").set_defaults(func=cmd_models)
-    sub.add_parser("info", parents=[debug], help="show what this build supports and the visible GPUs",
-                   description="Print the build (version, CUDA, compiler) and the visible devices."
-                   ).set_defaults(func=cmd_info)
+    info = sub.add_parser("info", parents=[debug, model], help="show what this build supports and the visible GPUs",
+                          description="Print the build (version, CUDA, compiler) and the visible devices; with "
+                                      "--model, also load the model and print its weight formats and bytes.")
+    info.set_defaults(func=cmd_info)
     _add_bench(sub, fmt, debug)
     from .server.cli import add_serve_parser  # argparse only; FastAPI/uvicorn load when the server starts
     add_serve_parser(sub)
@@ -223,6 +225,13 @@ def cmd_info(args) -> int:
     n = cuda_device_count() if info.get("cuda") else 0
     devices = ["cpu"] + [f"cuda:{i}" for i in range(n)]
     print(f"devices: {', '.join(devices)}" + ("" if info.get("cuda") else "  (CPU-only build)"))
+    if args.model:
+        with make_engine(args) as eng:
+            d = eng.describe()
+        print(f"model: {d['source']}\n  device {d['device']}, compute dtype {d['dtype']}, "
+              f"weights {d['weight_bytes'] / 2**20:.1f} MiB")
+        for fmt, v in sorted(d["weight_formats"].items(), key=lambda kv: -kv[1]["bytes"]):
+            print(f"  {fmt:>5}: {v['tensors']:4d} tensors, {v['bytes'] / 2**20:8.1f} MiB")
     return 0
 
 

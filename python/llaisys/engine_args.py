@@ -12,7 +12,8 @@ import numpy as np
 
 from ._runtime import build_info, cuda_device_count
 
-_DTYPES = {"auto": "bf16", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16", "f32": "f32",
+# "auto" is decided once the file is read (Engine): a GGUF file's block formats are kept, else bf16
+_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16", "f32": "f32",
            "float32": "f32"}
 
 

@@ -2,6 +2,8 @@
 // KV cache -> O proj -> residual -> RMSNorm -> gate/up -> SwiGLU -> down -> residual) -> final norm ->
 // LM head (tied or untied). A step takes several sequences at once, each with its own cached context.
 #pragma once
+#include "llaisys/linear_weight.hpp"
+#include "llaisys/quant.hpp"
 #include "llaisys/tensor.hpp"
 
 #include <cstdint>
@@ -9,6 +11,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace llaisys::runtime {
@@ -76,6 +79,13 @@ public:
     // Takes the weight named as in HF checkpoints ("model.layers.3.mlp.up_proj.weight"), copying or
     // converting it to the model's dtype and device. Unknown names and wrong shapes raise.
     void load_weight(const std::string &name, const Tensor &value);
+    // Takes a projection or embedding weight as GGUF blocks, kept quantized (copied to the model device;
+    // on the CPU the matrix itself is kept, zero-copy). Norms and biases go through load_weight.
+    void load_quant_weight(const std::string &name, const QuantMatrix &value);
+    // (HF name, stored format "bf16" / "q4_k" / ..., bytes) of every weight, and the bytes all weights
+    // take on the device (each buffer once).
+    std::vector<std::tuple<std::string, std::string, int64_t>> weight_formats() const;
+    int64_t weight_bytes() const;
     std::vector<std::string> missing_weights() const;
 
     // Appends tokens[i] to the context of slots[i] (for every i) and returns the logits of each
@@ -115,10 +125,14 @@ public:
     struct DecodeGraph; // the captured decode step and its fixed input buffers
 
 private:
-    void check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const;
-    void check_ready() const;
-    Tensor *weight_slot(const std::string &name, Shape &shape, bool &in_place);
-    void allocate_fused_weights();
+    void check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens);
+    void check_ready();
+    struct Slot;
+    Slot weight_slot(const std::string &name);
+    void allocate_fused_biases();
+    void fuse_layer(Layer &layer); // builds the fused projections its loaded parts allow
+    std::pair<LinearWeight *, int64_t> fused_home(Layer &layer, const LinearWeight *part) const;
+    int64_t fused_rows(bool qkv) const;
     // The layers and head for ids/pos (device tensors) of the given sequences. With kv_len defined (one
     // sequence), attention reads the cache length from it instead of the host: the graph-safe path.
     Tensor run(const Tensor &ids, const Tensor &pos, const std::vector<int> &slots,
@@ -137,7 +151,8 @@ private:
     Qwen2Config config_;
     DType dtype_;
     Device device_;
-    Tensor embed_, final_norm_, lm_head_;
+    LinearWeight embed_, lm_head_;
+    Tensor final_norm_;
     std::vector<Layer> layers_;
     std::unique_ptr<KVCache> cache_;
     std::unique_ptr<Staging> staging_;
@@ -145,7 +160,7 @@ private:
     bool graphs_enabled_ = false;
     bool fused_ = false;
     std::set<std::string> loaded_; // names of the weights loaded so far
-    mutable bool ready_ = false; // every weight loaded (reset by load_weight)
+    bool ready_ = false; // every weight loaded and fused (reset by load_weight)
 };
 
 } // namespace llaisys::models

@@ -16,11 +16,10 @@
 
 namespace llaisys::models {
 
-// A model's weights are written once (load_weight), then only read: the projections tell linear so
-// (constant_weight), which lets the M = 1 GEMV start reading them early. check_ready() synchronizes
+// A model's weights are written once (load_weight), then only read: linear() tells the dense kernels
+// so (constant_weight), which lets the M = 1 GEMV start reading them early. check_ready() synchronizes
 // the device once after loading so no kernel that wrote a weight is still running. A weight taken
 // zero-copy from the caller must not be changed in place afterwards without load_weight again.
-constexpr bool kConstantWeights = true;
 
 void Qwen2Config::validate() const {
     auto positive = [](int64_t v, const char *name) {
@@ -54,26 +53,25 @@ Qwen2::Qwen2(const Qwen2Config &config, DType dtype, Device device, int64_t max_
     set_cuda_graphs(!(env && std::string(env) == "0"));
     const char *fused_env = std::getenv("LLAISYS_FUSED");
     fused_ = fused ? *fused : fused_env && *fused_env ? std::string(fused_env) != "0" : device.is_cuda();
-    if (fused_) allocate_fused_weights();
+    if (fused_) allocate_fused_biases();
 }
 
 Qwen2::~Qwen2() = default;
 
-void Qwen2::check_ready() const {
+void Qwen2::check_ready() {
     if (ready_) return; // checked once after the last load_weight, not on every decode step
     const auto missing = missing_weights();
     LLAISYS_CHECK(missing.empty(), std::invalid_argument, "Qwen2: ", missing.size(), " weight(s) not loaded, e.g. '",
                   missing.empty() ? "" : missing.front(), "'");
-    if (device_.is_cuda()) { // kConstantWeights: every weight-writing kernel is done
-        LLAISYS_CHECK(!current_stream(device_).capturing(), std::logic_error,
-                      "Qwen2: the first step after load_weight waits for the weights to be written and cannot be "
-                      "captured into a CUDA graph; run one step before capturing");
-        synchronize(device_);
-    }
+    LLAISYS_CHECK(!device_.is_cuda() || !current_stream(device_).capturing(), std::logic_error,
+                  "Qwen2: the first step after load_weight waits for the weights to be written and cannot be "
+                  "captured into a CUDA graph; run one step before capturing");
+    for (Layer &L : layers_) fuse_layer(L);
+    if (device_.is_cuda()) synchronize(device_); // constant weights: every weight-writing kernel is done
     ready_ = true;
 }
 
-void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) const {
+void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vector<int64_t>> &tokens) {
     check_ready();
     LLAISYS_CHECK(!slots.empty() && slots.size() == tokens.size(), std::invalid_argument,
                   "Qwen2: need one token list per slot, got ", slots.size(), " slots and ", tokens.size(), " lists");
@@ -94,7 +92,7 @@ void Qwen2::check_step(const std::vector<int> &slots, const std::vector<std::vec
 // attn [T, nh, hd] -> o_proj -> [T, H]
 Tensor Qwen2::project_out(const Layer &L, const Tensor &attn, int64_t T) {
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    ops::linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo, Tensor(), kConstantWeights);
+    linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo);
     return out;
 }
 
@@ -106,22 +104,22 @@ Tensor Qwen2::attention(int l, const Tensor &x, const Tensor &pos, const std::ve
     const int64_t cap = cache_->capacity();
     Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
     Tensor qkv, k, v; // fused: qkv [T, (nh + 2 nkvh) hd]; else k, v [T, nkvh, hd]
-    if (fused_) {
+    if (L.fused_qkv) {
         qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
-        ops::linear(qkv, x, L.wqkv, L.bqkv, kConstantWeights);
+        linear(qkv, x, L.wqkv, L.bqkv);
     } else {
         k = Tensor::empty({T, nkvh, hd}, dtype_, device_);
         v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
-        ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq, kConstantWeights);
-        ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk, kConstantWeights);
-        ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv, kConstantWeights);
+        linear(q.view({T, nh * hd}), x, L.wq, L.bq);
+        linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
+        linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
         ops::rope(q, q, pos, config_.rope_theta);
         ops::rope(k, k, pos, config_.rope_theta);
     }
     // Rotates this step's rows [begin, end) of q and k and stores k/v at their positions in the slot.
     auto store = [&](int slot, int64_t begin, int64_t end) {
         const Tensor p = pos.slice(0, begin, end);
-        if (fused_)
+        if (L.fused_qkv)
             ops::rope_qkv_cache(q.slice(0, begin, end), cache_->keys(l, slot, 0, cap), cache_->values(l, slot, 0, cap),
                                 qkv.slice(0, begin, end), p, config_.rope_theta);
         else cache_->write(l, slot, p, k.slice(0, begin, end), v.slice(0, begin, end));
@@ -151,16 +149,16 @@ Tensor Qwen2::mlp(int l, const Tensor &x) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = x.size(0), I = config_.intermediate_size;
     Tensor act = Tensor::empty({T, I}, dtype_, device_);
-    if (fused_) {
-        ops::linear_swiglu(act, x, L.w_gate_up, kConstantWeights);
+    if (L.fused_gate_up) {
+        linear_swiglu(act, x, L.w_gate_up);
     } else {
         Tensor up = Tensor::empty({T, I}, dtype_, device_);
-        ops::linear(act, x, L.w_gate, Tensor(), kConstantWeights);
-        ops::linear(up, x, L.w_up, Tensor(), kConstantWeights);
+        linear(act, x, L.w_gate);
+        linear(up, x, L.w_up);
         ops::swiglu(act, act, up);
     }
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    ops::linear(out, act, L.w_down, Tensor(), kConstantWeights);
+    linear(out, act, L.w_down);
     return out;
 }
 
@@ -181,7 +179,7 @@ Tensor Qwen2::run(const Tensor &ids, const Tensor &pos, const std::vector<int> &
     const int64_t T = ids.size(0), H = config_.hidden_size;
     Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
     Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
-    ops::embedding(h, ids, embed_);
+    embedding(h, ids, embed_);
     Tensor mlp_out;
     for (int l = 0; l < int(layers_.size()); ++l) {
         const Layer &L = layers_[size_t(l)];
@@ -194,7 +192,7 @@ Tensor Qwen2::run(const Tensor &ids, const Tensor &pos, const std::vector<int> &
     ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.rms_norm_eps);
     const Tensor last = all_logits ? x : last_rows(x, tokens);
     Tensor logits = Tensor::empty({last.size(0), config_.vocab_size}, dtype_, device_);
-    ops::linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor(), kConstantWeights);
+    linear(logits, last, config_.tie_word_embeddings ? embed_ : lm_head_);
     return logits;
 }
 

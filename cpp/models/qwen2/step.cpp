@@ -16,15 +16,15 @@ Tensor Qwen2::attention_paged(int l, const Tensor &x, const runtime::StepBatch &
     const Layer &L = layers_[size_t(l)];
     const int64_t T = x.size(0), nh = config_.num_heads, nkvh = config_.num_kv_heads, hd = config_.head_dim;
     Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
-    if (fused_) {
+    if (L.fused_qkv) {
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
-        ops::linear(qkv, x, L.wqkv, L.bqkv, true);
+        linear(qkv, x, L.wqkv, L.bqkv);
         ops::rope_qkv_cache(q, pool.key_rows(l), pool.value_rows(l), qkv, b.pos, config_.rope_theta, b.slots);
     } else {
         Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
-        ops::linear(q.view({T, nh * hd}), x, L.wq, L.bq, true);
-        ops::linear(k.view({T, nkvh * hd}), x, L.wk, L.bk, true);
-        ops::linear(v.view({T, nkvh * hd}), x, L.wv, L.bv, true);
+        linear(q.view({T, nh * hd}), x, L.wq, L.bq);
+        linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
+        linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
         ops::rope(q, q, b.pos, config_.rope_theta);
         ops::rope(k, k, b.pos, config_.rope_theta);
         ops::index_copy(pool.key_rows(l), b.slots, k);
@@ -44,7 +44,7 @@ Tensor Qwen2::forward_step(const runtime::StepBatch &b, const runtime::KVPool &p
     const int64_t T = b.num_tokens(), H = config_.hidden_size;
     Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
     Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
-    ops::embedding(h, b.ids, embed_);
+    embedding(h, b.ids, embed_);
     Tensor mlp_out;
     for (int l = 0; l < int(layers_.size()); ++l) {
         const Layer &L = layers_[size_t(l)];
@@ -61,7 +61,7 @@ Tensor Qwen2::forward_step(const runtime::StepBatch &b, const runtime::KVPool &p
         ops::embedding(rows, b.last, x);
     }
     Tensor logits = Tensor::empty({rows.size(0), config_.vocab_size}, dtype_, device_);
-    ops::linear(logits, rows, config_.tie_word_embeddings ? embed_ : lm_head_, Tensor(), true);
+    linear(logits, rows, config_.tie_word_embeddings ? embed_ : lm_head_);
     return logits;
 }
 

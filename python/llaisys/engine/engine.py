@@ -20,7 +20,7 @@ from typing import Iterator, Sequence as Seq
 
 import numpy as np
 
-from .. import _core, catalog, loader
+from .. import _core, catalog, loader, quant
 from .._tensor import _wrap
 from ..chat import render_chat_template
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
@@ -78,6 +78,11 @@ class Engine:
         if max_seq_len > limit:
             raise ValueError(f"max_seq_len must be at most {limit} for this model, got {max_seq_len}")
         self.max_seq_len = int(max_seq_len)
+        # dtype="auto" keeps a GGUF file's quantized weights as they are, computing in f32 on the CPU (where
+        # activations are a small part of the bytes moved) and bf16 on CUDA; anything else runs in bf16.
+        self.quantized = self.dtype == "auto" and loaded.weights.quantized
+        if self.dtype == "auto":
+            self.dtype = "f32" if self.quantized and self.device == "cpu" else "bf16"
         # The model's own dense cache is unused by the batched runtime: give it one position.
         net = _core.Qwen2(self._config_dict(), self.dtype, self.device, 1)
         self._load_weights(net, loaded.weights, progress)
@@ -101,13 +106,28 @@ class Engine:
         names = list(weights)
         for name in tqdm(names, desc=f"uploading to {self.device}", unit="tensor", disable=not progress,
                          file=sys.stderr, leave=False):
-            # weights may be read-only views of the mapped checkpoint: the model never writes them
-            model.load_weight(name, _wrap(np.ascontiguousarray(weights.pop(name))))
+            raw = weights.pop_raw(name) if self.quantized else None
+            if raw is not None:  # GGUF blocks as stored: a view of the mapped file (on CUDA, copied over)
+                model.load_quant_weight(name, quant.from_numpy(*raw))
+            else:  # weights may be read-only views of the mapped checkpoint: the model never writes them
+                model.load_weight(name, _wrap(np.ascontiguousarray(weights.pop(name))))
         missing = model.missing_weights()
         if missing:
             raise ValueError(f"{self.source}: missing weights, e.g. {missing[:3]}")
 
     # ---- public API ---------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """What the loaded model holds: its compute dtype, and per stored weight format (bf16, q4_k, ...) the
+        number of tensors and their bytes on the device (quantized weights count their block bytes)."""
+        self._open()
+        formats: dict[str, dict] = {}
+        for _, fmt, nbytes in self._model.weight_formats():
+            entry = formats.setdefault(fmt, {"tensors": 0, "bytes": 0})
+            entry["tensors"] += 1
+            entry["bytes"] += int(nbytes)
+        return {"source": self.source, "device": self.device, "dtype": self.dtype, "quantized": self.quantized,
+                "weight_formats": formats, "weight_bytes": int(self._model.weight_bytes)}
 
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).

@@ -8,14 +8,15 @@ Loading is strict: the expected weights (names and shapes) come from the config,
 mis-shaped tensor, or a non-float one, raises ValueError naming the tensor and the file, before any
 weight is read. `weights` makes each tensor only when it is asked for (LazyWeights), so loading never holds
 a converted copy of the whole model: safetensors weights are zero-copy views of a read-only mmap in their
-stored dtype; GGUF weights are dequantized to float32 one tensor at a time.
+stored dtype; GGUF weights are dequantized to float32 one tensor at a time, or (pop_raw) handed over in
+their block format without a copy.
 """
 from __future__ import annotations
 
 import mmap
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import ml_dtypes
 import numpy as np
@@ -49,10 +50,15 @@ class LazyWeights(Mapping):
     """{HF name: array} whose arrays are made when asked for, each time anew (a GGUF tensor is dequantized
     by every read). A consumer takes each weight with pop(): when it pops the next one it is done with the
     previous, whose file pages are released then, so a load's peak is the model plus about one tensor
-    rather than the model, its file and a float32 copy of it."""
+    rather than the model, its file and a float32 copy of it.
 
-    def __init__(self, makers: dict[str, Callable[[], np.ndarray]], spans: dict[str, FileSpan]):
-        self._makers, self._spans = dict(makers), spans
+    A GGUF tensor in a block format llaisys computes with (QUANT_FORMATS) can instead be taken as it is
+    stored, with pop_raw(): (format, rows, cols, uint8 blocks [rows, row bytes]), a zero-copy view of the
+    file whose pages are kept (the model reads them from the mapping)."""
+
+    def __init__(self, makers: dict[str, Callable[[], np.ndarray]], spans: dict[str, FileSpan],
+                 raw: dict[str, Callable[[], tuple]] | None = None):
+        self._makers, self._spans, self._raw = dict(makers), spans, dict(raw or {})
         self._previous: str | None = None
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -64,12 +70,31 @@ class LazyWeights(Mapping):
     def __len__(self) -> int:
         return len(self._makers)
 
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight is stored in a block format that pop_raw() can hand over as it is."""
+        return bool(self._raw)
+
     def pop(self, name: str) -> np.ndarray:
         make = self._makers.pop(name)
+        self._raw.pop(name, None)
+        self._release_previous(name)
+        return make()
+
+    def pop_raw(self, name: str) -> tuple | None:
+        """(format, rows, cols, blocks) of a quantized weight, removed from the mapping; None (and nothing
+        removed) when the weight is not stored in a block format llaisys runs."""
+        if name not in self._raw:
+            return None
+        self._makers.pop(name)
+        self._spans.pop(name, None)  # the model keeps reading these pages: never released
+        self._release_previous(name)
+        return self._raw.pop(name)()
+
+    def _release_previous(self, name: str) -> None:
         if self._previous in self._spans:
             self._spans.pop(self._previous).release()
         self._previous = name
-        return make()
 
 
 @dataclass
@@ -80,6 +105,7 @@ class LoadedModel:
     chat_template: str | None
     generation_config: dict  # generation_config.json, or the bos/eos/pad ids of a GGUF file
     source: str  # the path loaded
+    formats: dict = field(default_factory=dict)  # {HF name: stored format, "bf16" / "f32" / "q4_k" ...}
 
 
 def load(path: str | os.PathLike, progress: bool = True) -> LoadedModel:
@@ -97,8 +123,8 @@ def load(path: str | os.PathLike, progress: bool = True) -> LoadedModel:
                              f"and *.safetensors, or a .gguf file)")
     from .gguf import load_gguf
 
-    config, weights, tokenizer, template, gen = load_gguf(path)
-    return LoadedModel(config, weights, tokenizer, template, gen, path)
+    config, weights, tokenizer, template, gen, formats = load_gguf(path)
+    return LoadedModel(config, weights, tokenizer, template, gen, path, formats)
 
 
 def _load_hf_dir(path: str) -> LoadedModel:
@@ -126,5 +152,6 @@ def _load_hf_dir(path: str) -> LoadedModel:
     tokenizer = Tokenizer.from_hf_dir(path)
     chat_template = read_tokenizer_config(path).get("chat_template")
     gen = read_json(os.path.join(path, "generation_config.json")) or {}
-    return LoadedModel(config, weights, tokenizer, chat_template, gen, path)
+    formats = {n: _FLOAT_DTYPES[tensors[n].dtype] for n in names}
+    return LoadedModel(config, weights, tokenizer, chat_template, gen, path, formats)
 

@@ -43,8 +43,13 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
+# GGUF block formats the core computes with directly (cpp/include/llaisys/quant.hpp)
+QUANT_FORMATS = ("Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
+
+
 def load_gguf(path: str):
-    """-> (config, weights LazyWeights {HF name: float32 array}, tokenizer, chat_template, generation_config)."""
+    """-> (config, weights LazyWeights {HF name: float32 array}, tokenizer, chat_template, generation_config,
+    {HF name: stored format})."""
     reader = _open(path)
     meta = _Metadata(reader, path)
     arch = meta.get("general.architecture")
@@ -52,11 +57,13 @@ def load_gguf(path: str):
         raise ValueError(f"{path}: architecture {arch} is not supported, llaisys runs Qwen2-family models")
     config = _config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors), source=path)
     tokenizer = _tokenizer(meta, path)
-    weights = _lazy_weights(reader, _plan(reader, config, path), path)
+    plan = _plan(reader, config, path)
+    weights = _lazy_weights(reader, plan, path)
+    formats = {name: t.tensor_type.name.lower() for name, _, t in plan}
     # what transformers' GGUF load puts in its generation_config
     ids = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
     gen = {k: int(v) for k, key in ids.items() if (v := meta.get(f"tokenizer.ggml.{key}")) is not None}
-    return config, weights, tokenizer, meta.get("tokenizer.chat_template"), gen
+    return config, weights, tokenizer, meta.get("tokenizer.chat_template"), gen, formats
 
 
 def load_gguf_tokenizer(path: str) -> tuple[Tokenizer, str | None]:
@@ -186,7 +193,11 @@ def _dequantize(data: np.ndarray, t, path: str) -> np.ndarray:
 
 
 def _lazy_weights(reader, plan: list, path: str) -> LazyWeights:
-    """Each tensor dequantized to float32 when asked for (F32 tensors stay views of the file)."""
+    """Each tensor dequantized to float32 when asked for (F32 tensors stay views of the file); 2-D tensors
+    in QUANT_FORMATS also as their raw blocks, [rows, row bytes] uint8 views of the file."""
     makers = {name: (lambda t=t, shape=shape: _dequantize(t.data, t, path).reshape(shape)) for name, shape, t in plan}
     spans = {name: FileSpan(reader.mapping, int(t.data_offset), int(t.n_bytes)) for name, _, t in plan}
-    return LazyWeights(makers, spans)
+    raw = {name: (lambda t=t, shape=shape: (t.tensor_type.name.lower(), shape[0], shape[1],
+                                            t.data.reshape(shape[0], -1)))
+           for name, shape, t in plan if len(shape) == 2 and t.tensor_type.name in QUANT_FORMATS}
+    return LazyWeights(makers, spans, raw)

@@ -1,0 +1,124 @@
+"""The real default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF) kept in its block formats on the CPU
+(Engine(dtype="auto"), the default) against HF transformers' float32 run of the same file (which it
+dequantizes): top-1 agreement and perplexity, the formats and bytes it holds, and fusion."""
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+from llaisys.engine import Engine  # noqa: E402
+from tiny_model import real_model_path  # noqa: E402
+
+pytestmark = pytest.mark.slow  # runs the real default model on the CPU
+
+# A conversation as a chat UI would send it back to the model: its text is what the model is scored on.
+CONVERSATION = [
+    {"role": "system", "content": "You are a helpful coding assistant. Answer briefly and show code."},
+    {"role": "user", "content": "How do I read a JSON file in Python and print one of its keys?"},
+    {"role": "assistant", "content": (
+        "Use the json module from the standard library:\n\n```python\nimport json\n\n"
+        "with open(\"config.json\", encoding=\"utf-8\") as f:\n    data = json.load(f)\n\n"
+        "print(data[\"name\"])\n```\n\n`json.load` parses the whole file into dictionaries and lists. If the key "
+        "may be missing, use `data.get(\"name\")`, which returns None instead of raising KeyError.")},
+    {"role": "user", "content": "And how would I write a dictionary back to a file, nicely indented?"},
+    {"role": "assistant", "content": (
+        "Call `json.dump` with an indent:\n\n```python\nimport json\n\nsettings = {\"name\": \"demo\", "
+        "\"retries\": 3, \"tags\": [\"a\", \"b\"]}\n\nwith open(\"out.json\", \"w\", encoding=\"utf-8\") as f:\n"
+        "    json.dump(settings, f, indent=2, sort_keys=True)\n```\n\n`indent=2` puts each key on its own line, "
+        "and `sort_keys=True` keeps the output stable between runs, which makes diffs easier to read.")},
+    {"role": "user", "content": "Write a function that merges two sorted lists into one sorted list."},
+    {"role": "assistant", "content": (
+        "Walk both lists with two indices and always take the smaller head:\n\n```python\n"
+        "def merge(a, b):\n    out = []\n    i = j = 0\n    while i < len(a) and j < len(b):\n"
+        "        if a[i] <= b[j]:\n            out.append(a[i])\n            i += 1\n        else:\n"
+        "            out.append(b[j])\n            j += 1\n    out.extend(a[i:])\n    out.extend(b[j:])\n"
+        "    return out\n```\n\nIt runs in O(len(a) + len(b)) time. Using `<=` keeps the merge stable: equal "
+        "items from the first list come first. For many lists at once, `heapq.merge` does the same lazily.")},
+    {"role": "user", "content": "Thanks! What is the difference between a list and a tuple?"},
+    {"role": "assistant", "content": (
+        "A list is mutable: you can append, remove and change items in place. A tuple is immutable: once "
+        "created it cannot change, so it can be used as a dictionary key or stored in a set when all its "
+        "items are hashable. Tuples are a little smaller and faster to create, and they signal that the "
+        "collection has a fixed structure, like a point `(x, y)` or a database row.")},
+]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return real_model_path()
+
+
+@pytest.fixture(scope="module")
+def ids(path):
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def hf_logits(path, ids):
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double().numpy()
+
+
+@pytest.fixture(scope="module")
+def eng(path):
+    with Engine(path, device="cpu", max_seq_len=2048, progress=False) as e:
+        yield e
+
+
+def _nll(logits: np.ndarray, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] under the logits of the positions before them (float64)."""
+    z = logits[:-1].astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(-logp[np.arange(len(ids) - 1), ids[1:]].mean())
+
+
+def test_default_dtype_keeps_the_file_formats(eng, path):
+    reader = gguf.GGUFReader(path)
+    expected = {}
+    for t in reader.tensors:
+        expected[t.tensor_type.name.lower()] = expected.get(t.tensor_type.name.lower(), 0) + 1
+    d = eng.describe()
+    assert d["quantized"] and d["dtype"] == "f32"
+    assert {fmt: v["tensors"] for fmt, v in d["weight_formats"].items()} == expected
+    # every weight as the file stores it (norms and biases are F32 there and here): the same bytes, no more
+    assert d["weight_bytes"] == sum(int(t.n_bytes) for t in reader.tensors)
+    assert sum(v["bytes"] for v in d["weight_formats"].values()) == d["weight_bytes"]
+
+
+def test_quantized_top1_agrees_with_hf_f32_of_the_same_file(eng, ids, hf_logits):
+    """Teacher-forced over the conversation: the quantized model (8-bit activations against the file's
+    blocks) picks HF's float32 top-1 at >= 98% of >= 500 positions."""
+    ours = eng.score(ids)
+    assert len(ids) >= 500
+    agree = (ours.argmax(-1) == hf_logits.argmax(-1)).mean()
+    assert agree >= 0.98, agree
+
+
+def test_quantized_perplexity_within_2_percent_of_hf(eng, ids, hf_logits):
+    ours = np.exp(_nll(eng.score(ids), ids))
+    ref = np.exp(_nll(hf_logits, ids))
+    assert abs(ours / ref - 1) <= 0.02, (ours, ref)
+
+
+def test_fused_projections_give_the_same_logits(path, ids, eng, monkeypatch):
+    """gate/up (both Q5_0 in this file) run as one fused quantized matrix with LLAISYS_FUSED=1; q/k/v mix
+    Q5_0 and Q8_0, so they stay separate. The fused kernel rounds as the separate ones do: equal bits."""
+    monkeypatch.setenv("LLAISYS_FUSED", "1")
+    with Engine(path, device="cpu", max_seq_len=1024, progress=False) as fused:
+        assert fused.describe()["weight_bytes"] == eng.describe()["weight_bytes"]
+        np.testing.assert_array_equal(fused.score(ids[:200]), eng.score(ids[:200]))
+
+
+def test_explicit_dtype_still_dequantizes(path):
+    with Engine(path, device="cpu", dtype="f32", max_seq_len=256, progress=False) as e:
+        d = e.describe()
+        assert not d["quantized"] and d["dtype"] == "f32" and set(d["weight_formats"]) == {"f32"}
