@@ -281,7 +281,8 @@ BAD_REQUESTS = [  # (path, body, status, words the message must contain)
     ("/v1/completions", {"model": MODEL, "prompt": "x " * (2 * MAX_SEQ_LEN)}, 400, str(MAX_SEQ_LEN)),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "token id"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "echo"),
+    ("/v1/chat/completions", {**CHAT_OK, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "mixed"]}, 400, "list of token ids"),
     ("/v1/nothing-here", {}, 404, "/v1/nothing-here"),
@@ -362,6 +363,72 @@ def test_engine_feature_completion_logprobs_shape(client):
     chunks = list(client.completions.create(model=MODEL, prompt="def add(a, b):", temperature=0, max_tokens=4,
                                             logprobs=3, stream=True))
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+
+ECHO_PROMPT = "def add(a, b):\n    return a + b\n\n# café 你好, naïve"  # multi-byte characters too
+
+
+def check_offsets(lp, text: str) -> None:
+    """text_offset: one per token, in order, each token's text found at its offset (tokens holding part of
+    a character show U+FFFD and are skipped)."""
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    whole = [(o, t) for o, t in zip(lp.text_offset, lp.tokens) if "\ufffd" not in t]
+    assert len(whole) > len(lp.tokens) // 2
+    assert all(text[o:o + len(t)] == t for o, t in whole), list(zip(lp.text_offset, lp.tokens))
+
+
+def test_completion_echo_with_logprobs_gives_prompt_logprobs_from_score(client, eng):
+    from llaisys.server.backend import token_bytes
+
+    ids = eng.tokenize(ECHO_PROMPT)
+    want = eng.generate(ECHO_PROMPT, temperature=0, max_new_tokens=4)
+    r = client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=3, temperature=0, max_tokens=4)
+    c, n = r.choices[0], len(ids)
+    assert c.text == ECHO_PROMPT + want.text and r.usage.prompt_tokens == n
+    lp = c.logprobs
+    assert len(lp.tokens) == n + len(want.token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert lp.text_offset[n] == len(ECHO_PROMPT)  # the generated tokens start after the echoed prompt
+    check_offsets(lp, c.text)
+    # the prompt's logprobs: a float64 log-softmax of score()'s logits at the previous position
+    ref = np.stack([log_softmax(row) for row in eng.score(ids)[:-1]])
+    got = np.array(lp.token_logprobs[1:n], dtype=np.float64)
+    # the server's score() and this one run the same batch of one through the same kernels
+    np.testing.assert_allclose(got, ref[np.arange(n - 1), ids[1:]], rtol=0, atol=1e-6)
+    for i in range(1, n):
+        want_top = {}  # the 3 most likely, keyed by text: tokens with the same text keep the likelier one
+        for t in np.argsort(-ref[i - 1], kind="stable")[:3]:
+            want_top.setdefault(token_bytes(eng, int(t)).decode("utf-8", errors="replace"), ref[i - 1, t])
+        top = lp.top_logprobs[i]
+        assert top.keys() == want_top.keys() and list(top.values()) == pytest.approx(list(want_top.values()), abs=1e-6)
+        assert max(top.values()) >= lp.token_logprobs[i] - 1e-9
+    assert all(isinstance(x, float) for x in lp.token_logprobs[n:])  # the generated tokens', from the engine
+    assert "".join(lp.tokens[n:]) == want.text
+
+    chunks = list(client.completions.create(model=MODEL, prompt=ECHO_PROMPT, echo=True, logprobs=3, temperature=0,
+                                            max_tokens=4, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(ECHO_PROMPT) and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.tokens[:n] == lp.tokens[:n]  # the echoed prompt's logprobs come in the first chunk
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    assert [t for ch in chunks for t in ch.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for ch in chunks for o in ch.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_completion_echo_with_max_tokens_0_returns_the_prompt_alone(client, eng):
+    ids = eng.tokenize("import numpy as np")
+    text = eng.tokenizer.decode(ids)
+    r = client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, logprobs=0, n=2)
+    assert [(ch.text, ch.finish_reason) for ch in r.choices] == [(text, "length")] * 2
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and lp.top_logprobs[1:] == [{}] * (len(ids) - 1)  # logprobs=0: no top
+    check_offsets(lp, text)
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, echo=True, max_tokens=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [(ch.choices[0].text, ch.choices[0].finish_reason) for ch in chunks[:-1]] == [(text, "length")]
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 0
 
 
 # ---- last: shutdown ---------------------------------------------------------------------------------------

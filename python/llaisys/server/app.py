@@ -1,6 +1,13 @@
 """The OpenAI-compatible HTTP app over one Engine: /v1/models, /v1/chat/completions, /v1/completions,
 /health and /metrics. Every error, routing ones included, is answered in OpenAI's JSON error shape.
 
+Logprobs of generated tokens are the engine's (sampling.py: log-softmax of the logits the token was drawn
+from, after penalties and temperature, before top-k/top-p/min-p). Completions with `echo` and `logprobs`
+list the prompt's tokens first, as OpenAI and vLLM do: their logprobs are the raw model distribution at the
+previous position (log-softmax of Engine.score's logits: no temperature, penalties or truncation, since the
+prompt was not sampled), the first token with null token_logprob and top_logprobs; they cost one more
+forward pass over the prompt. `max_tokens: 0` with `echo` returns the prompt alone (vLLM's behaviour).
+
     app = create_app(engine, model_name="qwen2.5-coder-0.5b-instruct", api_key=None)
     uvicorn.run(app)                # or `llaisys serve`, which also ends streams cleanly on SIGINT/SIGTERM
 """

@@ -11,10 +11,15 @@ import asyncio
 import hashlib
 import threading
 
-from ..engine import Engine
+import numpy as np
+
+from ..engine import Engine, StreamChunk
 from ..tokenizer import _BYTE_CHARS
 
-__all__ = ["Engine", "Generation", "chat_ids", "prompt_ids", "choice_seed", "token_bytes"]
+__all__ = ["Engine", "StreamChunk", "Generation", "chat_ids", "prompt_ids", "prompt_logprobs", "choice_seed",
+           "token_bytes"]
+
+SCORE_ROWS = 256  # log-softmax this many logit rows at a time: float64 copies of [rows, vocab], not [n, vocab]
 
 _CHAR_BYTE = {c: b for b, c in enumerate(_BYTE_CHARS)}
 
@@ -29,6 +34,43 @@ def chat_ids(eng: Engine, messages: list[dict]) -> list[int]:
 def prompt_ids(eng: Engine, prompt) -> list[int]:
     """A completion prompt (text or token ids) as the engine reads it (text gets BOS when the model wants)."""
     return eng.tokenize(prompt)
+
+
+def prompt_logprobs(eng: Engine, ids: list[int], k: int) -> list[dict]:
+    """The prompt's own logprobs, for completions with echo: entry i > 0 is the log-softmax (float64) of the
+    logits at position i - 1, raw (no temperature, penalties or top-k/top-p: the prompt was not sampled), as
+    {"token_id", "logprob", "top": [[id, logprob], ...]} with the k most likely, highest first (ties: lower
+    id). Entry 0 has logprob and top None: nothing predicts the first token. Costs one more forward pass
+    over the prompt (Engine.score), outside the prefix cache.
+
+    Raises ValueError for ids the model does not have or a prompt larger than the whole KV cache (the
+    client's mistake) and RuntimeError when the cache is too full right now (retry later)."""
+    # checked here although score() checks them too: its ValueError would not tell a bad id from a full cache
+    vocab = eng.config.vocab_size
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"prompt: token id at position {bad} is {ids[bad]}, not an int in [0, {vocab})")
+    stats = eng.stats()
+    need = -(-len(ids) // stats["block_size"])
+    if need > stats["kv_blocks_total"]:
+        raise ValueError(f"the prompt's logprobs need {need} KV blocks for its {len(ids)} tokens but the cache "
+                         f"has {stats['kv_blocks_total']}")
+    try:
+        logits = eng.score(ids)  # [n, vocab] float32
+    except ValueError as e:  # ids and size are checked above: what is left is a cache too full right now
+        raise RuntimeError(f"no room to compute the prompt's logprobs now ({e}); retry later") from None
+    out = [{"token_id": ids[0], "logprob": None, "top": None}]
+    for lo in range(0, len(ids) - 1, SCORE_ROWS):
+        x = logits[lo:min(lo + SCORE_ROWS, len(ids) - 1)].astype(np.float64)  # rows predicting ids[lo + 1 ...]
+        m = x.max(axis=1, keepdims=True)
+        lp = x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+        top = np.argpartition(-lp, k, axis=1)[:, :k] if k else np.zeros((len(x), 0), dtype=np.int64)
+        for r in range(len(x)):
+            best = sorted(top[r].tolist(), key=lambda t: (-lp[r, t], t))
+            token = ids[lo + r + 1]
+            out.append({"token_id": token, "logprob": float(lp[r, token]),
+                        "top": [[int(t), float(lp[r, t])] for t in best]})
+    return out
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

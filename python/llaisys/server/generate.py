@@ -15,9 +15,9 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .backend import Generation, chat_ids, choice_seed, prompt_ids
+from .backend import Generation, StreamChunk, chat_ids, choice_seed, prompt_ids, prompt_logprobs
 from .protocol import APIError, ChatRequest, CompletionRequest
-from .responses import Choice, Formatter, total_usage
+from .responses import Choice, Formatter, echo_logprobs, total_usage
 
 log = logging.getLogger("llaisys.server")
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
@@ -27,9 +27,10 @@ class ClientGone(Exception):
     pass
 
 
-def prepare(eng, req: ChatRequest | CompletionRequest, chat: bool) -> tuple[list, list[str]]:
-    """(groups for Generation.start, the text echoed before each choice). Runs in a worker thread: chat
-    templates and tokenizers take a while on long prompts."""
+def prepare(eng, req: ChatRequest | CompletionRequest, chat: bool) -> tuple[list, list[Choice], list]:
+    """(groups for Generation.start, one Choice per choice holding its echoed prompt and that prompt's
+    logprobs, (index, last chunk) of choices that end without generating: echo with max_tokens=0). Runs in
+    a worker thread: chat templates, tokenizers and prompt logprobs take a while on long prompts."""
     sampling = req.sampling()
     if chat:
         prompts = [chat_ids(eng, req.message_dicts())]
@@ -41,11 +42,19 @@ def prepare(eng, req: ChatRequest | CompletionRequest, chat: bool) -> tuple[list
                                 f"(the prompt and at least one generated token must fit)",
                            "messages" if chat else "prompt", "context_length_exceeded")
     n = req.n or 1
-    groups = [(ids, [{**sampling, "seed": choice_seed(sampling["seed"], i)} for i in range(n)]) for ids in prompts]
-    echo = []
+    choices = [Choice() for _ in range(len(prompts) * n)]
     if not chat and req.echo:
-        echo = [p if isinstance(p, str) else eng.tokenizer.decode(p) for p in req.prompts() for _ in range(n)]
-    return groups, echo
+        for k, (p, ids) in enumerate(zip(req.prompts(), prompts)):
+            text = p if isinstance(p, str) else eng.tokenizer.decode(p)
+            lps = None if req.logprobs is None else echo_logprobs(eng, prompt_logprobs(eng, ids, req.logprobs), text)
+            choices[k * n:(k + 1) * n] = [Choice(echo=text, echo_logprobs=lps) for _ in range(n)]
+    if not chat and req.echo_only:
+        ended = [(k * n + i, StreamChunk("", [], "length", {"prompt_tokens": len(ids), "completion_tokens": 0,
+                                                              "cached_tokens": 0}, {}))
+                 for k, ids in enumerate(prompts) for i in range(n)]
+        return [], choices, ended
+    groups = [(ids, [{**sampling, "seed": choice_seed(sampling["seed"], i)} for i in range(n)]) for ids in prompts]
+    return groups, choices, []
 
 
 class Call:
@@ -60,24 +69,24 @@ class Call:
                              req.include_usage)
         self.choices: list[Choice] = []
         self.leaders: list[int] = []
+        self.ended: list = []  # (index, last chunk) of choices that generate nothing
 
     async def start(self, chat: bool) -> None:
         eng, req = self.state.engine, self.req
         try:
-            groups, echo = await asyncio.to_thread(prepare, eng, req, chat)
-            self.choices = [Choice(echo=echo[i] if echo else "") for i in range(len(groups) * (req.n or 1))]
-            self.leaders = [k * (req.n or 1) for k in range(len(groups))]
+            groups, self.choices, self.ended = await asyncio.to_thread(prepare, eng, req, chat)
+            self.leaders = list(range(0, len(self.choices), req.n or 1))
             self.gen.start(groups)
         except (ValueError, TypeError) as e:  # a bad value, or a prompt that can never fit: the numbers
             raise APIError(400, str(e)) from None
-        except RuntimeError as e:  # the queue is full (EngineConfig.max_queued_requests) or closing
+        except RuntimeError as e:  # the queue or KV cache is full (max_queued_requests, prompt logprobs); closing
             raise APIError(503, str(e), code="server_busy") from None
         self.state.live.add(self)
         self.state.metrics.in_flight += 1
 
     async def _chunks(self):
         """(index, Choice, chunk) as they arrive; raises APIError for a request the server cut short."""
-        async for index, chunk in self.gen.events():
+        async for index, chunk in self._events():
             if self.ttft is None:
                 self.ttft = time.perf_counter() - self.t0
             if chunk.finish_reason == "abort":  # only the server aborts what a client still reads
@@ -85,6 +94,12 @@ class Call:
             choice = self.choices[index]
             choice.add(chunk)
             yield index, choice, chunk
+
+    async def _events(self):
+        for item in self.ended:
+            yield item
+        async for item in self.gen.events():
+            yield item
 
     def usage(self) -> dict:
         return total_usage(self.choices, self.leaders)

@@ -64,7 +64,7 @@ class _Sampling(_Strict):
     """Fields chat and completions share. None means "the model's generation config decides"."""
 
     model: str
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: completions with echo only (the prompt alone)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     n: Optional[int] = Field(1, ge=1, le=MAX_N)
@@ -126,6 +126,12 @@ class ChatRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
+    @model_validator(mode="after")
+    def _something_to_generate(self):
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be >= 1 (0 is only allowed for /v1/completions with echo=true)")
+        return self
+
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
@@ -158,10 +164,15 @@ class CompletionRequest(_Sampling):
         return value
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+    def _nothing_to_return(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 needs echo=true (it returns the prompt alone, as vLLM does)")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens=0 with echo: the prompt (and its logprobs) come back and nothing is generated."""
+        return self.max_tokens == 0
 
     def num_logprobs(self) -> Optional[int]:
         return self.logprobs

@@ -5,6 +5,7 @@ finished choices into the whole response, for chat or for completions.
 """
 from __future__ import annotations
 
+import codecs
 import time
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from .backend import token_bytes
 @dataclass
 class Choice:
     echo: str = ""  # completions with echo: the prompt text, sent before the generated text
+    echo_logprobs: dict | None = None  # with echo and logprobs: the prompt's, in OpenAI's shape (echo_logprobs())
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)  # the engine's entries: token_id, logprob, top
     finish_reason: str | None = None
@@ -40,6 +42,38 @@ def total_usage(choices: list[Choice], leaders: list[int]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def token_text(eng, token_id: int) -> str:
+    """A token's text as logprobs show it: its bytes, with a broken UTF-8 character as U+FFFD."""
+    return token_bytes(eng, token_id).decode("utf-8", errors="replace")
+
+
+def top_dict(eng, top: list) -> dict[str, float]:
+    """Completion top_logprobs: {token text: logprob}, highest first. Tokens with the same text (e.g. two
+    halves of different characters, both U+FFFD) share a key: the most likely one keeps it."""
+    out: dict[str, float] = {}
+    for token_id, lp in top:
+        out.setdefault(token_text(eng, token_id), lp)
+    return out
+
+
+def echo_logprobs(eng, entries: list[dict], text: str) -> dict:
+    """The echoed prompt's completion logprobs: entries from backend.prompt_logprobs (the first one's
+    logprob and top None, as OpenAI has them), text offsets into the echoed `text`. An offset counts the
+    characters decoded before its token (a character split across tokens belongs to the token that
+    completes it), capped at len(text) so that the generated tokens' offsets, from len(text) on, stay in
+    order."""
+    tokens, offsets, offset = [], [], 0
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for e in entries:
+        offsets.append(min(offset, len(text)))
+        raw = token_bytes(eng, e["token_id"])
+        tokens.append(raw.decode("utf-8", errors="replace"))
+        offset += len(decoder.decode(raw))
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top"] is None else top_dict(eng, e["top"]) for e in entries],
+            "text_offset": offsets}
+
+
 class Formatter:
     def __init__(self, eng, rid: str, chat: bool, model: str, want_logprobs: bool, include_usage: bool = False):
         self.eng, self.id, self.chat, self.model = eng, rid, chat, model
@@ -62,10 +96,11 @@ class Formatter:
                     "finish_reason": chunk.finish_reason}
             obj = "chat.completion.chunk"
         else:
+            # the first chunk carries the echoed prompt, and its logprobs before the generated ones
             text = chunk.text if choice.started else choice.echo + chunk.text
             offset = len(choice.echo) + choice.chars_before
-            body = {"index": index, "text": text, "logprobs": self._completion_logprobs(entries, offset),
-                    "finish_reason": chunk.finish_reason}
+            lp = self._completion_logprobs(entries, offset, None if choice.started else choice.echo_logprobs)
+            body = {"index": index, "text": text, "logprobs": lp, "finish_reason": chunk.finish_reason}
             obj = "text_completion"
         choice.started = True
         out = {**self._head(obj), "choices": [body]}
@@ -87,7 +122,7 @@ class Formatter:
                             "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason})
             else:
                 out.append({"index": i, "text": c.echo + text,
-                            "logprobs": self._completion_logprobs(c.logprobs, len(c.echo)),
+                            "logprobs": self._completion_logprobs(c.logprobs, len(c.echo), c.echo_logprobs),
                             "finish_reason": c.finish_reason})
         return {**self._head(self.object), "choices": out, "usage": usage}
 
@@ -109,7 +144,8 @@ class Formatter:
             content.append({"token": text, "logprob": e["logprob"], "bytes": list(raw), "top_logprobs": top})
         return {"content": content}
 
-    def _completion_logprobs(self, entries: list[dict], offset: int) -> dict | None:
+    def _completion_logprobs(self, entries: list[dict], offset: int, echoed: dict | None = None) -> dict | None:
+        """The generated tokens' logprobs, their text offsets from `offset`; after `echoed` (the prompt's)."""
         if not self.want_logprobs:
             return None
         tokens, offsets = [], []
@@ -117,6 +153,7 @@ class Formatter:
             offsets.append(offset)
             tokens.append(self._token(e["token_id"])[0])
             offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self._token(t)[0]: lp for t, lp in e["top"]} for e in entries],
-                "text_offset": offsets}
+        out = {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+               "top_logprobs": [top_dict(self.eng, e["top"]) for e in entries],
+               "text_offset": offsets}
+        return {k: echoed[k] + v for k, v in out.items()} if echoed else out
