@@ -44,7 +44,7 @@ Tensor attn_random(const Shape &shape, Device device, uint32_t seed) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> dist;
     for (int64_t i = 0; i < host.numel(); ++i) host.data_as<float>()[i] = dist(rng);
-    const Tensor b = host.to(DType::BF16);
+    const Tensor b = ops::to_dtype(host, DType::BF16);
     return device.is_cpu() ? b : b.to(device);
 }
 

@@ -31,7 +31,7 @@ Tensor sampling_random(const Shape &shape, DType dtype, Device device, float sca
     std::normal_distribution<float> dist(0.f, scale);
     float *p = host.data_as<float>();
     for (int64_t i = 0; i < host.numel(); ++i) p[i] = dist(gen);
-    return host.to(dtype).to(device);
+    return ops::to_dtype(host, dtype).to(device);
 }
 
 // Runs fn(i) (the i-th call, i = 0, 1, ...) once per iteration on the CPU; on CUDA times batches of 20

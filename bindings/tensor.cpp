@@ -6,6 +6,7 @@
 // from_dlpack asks the producer to order its work before llaisys' current stream.
 #include "bindings/common.hpp"
 #include "llaisys/stream.hpp"
+#include "llaisys/ops.hpp"
 #include "llaisys/tensor.hpp"
 
 #include <nanobind/ndarray.h>
@@ -159,7 +160,7 @@ void bind_tensor(nb::module_ &m) {
         .def("to", [](const Tensor &t, const std::string &target) {
             // A device ("cpu", "cuda:0") or a dtype ("bf16", "float32").
             if (target == "cpu" || target.rfind("cuda", 0) == 0) return t.to(Device::parse(target));
-            return t.to(dtype_from_name(target));
+            return ops::to_dtype(t, dtype_from_name(target));
         }, nb::arg("target"))
         .def("view_dtype", [](const Tensor &t, const std::string &d) { return t.view_dtype(dtype_from_name(d)); })
         .def("copy_", [](Tensor &t, const Tensor &src) -> Tensor & { return t.copy_(src); }, nb::arg("src"),

@@ -1,7 +1,7 @@
 #include "llaisys/tensor.hpp"
 
+#include "core/copy.hpp"
 #include "core/runtime.hpp"
-#include "llaisys/ops.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -220,13 +220,6 @@ Tensor Tensor::to(Device device) const {
     return out;
 }
 
-Tensor Tensor::to(DType dtype) const {
-    if (dtype == dtype_) return *this;
-    Tensor out = empty(shape_, dtype, device_);
-    ops::cast(out, *this);
-    return out;
-}
-
 Tensor Tensor::view_dtype(DType dtype) const {
     LLAISYS_CHECK(dtype_size(dtype) == element_size(), TypeError, "view_dtype: cannot view ", dtype_name(dtype_),
                   " as ", dtype_name(dtype), " (element sizes differ)");
@@ -238,10 +231,10 @@ Tensor &Tensor::copy_(const Tensor &src) {
     LLAISYS_CHECK(src.shape_ == shape_, std::invalid_argument, "copy_: shape ", shape_str(src.shape_),
                   " does not match destination shape ", shape_str(shape_));
     LLAISYS_CHECK(src.dtype_ == dtype_, TypeError, "copy_: dtype ", dtype_name(src.dtype_),
-                  " does not match destination dtype ", dtype_name(dtype_), " (use .to(dtype) to convert)");
+                  " does not match destination dtype ", dtype_name(dtype_), " (use ops::to_dtype to convert)");
     if (numel() == 0) return *this;
     if (src.device_ == device_) {
-        ops::rearrange(*this, src);
+        runtime::copy_strided(*this, src);
         return *this;
     }
     // Across devices: bytes move densely, strides are fixed on the side that owns them.
@@ -249,7 +242,7 @@ Tensor &Tensor::copy_(const Tensor &src) {
     Tensor dense_dst = is_contiguous() ? *this : empty(shape_, dtype_, device_);
     runtime::memcpy(dense_dst.data(), dense_dst.device_, dense_src.data(), dense_src.device_,
                     size_t(numel()) * element_size());
-    if (!is_contiguous()) ops::rearrange(*this, dense_dst);
+    if (!is_contiguous()) runtime::copy_strided(*this, dense_dst);
     return *this;
 }
 
@@ -271,7 +264,7 @@ Tensor &Tensor::fill_(double value) {
     }
     // A broadcast view (all strides 0) of the single value, copied with the strided copy.
     Tensor src(one.storage_, shape_, Strides(shape_.size(), 0), 0, dtype_);
-    ops::rearrange(*this, src);
+    runtime::copy_strided(*this, src);
     return *this;
 }
 

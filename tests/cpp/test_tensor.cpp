@@ -86,8 +86,21 @@ TEST(Tensor, FillAndCopyDtypeMismatch) {
     EXPECT_EQ(to_float(t.data_as<bf16_t>()[1]), 2.5f);
     Tensor f = Tensor::empty({3, 5}, DType::F32);
     EXPECT_THROW(f.copy_(t), TypeError);
-    Tensor g = t.to(DType::F32);
+    Tensor g = ops::to_dtype(t, DType::F32);
     EXPECT_EQ(g.data_as<float>()[2], 2.5f);
+}
+
+// copy_ runs core's own strided copy (core/copy.hpp), which merges dims both sides step over as one run
+// and refuses more than 8 dims it cannot merge (the CUDA kernel's limit), on every device alike.
+TEST(Tensor, CopyMergesDimsAndLimitsTheRest) {
+    Tensor src = arange_f32({2, 3, 4}).permute({2, 0, 1}); // [4, 2, 3]: no dim merges
+    Tensor dst = Tensor::empty({4, 2, 3}, DType::F32);
+    dst.copy_(src);
+    for (int64_t i = 0; i < 24; ++i) EXPECT_EQ(dst.data_as<float>()[i], float((i % 6) * 4 + i / 6));
+    const Shape nine(9, 2);
+    Tensor reversed = arange_f32(nine).permute({8, 7, 6, 5, 4, 3, 2, 1, 0});
+    EXPECT_THROW(Tensor::empty(nine, DType::F32).copy_(reversed), std::invalid_argument);
+    EXPECT_NO_THROW(Tensor::empty(nine, DType::F32).copy_(arange_f32(nine))); // all dims merge into one
 }
 
 TEST(Memory, CpuStatsTrackAllocations) {

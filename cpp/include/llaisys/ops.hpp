@@ -13,6 +13,8 @@ namespace llaisys::ops {
 void add(const Tensor &out, const Tensor &a, const Tensor &b);
 // out = x converted to out's dtype: between f32, f16 and bf16, or from i32/i64 to a float dtype.
 void cast(const Tensor &out, const Tensor &x);
+// x converted to `dtype` (as cast) in a new tensor on x's device; x itself when it has that dtype already.
+Tensor to_dtype(const Tensor &x, DType dtype);
 // out = x between any strides (what Tensor::contiguous and copy_ use); same dtype, device and shape.
 void rearrange(const Tensor &out, const Tensor &x);
 // out[index[i]] = src[i] along dim 0 (out [R, ...], src [n, ...], index [n] i64/i32 on the device): how

@@ -59,7 +59,6 @@ public:
     Tensor contiguous() const;
     Tensor clone() const;
     Tensor to(Device device) const;
-    Tensor to(DType dtype) const;
     // Reinterprets the bytes as another dtype of the same element size (e.g. u16 storage as bf16).
     Tensor view_dtype(DType dtype) const;
 

@@ -7,6 +7,7 @@
 // has already started; idle workers spin briefly, then sleep.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
@@ -30,6 +31,21 @@ void parallel_tasks(int64_t n, Fn &&fn) {
     using F = std::remove_reference_t<Fn>;
     parallel_tasks(n, [](void *ctx, int64_t i) { (*static_cast<F *>(ctx))(i); },
                    const_cast<void *>(static_cast<const void *>(std::addressof(fn))));
+}
+
+// Calls fn(i) for every i in [0, n). Work of at least 2^15 (n * work_per_item, in rough element
+// operations) is split into up to 8 ranges per thread, none under 2^13: small enough that a thread
+// another process has descheduled holds up little, large enough to pay for claiming it.
+template <typename Fn>
+void parallel_for(int64_t n, int64_t work_per_item, Fn &&fn) {
+    const int64_t work = n * std::max<int64_t>(work_per_item, 1);
+    if (n <= 0) return;
+    const int64_t tasks = std::max<int64_t>(1, std::min({n, int64_t(8) * cpu_threads(), work >> 13}));
+    auto range = [&](int64_t t) {
+        for (int64_t i = n * t / tasks, end = n * (t + 1) / tasks; i < end; ++i) fn(i);
+    };
+    if (work >= (1 << 15)) parallel_tasks(tasks, range);
+    else for (int64_t t = 0; t < tasks; ++t) range(t);
 }
 
 } // namespace llaisys

@@ -10,7 +10,7 @@ void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, co
     constexpr const char *op = "add_rms_norm";
     detail::check_rms_norm_args(op, out, x, weight, eps);
     detail::check_defined(op, "residual", residual);
-    detail::check_same_device(op, {&residual, &x});
+    detail::check_on_device(op, x.device(), residual);
     detail::check_same_dtype(op, "residual", residual, x);
     detail::check_shape(op, "residual", residual, x.shape());
     if (x.numel() == 0) return;

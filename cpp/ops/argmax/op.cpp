@@ -9,10 +9,7 @@ namespace llaisys::ops {
 
 void argmax(const Tensor &max_idx, const Tensor &max_val, const Tensor &x) {
     constexpr const char *op = "argmax";
-    detail::check_defined(op, "max_idx", max_idx);
-    detail::check_defined(op, "max_val", max_val);
-    detail::check_defined(op, "x", x);
-    detail::check_same_device(op, {&max_idx, &max_val, &x});
+    detail::check_operands(op, {{"max_idx", max_idx}, {"max_val", max_val}, {"x", x}});
     detail::check_float(op, "x", x);
     detail::check_dtype(op, "max_idx", max_idx, DType::I64);
     detail::check_same_dtype(op, "max_val", max_val, x);

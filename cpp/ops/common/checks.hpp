@@ -14,11 +14,26 @@ inline void check_defined(const char *op, const char *name, const Tensor &t) {
     LLAISYS_CHECK(t.defined(), std::invalid_argument, op, ": ", name, " is an undefined tensor");
 }
 
+// t is on d, the device of the op's other tensors.
+inline void check_on_device(const char *op, Device d, const Tensor &t) {
+    LLAISYS_CHECK(t.device() == d, std::invalid_argument, op, ": all tensors must be on one device, got ", d.str(),
+                  " and ", t.device().str());
+}
+
 inline void check_same_device(const char *op, std::initializer_list<const Tensor *> ts) {
-    const Device d = (*ts.begin())->device();
-    for (const Tensor *t : ts)
-        LLAISYS_CHECK(t->device() == d, std::invalid_argument, op, ": all tensors must be on one device, got ",
-                      d.str(), " and ", t->device().str());
+    for (const Tensor *t : ts) check_on_device(op, (*ts.begin())->device(), *t);
+}
+
+// A named operand, for the checks that cover several at once.
+struct Operand {
+    const char *name;
+    const Tensor &t;
+};
+
+// Every operand is defined, and all are on the first one's device: how every op's checks begin.
+inline void check_operands(const char *op, std::initializer_list<Operand> operands) {
+    for (const Operand &o : operands) check_defined(op, o.name, o.t);
+    for (const Operand &o : operands) check_on_device(op, operands.begin()->t.device(), o.t);
 }
 
 inline void check_dtype(const char *op, const char *name, const Tensor &t, DType want) {
@@ -74,6 +89,27 @@ inline void check_ndim(const char *op, const char *name, const Tensor &t, int nd
                   shape_str(t.shape()));
 }
 
+// Elementwise ops out = f(a, b): a float, and b and out of a's dtype and shape.
+inline void check_elementwise(const char *op, Operand out, Operand a, Operand b) {
+    check_operands(op, {out, a, b});
+    check_float(op, a.name, a.t);
+    check_same_dtype(op, b.name, b.t, a.t);
+    check_same_dtype(op, out.name, out.t, a.t);
+    check_shape(op, b.name, b.t, a.t.shape());
+    check_shape(op, out.name, out.t, a.t.shape());
+}
+
+// Ops that update logits [B, V] (float, any strides) at token ids [B, n] (i64), as logit_bias and
+// repetition_penalty do.
+inline void check_logits_ids(const char *op, const Tensor &logits, const Tensor &ids) {
+    check_float(op, "logits", logits);
+    check_dtype(op, "ids", ids, DType::I64);
+    check_ndim(op, "logits", logits, 2);
+    check_ndim(op, "ids", ids, 2);
+    LLAISYS_CHECK(ids.size(0) == logits.size(0), std::invalid_argument, op, ": ids must have ", logits.size(0),
+                  " rows like logits, got shape ", shape_str(ids.shape()));
+}
+
 [[noreturn]] inline void unsupported(const char *op, DType dtype, Device device) {
     throw TypeError(::llaisys::detail::concat(op, ": dtype ", dtype_name(dtype), " is not supported on ", device.str()));
 }
@@ -107,6 +143,15 @@ void dispatch_index(const char *op, DType dtype, Device device, Fn &&fn) {
     case DType::I32: return fn(type_tag<int32_t>{});
     default: unsupported(op, dtype, device);
     }
+}
+
+// t [..., cols] as a 2-D [rows, cols] tensor whose rows are dense and at least `cols` apart: a view
+// when the strides allow it (e.g. a column slice of a wider matrix), else a contiguous copy.
+inline Tensor dense_rows(const Tensor &t, int64_t rows, int64_t cols) {
+    Tensor r = t.reshape({rows, cols});
+    const bool unit_cols = cols <= 1 || r.stride(1) == 1;
+    const bool rows_apart = rows <= 1 || r.stride(0) >= cols;
+    return unit_cols && rows_apart ? r : r.contiguous();
 }
 
 // Runs fn(dst) where dst is `out` itself when contiguous, else a contiguous temporary that is copied

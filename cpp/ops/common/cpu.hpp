@@ -1,7 +1,9 @@
-// Helpers for CPU kernels: float conversion for every storage type and loops over the thread pool.
+// Helpers for CPU kernels: float conversion for every storage type, loops over the thread pool, and the
+// shared body of the ops that update logits at token ids.
 #pragma once
 #include "llaisys/dtype.hpp"
 #include "llaisys/thread_pool.hpp"
+#include "ops/common/checks.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -22,16 +24,30 @@ void run_tasks(int64_t tasks, bool parallel, Fn &&fn) {
     else for (int64_t t = 0; t < tasks; ++t) fn(t);
 }
 
-// Calls fn(i) for every i in [0, n). Work of at least 2^15 (n * work_per_item, in rough element
-// operations) is split into up to 8 ranges per thread, none under 2^13: small enough that a thread
-// another process has descheduled holds up little, large enough to pay for claiming it.
-template <typename Fn>
-void parallel_for(int64_t n, int64_t work_per_item, Fn &&fn) {
-    const int64_t work = n * std::max<int64_t>(work_per_item, 1);
-    if (n <= 0) return;
-    const int64_t tasks = std::max<int64_t>(1, std::min({n, int64_t(8) * max_threads(), work >> 13}));
-    run_tasks(tasks, work >= (1 << 15), [&](int64_t t) {
-        for (int64_t i = n * t / tasks, end = n * (t + 1) / tasks; i < end; ++i) fn(i);
+// Calls fn(i) for every i in [0, n) on the pool (thread_pool.hpp: it lives there for core's copies).
+using ::llaisys::parallel_for;
+
+// logits [B, V] (any strides, updated in place) at ids [B, n] (contiguous i64, -1 = padding): the logit
+// of the id at flat position k becomes f(logit, k), rounded once. Every id is checked to be -1 or in
+// [0, V) before any logit changes. The body of logit_bias and repetition_penalty.
+template <typename F>
+void update_logits_at_ids(const char *op, const Tensor &logits, const Tensor &ids, F &&f) {
+    const int64_t B = ids.size(0), n = ids.size(1), V = logits.size(1);
+    const int64_t *id = ids.data_as<int64_t>();
+    for (int64_t k = 0; k < B * n; ++k)
+        LLAISYS_CHECK(id[k] >= -1 && id[k] < V, std::out_of_range, op, ": id ", id[k], " at [", k / n, ", ", k % n,
+                      "] is out of range for a vocabulary of ", V, " (use -1 for padding)");
+    detail::dispatch_float(op, logits.dtype(), logits.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        T *const base = logits.data_as<T>();
+        const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
+        parallel_for(B, n, [&](int64_t b) {
+            for (int64_t k = b * n; k < (b + 1) * n; ++k) {
+                if (id[k] < 0) continue;
+                T *p = base + b * s0 + id[k] * s1;
+                *p = from_float<T>(f(to_float(*p), k));
+            }
+        });
     });
 }
 

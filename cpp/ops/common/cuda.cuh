@@ -4,11 +4,15 @@
 #include "llaisys/dtype.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/tensor.hpp"
+#include "ops/common/checks.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <utility>
 
 #define CUDA_CHECK(expr)                                                                               \
@@ -70,6 +74,16 @@ void launch_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, c
     cfg.attrs = &attr;
     cfg.numAttrs = pdl_enabled(device) ? 1 : 0;
     CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// Opts Kernel into `bytes` of dynamic shared memory (required above 48 KB), once per device.
+template <auto Kernel>
+void opt_in_smem(size_t bytes, int device) {
+    static std::atomic<uint64_t> done{0};
+    const uint64_t bit = uint64_t(1) << (device & 63);
+    if (done.load(std::memory_order_acquire) & bit) return;
+    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    done.fetch_or(bit, std::memory_order_release);
 }
 
 // Storage type on the device for each host storage type.
@@ -135,6 +149,35 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     __syncthreads();
     v = lane < nwarps ? scratch[lane] : -INFINITY;
     return warp_max(v);
+}
+
+// Grid-stride over ids [B, n], one thread per id; logits [B, V] with strides (s0, s1): the logit of the
+// id at flat position k becomes f(logit, k). Padding (-1) and ids outside [0, V) are skipped (a host
+// check would need a sync). Ids are distinct per row, so no two threads touch one logit.
+template <typename T, typename F>
+__global__ void update_logits_at_ids_kernel(T *logits, int64_t s0, int64_t s1, int64_t V, const int64_t *ids,
+                                            int64_t n, int64_t total, F f) {
+    for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total; k += int64_t(gridDim.x) * blockDim.x) {
+        const int64_t id = ids[k];
+        if (id < 0 || id >= V) continue;
+        T *p = logits + (k / n) * s0 + id * s1;
+        *p = from_f32<T>(f(to_f32(*p), k));
+    }
+}
+
+// The body of logit_bias and repetition_penalty: logits [B, V] (any strides, updated in place), ids
+// [B, n] (contiguous i64); F is a functor with `__device__ float operator()(float logit, int64_t k)`.
+template <typename F>
+void update_logits_at_ids(const char *op, const Tensor &logits, const Tensor &ids, F f) {
+    const int64_t total = ids.numel(), n = ids.size(1);
+    detail::dispatch_float(op, logits.dtype(), logits.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const int threads = 256;
+        const int blocks = int(std::min<int64_t>(ceil_div(total, threads), 4096));
+        update_logits_at_ids_kernel<<<blocks, threads, 0, stream_of(logits)>>>(
+            dptr<T>(logits), logits.stride(0), logits.stride(1), logits.size(1), ids.data_as<int64_t>(), n, total, f);
+        CUDA_CHECK_LAUNCH();
+    });
 }
 
 } // namespace llaisys::ops::cuda

@@ -7,10 +7,7 @@ namespace llaisys::ops {
 
 void embedding(const Tensor &out, const Tensor &ids, const Tensor &weight) {
     constexpr const char *op = "embedding";
-    detail::check_defined(op, "out", out);
-    detail::check_defined(op, "ids", ids);
-    detail::check_defined(op, "weight", weight);
-    detail::check_same_device(op, {&out, &ids, &weight});
+    detail::check_operands(op, {{"out", out}, {"ids", ids}, {"weight", weight}});
     detail::check_index(op, "ids", ids);
     detail::check_float(op, "weight", weight);
     detail::check_same_dtype(op, "out", out, weight);

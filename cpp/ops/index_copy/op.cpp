@@ -7,10 +7,7 @@ namespace llaisys::ops {
 
 void index_copy(const Tensor &out, const Tensor &index, const Tensor &src) {
     constexpr const char *op = "index_copy";
-    detail::check_defined(op, "out", out);
-    detail::check_defined(op, "index", index);
-    detail::check_defined(op, "src", src);
-    detail::check_same_device(op, {&out, &index, &src});
+    detail::check_operands(op, {{"out", out}, {"index", index}, {"src", src}});
     detail::check_index(op, "index", index);
     detail::check_ndim(op, "index", index, 1);
     detail::check_same_dtype(op, "src", src, out);

@@ -9,6 +9,7 @@
 
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/swiglu/swiglu.cuh"
 #include "ops/swiglu/swiglu.hpp"
 
 #include <cublasLt.h>
@@ -84,10 +85,6 @@ struct GemvArgs {
     int64_t M, N, K, ldx, ldw; // N: columns of out (linear_swiglu: I, with W [2I, K])
     int split; // warps sharing one group of W rows, each taking every split-th vector (1, 2, 4 or 8)
 };
-
-// The swiglu op's formula (ops/swiglu/cuda.cu), kept identical so that linear_swiglu equals
-// linear + linear + swiglu bit for bit.
-__device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / (1.f + expf(-g))); }
 
 // ---- Epilogues: which W rows a group of warps reads and how their sums become outputs. ----
 // kRows: W rows per group; kOuts: outputs per group; kUnroll: loads in flight per lane and row (8

@@ -7,22 +7,10 @@
 
 namespace llaisys::ops {
 
-// t [..., cols] as a 2-D [rows, cols] tensor whose rows are dense and at least `cols` apart: a view
-// when the strides allow it (e.g. a column slice of a wider matrix), else a contiguous copy.
-static Tensor dense_rows(const Tensor &t, int64_t rows, int64_t cols) {
-    Tensor r = t.reshape({rows, cols});
-    const bool unit_cols = cols <= 1 || r.stride(1) == 1;
-    const bool rows_apart = rows <= 1 || r.stride(0) >= cols;
-    return unit_cols && rows_apart ? r : r.contiguous();
-}
-
 static void check_linear_args(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
     constexpr const char *op = "linear";
-    detail::check_defined(op, "out", out);
-    detail::check_defined(op, "x", x);
-    detail::check_defined(op, "weight", weight);
-    if (bias.defined()) detail::check_same_device(op, {&out, &x, &weight, &bias});
-    else detail::check_same_device(op, {&out, &x, &weight});
+    detail::check_operands(op, {{"out", out}, {"x", x}, {"weight", weight}});
+    if (bias.defined()) detail::check_on_device(op, out.device(), bias);
     detail::check_float(op, "x", x);
     detail::check_same_dtype(op, "weight", weight, x);
     detail::check_same_dtype(op, "out", out, x);
@@ -50,7 +38,7 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     check_linear_args(out, x, weight, bias);
     const int64_t N = weight.size(0), K = weight.size(1), M = out.numel() / std::max<int64_t>(N, 1);
     if (M == 0 || N == 0) return; // nothing to write
-    const Tensor x2 = dense_rows(x, M, K), w2 = dense_rows(weight, N, K);
+    const Tensor x2 = detail::dense_rows(x, M, K), w2 = detail::dense_rows(weight, N, K);
     const Tensor b = bias.defined() ? bias.contiguous() : Tensor();
     // A copy of the weight was just written by a kernel: not constant for the GEMV that reads it.
     [[maybe_unused]] const bool constant = constant_weight && w2.storage() == weight.storage();
@@ -62,10 +50,7 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
 
 static void check_linear_swiglu_args(const Tensor &out, const Tensor &x, const Tensor &w) {
     constexpr const char *op = "linear_swiglu";
-    detail::check_defined(op, "out", out);
-    detail::check_defined(op, "x", x);
-    detail::check_defined(op, "w_gate_up", w);
-    detail::check_same_device(op, {&out, &x, &w});
+    detail::check_operands(op, {{"out", out}, {"x", x}, {"w_gate_up", w}});
     detail::check_float(op, "x", x);
     detail::check_same_dtype(op, "w_gate_up", w, x);
     detail::check_same_dtype(op, "out", out, x);
@@ -88,7 +73,7 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, 
     check_linear_swiglu_args(out, x, w_gate_up);
     const int64_t I = w_gate_up.size(0) / 2, K = w_gate_up.size(1), M = out.numel() / std::max<int64_t>(I, 1);
     if (M == 0 || I == 0) return; // nothing to write
-    const Tensor x2 = dense_rows(x, M, K), w2 = dense_rows(w_gate_up, 2 * I, K);
+    const Tensor x2 = detail::dense_rows(x, M, K), w2 = detail::dense_rows(w_gate_up, 2 * I, K);
     [[maybe_unused]] const bool constant = constant_weight && w2.storage() == w_gate_up.storage(); // as in linear
     detail::with_contiguous_out(out, [&](const Tensor &dst) {
         const Tensor o2 = dst.view({M, I});

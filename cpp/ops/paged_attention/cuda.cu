@@ -9,22 +9,21 @@
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/split_kv.cuh"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 namespace llaisys::ops::cuda {
 
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kRows = 8;         // (query, head) rows of one GQA group per block: each K/V row staged serves all
-constexpr int kTile = 64;        // keys per shared-memory tile (two tiles in flight); chunks are multiples of it
+using split_kv::kRows;
+using split_kv::kThreads;
+using split_kv::kTile;           // two tiles in flight here
 constexpr int kMaxSplits = 256;  // key chunks per sequence at most (the combine kernel's weights in smem)
 constexpr int kCombineWarps = 4; // output rows per combine block, one warp each
 constexpr int kErrPagedMetadata = 5; // code in runtime::cuda::error_flag
-static_assert(kThreads == 2 * kTile && kRows == 8, "scores: thread = (key, half of the rows)");
 
 template <typename T>
 struct PagedArgs {
@@ -74,33 +73,11 @@ __device__ __forceinline__ int chunk_len(int kv, int nsplit) {
     return max(kTile, (c + kTile - 1) / kTile * kTile);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> // waits until at most N of this thread's copy groups are in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// Shared-memory layout in bytes, shared by host and device code: q f32 [8][hd] (pre-scaled) | red f32
-// [24] | p f32 [8][64] | cache rows of two tiles i32 [2][64] | K tiles [2][64] | V tiles [2][64]. After
-// the key loop the key groups' accumulators f32 [groups][8][hd] reuse the K/V tiles.
-struct Smem {
-    int hd, elem;
-    // K rows are read one row per thread in 16-byte pieces: an odd number of 16-byte units per row puts
-    // the rows of 8 consecutive threads in distinct bank groups.
-    __host__ __device__ int k_pitch() const { return (((hd * elem + 15) / 16) | 1) * 16; }
-    __host__ __device__ int v_pitch() const { return (hd * elem + 15) / 16 * 16; }
-    // P @ V: thread = (key group, dim); dpad threads per key group (a power of two, 32..128).
-    __host__ __device__ int dpad() const {
-        int d = 32;
-        while (d < hd && d < kThreads) d *= 2;
-        return d;
-    }
-    __host__ __device__ int groups() const { return kThreads / dpad(); }
-    __host__ __device__ int red_off() const { return kRows * hd * 4; }
-    __host__ __device__ int p_off() const { return red_off() + 24 * 4; }
-    __host__ __device__ int slot_off() const { return p_off() + kRows * kTile * 4; }
+// Shared-memory layout in bytes, shared by host and device code: split_kv's head (q, red, p) | cache rows
+// of two tiles i32 [2][64] | K tiles [2][64] | V tiles [2][64]. After the key loop the key groups'
+// accumulators f32 [groups][8][hd] reuse the K/V tiles.
+struct Smem : split_kv::Layout { // hd_v = hd
+    __host__ __device__ int slot_off() const { return p_end(); }
     __host__ __device__ int k_off(int buf) const { return (slot_off() + 2 * kTile * 4 + 15) / 16 * 16 + buf * kTile * k_pitch(); }
     __host__ __device__ int v_off(int buf) const { return k_off(2) + buf * kTile * v_pitch(); }
     __host__ __device__ int bytes() const {
@@ -109,17 +86,8 @@ struct Smem {
     }
 };
 
-// Rows [first, first + n) of one (sequence, kv head)'s qlen * group rows; row rho is query rho / group of
-// head kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows).
-struct Rows {
-    int first, n, group, kvh, last_key;
-    int lim[kRows];
-    __device__ int qi(int r) const { return (first + r) / group; }
-    __device__ int h(int r) const { return kvh * group + (first + r) % group; }
-};
-
-__device__ __forceinline__ Rows make_rows(const Seq &s, int group, int kvh, int first) {
-    Rows rows;
+__device__ __forceinline__ split_kv::Rows make_rows(const Seq &s, int group, int kvh, int first) {
+    split_kv::Rows rows;
     rows.first = first;
     rows.group = group;
     rows.kvh = kvh;
@@ -129,13 +97,6 @@ __device__ __forceinline__ Rows make_rows(const Seq &s, int group, int kvh, int 
     rows.last_key = rows.qi(rows.n - 1) + s.kv - s.qlen; // rows go by query
     return rows;
 }
-
-// A block's online-softmax state: running max m of all 8 rows (the same in every thread), this thread's
-// part of the row sums of its 4 score rows, and its output dims of all 8 rows for its key group.
-template <int DPT>
-struct State {
-    float m[kRows], l[4], acc[kRows][DPT];
-};
 
 // Cache row of key j of a sequence: its block from the table (clamped into the pool, reported), then the
 // row in the block.
@@ -177,125 +138,23 @@ __device__ __forceinline__ void issue_tile(const PagedArgs<T> &a, const Smem &la
     cp_async_commit();
 }
 
-// Four scores of one key: s[r] = q[r] . k for the rows q [4][hd] (f32 in smem) and the key row krow.
-template <typename T, bool VEC>
-__device__ __forceinline__ void dot4(const float *q, const T *krow, int hd, float (&s)[4]) {
-    if constexpr (VEC) {
-        constexpr int per16 = 16 / sizeof(T);
-        for (int d0 = 0; d0 < hd; d0 += per16) { // q rows are 16-byte aligned too (hd * 4 % 16 == 0 here)
-            T kv[per16];
-            *reinterpret_cast<uint4 *>(kv) = *reinterpret_cast<const uint4 *>(krow + d0);
-#pragma unroll
-            for (int e4 = 0; e4 < per16; e4 += 4) {
-                float kd[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) kd[e] = to_f32(kv[e4 + e]);
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const float4 qv = *reinterpret_cast<const float4 *>(q + r * hd + d0 + e4);
-                    s[r] += qv.x * kd[0] + qv.y * kd[1] + qv.z * kd[2] + qv.w * kd[3];
-                }
-            }
-        }
-    } else {
-        for (int d = 0; d < hd; ++d) {
-            const float kd = to_f32(krow[d]);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) s[r] += q[r * hd + d] * kd;
-        }
-    }
-}
-
-// Softmax step of one tile of n keys from key t0. Thread t scores key t % 64 for rows 4 * (t / 64) + 0..3;
-// the block max of each row goes through red; the probabilities land in ps [8][64]; the state is rescaled.
-template <typename T, int DPT, bool VEC>
-__device__ __forceinline__ void softmax_tile(const PagedArgs<T> &a, const Smem &lay, const Rows &rows,
-                                             const float *qs, const unsigned char *ks, float *red, float *ps, int t0,
-                                             int n, State<DPT> &st) {
-    const int key = threadIdx.x % kTile, half = threadIdx.x / kTile, warp = threadIdx.x / 32;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    if (key < n) dot4<T, VEC>(qs + half * 4 * a.hd, reinterpret_cast<const T *>(ks + key * lay.k_pitch()), a.hd, s);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int lim = half ? rows.lim[4 + r] : rows.lim[r]; // a select: dynamic indexing would spill to local memory
-        s[r] = key < n && t0 + key <= lim ? s[r] : -INFINITY;
-        const float mx = warp_max(s[r]); // fmaxf skips NaN scores; exp2f below turns them into NaN
-        if (threadIdx.x % 32 == 0) red[warp * 4 + r] = mx;
-    }
-    __syncthreads();
-    float m_ref[kRows], corr[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) { // rows 0-3 were scored by warps 0-1, rows 4-7 by warps 2-3
-        const float tile_max = fmaxf(red[(r / 4) * 8 + r % 4], red[(r / 4) * 8 + 4 + r % 4]);
-        const float m_new = fmaxf(st.m[r], tile_max);
-        m_ref[r] = m_new == -INFINITY ? 0.f : m_new; // nothing seen yet: avoid -inf - -inf
-        corr[r] = exp2f(st.m[r] - m_ref[r]);
-        st.m[r] = m_new;
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) st.acc[r][i] *= corr[r];
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float p = exp2f(s[r] - (half ? m_ref[4 + r] : m_ref[r]));
-        st.l[r] = st.l[r] * (half ? corr[4 + r] : corr[r]) + p;
-        ps[(half * 4 + r) * kTile + key] = p;
-    }
-    __syncthreads();
-}
-
-// acc[r][i] += sum over the tile's keys of this thread's key group of P[r][key] * V[key][dim i].
-template <typename T, int DPT>
-__device__ __forceinline__ void pv_tile(const PagedArgs<T> &a, const Smem &lay, const Rows &rows,
-                                        const unsigned char *vs, const float *ps, int t0, int n, State<DPT> &st) {
-    const int dpad = lay.dpad(), groups = kThreads / dpad, d0 = threadIdx.x % dpad;
-    for (int c = threadIdx.x / dpad; c < n; c += groups) {
-        const T *vrow = reinterpret_cast<const T *>(vs + c * lay.v_pitch());
-        float v[DPT];
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) v[i] = d0 + kThreads * i < a.hd ? to_f32(vrow[d0 + kThreads * i]) : 0.f;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            if (t0 + c > rows.lim[r]) continue; // masked keys add nothing, not even 0 * NaN
-            const float p = ps[r * kTile + c];
-#pragma unroll
-            for (int i = 0; i < DPT; ++i) st.acc[r][i] += p * v[i];
-        }
-    }
-}
-
 // Sums the key groups' accumulators and the row sums, then writes each row to out (one split) or as a
 // partial (acc [hd], m, l) for paged_combine_kernel. Called after a barrier that ended all tile reads.
 template <typename T, int DPT>
-__device__ __forceinline__ void finish(const PagedArgs<T> &a, const Smem &lay, const Rows &rows, const Seq &s,
-                                       unsigned char *smem, State<DPT> &st) {
+__device__ __forceinline__ void finish(const PagedArgs<T> &a, const Smem &lay, const split_kv::Rows &rows, const Seq &s,
+                                       unsigned char *smem, const split_kv::State<DPT> &st) {
     float *red = reinterpret_cast<float *>(smem + lay.red_off()), *merge = reinterpret_cast<float *>(smem + lay.k_off(0));
-    const int warp = threadIdx.x / 32, dpad = lay.dpad(), group = threadIdx.x / dpad, d0 = threadIdx.x % dpad;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float l = warp_sum(st.l[r]);
-        if (threadIdx.x % 32 == 0) red[warp * 4 + r] = l;
-    }
-    if (threadIdx.x == 0)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) red[16 + r] = st.m[r];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int i = 0; i < DPT; ++i)
-            if (d0 + kThreads * i < a.hd) merge[(group * kRows + r) * a.hd + d0 + kThreads * i] = st.acc[r][i];
-    __syncthreads();
+    split_kv::merge_groups(lay, st, red, merge);
     for (int idx = threadIdx.x; idx < rows.n * a.hd; idx += kThreads) {
         const int r = idx / a.hd, d = idx % a.hd, t = s.q0 + rows.qi(r);
-        const float l = red[(r / 4) * 8 + r % 4] + red[(r / 4) * 8 + 4 + r % 4];
-        float acc = 0.f;
-        for (int g = 0; g < lay.groups(); ++g) acc += merge[(g * kRows + r) * a.hd + d];
+        const float l = split_kv::row_sum(red, r), acc = split_kv::row_acc(lay, merge, r, d);
         if (a.nsplit == 1) {
             a.out[t * a.o_s0 + rows.h(r) * a.o_s1 + d] = from_f32<T>(acc / l);
         } else {
             float *dst = a.part + ((int64_t(blockIdx.z) * a.tokens + t) * a.nh + rows.h(r)) * (a.hd + 2);
             dst[d] = acc;
             if (d == 0) {
-                dst[a.hd] = red[16 + r];
+                dst[a.hd] = split_kv::row_max(red, r);
                 dst[a.hd + 1] = l;
             }
         }
@@ -316,10 +175,10 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
     if (int(blockIdx.x) * kRows >= s.qlen * group) return;
-    const Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows);
+    const split_kv::Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows);
     const int kb = blockIdx.z * chunk_len(s.kv, a.nsplit), ke = min(kb + chunk_len(s.kv, a.nsplit), rows.last_key + 1);
     if (kb >= ke) return;
-    const Smem lay{a.hd, int(sizeof(T))};
+    const Smem lay{{a.hd, a.hd, int(sizeof(T))}};
     float *qs = reinterpret_cast<float *>(smem), *red = reinterpret_cast<float *>(smem + lay.red_off()),
           *ps = reinterpret_cast<float *>(smem + lay.p_off());
     int *slots = reinterpret_cast<int *>(smem + lay.slot_off()); // [2][kTile]
@@ -335,14 +194,8 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
         const int r = idx / a.hd, d = idx % a.hd;
         qs[idx] = r < rows.n ? to_f32(a.q[(s.q0 + rows.qi(r)) * a.q_s0 + rows.h(r) * a.q_s1 + d]) * a.scale_log2 : 0.f;
     }
-    State<DPT> st;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        st.m[r] = -INFINITY;
-        if (r < 4) st.l[r] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) st.acc[r][i] = 0.f;
-    }
+    split_kv::State<DPT> st;
+    st.reset();
     for (int t = 0; t < ntiles; ++t) {
         const int t0 = kb + t * kTile, n = min(kTile, ke - t0), cur = t & 1;
         if (t + 1 < ntiles) {
@@ -356,8 +209,8 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
             cp_async_wait<0>();
         }
         __syncthreads(); // tile t (and, the first time, qs) is in smem for every thread
-        softmax_tile<T, DPT, VEC>(a, lay, rows, qs, smem + lay.k_off(cur), red, ps, t0, n, st);
-        pv_tile<T, DPT>(a, lay, rows, smem + lay.v_off(cur), ps, t0, n, st);
+        split_kv::softmax_tile<T, DPT, VEC>(lay, rows, qs, smem + lay.k_off(cur), red, ps, t0, n, st);
+        split_kv::pv_tile<T, DPT>(lay, rows, smem + lay.v_off(cur), ps, t0, n, st);
     }
     __syncthreads(); // the accumulators' merge reuses the tiles
     finish<T, DPT>(a, lay, rows, s, smem, st);
@@ -398,16 +251,6 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     }
 }
 
-// Opts Kernel into `bytes` of dynamic shared memory (required above 48 KB), once per device.
-template <auto Kernel>
-void opt_in_smem(size_t bytes, int device) {
-    static std::atomic<uint64_t> done{0};
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (done.load(std::memory_order_acquire) & bit) return;
-    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    done.fetch_or(bit, std::memory_order_release);
-}
-
 // Splits each sequence's keys until about four blocks per SM are busy (a decode batch smaller than the
 // GPU); a large batch or a prefill has blocks enough already. Planned from the host-known sizes only.
 int plan_splits(int64_t blocks, int64_t capacity, int device) {
@@ -420,9 +263,10 @@ template <typename T, int DPT, bool VEC>
 void launch(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     const int elem = int(sizeof(T)), group = a.nh / a.nkvh;
     opt_in_smem<paged_split_kernel<T, DPT, VEC>>(
-        size_t(Smem{int(paged_detail::kCudaMaxRowBytes) / elem, elem}.bytes()), device.index);
+        size_t(Smem{{int(paged_detail::kCudaMaxRowBytes) / elem, int(paged_detail::kCudaMaxRowBytes) / elem, elem}}.bytes()),
+        device.index);
     const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * group, kRows)), unsigned(B * a.nkvh), unsigned(a.nsplit));
-    launch_pdl(paged_split_kernel<T, DPT, VEC>, grid, dim3(kThreads), size_t(Smem{a.hd, elem}.bytes()), stream,
+    launch_pdl(paged_split_kernel<T, DPT, VEC>, grid, dim3(kThreads), size_t(Smem{{a.hd, a.hd, elem}}.bytes()), stream,
                device.index, a);
     if (a.nsplit > 1) {
         const dim3 cgrid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));

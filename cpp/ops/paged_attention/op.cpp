@@ -18,11 +18,8 @@ void check_metadata(const char *op, const char *name, const Tensor &t, const Sha
 void check_paged_args(const char *op, const Tensor &out, const Tensor &q, const Tensor &k_cache,
                       const Tensor &v_cache, const Tensor &block_tables, const Tensor &q_start,
                       const Tensor &kv_len, int64_t max_q_len) {
-    for (auto [name, t] : {std::pair<const char *, const Tensor *>{"out", &out}, {"q", &q}, {"k_cache", &k_cache},
-                           {"v_cache", &v_cache}, {"block_tables", &block_tables}, {"q_start", &q_start},
-                           {"kv_len", &kv_len}})
-        detail::check_defined(op, name, *t);
-    detail::check_same_device(op, {&out, &q, &k_cache, &v_cache, &block_tables, &q_start, &kv_len});
+    detail::check_operands(op, {{"out", out}, {"q", q}, {"k_cache", k_cache}, {"v_cache", v_cache},
+                                {"block_tables", block_tables}, {"q_start", q_start}, {"kv_len", kv_len}});
     detail::check_float(op, "q", q);
     detail::check_same_dtype(op, "k_cache", k_cache, q);
     detail::check_same_dtype(op, "v_cache", v_cache, q);

@@ -9,10 +9,7 @@ namespace llaisys::ops {
 
 void detail::check_rms_norm_args(const char *op, const Tensor &out, const Tensor &x, const Tensor &weight,
                                  float eps) {
-    check_defined(op, "out", out);
-    check_defined(op, "x", x);
-    check_defined(op, "weight", weight);
-    check_same_device(op, {&out, &x, &weight});
+    check_operands(op, {{"out", out}, {"x", x}, {"weight", weight}});
     check_float(op, "x", x);
     check_same_dtype(op, "weight", weight, x);
     check_same_dtype(op, "out", out, x);

@@ -24,10 +24,7 @@ const std::vector<float> &detail::rope_inv_freq(float theta, int64_t head_dim) {
 }
 
 static void check_rope_args(const char *op, const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta) {
-    detail::check_defined(op, "out", out);
-    detail::check_defined(op, "x", x);
-    detail::check_defined(op, "pos_ids", pos_ids);
-    detail::check_same_device(op, {&out, &x, &pos_ids});
+    detail::check_operands(op, {{"out", out}, {"x", x}, {"pos_ids", pos_ids}});
     detail::check_float(op, "x", x);
     detail::check_same_dtype(op, "out", out, x);
     detail::check_index(op, "pos_ids", pos_ids);

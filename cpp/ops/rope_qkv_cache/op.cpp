@@ -11,12 +11,8 @@ namespace llaisys::ops {
 static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const Tensor &k_cache,
                                       const Tensor &v_cache, const Tensor &qkv, const Tensor &pos_ids, float theta,
                                       const Tensor &slots) {
-    detail::check_defined(op, "q_out", q_out);
-    detail::check_defined(op, "k_cache", k_cache);
-    detail::check_defined(op, "v_cache", v_cache);
-    detail::check_defined(op, "qkv", qkv);
-    detail::check_defined(op, "pos_ids", pos_ids);
-    detail::check_same_device(op, {&qkv, &q_out, &k_cache, &v_cache, &pos_ids});
+    detail::check_operands(op, {{"qkv", qkv}, {"q_out", q_out}, {"k_cache", k_cache}, {"v_cache", v_cache},
+                                {"pos_ids", pos_ids}});
     detail::check_float(op, "qkv", qkv);
     detail::check_same_dtype(op, "q_out", q_out, qkv);
     detail::check_same_dtype(op, "k_cache", k_cache, qkv);
@@ -31,7 +27,7 @@ static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const
     detail::check_shape(op, "v_cache", v_cache, k_cache.shape());
     detail::check_shape(op, "pos_ids", pos_ids, {tokens});
     if (slots.defined()) {
-        detail::check_same_device(op, {&qkv, &slots});
+        detail::check_on_device(op, qkv.device(), slots);
         detail::check_index(op, "slots", slots);
         detail::check_shape(op, "slots", slots, {tokens});
     }

@@ -12,13 +12,8 @@ namespace llaisys::ops {
 static void check_sample_args(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature,
                               const Tensor &top_k, const Tensor &top_p, const Tensor &min_p) {
     constexpr const char *op = "sample";
-    detail::check_defined(op, "out_ids", out_ids);
-    detail::check_defined(op, "logits", logits);
-    detail::check_defined(op, "temperature", temperature);
-    detail::check_defined(op, "top_k", top_k);
-    detail::check_defined(op, "top_p", top_p);
-    detail::check_defined(op, "min_p", min_p);
-    detail::check_same_device(op, {&logits, &out_ids, &temperature, &top_k, &top_p, &min_p});
+    detail::check_operands(op, {{"logits", logits}, {"out_ids", out_ids}, {"temperature", temperature},
+                                {"top_k", top_k}, {"top_p", top_p}, {"min_p", min_p}});
     detail::check_float(op, "logits", logits);
     detail::check_dtype(op, "out_ids", out_ids, DType::I64);
     detail::check_dtype(op, "temperature", temperature, DType::F32);
@@ -80,9 +75,7 @@ void sample_rows(const Tensor &out_ids, const Tensor &logits, const Tensor &temp
                  const Tensor &top_p, const Tensor &min_p, const Tensor &seeds, const Tensor &steps) {
     constexpr const char *op = "sample_rows";
     check_sample_args(out_ids, logits, temperature, top_k, top_p, min_p);
-    detail::check_defined(op, "seeds", seeds);
-    detail::check_defined(op, "steps", steps);
-    detail::check_same_device(op, {&logits, &seeds, &steps});
+    detail::check_operands(op, {{"logits", logits}, {"seeds", seeds}, {"steps", steps}});
     detail::check_dtype(op, "seeds", seeds, DType::I64);
     detail::check_dtype(op, "steps", steps, DType::I64);
     detail::check_shape(op, "seeds", seeds, {logits.size(0)});

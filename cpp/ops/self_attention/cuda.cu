@@ -7,9 +7,9 @@
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/split_kv.cuh"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -54,16 +54,6 @@ __device__ __forceinline__ AttnArgs<T> resolve_kvlen(const AttnArgs<T> &args) {
 
 __device__ __forceinline__ int group_of(int nh, int nkvh) { return nh / nkvh; }
 
-// Opts Kernel into `bytes` of dynamic shared memory (required above 48 KB), once per device.
-template <auto Kernel>
-void opt_in_smem(size_t bytes, int device) {
-    static std::atomic<uint64_t> done{0};
-    const uint64_t bit = uint64_t(1) << (device & 63);
-    if (done.load(std::memory_order_acquire) & bit) return;
-    CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    done.fetch_or(bit, std::memory_order_release);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tensor-core prefill: PTX wrappers (cp.async, ldmatrix, mma.sync m16n8k16 with f32 accumulators)
 // ---------------------------------------------------------------------------------------------
@@ -79,17 +69,6 @@ template <int HD>
 constexpr int tc_pitch() { return HD + 8; }
 template <int HD>
 constexpr size_t tc_smem_bytes() { return size_t(kTcBQ + 2 * kTcBK) * tc_pitch<HD>() * 2; }
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-// 16-byte async copy global -> shared; with valid == false nothing is read and the 16 bytes are zeroed.
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -325,67 +304,36 @@ void launch_prefill_tc(const AttnArgs<T> &a, int device, cudaStream_t stream) {
 // Split-KV attention on CUDA cores: decode, short chunks, f32, any head dim <= 256, unaligned views
 // ---------------------------------------------------------------------------------------------
 
-constexpr int kSplitThreads = 128;
-constexpr int kSplitRows = 8;  // (query, head) rows per block, all of one GQA group
-constexpr int kSplitTile = 64; // keys per smem tile; chunks are multiples of it
+using split_kv::kRows;
+using split_kv::kThreads;
+using split_kv::kTile;
 constexpr int kSplitMaxDim = int(attention_detail::kCudaMaxHeadDim); // checked in check_args
-static_assert(kSplitThreads == 2 * kSplitTile && kSplitRows == 8, "scores: thread = (key, half of the rows)");
 
-// Shared-memory layout of the split kernel in bytes, shared by host and device code:
-// q f32 [8][hd] (pre-scaled) | red f32 [24] | p f32 [8][64] | K tile | V tile; after the key loop the
-// key groups' accumulators f32 [groups][8][hd_v] reuse the K/V tile space.
-struct SplitSmem {
-    int hd, hd_v, elem;
-    // K rows are read one row per thread in 16-byte pieces: an odd number of 16-byte units per row puts
-    // the rows of 8 consecutive threads in distinct bank groups.
-    __host__ __device__ int k_pitch() const { return (((hd * elem + 15) / 16) | 1) * 16; }
-    __host__ __device__ int v_pitch() const { return (hd_v * elem + 15) / 16 * 16; }
-    // PV: thread = (key group, dim); dpad threads per key group (a power of two, 32..128).
-    __host__ __device__ int dpad() const {
-        int d = 32;
-        while (d < hd_v && d < kSplitThreads) d *= 2;
-        return d;
-    }
-    __host__ __device__ int groups() const { return kSplitThreads / dpad(); }
-    __host__ __device__ int red_off() const { return kSplitRows * hd * 4; }
-    __host__ __device__ int p_off() const { return red_off() + 24 * 4; }
-    __host__ __device__ int k_off() const { return (p_off() + kSplitRows * kSplitTile * 4 + 15) / 16 * 16; }
-    __host__ __device__ int v_off() const { return k_off() + kSplitTile * k_pitch(); }
+// Shared-memory layout of the split kernel in bytes, shared by host and device code: split_kv's head
+// (q, red, p) | K tile | V tile; after the key loop the key groups' accumulators f32 [groups][8][hd_v]
+// reuse the K/V tile space.
+struct SplitSmem : split_kv::Layout {
+    __host__ __device__ int k_off() const { return (p_end() + 15) / 16 * 16; }
+    __host__ __device__ int v_off() const { return k_off() + kTile * k_pitch(); }
     __host__ __device__ int bytes() const {
-        const int tiles = kSplitTile * (k_pitch() + v_pitch()), merge = groups() * kSplitRows * hd_v * 4;
+        const int tiles = kTile * (k_pitch() + v_pitch()), merge = groups() * kRows * hd_v * 4;
         return k_off() + (tiles > merge ? tiles : merge);
     }
 };
 
-// Rows [first, first + n) of one kv head's qlen * group rows; row rho is query rho / group of head
-// kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows).
-struct SplitRows {
-    int first, n, group, kvh, last_key;
-    int lim[kSplitRows];
-    __device__ int qi(int r) const { return (first + r) / group; }
-    __device__ int h(int r) const { return kvh * group + (first + r) % group; }
-};
-
 template <typename T>
-__device__ __forceinline__ SplitRows split_rows(const AttnArgs<T> &a, int kvh, int first) {
-    SplitRows rows;
+__device__ __forceinline__ split_kv::Rows split_rows(const AttnArgs<T> &a, int kvh, int first) {
+    split_kv::Rows rows;
     rows.first = first;
     rows.group = group_of(a.nh, a.nkvh);
     rows.kvh = kvh;
-    rows.n = min(kSplitRows, a.qlen * rows.group - first);
+    rows.n = min(kRows, a.qlen * rows.group - first);
     const int off = a.kvlen - a.qlen;
 #pragma unroll
-    for (int r = 0; r < kSplitRows; ++r) rows.lim[r] = r < rows.n ? min(rows.qi(r) + off, a.kvlen - 1) : -1;
+    for (int r = 0; r < kRows; ++r) rows.lim[r] = r < rows.n ? min(rows.qi(r) + off, a.kvlen - 1) : -1;
     rows.last_key = min(rows.qi(rows.n - 1) + off, a.kvlen - 1); // rows go by query
     return rows;
 }
-
-// A block's online-softmax state: running max m of all 8 rows (the same in every thread), this thread's
-// part of the row sums of its 4 score rows, and its output dims of all 8 rows for its key group.
-template <int DPT>
-struct SplitState {
-    float m[kSplitRows], l[4], acc[kSplitRows][DPT];
-};
 
 // Starts staging keys [t0, t0 + n) of kv head kvh: K rows into ks, V rows into vs. VEC (16-byte aligned
 // rows of a multiple of 16 bytes): every copy in flight at once through cp.async (finished by
@@ -397,17 +345,17 @@ __device__ __forceinline__ void split_issue_tile(const AttnArgs<T> &a, const Spl
     if constexpr (VEC) {
         constexpr int per16 = 16 / sizeof(T);
         const int kc = a.hd / per16, vc = a.hd_v / per16; // 16-byte chunks per row
-        for (int i = threadIdx.x; i < n * kc; i += kSplitThreads)
+        for (int i = threadIdx.x; i < n * kc; i += kThreads)
             cp_async16(ks + (i / kc) * lay.k_pitch() + (i % kc) * 16, kg + (i / kc) * a.k_s0 + (i % kc) * per16, true);
-        for (int i = threadIdx.x; i < n * vc; i += kSplitThreads)
+        for (int i = threadIdx.x; i < n * vc; i += kThreads)
             cp_async16(vs + (i / vc) * lay.v_pitch() + (i % vc) * 16, vg + (i / vc) * a.v_s0 + (i % vc) * per16, true);
         cp_async_commit();
     } else {
 #pragma unroll 4
-        for (int i = threadIdx.x; i < n * a.hd; i += kSplitThreads)
+        for (int i = threadIdx.x; i < n * a.hd; i += kThreads)
             reinterpret_cast<T *>(ks + (i / a.hd) * lay.k_pitch())[i % a.hd] = kg[(i / a.hd) * a.k_s0 + i % a.hd];
 #pragma unroll 4
-        for (int i = threadIdx.x; i < n * a.hd_v; i += kSplitThreads)
+        for (int i = threadIdx.x; i < n * a.hd_v; i += kThreads)
             reinterpret_cast<T *>(vs + (i / a.hd_v) * lay.v_pitch())[i % a.hd_v] =
                 vg[(i / a.hd_v) * a.v_s0 + i % a.hd_v];
     }
@@ -419,120 +367,18 @@ __device__ __forceinline__ void split_wait_tile() {
     __syncthreads();
 }
 
-// Four scores of one key: s[r] = q[r] . k for the rows q [4][hd] (f32 in smem) and the key row krow.
-template <typename T, bool VEC>
-__device__ __forceinline__ void split_dot4(const float *q, const T *krow, int hd, float (&s)[4]) {
-    if constexpr (VEC) {
-        constexpr int per16 = 16 / sizeof(T);
-        for (int d0 = 0; d0 < hd; d0 += per16) { // q rows are 16-byte aligned here too (hd * 4 % 16 == 0)
-            T kv[per16];
-            *reinterpret_cast<uint4 *>(kv) = *reinterpret_cast<const uint4 *>(krow + d0);
-#pragma unroll
-            for (int e4 = 0; e4 < per16; e4 += 4) {
-                float kd[4];
-#pragma unroll
-                for (int e = 0; e < 4; ++e) kd[e] = to_f32(kv[e4 + e]);
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    const float4 qv = *reinterpret_cast<const float4 *>(q + r * hd + d0 + e4);
-                    s[r] += qv.x * kd[0] + qv.y * kd[1] + qv.z * kd[2] + qv.w * kd[3];
-                }
-            }
-        }
-    } else {
-        for (int d = 0; d < hd; ++d) {
-            const float kd = to_f32(krow[d]);
-#pragma unroll
-            for (int r = 0; r < 4; ++r) s[r] += q[r * hd + d] * kd;
-        }
-    }
-}
-
-// Softmax step of one tile. Thread t scores key t % 64 for rows 4 * (t / 64) + 0..3; the block max of
-// each row goes through red; the probabilities land in ps [8][64]; the state is rescaled to the new max.
-template <typename T, int DPT, bool VEC>
-__device__ __forceinline__ void split_softmax_tile(const AttnArgs<T> &a, const SplitSmem &lay, const SplitRows &rows,
-                                                   const float *qs, const unsigned char *ks, float *red, float *ps,
-                                                   int t0, int n, SplitState<DPT> &st) {
-    const int key = threadIdx.x % kSplitTile, half = threadIdx.x / kSplitTile, warp = threadIdx.x / 32;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    if (key < n) split_dot4<T, VEC>(qs + half * 4 * a.hd, reinterpret_cast<const T *>(ks + key * lay.k_pitch()), a.hd, s);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int lim = half ? rows.lim[4 + r] : rows.lim[r];
-        s[r] = key < n && t0 + key <= lim ? s[r] : -INFINITY;
-        const float mx = warp_max(s[r]); // fmaxf skips NaN scores; exp2f below turns them into NaN
-        if (threadIdx.x % 32 == 0) red[warp * 4 + r] = mx;
-    }
-    __syncthreads();
-    float m_ref[kSplitRows], corr[kSplitRows];
-#pragma unroll
-    for (int r = 0; r < kSplitRows; ++r) { // rows 0-3 were scored by warps 0-1, rows 4-7 by warps 2-3
-        const float tile_max = fmaxf(red[(r / 4) * 8 + r % 4], red[(r / 4) * 8 + 4 + r % 4]);
-        const float m_new = fmaxf(st.m[r], tile_max);
-        m_ref[r] = m_new == -INFINITY ? 0.f : m_new; // nothing seen yet: avoid -inf - -inf
-        corr[r] = exp2f(st.m[r] - m_ref[r]);
-        st.m[r] = m_new;
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) st.acc[r][i] *= corr[r];
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float p = exp2f(s[r] - (half ? m_ref[4 + r] : m_ref[r]));
-        st.l[r] = st.l[r] * (half ? corr[4 + r] : corr[r]) + p;
-        ps[(half * 4 + r) * kSplitTile + key] = p;
-    }
-    __syncthreads();
-}
-
-// acc[r][i] += sum over the tile's keys of this thread's key group of P[r][key] * V[key][dim i].
-template <typename T, int DPT>
-__device__ __forceinline__ void split_pv_tile(const AttnArgs<T> &a, const SplitSmem &lay, const SplitRows &rows,
-                                              const unsigned char *vs, const float *ps, int t0, int n,
-                                              SplitState<DPT> &st) {
-    const int dpad = lay.dpad(), groups = kSplitThreads / dpad, d0 = threadIdx.x % dpad;
-    for (int c = threadIdx.x / dpad; c < n; c += groups) {
-        const T *vrow = reinterpret_cast<const T *>(vs + c * lay.v_pitch());
-        float v[DPT];
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) v[i] = d0 + kSplitThreads * i < a.hd_v ? to_f32(vrow[d0 + kSplitThreads * i]) : 0.f;
-#pragma unroll
-        for (int r = 0; r < kSplitRows; ++r) {
-            if (t0 + c > rows.lim[r]) continue; // masked keys add nothing, not even 0 * NaN
-            const float p = ps[r * kSplitTile + c];
-#pragma unroll
-            for (int i = 0; i < DPT; ++i) st.acc[r][i] += p * v[i];
-        }
-    }
-}
-
 // Sums the key groups' accumulators and the row sums, then writes each row to out (one chunk) or as a
 // partial (acc [hd_v], m, l) for attn_combine_kernel.
 template <typename T, int DPT>
-__device__ __forceinline__ void split_finish(const AttnArgs<T> &a, const SplitSmem &lay, const SplitRows &rows,
-                                             unsigned char *smem, SplitState<DPT> &st, float *part) {
+__device__ __forceinline__ void split_finish(const AttnArgs<T> &a, const SplitSmem &lay, const split_kv::Rows &rows,
+                                             unsigned char *smem, const split_kv::State<DPT> &st, float *part) {
     float *red = reinterpret_cast<float *>(smem + lay.red_off()), *merge = reinterpret_cast<float *>(smem + lay.k_off());
-    const int warp = threadIdx.x / 32, dpad = lay.dpad(), group = threadIdx.x / dpad, d0 = threadIdx.x % dpad;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const float l = warp_sum(st.l[r]);
-        if (threadIdx.x % 32 == 0) red[warp * 4 + r] = l; // red's maxima were consumed before the last barrier
-    }
-    if (threadIdx.x == 0)
-#pragma unroll
-        for (int r = 0; r < kSplitRows; ++r) red[16 + r] = st.m[r];
-#pragma unroll
-    for (int r = 0; r < kSplitRows; ++r) // the K/V tiles are free: the key loop ended on a barrier
-#pragma unroll
-        for (int i = 0; i < DPT; ++i)
-            if (d0 + kSplitThreads * i < a.hd_v) merge[(group * kSplitRows + r) * a.hd_v + d0 + kSplitThreads * i] = st.acc[r][i];
-    __syncthreads();
+    split_kv::merge_groups(lay, st, red, merge); // the K/V tiles are free: the key loop ended on a barrier
     const int pitch = a.hd_v + 2;
-    for (int idx = threadIdx.x; idx < rows.n * a.hd_v; idx += kSplitThreads) {
+    for (int idx = threadIdx.x; idx < rows.n * a.hd_v; idx += kThreads) {
         const int r = idx / a.hd_v, d = idx % a.hd_v;
-        const float l = red[(r / 4) * 8 + r % 4] + red[(r / 4) * 8 + 4 + r % 4], m = red[16 + r];
-        float acc = 0.f;
-        for (int g = 0; g < lay.groups(); ++g) acc += merge[(g * kSplitRows + r) * a.hd_v + d];
+        const float l = split_kv::row_sum(red, r), m = split_kv::row_max(red, r);
+        const float acc = split_kv::row_acc(lay, merge, r, d);
         if (gridDim.z == 1) {
             a.out[rows.qi(r) * a.o_s0 + rows.h(r) * a.o_s1 + d] = from_f32<T>(acc / l);
         } else { // part [chunk][qlen * nh][hd_v + 2]
@@ -552,35 +398,29 @@ __device__ __forceinline__ void split_finish(const AttnArgs<T> &a, const SplitSm
 // stage K/V (cp.async), scores and softmax (thread = key), P @ V (thread = output dim). With one chunk
 // it writes out directly; otherwise attn_combine_kernel merges the chunks' partials.
 template <typename T, int DPT, bool VEC>
-__global__ void __launch_bounds__(kSplitThreads) attn_split_kernel(const AttnArgs<T> args, int chunk, float *part) {
+__global__ void __launch_bounds__(kThreads) attn_split_kernel(const AttnArgs<T> args, int chunk, float *part) {
     extern __shared__ __align__(16) unsigned char split_smem[];
     const AttnArgs<T> a = resolve_kvlen(args);
-    const SplitSmem lay{a.hd, a.hd_v, int(sizeof(T))};
+    const SplitSmem lay{{a.hd, a.hd_v, int(sizeof(T))}};
     float *qs = reinterpret_cast<float *>(split_smem), *red = reinterpret_cast<float *>(split_smem + lay.red_off()),
           *ps = reinterpret_cast<float *>(split_smem + lay.p_off());
     unsigned char *ks = split_smem + lay.k_off(), *vs = split_smem + lay.v_off();
-    const SplitRows rows = split_rows(a, blockIdx.y, blockIdx.x * kSplitRows);
+    const split_kv::Rows rows = split_rows(a, blockIdx.y, blockIdx.x * kRows);
     const int kb = blockIdx.z * chunk, ke = min(kb + chunk, rows.last_key + 1);
-    if (kb < ke) split_issue_tile<T, VEC>(a, lay, ks, vs, blockIdx.y, kb, min(kSplitTile, ke - kb)); // overlaps q
+    if (kb < ke) split_issue_tile<T, VEC>(a, lay, ks, vs, blockIdx.y, kb, min(kTile, ke - kb)); // overlaps q
 #pragma unroll 8 // independent loads: let them be in flight together
-    for (int idx = threadIdx.x; idx < kSplitRows * a.hd; idx += kSplitThreads) { // padding rows are 0
+    for (int idx = threadIdx.x; idx < kRows * a.hd; idx += kThreads) { // padding rows are 0
         const int r = idx / a.hd, d = idx % a.hd;
         qs[idx] = r < rows.n ? to_f32(a.q[rows.qi(r) * a.q_s0 + rows.h(r) * a.q_s1 + d]) * a.scale_log2 : 0.f;
     }
-    SplitState<DPT> st;
-#pragma unroll
-    for (int r = 0; r < kSplitRows; ++r) {
-        st.m[r] = -INFINITY;
-        if (r < 4) st.l[r] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DPT; ++i) st.acc[r][i] = 0.f;
-    }
-    for (int t0 = kb; t0 < ke; t0 += kSplitTile) {
-        const int n = min(kSplitTile, ke - t0);
+    split_kv::State<DPT> st;
+    st.reset();
+    for (int t0 = kb; t0 < ke; t0 += kTile) {
+        const int n = min(kTile, ke - t0);
         if (t0 > kb) split_issue_tile<T, VEC>(a, lay, ks, vs, blockIdx.y, t0, n);
         split_wait_tile(); // the tile (and, the first time, qs) is in smem for every thread
-        split_softmax_tile<T, DPT, VEC>(a, lay, rows, qs, ks, red, ps, t0, n, st);
-        split_pv_tile<T, DPT>(a, lay, rows, vs, ps, t0, n, st);
+        split_kv::softmax_tile<T, DPT, VEC>(lay, rows, qs, ks, red, ps, t0, n, st);
+        split_kv::pv_tile<T, DPT>(lay, rows, vs, ps, t0, n, st);
         __syncthreads(); // the next tile overwrites ks, vs, ps and red
     }
     split_finish<T, DPT>(a, lay, rows, split_smem, st, part);
@@ -634,19 +474,19 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const Att
 // With a device-held length the split is planned for the capacity, so a captured graph fits any length.
 template <typename T, int DPT, bool VEC>
 void launch_split(const AttnArgs<T> &a, Device device, cudaStream_t stream) {
-    const int row_blocks = int(ceil_div(int64_t(a.qlen) * (a.nh / a.nkvh), kSplitRows)), blocks = row_blocks * a.nkvh;
+    const int row_blocks = int(ceil_div(int64_t(a.qlen) * (a.nh / a.nkvh), kRows)), blocks = row_blocks * a.nkvh;
     const int64_t want = std::min<int64_t>(2 * int64_t(sm_count(device.index)), kCombineMaxChunks);
-    const int64_t max_chunks = ceil_div(a.kvlen, kSplitTile);
+    const int64_t max_chunks = ceil_div(a.kvlen, kTile);
     const int64_t chunks = blocks >= want ? 1 : std::min(ceil_div(want, blocks), max_chunks);
-    const int chunk = int(ceil_div(ceil_div(a.kvlen, chunks), kSplitTile) * kSplitTile);
+    const int chunk = int(ceil_div(ceil_div(a.kvlen, chunks), kTile) * kTile);
     const int nchunks = int(ceil_div(a.kvlen, chunk));
     Tensor part;
     if (nchunks > 1) part = Tensor::empty(Shape{int64_t(nchunks) * a.qlen * a.nh * (a.hd_v + 2)}, DType::F32, device);
     const int elem = int(sizeof(T));
-    opt_in_smem<attn_split_kernel<T, DPT, VEC>>(size_t(SplitSmem{kSplitMaxDim, kSplitMaxDim, elem}.bytes()), device.index);
+    opt_in_smem<attn_split_kernel<T, DPT, VEC>>(size_t(SplitSmem{{kSplitMaxDim, kSplitMaxDim, elem}}.bytes()), device.index);
     const dim3 grid(unsigned(row_blocks), unsigned(a.nkvh), unsigned(nchunks));
     float *pp = nchunks > 1 ? part.data_as<float>() : nullptr;
-    attn_split_kernel<T, DPT, VEC><<<grid, kSplitThreads, SplitSmem{a.hd, a.hd_v, elem}.bytes(), stream>>>(a, chunk, pp);
+    attn_split_kernel<T, DPT, VEC><<<grid, kThreads, SplitSmem{{a.hd, a.hd_v, elem}}.bytes(), stream>>>(a, chunk, pp);
     CUDA_CHECK_LAUNCH();
     if (nchunks > 1) {
         attn_combine_kernel<T><<<unsigned(a.qlen * a.nh), kCombineThreads, 0, stream>>>(a, pp, nchunks, chunk);
@@ -665,10 +505,10 @@ template <typename T>
 void run_split(const AttnArgs<T> &a, const Tensor &k, const Tensor &v, Device device, cudaStream_t stream) {
     const int64_t e = int64_t(sizeof(T));
     if (aligned16(k, a.hd * e) && aligned16(v, a.hd_v * e)) {
-        if (a.hd_v <= kSplitThreads) return launch_split<T, 1, true>(a, device, stream);
+        if (a.hd_v <= kThreads) return launch_split<T, 1, true>(a, device, stream);
         return launch_split<T, 2, true>(a, device, stream);
     }
-    if (a.hd_v <= kSplitThreads) return launch_split<T, 1, false>(a, device, stream);
+    if (a.hd_v <= kThreads) return launch_split<T, 1, false>(a, device, stream);
     launch_split<T, 2, false>(a, device, stream);
 }
 

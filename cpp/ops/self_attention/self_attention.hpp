@@ -27,11 +27,7 @@ constexpr int64_t kCudaMaxHeadDim = 256; // the split-KV kernel keeps per-thread
 
 // Every check of self_attention (and of self_attention_cached, with the cache capacity as kvlen).
 inline void check_args(const char *op, const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v) {
-    detail::check_defined(op, "out", out);
-    detail::check_defined(op, "q", q);
-    detail::check_defined(op, "k", k);
-    detail::check_defined(op, "v", v);
-    detail::check_same_device(op, {&out, &q, &k, &v});
+    detail::check_operands(op, {{"out", out}, {"q", q}, {"k", k}, {"v", v}});
     detail::check_float(op, "q", q);
     detail::check_same_dtype(op, "k", k, q);
     detail::check_same_dtype(op, "v", v, q);

@@ -2,12 +2,9 @@
 
 #include "ops/common/checks.hpp"
 #include "ops/rms_norm/vec.cuh"
+#include "ops/swiglu/swiglu.cuh"
 
 namespace llaisys::ops::cuda {
-
-// up * silu(g) in f32; expf (not __expf) keeps f32 accuracy for |g| up to ~88, where exp(-g) overflows
-// and the quotient correctly goes to -0.
-__device__ __forceinline__ float swiglu_f32(float g, float u) { return u * (g / (1.f + expf(-g))); }
 
 // Grid-stride over VEC-element vectors (16-byte loads when all three pointers are aligned), then the
 // n % VEC tail elements one per thread. Block: 256 threads. out may alias gate or up.
