@@ -15,11 +15,16 @@
 #include "llaisys/ops.hpp"
 #include "llaisys/quant.hpp"
 #include "llaisys/tensor.hpp"
+#include "llaisys/thread_pool.hpp"
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <string>
 #include <vector>
 
@@ -84,6 +89,46 @@ void bench_bf16(benchmark::State &state, int64_t M, int64_t K, int64_t N) {
         ops::linear(out, x, ws[i++ % ws.size()], Tensor());
         benchmark::ClobberMemory();
     }
+    state.counters["GB/s"] = benchmark::Counter(double(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// The ceiling for the rows above: reading the same number of bytes (cold copies, as bench_quant) on the
+// pool's threads, 32-byte loads OR-ed together, split into as many tasks as quant_linear uses.
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) uint64_t read_bytes(const uint8_t *p, int64_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a;
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        a = _mm256_or_si256(a, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + i))),
+        b = _mm256_or_si256(b, _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p + i + 32)));
+    a = _mm256_or_si256(a, b);
+    uint64_t r = uint64_t(_mm256_extract_epi64(a, 0) | _mm256_extract_epi64(a, 1) | _mm256_extract_epi64(a, 2) |
+                          _mm256_extract_epi64(a, 3));
+    for (; i < n; ++i) r |= p[i];
+    return r;
+}
+#else
+uint64_t read_bytes(const uint8_t *p, int64_t n) {
+    uint64_t r = 0;
+    for (int64_t i = 0; i < n; ++i) r |= p[i];
+    return r;
+}
+#endif
+
+void bench_read(benchmark::State &state, int64_t bytes) {
+    std::vector<Tensor> ws;
+    for (int64_t i = 0; i < copies_for(bytes); ++i) ws.push_back(Tensor::empty({bytes}, DType::U8).fill_(1));
+    const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(8 * cpu_threads(), bytes >> 14));
+    size_t i = 0;
+    std::atomic<uint64_t> sink{0};
+    for (auto _ : state) {
+        const uint8_t *p = ws[i++ % ws.size()].data_as<uint8_t>();
+        parallel_tasks(tasks, [&](int64_t t) {
+            const int64_t b = bytes * t / tasks & ~int64_t(63), e = t + 1 == tasks ? bytes : bytes * (t + 1) / tasks & ~int64_t(63);
+            sink.fetch_or(read_bytes(p + b, e - b), std::memory_order_relaxed);
+        });
+    }
+    benchmark::DoNotOptimize(sink.load());
     state.counters["GB/s"] = benchmark::Counter(double(bytes) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
@@ -158,6 +203,9 @@ int register_quant_benchmarks() {
                 ->Unit(benchmark::kMicrosecond)->UseRealTime();
         if (std::find(dense.begin(), dense.end(), std::make_pair(c.K, c.N)) == dense.end()) dense.push_back({c.K, c.N});
     }
+    for (int64_t bytes : {int64_t(128) * 1024, int64_t(512) * 1024, int64_t(2) << 20, int64_t(8) << 20, int64_t(128) << 20})
+        benchmark::RegisterBenchmark(("MemRead/bytes:" + std::to_string(bytes)).c_str(), bench_read, bytes)
+            ->Unit(benchmark::kMicrosecond)->UseRealTime();
     for (const auto &[K, N] : dense)
         benchmark::RegisterBenchmark(("DenseLinear/bf16" + shape_name(1, K, N)).c_str(), bench_bf16, int64_t(1), K, N)
             ->Unit(benchmark::kMicrosecond)->UseRealTime();

@@ -121,9 +121,9 @@ def quantized_x(x32, bk):
 
 
 def weight_magnitude(fmt, data):
-    """Per weight |w| + 2 |offset part| (f64 [N, K]): the op sums code and offset parts separately
-    (d * sc * q and d * sc * 32, or d * sc * q and dmin * m), so their sizes, not |w|, bound its
-    rounding. The offset part is what decodes from the block with its code bytes zeroed."""
+    """Per weight |w| + 2 |offset part| (f64 [N, K]): a bound that holds however the op splits code and
+    offset parts (it folds the offsets of Q4_0/Q5_0/Q8_0/Q6_K into the integer sums, but sums Q4_K/Q5_K's
+    d * sc * q and dmin * m separately), so their sizes, not |w|, bound its rounding. The offset part is what decodes from the block with its code bytes zeroed."""
     lo, hi = CODE_BYTES[fmt]
     bb = quant.format_info(fmt)["block_bytes"]
     z = data.reshape(data.shape[0], -1, bb).copy()
@@ -263,6 +263,34 @@ def test_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M):
     ref = poisoned((M, 37), dtype)
     llaisys.ops.swiglu(ref, g, u)
     np.testing.assert_array_equal(bits(out), bits(ref))
+
+
+def test_x_quantization_rounds_halves_away_from_zero(cpu_path):
+    """x's 8-bit codes, read back exactly through one-hot Q8_0 rows (d = 1, one code 1): d_x = 1 here, so
+    each output is a code; halves round away from zero, and the float just below a half rounds down."""
+    below = float(np.nextafter(np.float32(0.5), np.float32(0)))
+    vals = [127, 2.5, -2.5, 0.5, -0.5, below, -below, 1.5, -1.5, 126.5, -126.5, 0, 3.25, -3.75, 1e-8, -127]
+    x = np.array([vals + [v / 2 for v in vals]], np.float32)  # amax 127 -> d = 1 (the second half: halves of them)
+    data = np.zeros((32, 34), np.uint8)
+    data[:, 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    data[np.arange(32), 2 + np.arange(32)] = 1
+    out = quant.linear(llaisys.tensor(x), matrix("q8_0", data)).numpy()
+    v = x.astype(np.float64)
+    np.testing.assert_array_equal(out, np.sign(v) * np.floor(np.abs(v) + 0.5))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_row_independent_of_batch(cpu_path, fmt):
+    """A row's output has the same bits alone and in a batch (at every tile position), with an odd
+    number of blocks per row (the kernels pair blocks)."""
+    K = 800 if block_elems(fmt) == 32 else 768
+    data = random_blocks(fmt, 23, K, seed=11)
+    w = matrix(fmt, data)
+    x = np.random.default_rng(12).standard_normal((9, K)).astype(np.float32)
+    batch = quant.linear(llaisys.tensor(x), w).numpy()
+    for m in range(9):
+        alone = quant.linear(llaisys.tensor(x[m:m + 1].copy()), w).numpy()
+        np.testing.assert_array_equal(batch[m:m + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {m}")
 
 
 def test_concat_rows_stacks_blocks():

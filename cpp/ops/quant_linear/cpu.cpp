@@ -29,12 +29,23 @@
 namespace llaisys::ops::cpu {
 namespace {
 
-// One block of a quantized x row: x[e] ~ d * q[e]; sums[g] = q[16g] + ... + q[16g + 15].
+// One block of a quantized x row: x[e] ~ d * q[e]. 32-element blocks carry bias[k] = -offset * (q[4k] +
+// ... + q[4k + 3]) for the offset of the weight format's codes (kernels.inc: act_offset), which the
+// dot product starts from; 256-element blocks the sums of each 16 codes, for the K-quants' offsets
+// and mins.
 template <int BK>
-struct Q8Act {
+struct Q8Act;
+template <>
+struct Q8Act<32> {
+    int8_t q[32];
+    int32_t bias[8];
     float d;
-    int16_t sums[BK / 16];
-    int8_t q[BK];
+};
+template <>
+struct Q8Act<256> {
+    int8_t q[256];
+    int16_t sums[16];
+    float d;
 };
 
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
@@ -100,51 +111,48 @@ ColumnFn column_fn(QuantFormat format) {
     }
 }
 
-// ---- Activation quantization: d = max|x| / 127, q = round(x / d) (as x * (1 / d), halves away from
-// zero), the formula of gguf-py's Q8_0 with d kept in f32. A block holding NaN or Inf gets d = NaN
-// (and q = 0), so the outputs it feeds are NaN rather than an arbitrary number.
 template <int BK, typename T>
-void quantize_row(const T *x /*[nb * BK]*/, int64_t nb, Q8Act<BK> *out /*[nb]*/) {
-    for (int64_t b = 0; b < nb; ++b) {
-        float v[BK], amax = 0.f;
-        bool finite = true;
-        for (int j = 0; j < BK; ++j) {
-            v[j] = load(x, b * BK + j);
-            finite = finite && std::isfinite(v[j]);
-            amax = std::max(amax, std::fabs(v[j]));
-        }
-        const float d = amax / 127.f, id = d != 0.f && finite ? 1.f / d : 0.f;
-        Q8Act<BK> &a = out[b];
-        a.d = finite ? d : std::numeric_limits<float>::quiet_NaN();
-        for (int g = 0; g < BK / 16; ++g) {
-            int sum = 0;
-            for (int j = 16 * g; j < 16 * g + 16; ++j) {
-                a.q[j] = int8_t(std::round(v[j] * id));
-                sum += a.q[j];
-            }
-            a.sums[g] = int16_t(sum);
-        }
+void quantize_row(const T *x, int64_t nb, Q8Act<BK> *out, int offset) {
+    switch (g_path.load(std::memory_order_relaxed)) {
+#ifdef LLAISYS_QUANT_X86
+    case QuantCpuPath::Avx512Vnni: return vnni::quantize_row<BK>(x, nb, out, offset);
+    case QuantCpuPath::Avx2: return avx2::quantize_row<BK>(x, nb, out, offset);
+#endif
+    default: return portable::quantize_row<BK>(x, nb, out, offset);
     }
 }
 
-// x [M, K] quantized to Q8Act blocks of the weight's block size: M rows of nb blocks.
+// x [M, K] quantized to Q8Act blocks of the weight's block size: M rows of nb blocks, in a buffer of
+// the calling thread that is reused by its next call (decode quantizes a few KiB per call; a fresh
+// allocation over malloc's mmap threshold would cost page faults every call).
 struct QuantizedX {
-    std::unique_ptr<uint8_t[]> data;
+    uint8_t *data = nullptr;
     int64_t M = 0, nb = 0, row_bytes = 0;
-    const void *row(int64_t m) const { return data.get() + m * row_bytes; }
+    const void *row(int64_t m) const { return data + m * row_bytes; }
 };
 
+uint8_t *x_buffer(size_t bytes) {
+    thread_local std::unique_ptr<uint8_t[]> buf;
+    thread_local size_t cap = 0;
+    if (bytes > cap) {
+        buf.reset(); // before allocating the larger one: never hold both
+        buf.reset(new uint8_t[bytes]);
+        cap = bytes;
+    }
+    return buf.get();
+}
+
 template <int BK, typename T>
-QuantizedX quantize_x(const Tensor &x, int64_t M, int64_t K) {
+QuantizedX quantize_x(const Tensor &x, int64_t M, int64_t K, int offset) {
     QuantizedX q;
     q.M = M;
     q.nb = K / BK;
     q.row_bytes = q.nb * int64_t(sizeof(Q8Act<BK>));
-    q.data.reset(new uint8_t[size_t(M * q.row_bytes)]);
+    q.data = x_buffer(size_t(M * q.row_bytes));
     const T *xp = x.data_as<T>();
     const int64_t ldx = M > 1 ? x.stride(0) : K;
     parallel_for(M, K, [&](int64_t m) {
-        quantize_row<BK>(xp + m * ldx, q.nb, reinterpret_cast<Q8Act<BK> *>(q.data.get() + m * q.row_bytes));
+        quantize_row<BK>(xp + m * ldx, q.nb, reinterpret_cast<Q8Act<BK> *>(q.data + m * q.row_bytes), offset);
     });
     return q;
 }
@@ -152,22 +160,27 @@ QuantizedX quantize_x(const Tensor &x, int64_t M, int64_t K) {
 template <typename T>
 QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
     const int64_t M = x.size(0), K = x.size(1);
-    if (quant_format_info(format).block_elems == quant::kQK) return quantize_x<quant::kQK, T>(x, M, K);
-    return quantize_x<quant::kQK_K, T>(x, M, K);
+    if (quant_format_info(format).block_elems == quant::kQK)
+        return quantize_x<quant::kQK, T>(x, M, K, portable::act_offset(format));
+    return quantize_x<quant::kQK_K, T>(x, M, K, 0);
 }
 
-// out [M, N] (+ bias [N]) = W [N, K] . x rows; threads split the W rows.
+// W [N, K] . x rows (+ bias [N]); threads split the W rows. Rows [0, split) go to out [M, split], rows
+// [split, N) to the plane after it, [M, N - split] (quant_linear_swiglu's g and u in one call).
 template <typename T>
-void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out) {
+void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out, int64_t split) {
     constexpr int64_t kChunk = 64; // x rows per call: the column buffer lives on the stack
     const ColumnFn fn = column_fn(w.format());
     const int64_t M = xq.M, N = w.rows();
     parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
+        const int64_t ld = n < split ? split : N - split;
+        T *o = n < split ? out : out + M * split;
+        const int64_t c = n < split ? n : n - split;
         for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
             float col[kChunk];
             const int64_t mm = std::min(kChunk, M - m0);
             fn(w.row(n), xq.row(m0), mm, xq.nb, col);
-            for (int64_t i = 0; i < mm; ++i) store(out + (m0 + i) * N, n, bias ? col[i] + load(bias, n) : col[i]);
+            for (int64_t i = 0; i < mm; ++i) store(o + (m0 + i) * ld, c, bias ? col[i] + load(bias, n) : col[i]);
         }
     });
 }
@@ -178,7 +191,7 @@ void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight,
     detail::dispatch_float("quant_linear", x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         const QuantizedX xq = quantize_x<T>(x, weight.format());
-        run_columns<T>(xq, weight, bias.defined() ? bias.data_as<T>() : nullptr, out.data_as<T>());
+        run_columns<T>(xq, weight, bias.defined() ? bias.data_as<T>() : nullptr, out.data_as<T>(), weight.rows());
     });
 }
 
@@ -191,8 +204,7 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
         const QuantizedX xq = quantize_x<T>(x, w_gate_up.format());
         const Tensor gu = Tensor::empty({2, M, I}, out.dtype()); // [g; u], each [M, I]
         const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
-        run_columns<T>(xq, w_gate_up.slice_rows(0, I), nullptr, g.data_as<T>());
-        run_columns<T>(xq, w_gate_up.slice_rows(I, 2 * I), nullptr, u.data_as<T>());
+        run_columns<T>(xq, w_gate_up.slice_rows(0, 2 * I), nullptr, gu.data_as<T>(), I); // g and u in one pass
         swiglu(out, g, u);
     });
 }

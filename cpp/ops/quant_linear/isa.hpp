@@ -1,10 +1,11 @@
 // The vector operations the quantized dot products are written in, for three instruction sets.
 //
-// B holds 32 bytes (weights as u8 0..63 or s8, activations as s8), I 8 int32 lanes, F 8 float lanes.
-// The dot products sum 4 adjacent byte products per lane: lane k = sum over elements 4k..4k+3, so
-// lanes 0-3 cover elements 0-15 and lanes 4-7 elements 16-31 (per-16 scales apply to lane halves).
-// Portable computes exactly what Avx2 computes, lane by lane and in the same float order (fmadd is
-// one fused rounding, hsum adds the halves, then pairs), so both give the same bits.
+// B holds 32 bytes (weights as u8 or s8, activations as s8), W 16 int16 lanes, I 8 int32 lanes, F 8
+// float lanes. The dot products sum 4 adjacent byte products per lane: lane k = sum over elements
+// 4k..4k+3, so lanes 0-3 cover elements 0-15 and lanes 4-7 elements 16-31. Every integer result is
+// exact (no saturation is reachable with the operands the kernels pass), so the three ISAs give the
+// same integers however they compute them; the float operations (fmadd: one fused rounding per lane,
+// hsum: the halves, then pairs) are the same lane by lane, so all paths give the same bits.
 //
 // Avx2 and Avx512Vnni carry their own target attributes, so a build without -march=native still has
 // them; cpu.cpp only calls them after checking the CPU at run time.
@@ -26,6 +27,9 @@ struct Portable {
     struct B {
         uint8_t b[32];
     };
+    struct W {
+        int16_t v[16];
+    };
     struct I {
         int32_t v[8];
     };
@@ -39,10 +43,26 @@ struct Portable {
         std::memcpy(r.b, p, 32);
         return r;
     }
+    static I load_i(const int32_t *p) {
+        I r;
+        std::memcpy(r.v, p, 32);
+        return r;
+    }
+    static W load_w(const int16_t *p) {
+        W r;
+        std::memcpy(r.v, p, 32);
+        return r;
+    }
     // 16 bytes -> their low nibbles (bytes 0-15), then their high nibbles (bytes 16-31).
     static B nibbles16(const uint8_t *p) {
         B r;
         for (int j = 0; j < 16; ++j) r.b[j] = p[j] & 0x0F, r.b[j + 16] = p[j] >> 4;
+        return r;
+    }
+    // Q5_0's codes: nibbles16(qs) with bit j of qh as the fifth bit of byte j (u8 0..31).
+    static B q5(const uint8_t *qs, uint32_t qh) {
+        B r = nibbles16(qs);
+        for (int j = 0; j < 32; ++j) r.b[j] |= uint8_t(((qh >> j) & 1) << 4);
         return r;
     }
     // ((v >> shift) & mask) << up in each byte (the result fits in the byte).
@@ -54,25 +74,14 @@ struct Portable {
         for (int j = 0; j < 32; ++j) a.b[j] |= b.b[j];
         return a;
     }
-    // Byte j = value if bit j of `bits` is set, else 0.
-    static B bits_to_bytes(uint32_t bits, uint8_t value) {
-        B r;
-        for (int j = 0; j < 32; ++j) r.b[j] = (bits >> j) & 1 ? value : 0;
-        return r;
+    // bias + w (u8, at most 63) . x (s8) per lane.
+    static I dot_u(B w, B x, I bias) {
+        for (int k = 0; k < 8; ++k)
+            for (int j = 4 * k; j < 4 * k + 4; ++j) bias.v[k] += int32_t(w.b[j]) * int8_t(x.b[j]);
+        return bias;
     }
-    // w as u8 (or s8 for dot_ss) times x as s8; lanes as described above. The scaled form multiplies
-    // lanes 0-3 by s_lo and lanes 4-7 by s_hi.
-    static I dot_us_scaled(B w, B x, int s_lo, int s_hi) {
-        I r;
-        for (int k = 0; k < 8; ++k) {
-            int32_t s = 0;
-            for (int j = 4 * k; j < 4 * k + 4; ++j) s += int32_t(w.b[j]) * int8_t(x.b[j]);
-            r.v[k] = s * (k < 4 ? s_lo : s_hi);
-        }
-        return r;
-    }
-    static I dot_us(B w, B x) { return dot_us_scaled(w, x, 1, 1); }
-    static I dot_ss(B w, B x) {
+    // w (s8) . x (s8) per lane; bias128 = -128 * (the lane sums of x), which Avx512Vnni uses.
+    static I dot_s(B w, B x, I /*bias128*/) {
         I r;
         for (int k = 0; k < 8; ++k) {
             int32_t s = 0;
@@ -81,9 +90,49 @@ struct Portable {
         }
         return r;
     }
+    // acc + lane k of (w (u8, at most 63) . x (s8) over pairs, times sc), i.e. Avx2's madd(maddubs).
+    static I dot_scaled(I acc, B w, B x, W sc) {
+        for (int k = 0; k < 8; ++k)
+            for (int p = 2 * k; p < 2 * k + 2; ++p)
+                acc.v[k] += (int32_t(w.b[2 * p]) * int8_t(x.b[2 * p]) + int32_t(w.b[2 * p + 1]) * int8_t(x.b[2 * p + 1])) *
+                            int32_t(sc.v[p]);
+        return acc;
+    }
+    // 16 int8 -> 16 int16.
+    static W widen_s8(const int8_t *p) {
+        W r;
+        for (int j = 0; j < 16; ++j) r.v[j] = p[j];
+        return r;
+    }
+    // 8 u8 -> 16 int16, each twice (lane k of madd with it takes byte k).
+    static W widen_u8_twice(const uint8_t *p) {
+        W r;
+        for (int j = 0; j < 16; ++j) r.v[j] = p[j / 2];
+        return r;
+    }
+    // Words 0-7 = s[g], words 8-15 = s[g + 1] (g even).
+    static W pair(W s, int g) {
+        W r;
+        for (int j = 0; j < 16; ++j) r.v[j] = s.v[g + j / 8];
+        return r;
+    }
+    static W set_w(int v) {
+        W r;
+        for (int16_t &x : r.v) x = int16_t(v);
+        return r;
+    }
+    static I madd(W a, W b) {
+        I r;
+        for (int k = 0; k < 8; ++k) r.v[k] = int32_t(a.v[2 * k]) * b.v[2 * k] + int32_t(a.v[2 * k + 1]) * b.v[2 * k + 1];
+        return r;
+    }
     static I zero_i() { return I{}; }
     static I add(I a, I b) {
         for (int k = 0; k < 8; ++k) a.v[k] += b.v[k];
+        return a;
+    }
+    static I sub_shl(I a, I b, int n) { // a - (b << n)
+        for (int k = 0; k < 8; ++k) a.v[k] -= int32_t(uint32_t(b.v[k]) << n);
         return a;
     }
     static F zero_f() { return F{}; }
@@ -91,11 +140,20 @@ struct Portable {
         for (int k = 0; k < 8; ++k) acc.v[k] = std::fma(float(v.v[k]), s, acc.v[k]);
         return acc;
     }
+    static F fnmadd(F acc, I v, float s) { // acc - float(v) * s, one rounding per lane
+        for (int k = 0; k < 8; ++k) acc.v[k] = std::fma(-float(v.v[k]), s, acc.v[k]);
+        return acc;
+    }
+    static F add_f(F a, F b) {
+        for (int k = 0; k < 8; ++k) a.v[k] += b.v[k];
+        return a;
+    }
     static float hsum(F a) {
         float h[4];
         for (int k = 0; k < 4; ++k) h[k] = a.v[k] + a.v[k + 4];
         return (h[0] + h[2]) + (h[1] + h[3]);
     }
+    static void prefetch(const void *) {}
 };
 
 #ifdef LLAISYS_QUANT_X86
@@ -104,59 +162,97 @@ struct Portable {
 
 struct Avx2 {
     using B = __m256i;
+    using W = __m256i;
     using I = __m256i;
     using F = __m256;
 
     LLAISYS_TARGET_AVX2 static float fp16(f16_t h) { return _cvtsh_ss(h.bits); }
     LLAISYS_TARGET_AVX2 static B load(const void *p) { return _mm256_loadu_si256(static_cast<const __m256i *>(p)); }
+    LLAISYS_TARGET_AVX2 static I load_i(const int32_t *p) { return load(p); }
+    LLAISYS_TARGET_AVX2 static W load_w(const int16_t *p) { return load(p); }
+    // The 16 bytes in both halves, the upper half shifted right by 4 within each 64-bit lane (the mask
+    // drops what crossed a byte).
     LLAISYS_TARGET_AVX2 static B nibbles16(const uint8_t *p) {
-        const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
-        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+        const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+        return _mm256_and_si256(_mm256_srlv_epi64(t, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
+    }
+    // Byte j takes byte j / 8 of qh, sets every bit but bit j % 8, and compares with all ones.
+    LLAISYS_TARGET_AVX2 static B q5(const uint8_t *qs, uint32_t qh) {
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(int(qh)),
+            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                              _mm256_set1_epi64x(-1));
+        return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
     }
     // 16-bit shifts move bits across bytes, but only into positions the mask clears.
     LLAISYS_TARGET_AVX2 static B field(B v, int shift, uint8_t mask, int up) {
         const __m256i m = _mm256_set1_epi8(char(mask << up));
-        if (shift >= up) return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift - up)), m);
-        return _mm256_and_si256(_mm256_sll_epi16(v, _mm_cvtsi32_si128(up - shift)), m);
+        if (shift >= up) return _mm256_and_si256(_mm256_srli_epi16(v, shift - up), m);
+        return _mm256_and_si256(_mm256_slli_epi16(v, up - shift), m);
     }
     LLAISYS_TARGET_AVX2 static B or_(B a, B b) { return _mm256_or_si256(a, b); }
-    // Byte j takes byte j / 8 of `bits`, keeps bit j % 8, and becomes all ones where it was set.
-    LLAISYS_TARGET_AVX2 static B bits_to_bytes(uint32_t bits, uint8_t value) {
-        const __m256i spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32(int(bits)),
-            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000));
-        const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-        return _mm256_and_si256(set, _mm256_set1_epi8(char(value)));
+    // maddubs: u8 x s8 pairs -> i16 (at most 2 * 63 * 127: never saturates here); madd sums pairs.
+    LLAISYS_TARGET_AVX2 static I dot_u(B w, B x, I bias) {
+        return _mm256_add_epi32(bias, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
     }
-    // maddubs: u8 x s8 pairs -> i16 (at most 2 * 63 * 127 or 2 * 128 * 127: never saturates here);
-    // madd with the scales then sums pairs of those into i32 lanes.
-    LLAISYS_TARGET_AVX2 static I dot_us_scaled(B w, B x, int s_lo, int s_hi) {
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(short(s_hi)), _mm_set1_epi16(short(s_lo)));
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), s);
+    // s8 x s8 as |w| (u8) x (x with w's sign); x is never -128.
+    LLAISYS_TARGET_AVX2 static I dot_s(B w, B x, I) {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                                 _mm256_set1_epi16(1));
     }
-    LLAISYS_TARGET_AVX2 static I dot_us(B w, B x) {
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+    LLAISYS_TARGET_AVX2 static I dot_scaled(I acc, B w, B x, W sc) {
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), sc));
     }
-    // s8 x s8 as |w| (u8) x (x with w's sign).
-    LLAISYS_TARGET_AVX2 static I dot_ss(B w, B x) { return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+    LLAISYS_TARGET_AVX2 static W widen_s8(const int8_t *p) {
+        return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(p)));
+    }
+    LLAISYS_TARGET_AVX2 static W widen_u8_twice(const uint8_t *p) {
+        const __m128i w = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(p)));
+        return _mm256_set_m128i(_mm_unpackhi_epi16(w, w), _mm_unpacklo_epi16(w, w));
+    }
+    LLAISYS_TARGET_AVX2 static W pair(W s, int g) {
+        const int j = g % 8; // words j, j + 1 of the half holding g
+        const __m256i half = g < 8 ? _mm256_permute2x128_si256(s, s, 0x00) : _mm256_permute2x128_si256(s, s, 0x11);
+        const short lo = short((2 * j + 1) << 8 | 2 * j), hi = short((2 * j + 3) << 8 | (2 * j + 2));
+        return _mm256_shuffle_epi8(half, _mm256_set_m128i(_mm_set1_epi16(hi), _mm_set1_epi16(lo)));
+    }
+    LLAISYS_TARGET_AVX2 static W set_w(int v) { return _mm256_set1_epi16(short(v)); }
+    LLAISYS_TARGET_AVX2 static I madd(W a, W b) { return _mm256_madd_epi16(a, b); }
     LLAISYS_TARGET_AVX2 static I zero_i() { return _mm256_setzero_si256(); }
     LLAISYS_TARGET_AVX2 static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+    LLAISYS_TARGET_AVX2 static I sub_shl(I a, I b, int n) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, n)); }
     LLAISYS_TARGET_AVX2 static F zero_f() { return _mm256_setzero_ps(); }
     LLAISYS_TARGET_AVX2 static F fmadd(F acc, I v, float s) {
         return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc);
     }
+    LLAISYS_TARGET_AVX2 static F fnmadd(F acc, I v, float s) {
+        return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(s), acc);
+    }
+    LLAISYS_TARGET_AVX2 static F add_f(F a, F b) { return _mm256_add_ps(a, b); }
     LLAISYS_TARGET_AVX2 static float hsum(F a) {
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); // lanes k + (k + 4)
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                         // (0 + 2), (1 + 3)
         return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
     }
+    LLAISYS_TARGET_AVX2 static void prefetch(const void *p) { _mm_prefetch(static_cast<const char *>(p), _MM_HINT_T0); }
 };
 
-// VPDPBUSD does Avx2's maddubs + madd in one instruction, with 32-bit sums (256-bit form, AVX512VL).
+// VPDPBUSD does maddubs + madd + add in one instruction, VPDPWSSD madd + add (256-bit forms, AVX512VL);
+// the fifth bit of Q5_0 goes in through a mask register.
 struct Avx512Vnni : Avx2 {
-    LLAISYS_TARGET_VNNI static I dot_us(B w, B x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
-    LLAISYS_TARGET_VNNI static I dot_ss(B w, B x) { return dot_us(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+    LLAISYS_TARGET_VNNI static B q5(const uint8_t *qs, uint32_t qh) {
+        const __m256i q = nibbles16(qs);
+        return _mm256_mask_add_epi8(q, __mmask32(qh), q, _mm256_set1_epi8(0x10));
+    }
+    LLAISYS_TARGET_VNNI static I dot_u(B w, B x, I bias) { return _mm256_dpbusd_epi32(bias, w, x); }
+    // w + 128 as u8: the bias removes 128 * (x's lane sums) again.
+    LLAISYS_TARGET_VNNI static I dot_s(B w, B x, I bias128) {
+        return _mm256_dpbusd_epi32(bias128, _mm256_xor_si256(w, _mm256_set1_epi8(char(0x80))), x);
+    }
+    LLAISYS_TARGET_VNNI static I dot_scaled(I acc, B w, B x, W sc) {
+        return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(w, x), sc);
+    }
 };
 #endif
 
