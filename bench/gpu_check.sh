@@ -3,20 +3,21 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [serving] [model] [ab] [breakdown] [bench] [sanitize]   (default: all but ab, in this order:
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [ab] [breakdown] [bench] [sanitize]   (default: all but ab, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-steps=${*:-build test serving model breakdown bench sanitize}
+steps=${*:-build test quant serving model breakdown bench sanitize}
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
 
 if [ -d .devdeps ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devdeps/*.whl 2>/dev/null
+  export LLAISYS_TOKENIZER_GGUF=$PWD/.devdeps/tokenizer.gguf  # random GGUFs take their tokenizer from it
   export PYTHONPATH=/tmp/site
   for f in .devdeps/*.deb; do dpkg -x "$f" /tmp/dd; done
   export LD_LIBRARY_PATH=/tmp/dd/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
@@ -49,6 +50,17 @@ if has serving; then # the batched engine: one request's decode, then nano-vllm'
     log "batched engine throughput, $shape, ${N_REQ:-256} requests ${PEERS:+(with HF generate_batch)}"
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} ${PEERS:+--peers} \
       2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+  done
+fi
+
+if has quant; then # GGUF blocks kept quantized (random Q4_K/Q6_K weights of the 1.5B shape) vs the same shape in bf16
+  for types in q4_k_m q8_0; do
+    log "quantized ($types) vs bf16, qwen2-1.5b: one request (batch 1), then ${N_REQ:-256} requests"
+    timeout 300 python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda --single 128 256 2>&1 |
+      grep -v Warning | grep -E "^(llaisys|one)|Error|error" | tee -a "$OUT/summary.txt"
+    timeout ${T_SERVE:-400} python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda \
+      -n ${N_REQ:-256} 2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+    [ -n "${QUANT_ONLY_FIRST:-}" ] && break
   done
 fi
 

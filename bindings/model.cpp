@@ -54,6 +54,7 @@ void bind_model(nb::module_ &m) {
         .def("load_quant_weight", &Qwen2::load_quant_weight, nb::arg("name"), nb::arg("value"), G(),
              "Takes a projection or embedding weight as a QuantMatrix (GGUF blocks), kept quantized.")
         .def("missing_weights", &Qwen2::missing_weights)
+        .def("prepare", &Qwen2::prepare, G(), "Finish loading: checks, fusion, decoded copies (see qwen2.hpp).")
         .def("weight_formats", &Qwen2::weight_formats, "[(HF name, stored format 'bf16' / 'q4_k' / ..., bytes)]")
         .def_prop_ro("weight_bytes", &Qwen2::weight_bytes, "Bytes the weights take on the model's device.")
         .def("forward", &Qwen2::forward, nb::arg("slots"), nb::arg("tokens"), nb::arg("all_logits") = false, G(),

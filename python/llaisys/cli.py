@@ -69,9 +69,9 @@ def _model_parent() -> argparse.ArgumentParser:
                         "(default: the catalog's default model, downloaded on first use)")
     g.add_argument("--device", default="auto", type=_device, metavar="DEV",
                    help="auto (a GPU when there is one), cpu, cuda or cuda:N (default auto)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"],
-                   help="compute dtype (default auto: a GGUF file's quantized weights are kept as stored, "
-                        "computing in f32 on the CPU and bf16 on CUDA; anything else runs in bf16)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"],
+                   help="weights and compute dtype. auto (default): on the CPU a GGUF file's quantized weights are "
+                        "kept as stored, computing in f32; otherwise bf16. quantized: keep them on CUDA too")
     g.add_argument("--max-seq-len", type=_positive, metavar="N", help="context size to reserve (default: up to 8192)")
     return p
 
@@ -140,7 +140,7 @@ def _add_bench(sub, fmt, debug) -> None:
                      "(default qwen2-0.5b when --model is not given)")
     b.add_argument("--device", default="auto", type=_device, metavar="DEV",
                    help="auto, cpu, cuda or cuda:N (default auto)")
-    b.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"], help="default auto = bf16")
+    b.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"], help="as for generate (default auto)")
     b.add_argument("--prompt-len", type=_positive, default=128, metavar="N", help="prompt tokens (default 128)")
     b.add_argument("--new-tokens", type=_positive, default=256, metavar="N", help="decode steps (default 256)")
     b.add_argument("--peers", action="store_true", help="also run HF transformers on the same shape")

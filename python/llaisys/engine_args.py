@@ -12,16 +12,16 @@ import numpy as np
 
 from ._runtime import build_info, cuda_device_count
 
-# "auto" is decided once the file is read (Engine): a GGUF file's block formats are kept, else bf16
-_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16", "f32": "f32",
+# "auto" and "quantized" are decided once the file is read (Engine.__init__)
+_DTYPES = {"auto": "auto", "quantized": "quantized", "bf16": "bf16", "bfloat16": "bf16", "f16": "f16", "float16": "f16", "f32": "f32",
            "float32": "f32"}
 
 
 def resolve_dtype(dtype) -> str:
     if not isinstance(dtype, str):
-        raise TypeError(f"dtype must be a str (auto, bf16, f16 or f32), got {type(dtype).__name__} {dtype!r}")
+        raise TypeError(f"dtype must be a str (auto, quantized, bf16, f16 or f32), got {type(dtype).__name__} {dtype!r}")
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, bf16, f16, f32; got {dtype!r}")
+        raise ValueError(f"dtype must be one of auto, quantized, bf16, f16, f32; got {dtype!r}")
     return _DTYPES[dtype]
 
 

@@ -12,12 +12,18 @@ namespace llaisys::models {
 struct LinearWeight {
     Tensor dense;      // [N, K] in the model dtype, or undefined
     QuantMatrix quant; // [N, K] blocks, or undefined; at most one of the two is defined
+    // CUDA, quantized: the weight decoded once into the compute dtype for steps of more than
+    // kQuantGemvMaxRows rows, which run cuBLASLt on it. Made by prepare_gemm() when the model is
+    // loaded: decoding per call would allocate inside every captured decode graph, each graph keeping
+    // its own decoded model alive. (A GEMM that reads the blocks directly would make this unneeded.)
+    Tensor gemm_copy;
 
     bool defined() const { return dense.defined() || quant.defined(); }
     bool quantized() const { return quant.defined(); }
     // "bf16", "q4_k", ...: what the weight is stored as
     std::string format() const;
-    int64_t nbytes() const;
+    int64_t nbytes() const; // including gemm_copy
+    void prepare_gemm(DType dtype); // makes gemm_copy for a quantized weight on CUDA (else nothing)
 };
 
 // out = x @ W^T (+ bias). Dense weights are constant once loaded (ops::linear's constant_weight).

@@ -69,6 +69,9 @@ bool quant_cpu_path_supported(QuantCpuPath path);
 const char *quant_cpu_path_name(QuantCpuPath path);
 QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "portable", "avx2", "avx512vnni"
 
+// CUDA's quant_linear runs its int8 GEMV for up to this many rows of x; above, it decodes the weight.
+constexpr int64_t kQuantGemvMaxRows = 8;
+
 namespace ops {
 // out [..., N] = x [..., K] @ dequant(weight)[N, K]^T (+ bias [N]); x, bias and out share a float dtype.
 // On the CPU each x row is first quantized to 8-bit blocks (d = max|x| / 127 per block of 32, or of

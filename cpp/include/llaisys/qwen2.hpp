@@ -87,6 +87,10 @@ public:
     std::vector<std::tuple<std::string, std::string, int64_t>> weight_formats() const;
     int64_t weight_bytes() const;
     std::vector<std::string> missing_weights() const;
+    // Checks every weight is loaded, fuses projections and (CUDA, quantized) makes the decoded copies
+    // multi-row steps use; the first step does it otherwise. Call it before sizing a KV cache from the
+    // free device memory.
+    void prepare() { check_ready(); }
 
     // Appends tokens[i] to the context of slots[i] (for every i) and returns the logits of each
     // sequence's last token, [B, vocab] in the model dtype on the model device (not synchronized);

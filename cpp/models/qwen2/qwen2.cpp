@@ -66,7 +66,17 @@ void Qwen2::check_ready() {
     LLAISYS_CHECK(!device_.is_cuda() || !current_stream(device_).capturing(), std::logic_error,
                   "Qwen2: the first step after load_weight waits for the weights to be written and cannot be "
                   "captured into a CUDA graph; run one step before capturing");
-    for (Layer &L : layers_) fuse_layer(L);
+    for (Layer &L : layers_) {
+        fuse_layer(L);
+        // quantized weights on CUDA: their decoded copies for multi-row steps (LinearWeight::gemm_copy)
+        if (L.fused_qkv) L.wqkv.prepare_gemm(dtype_);
+        else for (LinearWeight *w : {&L.wq, &L.wk, &L.wv}) w->prepare_gemm(dtype_);
+        if (L.fused_gate_up) L.w_gate_up.prepare_gemm(dtype_);
+        else for (LinearWeight *w : {&L.w_gate, &L.w_up}) w->prepare_gemm(dtype_);
+        L.wo.prepare_gemm(dtype_);
+        L.w_down.prepare_gemm(dtype_);
+    }
+    (config_.tie_word_embeddings ? embed_ : lm_head_).prepare_gemm(dtype_);
     if (device_.is_cuda()) synchronize(device_); // constant weights: every weight-writing kernel is done
     ready_ = true;
 }

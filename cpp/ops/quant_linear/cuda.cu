@@ -23,7 +23,7 @@ namespace {
 
 using namespace qblocks;
 
-constexpr int64_t kMaxGemvM = 8; // larger batches take the dequantize + cuBLASLt path
+constexpr int64_t kMaxGemvM = kQuantGemvMaxRows; // larger batches take the dequantize + cuBLASLt path
 constexpr int kWarps = 8;        // warps per block of the GEMV
 constexpr int kIdOutOfRange = 1; // the device error code embedding uses (synchronize raises IndexError)
 

@@ -78,14 +78,21 @@ class Engine:
         if max_seq_len > limit:
             raise ValueError(f"max_seq_len must be at most {limit} for this model, got {max_seq_len}")
         self.max_seq_len = int(max_seq_len)
-        # dtype="auto" keeps a GGUF file's quantized weights as they are, computing in f32 on the CPU (where
-        # activations are a small part of the bytes moved) and bf16 on CUDA; anything else runs in bf16.
-        self.quantized = self.dtype == "auto" and loaded.weights.quantized
-        if self.dtype == "auto":
+        # "quantized" keeps a GGUF file's block formats as they are, computing in f32 on the CPU (activations
+        # are a small part of the bytes moved there) and bf16 on CUDA. "auto" does so on the CPU; on CUDA it
+        # dequantizes to bf16, which is faster there today (bench/RESULTS.md, 2026-11-25: the quantized GEMV
+        # is below bf16 at batch 1, and larger batches need decoded copies of the weights anyway).
+        if self.dtype == "quantized" and not loaded.weights.quantized:
+            raise ValueError(f"dtype='quantized' keeps a GGUF file's quantized tensors, but {loaded.source} has "
+                             f"none (use auto, bf16, f16 or f32)")
+        self.quantized = loaded.weights.quantized and (
+            self.dtype == "quantized" or (self.dtype == "auto" and self.device == "cpu"))
+        if self.dtype in ("auto", "quantized"):
             self.dtype = "f32" if self.quantized and self.device == "cpu" else "bf16"
         # The model's own dense cache is unused by the batched runtime: give it one position.
         net = _core.Qwen2(self._config_dict(), self.dtype, self.device, 1)
         self._load_weights(net, loaded.weights, progress)
+        net.prepare()  # before the KV pool takes the free device memory
         del loaded
         trim_heap()
         self._core = EngineCore(net, self.config, self.engine_config, self.dtype, self.device, self.max_seq_len)

@@ -46,7 +46,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_int_at_least(0), default=8000, help="port (default 8000)")
     p.add_argument("--device", default="auto", type=_device, metavar="DEV", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "f16", "f32"], help="default auto = bf16")
+    p.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"], help="as for llaisys generate (default auto)")
     p.add_argument("--max-seq-len", type=_int_at_least(2), metavar="N", help="context per sequence (default: "
                    "up to 8192)")
     p.add_argument("--api-key", default=os.environ.get("LLAISYS_API_KEY"), metavar="KEY",
