@@ -1,18 +1,24 @@
-"""CPU decode speed when other processes use the CPU (issue 16, item 2).
+"""CPU decode speed when other processes use the CPU (issue 16, item 2), llaisys and llama.cpp side by side.
 
     LLAISYS_BUILD_DIR=build/h1 python bench/cpu_contention.py [--model NAME] [--tokens 64] [--repeats 3]
+        [--engines llaisys llama.cpp] [--threads N] [--dtype auto|quantized|bf16|f32]
 
 Greedy decode tok/s of a real model on the CPU in four conditions, each in a fresh process:
   idle          nothing else running
   busy-loop     beside one process spinning a Python `while True` loop
-  engine        beside a second engine process decoding the same model without pause
-  1-thread      idle, with the pool forced to one thread (LLAISYS_NUM_THREADS=1, an A/B switch only)
+  engine        beside a second process of the same engine decoding the same model without pause
+  1-thread      idle, with one thread (llaisys: LLAISYS_NUM_THREADS=1, an A/B switch only; llama.cpp:
+                n_threads=1)
 and the ratio of each to idle and to 1-thread. The target: busy-loop >= 0.45x idle, and no condition
-below 1-thread. Other work on the machine (compilers, other users) shows up as noise: repeat runs.
+below 1-thread. llama.cpp (llama-cpp-python, when installed) runs the same GGUF file with the same prompt,
+token count and threads (n_threads = n_threads_batch = llaisys' pool size, the cores of this process,
+unless --threads), greedy, EOS ignored. Other work on the machine (compilers, other users) shows up as
+noise: repeat runs.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -30,44 +36,85 @@ def decode_rate(engine, tokens: int) -> float:
     return r.timings["decode_tokens_per_s"]
 
 
+def llaisys_decoder(args):
+    """(decode(tokens) -> tok/s, thread count) of llaisys."""
+    import llaisys
+
+    engine = llaisys.Engine(args.model, device="cpu", dtype=args.dtype, progress=False)
+    return (lambda tokens: decode_rate(engine, tokens)), llaisys.build_info().get("cpu_threads")
+
+
+def llama_cpp_decoder(args):
+    """The same for llama.cpp: greedy Llama.generate (it never stops at EOS), timed like llaisys' request
+    timings: (new tokens - 1) / time from the first token to the last."""
+    from llama_cpp import Llama
+
+    from llaisys import catalog
+
+    threads = args.threads or len(os.sched_getaffinity(0))  # llaisys' pool default (llama-cpp-python's: cores / 2)
+    llm = Llama(model_path=catalog.resolve(args.model), n_threads=threads, n_threads_batch=threads,
+                n_ctx=512, seed=0, verbose=False)
+    prompt = llm.tokenize(PROMPT.encode(), add_bos=False)
+
+    def rate(tokens: int) -> float:
+        llm.reset()
+        gen = llm.generate(prompt, temp=0.0)
+        for i, _ in enumerate(gen, 1):
+            if i == 1:
+                first = time.perf_counter()
+            if i == tokens:
+                break
+        gen.close()
+        return (tokens - 1) / (time.perf_counter() - first)
+
+    return rate, threads
+
+
 def worker(args) -> int:
     """Loads the model, then either prints `ready` and decodes forever (a contender) or prints the
     median decode tok/s over the repeats as JSON (a measurement)."""
     sys.path.insert(0, PYTHON_DIR)
-    import llaisys
-
-    engine = llaisys.Engine(args.model, device="cpu", progress=False)
-    decode_rate(engine, 8)  # warm-up: first-touch of the weights and the cache
+    rate, threads = (llama_cpp_decoder if args.engine == "llama.cpp" else llaisys_decoder)(args)
+    rate(8)  # warm-up: first-touch of the weights and the cache
     if args.role == "contender":
         print("ready", flush=True)
         while True:
-            decode_rate(engine, args.tokens)
-    rates = [decode_rate(engine, args.tokens) for _ in range(args.repeats)]
-    threads = llaisys.build_info().get("cpu_threads")
+            rate(args.tokens)
+    rates = [rate(args.tokens) for _ in range(args.repeats)]
     print(json.dumps({"median": statistics.median(rates), "rates": rates, "threads": threads}), flush=True)
     return 0
 
 
-def start_contender(kind: str, args) -> subprocess.Popen:
+def _worker_cmd(role: str, engine: str, args, threads: int | None) -> list[str]:
+    cmd = [sys.executable, __file__, "--role", role, "--engine", engine, "--model", args.model, "--tokens",
+           str(args.tokens), "--repeats", str(args.repeats), "--dtype", args.dtype]
+    return cmd + (["--threads", str(threads)] if threads else [])
+
+
+def start_contender(kind: str, engine: str, args) -> subprocess.Popen:
     if kind == "busy-loop":
         return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    p = subprocess.Popen([sys.executable, __file__, "--role", "contender", "--model", args.model,
-                          "--tokens", str(args.tokens)], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(_worker_cmd("contender", engine, args, args.threads), stdout=subprocess.PIPE, text=True,
+                         env=_env(engine, args.threads, args))
     if p.stdout.readline().strip() != "ready":
-        raise RuntimeError("the contending engine did not start")
+        raise RuntimeError(f"the contending {engine} did not start")
     return p
 
 
-def measure(condition: str, args) -> dict:
+def _env(engine: str, threads: int | None, args) -> dict:
     env = dict(os.environ)
-    if condition == "1-thread":
-        env[args.single_thread_env] = "1"
-    contender = start_contender(condition, args) if condition in ("busy-loop", "engine") else None
+    if engine == "llaisys" and threads:
+        env[args.single_thread_env if threads == 1 else "LLAISYS_NUM_THREADS"] = str(threads)
+    return env
+
+
+def measure(engine: str, condition: str, args) -> dict:
+    threads = 1 if condition == "1-thread" else args.threads
+    contender = start_contender(condition, engine, args) if condition in ("busy-loop", "engine") else None
     try:
         time.sleep(0.5)  # let the contender reach its steady state
-        out = subprocess.run([sys.executable, __file__, "--role", "measure", "--model", args.model, "--tokens",
-                              str(args.tokens), "--repeats", str(args.repeats)],
-                             env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+        out = subprocess.run(_worker_cmd("measure", engine, args, threads), env=_env(engine, threads, args),
+                             check=True, stdout=subprocess.PIPE, text=True).stdout
     finally:
         if contender is not None:
             contender.kill()
@@ -75,26 +122,54 @@ def measure(condition: str, args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+CONDITIONS = ("idle", "busy-loop", "engine", "1-thread")
+
+
+def _columns(results: dict, c: str) -> str:
+    r, idle, single = results[c], results["idle"]["median"], results["1-thread"]["median"]
+    return f"{r['median']:7.1f} {r['median'] / idle:7.2f} {r['median'] / single:10.2f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per timed generate")
     ap.add_argument("--repeats", type=int, default=3, help="timed generates per condition (the median is shown)")
+    ap.add_argument("--engines", nargs="+", choices=["llaisys", "llama.cpp"],
+                    help="default: llaisys, and llama.cpp when llama-cpp-python is installed")
+    ap.add_argument("--threads", type=int, help="threads of each engine (default: the cores of this process)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f32"], help="llaisys' dtype")
     ap.add_argument("--single-thread-env", default="LLAISYS_NUM_THREADS",
-                    help="variable set to 1 for the 1-thread row (OMP_NUM_THREADS for an OpenMP build)")
+                    help="variable set to 1 for llaisys' 1-thread row (OMP_NUM_THREADS for an OpenMP build)")
     ap.add_argument("--role", choices=["measure", "contender"], help=argparse.SUPPRESS)
+    ap.add_argument("--engine", default="llaisys", choices=["llaisys", "llama.cpp"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.tokens < 2 or args.repeats < 1 or (args.threads is not None and args.threads < 1):
+        ap.error("--tokens must be >= 2, --repeats and --threads >= 1")
     if args.role:
         return worker(args)
+    engines = args.engines or ["llaisys"]
+    if args.engines is None and importlib.util.find_spec("llama_cpp") is not None:
+        engines.append("llama.cpp")
+    elif args.engines is None:
+        print("llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python)")
+    if "llama.cpp" in engines and importlib.util.find_spec("llama_cpp") is None:
+        ap.error("--engines llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
 
-    results = {c: measure(c, args) for c in ("idle", "busy-loop", "engine", "1-thread")}
-    idle, single = results["idle"]["median"], results["1-thread"]["median"]
-    print(f"model {args.model}, {args.tokens} new tokens, median of {args.repeats}, "
-          f"{len(os.sched_getaffinity(0))} cores, pool threads {results['idle']['threads']}")
-    print(f"{'condition':<10} {'tok/s':>7} {'x idle':>7} {'x 1-thread':>10}  runs")
-    for c, r in results.items():
-        runs = " ".join(f"{x:.1f}" for x in r["rates"])
-        print(f"{c:<10} {r['median']:7.1f} {r['median'] / idle:7.2f} {r['median'] / single:10.2f}  {runs}")
+    results = {e: {c: measure(e, c, args) for c in CONDITIONS} for e in engines}
+    threads = ", ".join(f"{e} {results[e]['idle']['threads']}" for e in engines)
+    print(f"model {args.model} (llaisys dtype {args.dtype}), {args.tokens} new tokens, median of {args.repeats}, "
+          f"{len(os.sched_getaffinity(0))} cores, threads: {threads}")
+    head = " | ".join(f"{e + ' tok/s':>15} {'x idle':>7} {'x 1-thread':>10}" for e in engines)
+    both = len(engines) == 2
+    print(f"{'condition':<10} {head}" + ("  llaisys/llama.cpp" if both else ""))
+    for c in CONDITIONS:
+        row = " | ".join(f"{'':>8}{_columns(results[e], c)}" for e in engines)
+        ratio = f"  {results['llaisys'][c]['median'] / results['llama.cpp'][c]['median']:17.2f}x" if both else ""
+        print(f"{c:<10} {row}{ratio}")
+    for e in engines:
+        print(f"{e} runs: " + "; ".join(f"{c} " + " ".join(f"{x:.1f}" for x in results[e][c]["rates"])
+                                      for c in CONDITIONS))
     return 0
 
 

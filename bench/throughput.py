@@ -6,7 +6,12 @@ requests (one max_new_tokens for all: HF takes no per-request length, so that ro
 for both engines).
 
     python bench/throughput.py --shape qwen2-0.5b --device cuda            # random weights of the shape
+    python bench/throughput.py --shape qwen2-1.5b --gguf-types q4_k_m --device cuda   # a random GGUF of it
     python bench/throughput.py --model qwen2.5-coder-0.5b-instruct --device cpu -n 16 --max-len 128 --solo
+
+--gguf-types PRESET (q4_k_m, q8_0, q4_0, q5_0, q5_k, q6_k) runs a random GGUF file of the shape in those block
+formats (bench/random_gguf.py, kept in the temp dir) instead of the bf16 safetensors checkpoint; --dtype
+quantized (the default there) keeps its blocks on any device, bf16 dequantizes them.
 """
 from __future__ import annotations
 
@@ -91,7 +96,13 @@ def run_hf(path: str, device: str, prompts, new_tokens: int) -> dict:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(
+    from llaisys import catalog
+
+    path = catalog.resolve(path)
+    # a GGUF file loads (dequantized) from its folder by file name
+    where = dict(gguf_file=os.path.basename(path)) if path.endswith(".gguf") else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if where else path,
+                                                              dtype=torch.bfloat16, **where).to(
         "cuda" if device.startswith("cuda") else "cpu").eval()
     gc = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                        pad_token_id=0)
@@ -108,6 +119,9 @@ def main() -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--shape", choices=sorted(SHAPES))
     src.add_argument("--model")
+    ap.add_argument("--gguf-types", metavar="PRESET", help="with --shape: a random GGUF in these block formats")
+    ap.add_argument("--dtype", choices=["auto", "quantized", "bf16", "f32"],
+                    help="default: quantized for a GGUF file (its block formats, on any device), else bf16")
     ap.add_argument("--device", default="auto")
     ap.add_argument("-n", "--num-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
@@ -119,15 +133,25 @@ def main() -> int:
     ap.add_argument("--single", nargs=2, type=int, metavar=("PROMPT", "NEW"),
                     help="instead: decode speed of one request (median of 3), as `llaisys bench` measures it")
     args = ap.parse_args()
+    if args.gguf_types and not args.shape:
+        ap.error("--gguf-types writes a random GGUF of --shape: give --shape")
 
     import llaisys
     from llaisys.engine.engine import Engine
 
-    path = random_checkpoint(args.shape) if args.shape else args.model
-    eng = Engine(path, device=args.device, dtype="bf16", progress=False, max_seq_len=2 * args.max_len + 16,
+    if args.gguf_types:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from random_gguf import cached_random_gguf
+
+        path = cached_random_gguf(args.shape, args.gguf_types)
+    else:
+        path = random_checkpoint(args.shape) if args.shape else args.model
+    dtype = args.dtype or ("quantized" if str(path).endswith(".gguf") else "bf16")
+    eng = Engine(path, device=args.device, dtype=dtype, progress=False, max_seq_len=2 * args.max_len + 16,
                  max_num_seqs=args.max_num_seqs)
+    what = f"{args.shape} {args.gguf_types} (random GGUF)" if args.gguf_types else args.shape or args.model
     print(f"llaisys {llaisys.__version__ if hasattr(llaisys, '__version__') else ''} on {eng.device}: "
-          f"{args.shape or args.model}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}]")
+          f"{what}, dtype {dtype}, {args.num_requests} requests, lengths [{args.min_len}, {args.max_len}]")
     if args.single:
         return run_single(eng, *args.single)
     prompts, outs = requests(args.num_requests, args.min_len, args.max_len, eng.config.vocab_size)

@@ -1,5 +1,12 @@
 """`llaisys bench`: its random model must be as big in memory as the real one, and a figure above the
-roofline must never print without a warning (issue 16, item 3)."""
+roofline must never print without a warning (issue 16, item 3); its flags and peers (llama.cpp, HF) and the
+random GGUF writer of bench/random_gguf.py (issue 19)."""
+import argparse
+import importlib.util
+import json
+import os
+
+import gguf
 import numpy as np
 import pytest
 
@@ -77,3 +84,279 @@ def test_bench_model_runs_one_request_through_the_engine(tmp_path):
     r = bench.bench(model=path, device="cpu", dtype="f32", prompt_len=20, new_tokens=6)
     assert r["model"] == path and r["prompt_len"] == 20 and r["new_tokens"] == 6
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
+
+
+# ---- flags, peers and the comparison with llama.cpp (issue 19) ------------------------------------------
+
+def _args(**kw):
+    base = dict(model=None, shape=None, device="cpu", dtype="bf16", prompt_len=8, new_tokens=4, peers=False,
+                json=None, threads=None, gguf_types=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("threads", [0, -2, "2", True, 1.5])
+def test_bad_threads_raise(threads):
+    with pytest.raises(ValueError, match="--threads must be a whole number >= 1"):
+        bench._options(_args(threads=threads))
+
+
+def test_conflicting_sources_raise():
+    with pytest.raises(ValueError, match="either --model or --shape"):
+        bench._options(_args(model="m.gguf", shape="qwen2-0.5b"))
+    with pytest.raises(ValueError, match="--gguf-types .* cannot be combined with --model"):
+        bench._options(_args(model="m.gguf", gguf_types="q8_0"))
+    with pytest.raises(ValueError, match="--dtype must be auto, quantized, bf16, f16 or f32"):
+        bench._options(_args(dtype="int4"))
+    with pytest.raises(ValueError, match="--dtype quantized needs a GGUF file"):
+        bench._options(_args(shape="qwen2-0.5b", dtype="quantized"))
+    with pytest.raises(ValueError, match="dtype quantized needs a GGUF file"):  # bench() called directly
+        bench.bench(shape="qwen2-0.5b", dtype="quantized", device="cpu")
+
+
+def test_options_pass_dtype_and_threads_through():
+    o = bench._options(_args(model="m.gguf", dtype="auto", threads=3, peers=True))
+    assert o["kw"] == dict(shape=None, model="m.gguf", device="cpu", dtype="auto", prompt_len=8, new_tokens=4)
+    assert o["threads"] == 3 and o["peers"] and o["label"] is None
+
+
+def _peers_script():
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "peers.py")
+    spec = importlib.util.spec_from_file_location("bench_peers_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peers_script_parses_the_new_flags():
+    args = _peers_script().parser().parse_args(["--shape", "qwen2-1.5b", "--gguf-types", "q4_k_m", "--threads", "2",
+                                                "--dtype", "bf16", "--device", "cpu", "--skip-hf"])
+    assert (args.shape, args.gguf_types, args.threads, args.dtype, args.model, args.skip_hf) == (
+        "qwen2-1.5b", "q4_k_m", 2, "bf16", None, True)
+    assert _peers_script().parser().parse_args([]).dtype == "auto"  # the file's formats unless asked otherwise
+
+
+def test_threads_reach_the_llaisys_child(monkeypatch):
+    """--threads is LLAISYS_NUM_THREADS of the process that measures llaisys (the pool reads it at start)."""
+    from llaisys import _peers
+
+    seen = {}
+
+    def fake_run_child(code, payload, env, what):
+        seen.update(env=env, payload=payload, what=what)
+        return {"ok": True}
+
+    monkeypatch.setattr(_peers, "run_child", fake_run_child)
+    assert bench.run_isolated(dict(model="m.gguf", dtype="bf16"), threads=3) == {"ok": True}
+    assert seen["env"]["LLAISYS_NUM_THREADS"] == "3" and seen["payload"]["dtype"] == "bf16"
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == package_parent
+
+
+def test_run_child_reports_a_failing_child_in_one_error():
+    from llaisys import _peers
+
+    with pytest.raises(RuntimeError, match=r"llama.cpp failed in its own process \(exit 3\): boom"):
+        _peers.run_child("import sys; print('boom', file=sys.stderr); sys.exit(3)", {}, dict(os.environ), "llama.cpp")
+    assert _peers.run_child("import json, sys; print('noise'); print(json.dumps(json.loads(sys.argv[1])))",
+                            {"a": [1, 2]}, dict(os.environ), "x") == {"a": [1, 2]}
+
+
+def _hide(monkeypatch, *modules):
+    from llaisys import _peers
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(_peers.importlib.util, "find_spec",
+                        lambda name, *a: None if name in modules else real(name, *a))
+
+
+def test_missing_llama_cpp_is_one_line(monkeypatch):
+    from llaisys import _peers
+
+    _hide(monkeypatch, "llama_cpp")
+    assert _peers.llama_cpp_skip_reason("cpu", "m.gguf") == _peers.LLAMA_CPP_MISSING
+    assert "pip install llama-cpp-python" in _peers.LLAMA_CPP_MISSING and "\n" not in _peers.LLAMA_CPP_MISSING
+
+
+def test_llama_cpp_needs_cpu_and_a_gguf_file():
+    from llaisys import _peers
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python not installed: the missing-module reason comes first")
+    assert "CPU build" in _peers.llama_cpp_skip_reason("cuda:0", "m.gguf")
+    assert "runs GGUF files" in _peers.llama_cpp_skip_reason("cpu", "/models/qwen")
+    assert "runs GGUF files" in _peers.llama_cpp_skip_reason("cpu", None)
+    assert _peers.llama_cpp_skip_reason("cpu", "m.gguf") is None
+
+
+def test_peers_without_llama_cpp_or_torch_say_so_in_one_line_each(monkeypatch, capsys):
+    """`bench --peers` without the peers installed: one line each, no traceback, llaisys' row still printed."""
+    ours = {"engine": "llaisys", "model": "qwen2-0.5b", "device": "cpu", "dtype": "bf16", "prompt_len": 8,
+            "new_tokens": 4, "ttft_ms": 10.0, "prefill_tok_s": 800.0, "decode_tok_s": 40.0, "decode_ms_per_token": 25.0,
+            "fraction_of_roofline": 0.5, "copy_bandwidth_gb_s": 10.0, "weight_bytes": 10 ** 9, "roofline_tok_s": 80.0,
+            "decode_device_mallocs": 0, "threads": 2, "peak_rss_mb": 900.0, "vocab_size": 1000}
+    calls = []
+    monkeypatch.setattr(bench, "run_isolated", lambda kw, threads: calls.append((kw, threads)) or dict(ours))
+    _hide(monkeypatch, "llama_cpp", "torch", "transformers")
+    assert bench.main(_args(shape="qwen2-0.5b", peers=True, threads=2)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert calls == [(dict(shape="qwen2-0.5b", model=None, device="cpu", dtype="bf16", prompt_len=8, new_tokens=4), 2)]
+    assert out[0].startswith("llaisys") and "2 threads, peak RSS 900 MB" in out[1]
+    assert out[2:] == [_peers_module().LLAMA_CPP_MISSING,
+                       "HF transformers: skipped, torch and transformers not installed (pip install '.[test]')"]
+    assert bench.main(_args(shape="qwen2-0.5b", peers=True, skip_hf=True)) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [_peers_module().LLAMA_CPP_MISSING]  # HF left out: no line
+
+
+def _peers_module():
+    from llaisys import _peers
+
+    return _peers
+
+
+def test_comparison_table_gives_llaisys_over_llama_cpp():
+    row = lambda engine, dtype, p, d, m, **kw: dict(engine=engine, dtype=dtype, prefill_tok_s=p, decode_tok_s=d,  # noqa
+                                                   peak_rss_mb=m, threads=2, prompt_len=128, new_tokens=256, **kw)
+    rows = [row("llaisys", "auto", 120.0, 36.0, 660.0, quantized=True), row("llaisys", "bf16", 60.0, 15.0, 1500.0),
+            row("llama.cpp", "file", 100.0, 30.0, 600.0), row("hf-eager", "bf16", 5.0, 1.0, 0.0)]
+    lines = bench.comparison_table(rows).splitlines()
+    assert "2 threads, prompt 128, 256 new tokens" in lines[0]
+    assert lines[-2].split()[-3:] == ["1.20x", "1.20x", "1.10x"]  # quantized / llama.cpp
+    assert lines[-1].split()[-3:] == ["0.60x", "0.50x", "2.50x"]  # bf16 / llama.cpp
+    assert not any("hf-eager" in line for line in lines)
+    assert bench.comparison_table(rows[:2]) is None  # nothing to compare with
+
+
+# ---- bench/random_gguf.py --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_gguf():
+    return bench.random_gguf_module()
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_gguf(tmp_path_factory):
+    """A GGUF with a small trained tokenizer (tests/tiny_model.py), whose tokenizer.* keys the writer copies."""
+    from tiny_model import make_tiny_qwen2, write_tiny_gguf
+
+    d = tmp_path_factory.mktemp("tok")
+    hf = make_tiny_qwen2(d / "hf")
+    with open(os.path.join(hf, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    return write_tiny_gguf(hf, d / "tok.gguf"), vocab
+
+
+def _shape(vocab, hidden=256, intermediate=512):
+    # rows of 256 and 512: every format's block fits, K-quants included
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, rms_norm_eps=1e-6, rope_theta=1e6,
+                tie_word_embeddings=False, max_position_embeddings=1024)
+
+
+EXPECTED = {  # preset -> (most 2-D weights, ffn_down / output / token_embd) when no fallback is needed
+    "q4_k_m": ("Q4_K", "Q6_K"), "q8_0": ("Q8_0", "Q8_0"), "q4_0": ("Q4_0", "Q4_0"), "q5_0": ("Q5_0", "Q5_0"),
+    "q5_k": ("Q5_K", "Q5_K"), "q6_k": ("Q6_K", "Q6_K")}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_random_gguf_loads_with_the_requested_formats_and_sane_values(random_gguf, tiny_tokenizer_gguf, tmp_path,
+                                                                      preset):
+    from llaisys import loader
+
+    tok, vocab = tiny_tokenizer_gguf
+    shape = _shape(vocab)
+    path = random_gguf.write_random_gguf(tmp_path / "r.gguf", shape, preset, seed=3, tokenizer_from=tok,
+                                         verbose=False)
+    m = loader.load(path, progress=False)
+    c = m.config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim) == (vocab, 256, 512, 2, 4, 2, 64)
+    assert not c.tie_word_embeddings
+    assert {n: tuple(w.shape) for n, w in m.weights.items()} == dict(bench.weight_shapes(shape))
+    main, more = EXPECTED[preset]
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    for name, t in tensors.items():
+        want = "F32" if len(t.shape) == 1 else more if name in ("output.weight", "token_embd.weight") or \
+            name.endswith("ffn_down.weight") else main
+        assert t.tensor_type.name == want, name
+    for name, w in m.weights.items():
+        w = np.asarray(w, np.float64)
+        assert np.isfinite(w).all(), name
+        if w.ndim == 2:
+            target = 0.04 if name == "model.embed_tokens.weight" else 0.02
+            assert 0.6 * target < w.std() < 1.5 * target and abs(w.mean()) < 0.1 * target, (name, w.std(), w.mean())
+    q0, q1 = (np.asarray(m.weights[f"model.layers.{i}.self_attn.q_proj.weight"]) for i in (0, 1))
+    assert not np.array_equal(q0, q1)  # each tensor its own draw
+    assert m.tokenizer.encode("def f(x): return x") == loader.load(tok, progress=False).tokenizer.encode(
+        "def f(x): return x")
+
+
+def test_random_gguf_is_seeded(random_gguf, tiny_tokenizer_gguf, tmp_path):
+    tok, vocab = tiny_tokenizer_gguf
+    a, b, c = (random_gguf.write_random_gguf(tmp_path / f"{n}.gguf", _shape(vocab), "q4_k_m", seed=s,
+                                             tokenizer_from=tok, verbose=False)
+               for n, s in (("a", 1), ("b", 1), ("c", 2)))
+    read = lambda p: gguf.GGUFReader(p).tensors[3].data.tobytes()  # noqa: E731
+    assert read(a) == read(b) and read(a) != read(c)
+
+
+def test_k_quants_fall_back_on_rows_that_are_not_a_multiple_of_256(random_gguf):
+    """The 0.5B shape (rows of 896) as llama.cpp quantizes it: Q4_K -> Q5_0, Q6_K -> Q8_0; ffn_down (rows of
+    4864 = 19 x 256) keeps its K-quant. The 1.5B shape needs no fallback."""
+    tensors, notes = random_gguf.plan("qwen2-0.5b", "q4_k_m")
+    types = {name: q.name for name, (_, q) in tensors.items()}
+    assert types["blk.0.attn_q.weight"] == types["blk.5.ffn_up.weight"] == "Q5_0"
+    assert types["blk.0.ffn_down.weight"] == "Q6_K"
+    assert types["output.weight"] == types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_norm.weight"] == types["blk.0.attn_q.bias"] == "F32"
+    assert any("Q4_K -> Q5_0 for 144 tensors" in n for n in notes) and any("Q6_K -> Q8_0 for 2" in n for n in notes)
+    tensors, notes = random_gguf.plan("qwen2-1.5b", "q4_k_m")
+    counts = {}
+    for _, q in tensors.values():
+        counts[q.name] = counts.get(q.name, 0) + 1
+    assert notes == [] and counts == {"Q6_K": 28 + 2, "Q4_K": 28 * 6, "F32": 28 * 5 + 1}
+    _, notes = random_gguf.plan("qwen2-0.5b", "q5_k")
+    assert any("Q5_K -> Q5_0" in n for n in notes)
+
+
+def test_random_gguf_bad_inputs_raise(random_gguf, tiny_tokenizer_gguf, tmp_path):
+    tok, vocab = tiny_tokenizer_gguf
+    with pytest.raises(ValueError, match="unknown --types preset 'q3_k'"):
+        random_gguf.plan("qwen2-0.5b", "q3_k")
+    with pytest.raises(ValueError, match="unknown shape 'qwen2-7b'"):
+        random_gguf.plan("qwen2-7b", "q8_0")
+    with pytest.raises(TypeError, match="shape must be a name"):
+        random_gguf.plan(7, "q8_0")
+    with pytest.raises(ValueError, match="not a multiple of Q8_0's block of 32"):
+        random_gguf.plan(_shape(vocab, hidden=80), "q8_0")
+    with pytest.raises(ValueError, match=f"has {vocab} tokens but the shape's vocab_size is {vocab + 1}"):
+        random_gguf.write_random_gguf(tmp_path / "x.gguf", _shape(vocab + 1), "q6_k", tokenizer_from=tok, verbose=False)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        random_gguf.write_random_gguf(tmp_path / "x.gguf", _shape(vocab), "q6_k", seed=1.5, tokenizer_from=tok)
+
+
+def test_random_gguf_copies_the_real_tokenizer(random_gguf, tmp_path):
+    """By default the tokenizer is the default model's, so the file tokenizes like the real model."""
+    from llaisys.loader.gguf import load_gguf_tokenizer
+    from tiny_model import real_model_path
+
+    real = real_model_path()
+    path = random_gguf.write_random_gguf(tmp_path / "r.gguf", _shape(151936), "q6_k", verbose=False)
+    (ours, template), (theirs, real_template) = load_gguf_tokenizer(path), load_gguf_tokenizer(real)
+    text = "def quicksort(arr):\n    return sorted(arr)  # 快速排序 <|im_end|>"
+    assert ours.encode(text) == theirs.encode(text) and template == real_template
+
+
+def test_llama_cpp_runs_a_random_gguf(random_gguf, tiny_tokenizer_gguf, tmp_path):
+    """The llama.cpp peer on a tiny random file: it loads, decodes greedy past EOS, and reports its RSS."""
+    pytest.importorskip("llama_cpp")
+    from llaisys import _peers
+
+    tok, vocab = tiny_tokenizer_gguf
+    path = random_gguf.write_random_gguf(tmp_path / "r.gguf", _shape(vocab), "q4_k_m", tokenizer_from=tok,
+                                         verbose=False)
+    ours = {"model": path, "prompt_len": 12, "new_tokens": 6, "vocab_size": vocab}
+    row = _peers.run_llama_cpp(ours, path, threads=1)
+    assert row["engine"] == "llama.cpp" and row["threads"] == 1 and row["new_tokens"] == 6
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["peak_rss_mb"] > 0
+    with pytest.raises(RuntimeError, match="not the same model"):
+        _peers.run_llama_cpp(dict(ours, vocab_size=vocab + 1), path, threads=1)

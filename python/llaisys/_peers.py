@@ -1,12 +1,23 @@
-"""Peer engines timed like llaisys (same shape, prompt length, token count, device, dtype, process).
+"""Peer engines timed like llaisys (same model, prompt ids, token counts, threads, device).
 
+- "llama.cpp": llama-cpp-python (the binding users install; a benchmark tool here, never a dependency) on the
+  same GGUF file, in a process of its own so its peak RSS is its own: Llama.generate with temp=0 (greedy),
+  which never stops at EOS (only create_completion checks it), n_threads = n_threads_batch = llaisys'
+  threads. Timed as the Engine times a request: TTFT = prompt evaluated + first token sampled; decode
+  tok/s = (new tokens - 1) / time from the first token to the last. CPU only (a CPU build here).
 - "hf-eager": HF transformers Qwen2ForCausalLM, eager attention, dynamic KV cache, a greedy loop.
 - "torch-compile-static" (CUDA only): the same model with a static KV cache and
   torch.compile(mode="reduce-overhead") (CUDA graphs) on the decode step.
-Needs torch and transformers (the [test] extra); random weights for --shape, the checkpoint for --model.
+HF needs torch and transformers (the [test] extra); random weights for --shape, the checkpoint for --model.
+A peer that is not installed is reported in one line and skipped.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 import time
 
 
@@ -97,11 +108,16 @@ def _time_compiled_static(m, prompt, new_tokens: int, device: str) -> tuple[floa
         return ttft, time.perf_counter() - t1
 
 
-def run_peers(ours: dict, shape: str | None = None, model: str | None = None) -> list[dict]:
+def run_peers(ours: dict, shape: str | None = None, model: str | None = None, threads: int | None = None) -> list[dict]:
+    """The HF rows (in this process)."""
     import torch
 
     device, n, plen = ours["device"], ours["new_tokens"], ours["prompt_len"]
-    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[ours["dtype"]]
+    # llaisys keeping a GGUF's blocks has no HF counterpart: HF runs the dequantized model in bf16 then
+    dtype = {"auto": torch.bfloat16, "quantized": torch.bfloat16, "bf16": torch.bfloat16, "f16": torch.float16,
+             "f32": torch.float32}[ours["dtype"]]
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     m = _hf_model(shape, model, dtype, device)
     prompt = torch.randint(0, m.config.vocab_size, (1, plen), device=device)
@@ -121,4 +137,131 @@ def run_peers(ours: dict, shape: str | None = None, model: str | None = None) ->
         if "roofline_tok_s" in ours:
             row["fraction_of_roofline"] = row["decode_tok_s"] / ours["roofline_tok_s"]
         rows.append(row)
+    return rows
+
+
+# ---- running a peer in a process of its own -------------------------------------------------------------
+
+def child_env() -> dict:
+    """The environment for a child that imports this llaisys (the package's parent first on its path)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_child(code: str, payload: dict, env: dict, what: str) -> dict:
+    """Runs `python -c code JSON(payload)` and returns the JSON object on its last stdout line; a failure
+    raises RuntimeError with the end of the child's stderr."""
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(payload)], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        tail = " | ".join(p.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{what} failed in its own process (exit {p.returncode}): {tail}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# ---- llama.cpp ----------------------------------------------------------------------------------------
+
+LLAMA_CPP_MISSING = "llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python)"
+
+
+def llama_cpp_skip_reason(device: str, path: str | None) -> str | None:
+    """Why llama.cpp cannot run this comparison, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return LLAMA_CPP_MISSING
+    if device != "cpu":
+        return f"llama.cpp: skipped on {device}: this llama-cpp-python is a CPU build (compare with --device cpu)"
+    if path is None or not path.endswith(".gguf"):
+        return "llama.cpp: skipped, it runs GGUF files (use --model FILE.gguf, or --shape with --gguf-types)"
+    return None
+
+
+def llama_cpp_measure(path: str, threads: int, vocab: int, prompt_len: int, new_tokens: int) -> dict:
+    """In the child: load `path`, warm up, then time one prompt of prompt_len + new_tokens greedy tokens, on
+    the ids llaisys got (bench_prompts of the same vocabulary size)."""
+    from llama_cpp import Llama
+
+    from .bench import bench_prompts, peak_rss_mb
+
+    t = time.perf_counter()
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_len + new_tokens + 16,
+                n_batch=max(512, prompt_len), seed=0, verbose=False)
+    load_s = time.perf_counter() - t
+    if llm.n_vocab() != vocab:
+        raise ValueError(f"llama.cpp reads {llm.n_vocab()} tokens from {path}, llaisys {vocab}: not the same model")
+    warm, timed = bench_prompts(vocab, prompt_len)
+
+    def run(prompt: list[int], n: int) -> tuple[float, float]:
+        llm.reset()  # no prefix reuse from the previous prompt: the whole prompt is evaluated
+        start = time.perf_counter()
+        first = start
+        gen = llm.generate(prompt, temp=0.0)
+        for i, _ in enumerate(gen, 1):
+            if i == 1:
+                first = time.perf_counter()
+            if i == n:
+                break
+        gen.close()
+        return first - start, time.perf_counter() - first
+
+    run(warm, 8)  # warm-up at the timed shapes, as llaisys gets
+    ttft, decode_s = run(timed, new_tokens)
+    return {"ttft_ms": ttft * 1e3, "prefill_tok_s": len(timed) / ttft,
+            "decode_tok_s": (new_tokens - 1) / decode_s if new_tokens > 1 else 0.0,
+            "peak_rss_mb": peak_rss_mb(), "threads": threads, "load_s": load_s}
+
+
+def run_llama_cpp(ours: dict, path: str, threads: int) -> dict:
+    """llama.cpp's row, measured in its own process on the prompt ids llaisys got."""
+    code = ("import json, sys; from llaisys._peers import llama_cpp_measure; "
+            "print(json.dumps(llama_cpp_measure(**json.loads(sys.argv[1]))))")
+    payload = dict(path=path, threads=threads, vocab=ours["vocab_size"], prompt_len=ours["prompt_len"],
+                   new_tokens=ours["new_tokens"])
+    row = run_child(code, payload, child_env(), "llama.cpp")
+    # no fraction of llaisys' roofline: that counts the bytes llaisys holds, which differ unless quantized
+    row.update({"engine": "llama.cpp", "model": ours["model"], "device": "cpu", "dtype": "file",
+                "prompt_len": ours["prompt_len"], "new_tokens": ours["new_tokens"],
+                "decode_ms_per_token": 1e3 / max(row["decode_tok_s"], 1e-9)})
+    return row
+
+
+def hf_skip_reason() -> str | None:
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"HF transformers: skipped, {' and '.join(missing)} not installed (pip install '.[test]')"
+    return None
+
+
+def run_all(ours: dict, model: str | None, shape: str | None, threads: int | None, hf: bool = True) -> list[dict]:
+    """Every peer that can run here (HF unless hf=False), each printed as it finishes; the ones that can't are
+    named in one line."""
+    path = None
+    if model is not None:
+        from . import catalog
+
+        path = catalog.resolve(model)
+    rows = []
+    reason = llama_cpp_skip_reason(ours["device"], path)
+    if reason:
+        print(reason)
+    else:
+        try:
+            rows.append(run_llama_cpp(ours, path, threads or ours["threads"]))
+        except (RuntimeError, ValueError) as e:  # a peer that fails is reported, not fatal to the benchmark
+            print(f"  peer llama.cpp failed: {e}")
+        else:
+            from .bench import format_row
+
+            print(format_row(rows[-1]) + f"  peak RSS {rows[-1]['peak_rss_mb']:.0f} MB")
+    if not hf:
+        return rows
+    reason = hf_skip_reason()
+    if reason:
+        print(reason)
+        return rows
+    from .bench import format_row
+
+    for peer in run_peers(ours, shape=shape, model=model, threads=threads):
+        rows.append(peer)
+        print(format_row(peer) + f"  (llaisys is {ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x)")
     return rows

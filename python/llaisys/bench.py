@@ -2,19 +2,28 @@
 
 Batch-1 decode reads every weight once per token, so its floor is weight_bytes / copy_bandwidth; the
 copy bandwidth is measured here on the same device (bytes read + written by a large device copy).
-With --shape the model has random weights of a real Qwen2 shape (no download); with --model a real one.
-`--peers` also runs bench/peers.py's HF transformers decode of the same shape in the same process.
+With --shape the model has random weights of a real Qwen2 shape (no download); with --model a real one;
+with --shape and --gguf-types a random GGUF file of that shape in those block formats (bench/random_gguf.py,
+cached in the temp dir; a source checkout only).
+
+`--peers` also runs, on the same prompt ids, token counts and threads: llama.cpp (llama-cpp-python) on the
+same GGUF file, and HF transformers (python/llaisys/_peers.py). Then llaisys and llama.cpp each run in a
+process of their own, so each one's peak RSS is its own; when llaisys keeps the file's blocks (dtype
+quantized, or auto on the CPU) it also runs dequantized to bf16 (the reference), and a table gives the ratios
+llaisys / llama.cpp.
+`--threads N` sets LLAISYS_NUM_THREADS (and llama.cpp's n_threads) to N.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Iterator
 
 import numpy as np
 
 from . import _core
-from ._runtime import Event, current_stream, cuda_is_available, memory_stats, synchronize
+from ._runtime import Event, build_info, current_stream, cuda_is_available, memory_stats, synchronize
 from ._tensor import empty, tensor
 
 # Real shapes of the Qwen2 family (HF config values).
@@ -145,11 +154,31 @@ def run_model(model, vocab: int, device: str, prompt_len: int, new_tokens: int, 
             "decode_ms_per_token": decode_s / new_tokens * 1e3, "decode_device_mallocs": new_mallocs}
 
 
-def run_engine(eng, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
-    """The same measurement through the Engine (scheduler, runner, paged KV cache): one request alone.
-    Each prompt is fresh random ids, so the timed prefill gets no prefix-cache hit."""
+def bench_prompts(vocab: int, prompt_len: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(warm-up, timed) prompts of random ids: fresh ids, so the timed prefill gets no prefix-cache hit.
+    Every engine compared gets these same ids."""
     rng = np.random.default_rng(seed)
-    warm, timed = ([int(t) for t in rng.integers(0, eng.config.vocab_size, prompt_len)] for _ in range(2))
+    warm, timed = ([int(t) for t in rng.integers(0, vocab, prompt_len)] for _ in range(2))
+    return warm, timed
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (VmHWM; mapped file pages that were touched count too), MB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # kB on Linux
+
+
+def run_engine(eng, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
+    """The same measurement through the Engine (scheduler, runner, paged KV cache): one request alone."""
+    warm, timed = bench_prompts(eng.config.vocab_size, prompt_len, seed)
     kw = dict(temperature=0, ignore_eos=True)
     eng.generate(warm, max_new_tokens=8, **kw)  # warm-up at the timed shapes: GEMM handles, graph capture
     cuda = eng.device != "cpu"
@@ -162,30 +191,59 @@ def run_engine(eng, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
             "decode_ms_per_token": 1e3 / max(t["decode_tokens_per_s"], 1e-9), "decode_device_mallocs": new_mallocs}
 
 
+def engine_weight_bytes(eng, c: dict) -> int:
+    """Bytes one decode step reads from what the engine holds (quantized weights count their blocks); the
+    dense formula where the model cannot list its weights."""
+    formats = getattr(eng._model, "weight_formats", None)
+    if formats is None:
+        return decode_weight_bytes(c, eng.dtype)
+    sizes = {name: int(nbytes) for name, _, nbytes in formats()}
+    embed = sizes.pop("model.embed_tokens.weight", 0)
+    return sum(sizes.values()) + (embed if c["tie_word_embeddings"] else 0)  # a tied table is the LM head
+
+
+def _device(device: str) -> str:
+    if device == "auto":
+        return "cuda:0" if cuda_is_available() else "cpu"
+    return "cuda:0" if device == "cuda" else device
+
+
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
           prompt_len: int = 128, new_tokens: int = 256) -> dict:
-    if device == "auto":
-        device = "cuda:0" if cuda_is_available() else "cpu"
-    elif device == "cuda":
-        device = "cuda:0"
+    """One llaisys measurement in this process. `dtype` goes to the Engine as given for --model ("quantized",
+    and "auto" on the CPU, keep a GGUF file's block formats); the random --shape model is dense ("auto" = bf16)."""
+    device = _device(device)
     max_seq = prompt_len + new_tokens + 16
     if model is not None:
         from .engine import Engine
 
-        with Engine(model, device=device, dtype=dtype, max_seq_len=max(max_seq, 256)) as eng:
+        t = time.perf_counter()
+        with Engine(model, device=device, dtype=dtype, max_seq_len=max(max_seq, 256), progress=False) as eng:
+            load_s = time.perf_counter() - t
             c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
             name = model
             result = run_engine(eng, prompt_len, new_tokens)
+            weight_bytes = engine_weight_bytes(eng, c)
+            # describe() needs a core that lists its weights (older builds don't)
+            described = eng.describe() if hasattr(eng._model, "weight_formats") else {}
+            result.update(load_s=load_s, compute_dtype=eng.dtype, quantized=bool(described.get("quantized")),
+                          weight_formats=sorted(described.get("weight_formats", {})))
     else:  # random weights: the model's own single-sequence path (no scheduler), as before the engine
         shape = shape or "qwen2-0.5b"
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
+        if dtype == "quantized":
+            raise ValueError("dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
+        dtype = "bf16" if dtype == "auto" else dtype
         c, name = SHAPES[shape], shape
         result = run_model(random_model(c, dtype, device, max_seq), c["vocab_size"], device, prompt_len, new_tokens)
+        weight_bytes = decode_weight_bytes(c, dtype)
+    # read before the copy-bandwidth buffers below raise it
+    result["peak_rss_mb"] = peak_rss_mb() if device == "cpu" else None
+    result["threads"] = build_info()["cpu_threads"]
     bw = copy_bandwidth(device)
-    weight_bytes = decode_weight_bytes(c, dtype)
     roofline = bw / weight_bytes
-    result.update({"engine": "llaisys", "model": name, "device": device, "dtype": dtype,
+    result.update({"engine": "llaisys", "model": name, "device": device, "dtype": dtype, "vocab_size": c["vocab_size"],
                    "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": weight_bytes, "roofline_tok_s": roofline,
                    "fraction_of_roofline": result["decode_tok_s"] / roofline})
     result["roofline_warning"] = roofline_warning(result)
@@ -202,7 +260,8 @@ def roofline_warning(r: dict) -> str | None:
 
 
 def format_row(r: dict) -> str:
-    row = (f"{r['engine']:<22} {r['model']:<28} {r['device']:<8} {r['dtype']:<5} "
+    model = os.path.basename(r["model"]) if os.sep in r["model"] else r["model"]  # a path: its file name
+    row = (f"{r['engine']:<22} {model:<28} {r['device']:<8} {r['dtype']:<5} "
            f"prefill {r['prefill_tok_s']:9.1f} tok/s  TTFT {r['ttft_ms']:8.1f} ms  "
            f"decode {r['decode_tok_s']:8.1f} tok/s ({r['decode_ms_per_token']:.2f} ms/tok)"
            + (f"  {100 * r['fraction_of_roofline']:.0f}% of roofline" if "fraction_of_roofline" in r else ""))
@@ -210,23 +269,112 @@ def format_row(r: dict) -> str:
     return row + (f"\n  {warning}" if warning else "")
 
 
-def main(args) -> int:
-    """Entry point of `llaisys bench` (args from the CLI's argparse)."""
-    if getattr(args, "model", None) and getattr(args, "shape", None):
+def _options(args) -> dict:
+    """The checked settings of one `llaisys bench` run (args from the CLI's or bench/peers.py's argparse;
+    --threads and --gguf-types may be absent from an older parser)."""
+    model, shape = getattr(args, "model", None), getattr(args, "shape", None)
+    threads, gguf_types = getattr(args, "threads", None), getattr(args, "gguf_types", None)
+    if model and shape:
         raise ValueError("give either --model or --shape, not both")
-    r = bench(shape=args.shape, model=args.model, device=args.device, dtype=args.dtype if args.dtype != "auto" else "bf16",
-              prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-    rows = [r]
+    if gguf_types is not None and model:
+        raise ValueError("--gguf-types writes a random GGUF file of --shape; it cannot be combined with --model")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"--threads must be a whole number >= 1, got {threads!r}")
+    if args.dtype not in ("auto", "quantized", "bf16", "f16", "f32"):
+        raise ValueError(f"--dtype must be auto, quantized, bf16, f16 or f32, got {args.dtype!r}")
+    if args.dtype == "quantized" and gguf_types is None and not (model and catalog_path(model).endswith(".gguf")):
+        raise ValueError("--dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
+    label = None
+    if gguf_types is not None:
+        shape = shape or "qwen2-0.5b"
+        model, shape, label = random_gguf_module().cached_random_gguf(shape, gguf_types), None, \
+            f"{shape} {gguf_types} (random)"
+    return dict(model=model, shape=shape, label=label, threads=threads, peers=bool(getattr(args, "peers", False)),
+                kw=dict(shape=shape, model=model, device=_device(args.device), dtype=args.dtype,
+                        prompt_len=args.prompt_len, new_tokens=args.new_tokens))
+
+
+def catalog_path(model: str) -> str:
+    """The local path of --model as the Engine will load it (a catalog name is downloaded if needed)."""
+    from . import catalog
+
+    return catalog.resolve(model)
+
+
+def random_gguf_module():
+    """bench/random_gguf.py of this source checkout (the writer is a benchmark tool, not part of the package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "random_gguf.py")
+    if not os.path.exists(path):
+        raise RuntimeError("--gguf-types needs a source checkout of llaisys (bench/random_gguf.py writes the file)")
+    spec = importlib.util.spec_from_file_location("llaisys_random_gguf", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_isolated(kw: dict, threads: int | None) -> dict:
+    """bench(**kw) in a fresh process (its own peak RSS; LLAISYS_NUM_THREADS=threads read by its thread pool
+    at start)."""
+    from ._peers import child_env, run_child
+
+    env = child_env()
+    if threads is not None:
+        env["LLAISYS_NUM_THREADS"] = str(threads)
+    code = "import json, sys; from llaisys import bench; print(json.dumps(bench.bench(**json.loads(sys.argv[1]))))"
+    return run_child(code, kw, env, f"llaisys ({kw['dtype']})")
+
+
+def _print_llaisys(r: dict) -> None:
     print(format_row(r))
+    extra = f", peak RSS {r['peak_rss_mb']:.0f} MB" if r.get("peak_rss_mb") else ""
+    formats = f", weights {'/'.join(r['weight_formats'])}" if r.get("weight_formats") else ""
     print(f"  copy bandwidth {r['copy_bandwidth_gb_s']:.0f} GB/s, {r['weight_bytes'] / 1e9:.2f} GB of weights per "
           f"token -> roofline {r['roofline_tok_s']:.0f} tok/s; device mallocs during decode: "
-          f"{r['decode_device_mallocs']}")
-    if getattr(args, "peers", False):
+          f"{r['decode_device_mallocs']}; {r['threads']} threads{extra}{formats}")
+
+
+def comparison_table(rows: list[dict]) -> str | None:
+    """Prefill, decode and peak RSS of each llaisys row and llama.cpp's, with ratios llaisys / llama.cpp."""
+    peer = next((r for r in rows if r["engine"] == "llama.cpp"), None)
+    ours = [r for r in rows if r["engine"] == "llaisys"]
+    if peer is None or not ours:
+        return None
+    name = lambda r: f"{r['engine']} {r['dtype']}" + (" (quantized)" if r.get("quantized") else "")  # noqa: E731
+    lines = [f"{'':<36} {'prefill tok/s':>13} {'decode tok/s':>13} {'peak RSS MB':>12}   ({peer['threads']} "
+             f"threads, prompt {peer['prompt_len']}, {peer['new_tokens']} new tokens, CPU)"]
+    for r in ours + [peer]:
+        lines.append(f"{name(r):<36} {r['prefill_tok_s']:13.1f} {r['decode_tok_s']:13.1f} {r['peak_rss_mb']:12.0f}")
+    for r in ours:
+        ratios = [r[k] / peer[k] for k in ("prefill_tok_s", "decode_tok_s", "peak_rss_mb")]
+        lines.append(f"{name(r) + ' / llama.cpp':<36} " + " ".join(f"{x:12.2f}x" for x in ratios))
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    """Entry point of `llaisys bench` (args from the CLI's argparse)."""
+    o = _options(args)
+    kw = o["kw"]
+    # own processes for fair peak RSS with peers, and for a thread count read once at pool start
+    isolated = o["peers"] or o["threads"] is not None
+    r = run_isolated(kw, o["threads"]) if isolated else bench(**kw)
+    if o["label"]:
+        r["model"] = o["label"]
+    rows = [r]
+    _print_llaisys(r)
+    if o["peers"]:
         from . import _peers
 
-        for peer in _peers.run_peers(r, shape=args.shape, model=args.model):
-            rows.append(peer)
-            print(format_row(peer) + f"  (llaisys is {r['decode_tok_s'] / peer['decode_tok_s']:.2f}x)")
+        if r.get("quantized"):  # the dequantized reference, same run
+            ref = run_isolated(dict(kw, dtype="bf16"), o["threads"])
+            ref["model"] = r["model"]
+            rows.append(ref)
+            _print_llaisys(ref)
+        rows += _peers.run_all(r, o["model"], o["shape"], o["threads"], hf=not getattr(args, "skip_hf", False))
+        table = comparison_table(rows)
+        if table:
+            print(table)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

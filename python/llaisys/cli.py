@@ -143,7 +143,14 @@ def _add_bench(sub, fmt, debug) -> None:
     b.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"], help="as for generate (default auto)")
     b.add_argument("--prompt-len", type=_positive, default=128, metavar="N", help="prompt tokens (default 128)")
     b.add_argument("--new-tokens", type=_positive, default=256, metavar="N", help="decode steps (default 256)")
-    b.add_argument("--peers", action="store_true", help="also run HF transformers on the same shape")
+    b.add_argument("--threads", type=_positive, metavar="N",
+                   help="CPU threads for llaisys and llama.cpp (default: every core this process may use)")
+    b.add_argument("--gguf-types", metavar="PRESET",
+                   help="with --shape: a random GGUF file in these block formats (q4_k_m, q8_0, q4_0, q5_0, "
+                        "q5_k, q6_k; needs a source checkout's bench/)")
+    b.add_argument("--peers", action="store_true",
+                   help="also run the peers in the same run: llama.cpp (llama-cpp-python, CPU, GGUF files) and "
+                        "HF transformers")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     b.set_defaults(func=cmd_bench)
 
