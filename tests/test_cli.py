@@ -424,3 +424,17 @@ def test_bench_peers_without_torch_is_a_one_line_error(capsys, fake, monkeypatch
     assert code == 2 and fake.bench_args == []
     assert err.startswith("llaisys: error: --peers runs HF transformers on torch, which are not installed")
     assert "pip install 'llaisys[test]'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_peers_without_torch_runs_llama_cpp_alone_on_a_real_model(capsys, fake, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "llama_cpp" else real_find_spec(name, *a))
+    code, out, err = run(capsys, ["bench", "--model", "m.gguf", "--peers"])
+    assert code == 0 and err == "" and len(fake.bench_args) == 1 and fake.bench_args[0].peers
+    # random weights of a shape have no GGUF file: HF is the only peer, and it is missing
+    code, out, err = run(capsys, ["bench", "--shape", "qwen2-0.5b", "--peers"])
+    assert code == 2 and err.startswith("llaisys: error: --peers runs HF transformers on torch")
