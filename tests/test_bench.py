@@ -230,7 +230,12 @@ def test_comparison_table_gives_llaisys_over_llama_cpp():
 
 @pytest.fixture(scope="module")
 def random_gguf():
-    return bench.random_gguf_module()
+    # this checkout's writer, loaded from its file: the tests may run against an installed (non-editable) package
+    spec = importlib.util.spec_from_file_location(
+        "llaisys_random_gguf", os.path.join(os.path.dirname(__file__), "..", "bench", "random_gguf.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")

@@ -301,13 +301,19 @@ def catalog_path(model: str) -> str:
     return catalog.resolve(model)
 
 
-def random_gguf_module():
-    """bench/random_gguf.py of this source checkout (the writer is a benchmark tool, not part of the package)."""
+def random_gguf_module(path: str | None = None):
+    """bench/random_gguf.py of a source checkout (the writer is a benchmark tool, not part of the package):
+    `path`, else the checkout this package runs from (an editable install), else ./bench of the current
+    directory (a checkout the installed package is run in)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "random_gguf.py")
-    if not os.path.exists(path):
-        raise RuntimeError("--gguf-types needs a source checkout of llaisys (bench/random_gguf.py writes the file)")
+    candidates = [path] if path else [
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "random_gguf.py"),
+        os.path.join(os.getcwd(), "bench", "random_gguf.py")]
+    path = next((p for p in candidates if os.path.exists(p)), None)
+    if path is None:
+        raise RuntimeError("--gguf-types needs a source checkout of llaisys (bench/random_gguf.py writes the file): "
+                           "run it from the checkout's root")
     spec = importlib.util.spec_from_file_location("llaisys_random_gguf", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
