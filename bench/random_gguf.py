@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import importlib.util
 import sys
 import tempfile
 
@@ -33,7 +34,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "python"))
+if importlib.util.find_spec("llaisys") is None:  # run from a checkout without an install: use its sources
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
 
 from llaisys.bench import SHAPES, weight_shapes  # noqa: E402
 # the loader's name tables, and its reader: ~3x faster than gguf.GGUFReader over a 150k-token vocabulary
