@@ -9,10 +9,12 @@ torch.compile decode. llaisys and llama.cpp each run in a process of their own (
 Same as `llaisys bench --peers`; see python/llaisys/_peers.py for how each peer is timed.
 """
 import argparse
+import importlib.util
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+if importlib.util.find_spec("llaisys") is None:  # run from a checkout without an install: use its sources
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
 from llaisys import bench  # noqa: E402
 
