@@ -50,6 +50,7 @@ def llama_cpp_decoder(args):
     from llama_cpp import Llama
 
     from llaisys import catalog
+    from llaisys._peers import llama_cpp_timed
 
     threads = args.threads or len(os.sched_getaffinity(0))  # llaisys' pool default (llama-cpp-python's: cores / 2)
     llm = Llama(model_path=catalog.resolve(args.model), n_threads=threads, n_threads_batch=threads,
@@ -57,15 +58,7 @@ def llama_cpp_decoder(args):
     prompt = llm.tokenize(PROMPT.encode(), add_bos=False)
 
     def rate(tokens: int) -> float:
-        llm.reset()
-        gen = llm.generate(prompt, temp=0.0)
-        for i, _ in enumerate(gen, 1):
-            if i == 1:
-                first = time.perf_counter()
-            if i == tokens:
-                break
-        gen.close()
-        return (tokens - 1) / (time.perf_counter() - first)
+        return (tokens - 1) / llama_cpp_timed(llm, prompt, tokens)[1]
 
     return rate, threads
 

@@ -191,24 +191,27 @@ def llama_cpp_measure(path: str, threads: int, vocab: int, prompt_len: int, new_
         raise ValueError(f"llama.cpp reads {llm.n_vocab()} tokens from {path}, llaisys {vocab}: not the same model")
     warm, timed = bench_prompts(vocab, prompt_len)
 
-    def run(prompt: list[int], n: int) -> tuple[float, float]:
-        llm.reset()  # no prefix reuse from the previous prompt: the whole prompt is evaluated
-        start = time.perf_counter()
-        first = start
-        gen = llm.generate(prompt, temp=0.0)
-        for i, _ in enumerate(gen, 1):
-            if i == 1:
-                first = time.perf_counter()
-            if i == n:
-                break
-        gen.close()
-        return first - start, time.perf_counter() - first
-
-    run(warm, 8)  # warm-up at the timed shapes, as llaisys gets
-    ttft, decode_s = run(timed, new_tokens)
+    llama_cpp_timed(llm, warm, 8)  # warm-up at the timed shapes, as llaisys gets
+    ttft, decode_s = llama_cpp_timed(llm, timed, new_tokens)
     return {"ttft_ms": ttft * 1e3, "prefill_tok_s": len(timed) / ttft,
             "decode_tok_s": (new_tokens - 1) / decode_s if new_tokens > 1 else 0.0,
             "peak_rss_mb": peak_rss_mb(), "threads": threads, "load_s": load_s}
+
+
+def llama_cpp_timed(llm, prompt: list[int], n: int) -> tuple[float, float]:
+    """Greedy Llama.generate of n tokens after `prompt` (it never stops at EOS): (seconds to the first
+    token, seconds from the first token to the n-th)."""
+    llm.reset()  # no prefix reuse from the previous prompt: the whole prompt is evaluated
+    start = time.perf_counter()
+    first = start
+    gen = llm.generate(prompt, temp=0.0)
+    for i, _ in enumerate(gen, 1):
+        if i == 1:
+            first = time.perf_counter()
+        if i == n:
+            break
+    gen.close()
+    return first - start, time.perf_counter() - first
 
 
 def run_llama_cpp(ours: dict, path: str, threads: int) -> dict:
