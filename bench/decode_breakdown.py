@@ -1,11 +1,15 @@
-"""Per-kernel time of one batch-1 decode step on CUDA (random weights of a real Qwen2 shape).
+"""Per-kernel time of a decode step of the batched engine on CUDA (random weights of a real Qwen2 shape,
+bf16 safetensors or a random GGUF kept in its block formats).
 
-    python bench/decode_breakdown.py [--shape qwen2-0.5b] [--steps 20] [--json out.json]
+    python bench/decode_breakdown.py [--shape qwen2-0.5b] [--gguf-types q4_k_m] [--batch 1] [--steps 32]
 
-Runs the decode step with CUDA graphs on (the real path) under torch.profiler, which records every
-kernel in the process through CUPTI, including those replayed from our graph. Prints, per kernel
-name: launches per step, device µs per step, and share of the step; then the sum of kernel time
-against the step's wall time (the difference is the gaps between kernels).
+Runs `Engine.generate` (CUDA graphs on, the real path) for `--batch` requests of `--context` prompt tokens
+under torch.profiler, which records every kernel of the process through CUPTI, including those replayed
+from the Runner's graphs: once with 1 new token (prefill and the first sample) and once with 1 + steps.
+The difference, divided by steps, is what one decode step costs: per kernel name, launches and device µs
+per step; then kernel time against the step's wall time (the rest is gaps between kernels and the
+host's work). With PDL on (the default), CUPTI counts a kernel's wait for its predecessor as its own
+time: set LLAISYS_PDL=0 for durations that add up.
 """
 from __future__ import annotations
 
@@ -16,10 +20,12 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-
-import llaisys  # noqa: E402
-from llaisys import bench as B  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import llaisys  # noqa: F401
+except ImportError:  # run from a checkout without the package installed
+    sys.path.insert(0, os.path.join(HERE, "..", "python"))
+sys.path.insert(0, HERE)
 
 
 def short(name: str) -> str:
@@ -38,56 +44,83 @@ def short(name: str) -> str:
         else:
             targs.append(ch)
     base = "".join(out).strip().split("::")[-1] or name[:60]
+    t = "".join(targs)
     for epilogue in ("PlainEpilogue", "SwigluEpilogue"):
-        if epilogue in "".join(targs):
+        if epilogue in t:
             base += "/" + epilogue.replace("Epilogue", "").lower()
+    if base.startswith("quant_gemv") and t.rstrip().endswith("true"):
+        base += "/swiglu"
     return base
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(B.SHAPES))
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--context", type=int, default=256, help="tokens already in the cache when timing starts")
-    ap.add_argument("--graphs", type=int, default=1)
-    ap.add_argument("--json")
-    args = ap.parse_args()
+def profiled(eng, prompts, new_tokens: int):
+    """(kernel name -> [launches, device µs], wall seconds) of one generate call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    c = B.SHAPES[args.shape]
-    model = B.random_model(c, "bf16", "cuda:0", args.context + args.steps + 64)
-    model.cuda_graphs = bool(args.graphs)
-    sp = B._greedy()
-    model.forward_sample([0], [list(range(1, args.context + 1))], [sp], 0, 0)
-    tok = 1
-    for i in range(5):  # capture and warm the decode graph
-        tok = model.forward_sample([0], [[tok]], [sp], 0, i + 1)[0]
-    llaisys.synchronize("cuda:0")
+    import llaisys
+
+    llaisys.synchronize(eng.device)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        for i in range(args.steps):
-            tok = model.forward_sample([0], [[tok]], [sp], 0, i + 10)[0]
-        wall = (time.perf_counter() - t0) / args.steps * 1e6
+        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        wall = time.perf_counter() - t0
     per = defaultdict(lambda: [0, 0.0])
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 and "Memcpy" not in ev.name:
             k = short(ev.name)
             per[k][0] += 1
             per[k][1] += ev.device_time_total
-    total = sum(v[1] for v in per.values()) / args.steps
-    rows = sorted(((k, n / args.steps, us / args.steps) for k, (n, us) in per.items()), key=lambda r: -r[2])
-    print(f"{args.shape}, bf16, context {args.context}, graphs {'on' if args.graphs else 'off'}, "
-          f"fused projections {'on' if model.fused_projections else 'off'}: "
-          f"step wall {wall:.1f} µs (profiled), kernel time {total:.1f} µs, "
-          f"launches/step {sum(r[1] for r in rows):.0f}")
+    return per, wall
+
+
+def main() -> int:
+    from throughput import SHAPES, random_checkpoint, requests
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--gguf-types", metavar="PRESET", help="a random GGUF of the shape in these block formats")
+    ap.add_argument("--dtype", help="default: quantized for --gguf-types, else bf16")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens of each request")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from llaisys.engine.engine import Engine
+
+    if args.gguf_types:
+        from random_gguf import cached_random_gguf
+
+        path = cached_random_gguf(args.shape, args.gguf_types)
+    else:
+        path = random_checkpoint(args.shape)
+    dtype = args.dtype or ("quantized" if args.gguf_types else "bf16")
+    eng = Engine(path, device="cuda", dtype=dtype, progress=False, max_seq_len=args.context + args.steps + 64,
+                 max_num_seqs=max(args.batch, 1))
+    prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
+    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)  # graph capture, allocator warm-up
+    base, wall0 = profiled(eng, [[2] + p[1:] for p in prompts], 1)  # new first tokens: no prefix-cache hit
+    full, wall1 = profiled(eng, [[3] + p[1:] for p in prompts], 1 + args.steps)
+    rows = []
+    for k, (n, us) in full.items():
+        n0, us0 = base.get(k, (0, 0.0))
+        if n - n0 > 0:
+            rows.append((k, (n - n0) / args.steps, (us - us0) / args.steps))
+    rows.sort(key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    wall = (wall1 - wall0) / args.steps * 1e6
+    what = f"{args.gguf_types} GGUF ({dtype})" if args.gguf_types else dtype
+    print(f"{args.shape}, {what}, batch {args.batch}, context {args.context}: decode step wall {wall:.1f} µs "
+          f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}")
     print(f"{'kernel':<44}{'launches':>9}{'µs/step':>10}{'share':>8}{'µs/launch':>11}")
     for k, n, us in rows:
         print(f"{k[:43]:<44}{n:9.1f}{us:10.1f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1e-9):11.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "fused": model.fused_projections, "wall_us": wall, "kernel_us": total,
+            json.dump({"shape": args.shape, "dtype": what, "batch": args.batch, "wall_us": wall, "kernel_us": total,
                        "kernels": [dict(name=k, launches=n, us=us) for k, n, us in rows]}, f, indent=2)
+    eng.close()
     return 0
 
 

@@ -86,21 +86,21 @@ if has ab; then # A/B of the switches, no peers: default, LLAISYS_PDL=0, LLAISYS
     done
   done
 fi
-if has breakdown; then
-  for shape in qwen2-0.5b qwen2-1.5b; do
-    log "decode breakdown $shape"
-    timeout 120 python3 bench/decode_breakdown.py --shape $shape --json "$OUT/breakdown_$shape.json" 2>&1 |
-      grep -v Warning | head -30 | tee -a "$OUT/summary.txt"
+if has breakdown; then # per-kernel time of a decode step of the batched engine (PDL off: durations add up)
+  for args in "--shape qwen2-0.5b" "--shape qwen2-1.5b" "--shape qwen2-1.5b --gguf-types q4_k_m" \
+              "--shape qwen2-0.5b --batch 256 --steps 8"; do
+    log "decode breakdown $args"
+    LLAISYS_PDL=0 timeout 180 python3 bench/decode_breakdown.py $args --json "$OUT/breakdown_$(echo $args | tr -d ' -').json" \
+      2>&1 | grep -v Warning | head -24 | tee -a "$OUT/summary.txt"
   done
-  log "decode breakdown qwen2-0.5b, LLAISYS_FUSED=0 (the separate q/k/v, rope, cache-write and gate/up ops)"
-  LLAISYS_FUSED=0 timeout 120 python3 bench/decode_breakdown.py --shape qwen2-0.5b --json "$OUT/breakdown_unfused.json" \
-    2>&1 | grep -v Warning | head -30 | tee -a "$OUT/summary.txt"
 fi
 if has bench; then
   log "bench_ops"
-  timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter='CUDA|Cuda|cuda|Ceiling' --benchmark_min_time=0.05 \
+  timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter="${BENCH_FILTER:-CUDA|Cuda|cuda|Ceiling}" --benchmark_min_time=0.05 \
     --benchmark_out="$OUT/bench_ops.json" --benchmark_out_format=json >"$OUT/bench_ops.txt" 2>&1
   tail -60 "$OUT/bench_ops.txt" | cut -c1-160 >>"$OUT/summary.txt"
+fi
+if has bench && [ -z "${BENCH_FILTER:-}" ]; then # BENCH_FILTER narrows the step to those bench_ops rows
   log "attention vs SDPA"
   timeout 120 python3 bench/attention_vs_sdpa.py 2>&1 | tail -12 | tee -a "$OUT/summary.txt"
   log "torch F.linear at M = 1 from a CUDA graph (compare with Linear/cuda_graph above)"

@@ -7,10 +7,11 @@
 // Each case cycles through distinct copies of its weight (>= 256 MiB in all), so no copy sits in the
 // L3 between calls, as in a forward pass where every layer has its own weights.
 //
-// QuantLinear/cuda_graph/... (CUDA builds): the M = 1 GEMV on the 1.5B Q4_K_M shapes (Q4_K q/k/v,
-// gate/up, down; Q6_K down and LM head) and the fused gate/up + SwiGLU, bf16 x, replayed from a CUDA
-// graph over distinct device copies (>= 256 MiB, bench_timing.hpp's cold_sets) so L2 holds none of them.
-// GB/s counts the weight bytes; the x quantize kernel's time is included.
+// QuantLinear/cuda_graph/... (CUDA builds): the GEMV on the 1.5B Q4_K_M shapes (Q4_K q/k/v, gate/up,
+// down; Q6_K down and LM head) and the fused gate/up + SwiGLU, two 0.5B shapes (Q5_0, Q8_0), at M = 1
+// and a few at M = 8, bf16 x, replayed from a CUDA graph over distinct device copies (>= 256 MiB,
+// bench_timing.hpp's cold_sets) so L2 holds none of them. GB/s counts the weight bytes; quantizing x
+// (in the GEMV at M = 1, a kernel ahead of it at M = 8) is included.
 #include "bench_timing.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/quant.hpp"
@@ -134,14 +135,14 @@ void bench_read(benchmark::State &state, int64_t bytes) {
 
 #ifdef LLAISYS_WITH_CUDA
 // One M = 1 call per device copy of the weight (N rows: linear; 2N rows: linear_swiglu into N outputs).
-void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t K, int64_t N, bool swiglu) {
+void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t M, int64_t K, int64_t N, bool swiglu) {
     if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const QuantMatrix w0 = random_matrix(f, swiglu ? 2 * N : N, K);
     std::vector<QuantMatrix> ws;
     for (int64_t i = 0; i < llaisys::bench::cold_sets(double(w0.nbytes()), dev); ++i) ws.push_back(w0.to(dev));
-    const Tensor x = Tensor::empty({1, K}, DType::BF16).fill_(0.5).to(dev), out = Tensor::empty({1, N}, DType::BF16, dev);
+    const Tensor x = Tensor::empty({M, K}, DType::BF16).fill_(0.5).to(dev), out = Tensor::empty({M, N}, DType::BF16, dev);
     synchronize(dev);
     const int batch = int(std::max<size_t>(16, ws.size()));
     llaisys::bench::time_graph_replays(state, dev, batch, [&](int b) {
@@ -155,19 +156,21 @@ void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t K, int64_t
 void register_cuda_benchmarks() {
     struct Case {
         QuantFormat f;
-        int64_t K, N;
+        int64_t M, K, N;
         bool swiglu;
     };
     const std::vector<Case> cases = {
-        {QuantFormat::Q4_K, 1536, 2048, false},   {QuantFormat::Q4_K, 1536, 8960, false},
-        {QuantFormat::Q4_K, 8960, 1536, false},   {QuantFormat::Q6_K, 8960, 1536, false},
-        {QuantFormat::Q6_K, 1536, 151936, false}, {QuantFormat::Q4_K, 1536, 8960, true},
+        {QuantFormat::Q4_K, 1, 1536, 2048, false},   {QuantFormat::Q4_K, 1, 1536, 8960, false},
+        {QuantFormat::Q4_K, 1, 8960, 1536, false},   {QuantFormat::Q6_K, 1, 8960, 1536, false},
+        {QuantFormat::Q6_K, 1, 1536, 151936, false}, {QuantFormat::Q4_K, 1, 1536, 8960, true},
+        {QuantFormat::Q5_0, 1, 896, 4864, true},     {QuantFormat::Q8_0, 1, 4864, 896, false},
+        {QuantFormat::Q4_K, 8, 1536, 8960, true},    {QuantFormat::Q6_K, 8, 8960, 1536, false},
     };
     for (const Case &c : cases) {
         const std::string name = std::string(c.swiglu ? "QuantLinearSwiglu" : "QuantLinear") + "/cuda_graph/" +
-                                 quant_format_info(c.f).name + "/M:1/K:" + std::to_string(c.K) +
-                                 (c.swiglu ? "/I:" : "/N:") + std::to_string(c.N);
-        benchmark::RegisterBenchmark(name.c_str(), bench_quant_cuda, c.f, c.K, c.N, c.swiglu)
+                                 quant_format_info(c.f).name + "/M:" + std::to_string(c.M) + "/K:" +
+                                 std::to_string(c.K) + (c.swiglu ? "/I:" : "/N:") + std::to_string(c.N);
+        benchmark::RegisterBenchmark(name.c_str(), bench_quant_cuda, c.f, c.M, c.K, c.N, c.swiglu)
             ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(200);
     }
 }

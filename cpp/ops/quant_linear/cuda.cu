@@ -1,8 +1,10 @@
 // CUDA quantized linear, linear + SwiGLU and embedding over GGUF block weights (readers: blocks.cuh).
-//   M <= 8 (decode): quantize_x_kernel turns x into 8-bit blocks of the weight's block size, as the CPU
-//   op defines them (d = max|x| / 127 in f32, q = round(x / d)), and quant_gemv_kernel dots each W row
-//   with them in integer arithmetic (__dp4a), scaling each sub-block's sum in f32. Both are launched
-//   with PDL; the GEMV prefetches the head of its W rows into L2 before it waits for x.
+//   M <= 8 (decode): x is turned into 8-bit blocks of the weight's block size, as the CPU op defines them
+//   (d = max|x| / 127 in f32, q = round(x / d)), held in shared memory, and quant_gemv_kernel dots each
+//   W row with them in integer arithmetic (__dp4a), scaling each sub-block's sum in f32. For M <= 2 each
+//   block of the GEMV quantizes x itself (one launch per linear: at batch 1 a separate quantize kernel
+//   cost about as much as a small GEMV); for more rows quantize_x_kernel does it once, ahead. Launched
+//   with PDL; the GEMV prefetches its first W rows into L2 before it waits for x.
 //   M > 8 (prefill, large batches): the whole weight is decoded into a dense scratch [N, K] of x's dtype
 //   and the dense linear (cuBLASLt) runs on it with the unquantized x. Memory: N * K * sizeof(T) for the
 //   call (bf16: 3.6x the Q4_K bytes; the 1.5B LM head, 151936 x 1536, takes 467 MB), handed back to the
@@ -24,7 +26,8 @@ namespace {
 using namespace qblocks;
 
 constexpr int64_t kMaxGemvM = kQuantGemvMaxRows; // larger batches take the dequantize + cuBLASLt path
-constexpr int kWarps = 8;        // warps per block of the GEMV
+constexpr int kGemvThreads = 256; // threads per block of the GEMV
+constexpr int64_t kFuseMaxM = 2;  // up to this many rows the GEMV quantizes x itself
 constexpr int kIdOutOfRange = 1; // the device error code embedding uses (synchronize raises IndexError)
 
 // x quantized on the device: q int8 [M, K], d f32 [M, K / BK] (one scale per block of BK elements).
@@ -80,65 +83,166 @@ __device__ __forceinline__ float sub_dot(const Sub32 &w, const int (&x)[8], int 
     return w.d * float(isum) - w.dm * float(xs_lo + xs_hi);
 }
 
-// out [M, N] = x @ W^T (+ bias [N]) with W [N, K], or with kSwiglu out = swiglu(x @ W[:N]^T, x @ W[N:]^T)
-// with W [2N, K], g and u rounded to T first as linear + swiglu would. M <= MR: x rows past M repeat
-// the last (computed, never stored).
-// Launch: at most one wave of blocks of kWarps warps; warp w takes output columns n = w, w + all warps,
-// ... For each it reads its W row(s) once: lane l takes sub-blocks l, l + 32, ... (32 weights each),
-// dots them with the MR x rows, and shuffles reduce the lanes' f32 sums. A row's summation order
-// depends on K alone, so linear_swiglu's g and u equal linear's outputs bit for bit.
-template <class F, typename T, int MR, bool kSwiglu>
-__global__ void __launch_bounds__(kWarps * 32, 2) // <= 128 registers: 2+ blocks per SM for M = 8, swiglu
-    quant_gemv_kernel(T *__restrict__ out, const uint8_t *__restrict__ w, int64_t row_bytes, QuantX xq,
-                      const T *__restrict__ bias, int64_t M, int64_t N, int64_t K) {
-    constexpr int R = kSwiglu ? 2 : 1;
-    const int lane = threadIdx.x & 31;
-    const int64_t warp0 = int64_t(blockIdx.x) * kWarps + (threadIdx.x >> 5), nwarps = int64_t(gridDim.x) * kWarps;
-    const int64_t nsub = K / 32, nb = K / F::kBK;
-    // W is not written by the kernels ahead: the first rows stream into L2 while they finish.
-    if (warp0 < N)
-        for (int r = 0; r < R; ++r)
-            for (int64_t off = 128 * lane; off < row_bytes; off += 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (warp0 + r * N) * row_bytes + off));
-    pdl_trigger();
-    pdl_wait();
-    const int8_t *xr[MR];
-    const float *dr[MR];
+// Lanes that share one output row in the GEMV: K alone decides it (so linear_swiglu's g and u are
+// summed in linear's order), aiming at <= 4 sub-blocks of 32 weights per lane: a lane's sub-blocks are
+// read one after another, so fewer of them per lane means fewer memory round trips in a row.
+// K = 896 or 1536 -> 16 lanes, 4864 -> 64, 8960 -> 128.
+inline int gemv_group(int64_t K) {
+    int g = 16;
+    while (g < 128 && 4 * g < K / 32) g *= 2;
+    return g;
+}
+
+// Shared memory of the GEMV: x's codes q int8 [M, K], its scales d f32 [M, K / BK], and the partial sums
+// of groups wider than a warp (one float per warp and output).
+inline size_t gemv_smem(int64_t M, int64_t K, int bk, int outs) {
+    return size_t(M * K + M * (K / bk) * 4 + (kGemvThreads / 32) * outs * 4);
+}
+
+// x [M, K] (rows ldx apart) -> q, d in shared memory, as cpu.cpp's quantize_row: the block's threads take
+// 8 elements each, and the BK / 8 threads of one block of x (<= 32, within one warp) reduce max|x| and
+// finiteness by shuffles.
+template <typename T, int BK>
+__device__ __forceinline__ void quantize_x(int8_t *q, float *d, const T *__restrict__ x, int64_t ldx, int64_t M,
+                                           int64_t K) {
+    const int64_t per_row = K / 8, total = M * per_row;
+    for (int64_t g0 = 0; g0 < total; g0 += blockDim.x) { // every lane of a warp takes each round (shuffles)
+        const int64_t g = g0 + threadIdx.x;
+        const bool valid = g < total;
+        const int64_t m = valid ? g / per_row : 0, k0 = valid ? g % per_row * 8 : 0;
+        float v[8], amax = 0.f;
+        int bad = 0;
+        const T *xp = x + m * ldx + k0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            v[j] = valid ? to_f32(xp[j]) : 0.f;
+            bad |= !isfinite(v[j]);
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+#pragma unroll
+        for (int o = 1; o < BK / 8; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+        }
+        if (!valid) continue;
+        const float dd = amax / 127.f, id = dd != 0.f && !bad ? 1.f / dd : 0.f;
+        uint32_t packed[2] = {0, 0};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int qj = bad ? 0 : int(roundf(__fmul_rn(v[j], id))); // halves away from zero, as std::round
+            packed[j / 4] |= uint32_t(uint8_t(int8_t(qj))) << (8 * (j % 4));
+        }
+        *reinterpret_cast<uint2 *>(q + m * K + k0) = make_uint2(packed[0], packed[1]);
+        if (k0 % BK == 0) d[m * (K / BK) + k0 / BK] = bad ? __int_as_float(0x7fc00000) : dd;
+    }
+}
+
+// Adds sub-block s of W's row(s) dotted with the M x rows (codes and scales in shared memory) to acc.
+// Rows past M repeat row M - 1 (computed, never stored).
+template <class F, int MR, int R>
+__device__ __forceinline__ void gemv_accumulate(float (&acc)[MR][R], const Sub32 (&sub)[R], const int8_t *sq,
+                                                const float *sd, int64_t s, int64_t M, int64_t K) {
+    const int64_t b = s / F::kSubs, nb = K / F::kBK;
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
         const int64_t row = m < M ? m : M - 1;
-        xr[m] = xq.q + row * K, dr[m] = xq.d + row * nb;
+        const int4 *xp = reinterpret_cast<const int4 *>(sq + row * K + s * 32);
+        const int4 x0 = xp[0], x1 = xp[1];
+        const int xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        int xs_lo = 0, xs_hi = 0;
+        if constexpr (F::kOffsets)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                xs_lo = __dp4a(xv[i], 0x01010101, xs_lo), xs_hi = __dp4a(xv[4 + i], 0x01010101, xs_hi);
+        const float dx = sd[row * nb + b];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] += dx * sub_dot(sub[r], xv, xs_lo, xs_hi);
     }
-    for (int64_t n = warp0; n < N; n += nwarps) {
+}
+
+// out [M, N] = x @ W^T (+ bias [N]) with W [N, K], or with kSwiglu out = swiglu(x @ W[:N]^T, x @ W[N:]^T)
+// with W [2N, K], g and u rounded to T first as linear + swiglu would. M <= MR: rows of x past M are
+// zero codes (computed, never stored).
+// x arrives either raw (xq.q null: each block quantizes it into shared memory itself, saving a launch;
+// M <= kFuseMaxM) or already quantized by quantize_x_kernel (copied into shared memory).
+// Work: G lanes (gemv_group) per output row, so a block of kGemvThreads takes kGemvThreads / G rows (a
+// tile) at a time, tiles strided over a grid of at most one wave. Lane l of a row's group takes
+// sub-blocks l, l + G, ... (32 weights each, two in flight at a time), dots them with the MR x rows, and
+// the group's f32 sums are reduced by shuffles (then through shared memory for G > 32). A row's
+// summation order depends on K alone, so linear_swiglu's g and u equal linear's outputs bit for bit.
+template <class F, typename T, int MR, bool kSwiglu>
+__global__ void __launch_bounds__(kGemvThreads)
+    quant_gemv_kernel(T *__restrict__ out, const uint8_t *__restrict__ w, int64_t row_bytes, const T *__restrict__ x,
+                      int64_t ldx, QuantX xq, const T *__restrict__ bias, int64_t M, int64_t N, int64_t K, int G) {
+    constexpr int R = kSwiglu ? 2 : 1;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int64_t nb = K / F::kBK, nsub = K / 32;
+    int8_t *sq = reinterpret_cast<int8_t *>(smem);
+    float *sd = reinterpret_cast<float *>(smem + M * K), *red = sd + M * nb;
+    const int rows = kGemvThreads / G, gl = threadIdx.x % G, grp = threadIdx.x / G;
+    const int64_t ntiles = ceil_div(N, int64_t(rows));
+    { // W is not written by the kernels ahead: this block's first rows stream into L2 while they finish
+        const int64_t n = int64_t(blockIdx.x) * rows + grp;
+        if (n < N)
+            for (int r = 0; r < R; ++r)
+                for (int64_t off = 128 * gl; off < row_bytes; off += 128 * int64_t(G))
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (n + r * N) * row_bytes + off));
+    }
+    pdl_trigger();
+    pdl_wait();
+    if (xq.q == nullptr) {
+        quantize_x<T, F::kBK>(sq, sd, x, ldx, M, K);
+    } else {
+        for (int64_t i = threadIdx.x; i < M * K / 16; i += blockDim.x)
+            reinterpret_cast<int4 *>(sq)[i] = __ldg(reinterpret_cast<const int4 *>(xq.q) + i);
+        for (int64_t i = threadIdx.x; i < M * nb; i += blockDim.x) sd[i] = __ldg(xq.d + i);
+    }
+    __syncthreads();
+    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        const int64_t n = tile * rows + grp;
         float acc[MR][R] = {};
-        for (int64_t s = lane; s < nsub; s += 32) {
-            const int64_t b = s / F::kSubs;
-            Sub32 sub[R];
+        if (n < N) {
+            for (int64_t s = gl; s < nsub; s += 2 * int64_t(G)) {
+                const int64_t s2 = s + G;
+                Sub32 a[R], b[R];
 #pragma unroll
-            for (int r = 0; r < R; ++r) sub[r] = F::sub(w + (n + r * N) * row_bytes + b * F::kBytes, int(s % F::kSubs));
+                for (int r = 0; r < R; ++r) a[r] = F::sub(w + (n + r * N) * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
+                if (s2 < nsub)
 #pragma unroll
-            for (int m = 0; m < MR; ++m) {
-                const int4 *xp = reinterpret_cast<const int4 *>(xr[m] + s * 32);
-                const int4 x0 = __ldg(xp), x1 = __ldg(xp + 1);
-                const int xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-                int xs_lo = 0, xs_hi = 0;
-                if constexpr (F::kOffsets)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        xs_lo = __dp4a(xv[i], 0x01010101, xs_lo), xs_hi = __dp4a(xv[4 + i], 0x01010101, xs_hi);
-                const float dx = __ldg(dr[m] + b);
-#pragma unroll
-                for (int r = 0; r < R; ++r) acc[m][r] += dx * sub_dot(sub[r], xv, xs_lo, xs_hi);
+                    for (int r = 0; r < R; ++r)
+                        b[r] = F::sub(w + (n + r * N) * row_bytes + s2 / F::kSubs * F::kBytes, int(s2 % F::kSubs));
+                gemv_accumulate<F, MR, R>(acc, a, sq, sd, s, M, K);
+                if (s2 < nsub) gemv_accumulate<F, MR, R>(acc, b, sq, sd, s2, M, K);
             }
         }
+        const int width = G < 32 ? G : 32;
 #pragma unroll
         for (int m = 0; m < MR; ++m)
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
-        if (lane != 0) continue;
+            for (int r = 0; r < R; ++r)
+                for (int o = 1; o < width; o <<= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
+        if (G > 32) { // the group's warps: partial sums through shared memory, added in warp order
+            const int warp = threadIdx.x >> 5, per = G / 32;
+            if ((threadIdx.x & 31) == 0)
+#pragma unroll
+                for (int m = 0; m < MR; ++m)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) red[(warp * MR + m) * R + r] = acc[m][r];
+            __syncthreads();
+#pragma unroll
+            for (int m = 0; m < MR; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    float v = 0.f;
+                    for (int i = 0; i < per; ++i) v += red[((grp * per + i) * MR + m) * R + r];
+                    acc[m][r] = v;
+                }
+            __syncthreads(); // red is written again by the next tile
+        }
+        if (n >= N) continue;
 #pragma unroll
         for (int m = 0; m < MR; ++m) {
-            if (m >= M) break;
+            if (m >= M || gl != m) continue; // lane m of the group stores row m
             if constexpr (kSwiglu) { // the swiglu op's formula (ops/swiglu/cuda.cu)
                 const float g = to_f32(from_f32<T>(acc[m][0])), u = to_f32(from_f32<T>(acc[m][1]));
                 out[m * N + n] = from_f32<T>(u * (g / (1.f + expf(-g))));
@@ -192,32 +296,47 @@ void check_aligned(const char *op, const QuantMatrix &w) {
                   "-byte boundary on ", w.device().str());
 }
 
-template <typename Kernel>
-int blocks_per_sm(Kernel kernel, int threads) {
-    int n = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
-    return std::max(n, 1);
-}
-
-// Quantizes x [M, K] into scratch, then launches the GEMV for N outputs (see quant_gemv_kernel).
+// Launches the GEMV for N outputs (see quant_gemv_kernel); for M > kFuseMaxM x is quantized first by
+// quantize_x_kernel into a stream-ordered scratch.
 template <class F, typename T, int MR, bool kSwiglu>
 void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int64_t N) {
     using D = device_t<T>;
     const int64_t M = x.size(0), K = w.cols(), nb = K / F::kBK;
-    const int dev = out.device().index;
+    const int dev = out.device().index, G = gemv_group(K);
     const cudaStream_t stream = stream_of(out);
-    // q int8 [M, K], then d f32 [M, nb] (K % 32 == 0 keeps both 16-byte aligned); freed stream-ordered.
-    const Tensor scratch = Tensor::empty({M * K + M * nb * 4}, DType::U8, out.device());
-    int8_t *q = reinterpret_cast<int8_t *>(scratch.data());
-    float *d = reinterpret_cast<float *>(q + M * K);
-    launch_pdl(quantize_x_kernel<D, F::kBK>, dim3(unsigned(ceil_div(M * K / 8, 256))), dim3(256), 0, stream, dev, q,
-               d, dptr<T>(x), linear_detail::ld(x), M, K);
+    QuantX xq{nullptr, nullptr};
+    Tensor scratch;
+    if (M > kFuseMaxM) { // q int8 [M, K], then d f32 [M, nb] (K % 32 == 0 keeps both 16-byte aligned)
+        scratch = Tensor::empty({M * K + M * nb * 4}, DType::U8, out.device());
+        int8_t *q = reinterpret_cast<int8_t *>(scratch.data());
+        float *d = reinterpret_cast<float *>(q + M * K);
+        launch_pdl(quantize_x_kernel<D, F::kBK>, dim3(unsigned(ceil_div(M * K / 8, 256))), dim3(256), 0, stream,
+                   dev, q, d, dptr<T>(x), linear_detail::ld(x), M, K);
+        xq = QuantX{q, d};
+    }
     auto kernel = quant_gemv_kernel<F, D, MR, kSwiglu>;
-    static const int per_sm = blocks_per_sm(kernel, kWarps * 32);
-    const int64_t blocks = std::min(ceil_div(N, kWarps), int64_t(sm_count(dev)) * per_sm);
-    launch_pdl(kernel, dim3(unsigned(blocks)), dim3(kWarps * 32), 0, stream, dev, dptr<T>(out),
-               w.bytes().data_as<uint8_t>(), w.row_bytes(), QuantX{q, d},
-               bias.defined() ? dptr<T>(bias) : nullptr, M, N, K);
+    const size_t smem = gemv_smem(M, K, F::kBK, MR * (kSwiglu ? 2 : 1));
+    if (smem > 48 * 1024) {
+        static std::atomic<size_t> allowed{48 * 1024}; // per kernel; raised as larger K arrive
+        if (smem > allowed.load()) {
+            CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+            allowed.store(smem);
+        }
+    }
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
+    const int64_t tiles = ceil_div(N, int64_t(kGemvThreads / G));
+    const int64_t blocks = std::min(tiles, int64_t(sm_count(dev)) * std::max(per_sm, 1));
+    launch_pdl(kernel, dim3(unsigned(blocks)), dim3(kGemvThreads), smem, stream, dev, dptr<T>(out),
+               w.bytes().data_as<uint8_t>(), w.row_bytes(), dptr<T>(x), linear_detail::ld(x), xq,
+               bias.defined() ? dptr<T>(bias) : nullptr, M, N, K, G);
+}
+
+// Whether the GEMV's shared memory holds M x rows of K (past ~200 KB, K of tens of thousands at M = 8,
+// the dense path runs instead).
+bool gemv_fits(const QuantMatrix &w, int64_t M, bool swiglu) {
+    return gemv_smem(M, w.cols(), quant_format_info(w.format()).block_elems, 8 * (swiglu ? 2 : 1)) <=
+           size_t(200) * 1024;
 }
 
 template <typename T, bool kSwiglu>
@@ -263,7 +382,7 @@ void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight,
     constexpr const char *op = "quant_linear";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM) return linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        if (x.size(0) > kMaxGemvM || !gemv_fits(weight, x.size(0), false)) return linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
         gemv<T, false>(op, out, x, weight, bias);
     });
 }
@@ -272,7 +391,8 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     constexpr const char *op = "quant_linear_swiglu";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM) return linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
+        if (x.size(0) > kMaxGemvM || !gemv_fits(w_gate_up, x.size(0), true))
+            return linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
         gemv<T, true>(op, out, x, w_gate_up, Tensor());
     });
 }
