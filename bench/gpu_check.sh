@@ -87,8 +87,9 @@ if has ab; then # A/B of the switches, no peers: default, LLAISYS_PDL=0, LLAISYS
   done
 fi
 if has breakdown; then # per-kernel time of a decode step of the batched engine (PDL off: durations add up)
-  for args in "--shape qwen2-0.5b" "--shape qwen2-1.5b" "--shape qwen2-1.5b --gguf-types q4_k_m" \
-              "--shape qwen2-0.5b --batch 256 --steps 8"; do
+  # BREAKDOWNS: the runs, ';'-separated (default: both shapes in bf16, the 1.5B Q4_K_M GGUF, 0.5B at batch 256)
+  IFS=';' read -ra runs <<<"${BREAKDOWNS:---shape qwen2-0.5b;--shape qwen2-1.5b;--shape qwen2-1.5b --gguf-types q4_k_m;--shape qwen2-0.5b --batch 256 --steps 8}"
+  for args in "${runs[@]}"; do
     log "decode breakdown $args"
     LLAISYS_PDL=0 timeout 180 python3 bench/decode_breakdown.py $args --json "$OUT/breakdown_$(echo $args | tr -d ' -').json" \
       2>&1 | grep -v Warning | head -24 | tee -a "$OUT/summary.txt"

@@ -1,10 +1,10 @@
 // CUDA quantized linear, linear + SwiGLU and embedding over GGUF block weights (readers: blocks.cuh).
 //   M <= 8 (decode): x is turned into 8-bit blocks of the weight's block size, as the CPU op defines them
 //   (d = max|x| / 127 in f32, q = round(x / d)), held in shared memory, and quant_gemv_kernel dots each
-//   W row with them in integer arithmetic (__dp4a), scaling each sub-block's sum in f32. For M <= 2 each
-//   block of the GEMV quantizes x itself (one launch per linear: at batch 1 a separate quantize kernel
-//   cost about as much as a small GEMV); for more rows quantize_x_kernel does it once, ahead. Launched
-//   with PDL; the GEMV prefetches its first W rows into L2 before it waits for x.
+//   W row with them in integer arithmetic (__dp4a), scaling each sub-block's sum in f32. While x is short
+//   (M K <= 4096) each block of the GEMV quantizes it itself (one launch per linear: at batch 1 a
+//   separate quantize kernel cost about as much as a small GEMV); else quantize_x_kernel does it once,
+//   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x.
 //   M > 8 (prefill, large batches): the whole weight is decoded into a dense scratch [N, K] of x's dtype
 //   and the dense linear (cuBLASLt) runs on it with the unquantized x. Memory: N * K * sizeof(T) for the
 //   call (bf16: 3.6x the Q4_K bytes; the 1.5B LM head, 151936 x 1536, takes 467 MB), handed back to the
@@ -27,7 +27,6 @@ using namespace qblocks;
 
 constexpr int64_t kMaxGemvM = kQuantGemvMaxRows; // larger batches take the dequantize + cuBLASLt path
 constexpr int kGemvThreads = 256; // threads per block of the GEMV
-constexpr int64_t kFuseMaxM = 2;  // up to this many rows the GEMV quantizes x itself
 constexpr int kIdOutOfRange = 1; // the device error code embedding uses (synchronize raises IndexError)
 
 // x quantized on the device: q int8 [M, K], d f32 [M, K / BK] (one scale per block of BK elements).
@@ -83,21 +82,20 @@ __device__ __forceinline__ float sub_dot(const Sub32 &w, const int (&x)[8], int 
     return w.d * float(isum) - w.dm * float(xs_lo + xs_hi);
 }
 
-// Lanes that share one output row in the GEMV: K alone decides it (so linear_swiglu's g and u are
-// summed in linear's order), aiming at <= 4 sub-blocks of 32 weights per lane: a lane's sub-blocks are
-// read one after another, so fewer of them per lane means fewer memory round trips in a row.
-// K = 896 or 1536 -> 16 lanes, 4864 -> 64, 8960 -> 128.
-inline int gemv_group(int64_t K) {
+// Lanes that share one output row in the GEMV (N outputs, K inputs): at batch 1 the GEMVs of a decode
+// step are latency-bound (a 2 MB matrix is under a microsecond of bandwidth), so the lanes of a row grow
+// until ~128K threads read the matrix at once or each lane has one sub-block of 32 weights (16..256).
+// N and K alone decide it, so linear_swiglu's g and u are summed in linear's order. 1.5B shapes: q/k/v
+// and o 64, gate/up 16, down 128, LM head 16.
+inline int gemv_group(int64_t N, int64_t K) {
     int g = 16;
-    while (g < 128 && 4 * g < K / 32) g *= 2;
+    while (g < 256 && g < K / 32 && N * g < 128 * 1024) g *= 2;
     return g;
 }
 
-// Shared memory of the GEMV: x's codes q int8 [M, K], its scales d f32 [M, K / BK], and the partial sums
-// of groups wider than a warp (one float per warp and output).
-inline size_t gemv_smem(int64_t M, int64_t K, int bk, int outs) {
-    return size_t(M * K + M * (K / bk) * 4 + (kGemvThreads / 32) * outs * 4);
-}
+// Whether the GEMV quantizes x itself: every block then does it again, which pays (one launch less)
+// only while x is short.
+inline bool gemv_fused(int64_t M, int64_t K) { return M * K <= 4096; }
 
 // x [M, K] (rows ldx apart) -> q, d in shared memory, as cpu.cpp's quantize_row: the block's threads take
 // 8 elements each, and the BK / 8 threads of one block of x (<= 32, within one warp) reduce max|x| and
@@ -138,15 +136,16 @@ __device__ __forceinline__ void quantize_x(int8_t *q, float *d, const T *__restr
 }
 
 // Adds sub-block s of W's row(s) dotted with the M x rows (codes and scales in shared memory) to acc.
-// Rows past M repeat row M - 1 (computed, never stored).
+// Rows past M repeat row M - 1 (computed, never stored). qx/dx: x's codes and scales, in shared or
+// global memory.
 template <class F, int MR, int R>
-__device__ __forceinline__ void gemv_accumulate(float (&acc)[MR][R], const Sub32 (&sub)[R], const int8_t *sq,
-                                                const float *sd, int64_t s, int64_t M, int64_t K) {
+__device__ __forceinline__ void gemv_accumulate(float (&acc)[MR][R], const Sub32 (&sub)[R], const int8_t *qx,
+                                                const float *dx, int64_t s, int64_t M, int64_t K) {
     const int64_t b = s / F::kSubs, nb = K / F::kBK;
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
         const int64_t row = m < M ? m : M - 1;
-        const int4 *xp = reinterpret_cast<const int4 *>(sq + row * K + s * 32);
+        const int4 *xp = reinterpret_cast<const int4 *>(qx + row * K + s * 32);
         const int4 x0 = xp[0], x1 = xp[1];
         const int xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         int xs_lo = 0, xs_hi = 0;
@@ -154,22 +153,29 @@ __device__ __forceinline__ void gemv_accumulate(float (&acc)[MR][R], const Sub32
 #pragma unroll
             for (int i = 0; i < 4; ++i)
                 xs_lo = __dp4a(xv[i], 0x01010101, xs_lo), xs_hi = __dp4a(xv[4 + i], 0x01010101, xs_hi);
-        const float dx = sd[row * nb + b];
+        const float d = dx[row * nb + b];
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[m][r] += dx * sub_dot(sub[r], xv, xs_lo, xs_hi);
+        for (int r = 0; r < R; ++r) acc[m][r] += d * sub_dot(sub[r], xv, xs_lo, xs_hi);
     }
 }
 
+template <class F, int R>
+__device__ __forceinline__ void load_sub(Sub32 (&sub)[R], const uint8_t *w, int64_t row_bytes, int64_t n, int64_t N,
+                                         int64_t s) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) sub[r] = F::sub(w + (n + r * N) * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
+}
+
 // out [M, N] = x @ W^T (+ bias [N]) with W [N, K], or with kSwiglu out = swiglu(x @ W[:N]^T, x @ W[N:]^T)
-// with W [2N, K], g and u rounded to T first as linear + swiglu would. M <= MR: rows of x past M are
-// zero codes (computed, never stored).
-// x arrives either raw (xq.q null: each block quantizes it into shared memory itself, saving a launch;
-// M <= kFuseMaxM) or already quantized by quantize_x_kernel (copied into shared memory).
-// Work: G lanes (gemv_group) per output row, so a block of kGemvThreads takes kGemvThreads / G rows (a
-// tile) at a time, tiles strided over a grid of at most one wave. Lane l of a row's group takes
-// sub-blocks l, l + G, ... (32 weights each, two in flight at a time), dots them with the MR x rows, and
-// the group's f32 sums are reduced by shuffles (then through shared memory for G > 32). A row's
-// summation order depends on K alone, so linear_swiglu's g and u equal linear's outputs bit for bit.
+// with W [2N, K], g and u rounded to T first as linear + swiglu would. M <= MR.
+// Work: G lanes (gemv_group) per output row, kGemvThreads / G rows per block, one block per such tile.
+// Lane l of a row takes sub-blocks l, l + G, ... (32 weights each, two at a time), dots them with the M
+// x rows, and the group's f32 sums are reduced by shuffles (then through shared memory for G > 32). A
+// row's summation order depends on N and K alone, so linear_swiglu's g and u equal linear's outputs bit
+// for bit. W is constant, so each lane loads its first two sub-blocks before waiting for the kernel
+// ahead: at batch 1 most lanes have no others, and the read is hidden behind that kernel's tail.
+// x arrives raw (xq.q null, gemv_fused: each block quantizes it into shared memory) or as codes and
+// scales from quantize_x_kernel (read from global memory, where L1 keeps them).
 template <class F, typename T, int MR, bool kSwiglu>
 __global__ void __launch_bounds__(kGemvThreads)
     quant_gemv_kernel(T *__restrict__ out, const uint8_t *__restrict__ w, int64_t row_bytes, const T *__restrict__ x,
@@ -177,78 +183,67 @@ __global__ void __launch_bounds__(kGemvThreads)
     constexpr int R = kSwiglu ? 2 : 1;
     extern __shared__ __align__(16) uint8_t smem[];
     const int64_t nb = K / F::kBK, nsub = K / 32;
-    int8_t *sq = reinterpret_cast<int8_t *>(smem);
-    float *sd = reinterpret_cast<float *>(smem + M * K), *red = sd + M * nb;
     const int rows = kGemvThreads / G, gl = threadIdx.x % G, grp = threadIdx.x / G;
-    const int64_t ntiles = ceil_div(N, int64_t(rows));
-    { // W is not written by the kernels ahead: this block's first rows stream into L2 while they finish
-        const int64_t n = int64_t(blockIdx.x) * rows + grp;
-        if (n < N)
-            for (int r = 0; r < R; ++r)
-                for (int64_t off = 128 * gl; off < row_bytes; off += 128 * int64_t(G))
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(w + (n + r * N) * row_bytes + off));
-    }
+    const int64_t n = int64_t(blockIdx.x) * rows + grp;
+    const bool live = n < N;
+    int64_t s = gl;
+    Sub32 a[R], b[R];
+    if (live && s < nsub) load_sub<F, R>(a, w, row_bytes, n, N, s);
+    if (live && s + G < nsub) load_sub<F, R>(b, w, row_bytes, n, N, s + G);
     pdl_trigger();
     pdl_wait();
-    if (xq.q == nullptr) {
+    const int8_t *qx = xq.q;
+    const float *dx = xq.d;
+    float *red = reinterpret_cast<float *>(smem); // [warps][MR][R] partial sums, after x's codes if here
+    if (qx == nullptr) {
+        int8_t *sq = reinterpret_cast<int8_t *>(smem);
+        float *sd = reinterpret_cast<float *>(smem + M * K);
         quantize_x<T, F::kBK>(sq, sd, x, ldx, M, K);
-    } else {
-        for (int64_t i = threadIdx.x; i < M * K / 16; i += blockDim.x)
-            reinterpret_cast<int4 *>(sq)[i] = __ldg(reinterpret_cast<const int4 *>(xq.q) + i);
-        for (int64_t i = threadIdx.x; i < M * nb; i += blockDim.x) sd[i] = __ldg(xq.d + i);
+        __syncthreads();
+        qx = sq, dx = sd, red = sd + M * nb;
     }
-    __syncthreads();
-    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-        const int64_t n = tile * rows + grp;
-        float acc[MR][R] = {};
-        if (n < N) {
-            for (int64_t s = gl; s < nsub; s += 2 * int64_t(G)) {
-                const int64_t s2 = s + G;
-                Sub32 a[R], b[R];
-#pragma unroll
-                for (int r = 0; r < R; ++r) a[r] = F::sub(w + (n + r * N) * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
-                if (s2 < nsub)
-#pragma unroll
-                    for (int r = 0; r < R; ++r)
-                        b[r] = F::sub(w + (n + r * N) * row_bytes + s2 / F::kSubs * F::kBytes, int(s2 % F::kSubs));
-                gemv_accumulate<F, MR, R>(acc, a, sq, sd, s, M, K);
-                if (s2 < nsub) gemv_accumulate<F, MR, R>(acc, b, sq, sd, s2, M, K);
-            }
+    float acc[MR][R] = {};
+    if (live)
+        while (s < nsub) {
+            gemv_accumulate<F, MR, R>(acc, a, qx, dx, s, M, K);
+            if (s + G >= nsub) break;
+            gemv_accumulate<F, MR, R>(acc, b, qx, dx, s + G, M, K);
+            s += 2 * int64_t(G);
+            if (s < nsub) load_sub<F, R>(a, w, row_bytes, n, N, s);
+            if (s + G < nsub) load_sub<F, R>(b, w, row_bytes, n, N, s + G);
         }
-        const int width = G < 32 ? G : 32;
+    const int width = G < 32 ? G : 32;
 #pragma unroll
-        for (int m = 0; m < MR; ++m)
+    for (int m = 0; m < MR; ++m)
 #pragma unroll
-            for (int r = 0; r < R; ++r)
-                for (int o = 1; o < width; o <<= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
-        if (G > 32) { // the group's warps: partial sums through shared memory, added in warp order
-            const int warp = threadIdx.x >> 5, per = G / 32;
-            if ((threadIdx.x & 31) == 0)
-#pragma unroll
-                for (int m = 0; m < MR; ++m)
-#pragma unroll
-                    for (int r = 0; r < R; ++r) red[(warp * MR + m) * R + r] = acc[m][r];
-            __syncthreads();
+        for (int r = 0; r < R; ++r)
+            for (int o = 1; o < width; o <<= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
+    if (G > 32) { // the group's warps: partial sums through shared memory, added in warp order
+        const int warp = threadIdx.x >> 5, per = G / 32;
+        if ((threadIdx.x & 31) == 0)
 #pragma unroll
             for (int m = 0; m < MR; ++m)
 #pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    float v = 0.f;
-                    for (int i = 0; i < per; ++i) v += red[((grp * per + i) * MR + m) * R + r];
-                    acc[m][r] = v;
-                }
-            __syncthreads(); // red is written again by the next tile
-        }
-        if (n >= N) continue;
+                for (int r = 0; r < R; ++r) red[(warp * MR + m) * R + r] = acc[m][r];
+        __syncthreads();
 #pragma unroll
-        for (int m = 0; m < MR; ++m) {
-            if (m >= M || gl != m) continue; // lane m of the group stores row m
-            if constexpr (kSwiglu) { // the swiglu op's formula (ops/swiglu/cuda.cu)
-                const float g = to_f32(from_f32<T>(acc[m][0])), u = to_f32(from_f32<T>(acc[m][1]));
-                out[m * N + n] = from_f32<T>(u * (g / (1.f + expf(-g))));
-            } else {
-                out[m * N + n] = from_f32<T>(acc[m][0] + (bias ? to_f32(bias[n]) : 0.f));
+        for (int m = 0; m < MR; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float v = 0.f;
+                for (int i = 0; i < per; ++i) v += red[((grp * per + i) * MR + m) * R + r];
+                acc[m][r] = v;
             }
+    }
+    if (!live) return;
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+        if (m >= M || gl != m) continue; // lane m of the group stores row m
+        if constexpr (kSwiglu) { // the swiglu op's formula (ops/swiglu/cuda.cu)
+            const float g = to_f32(from_f32<T>(acc[m][0])), u = to_f32(from_f32<T>(acc[m][1]));
+            out[m * N + n] = from_f32<T>(u * (g / (1.f + expf(-g))));
+        } else {
+            out[m * N + n] = from_f32<T>(acc[m][0] + (bias ? to_f32(bias[n]) : 0.f));
         }
     }
 }
@@ -296,17 +291,18 @@ void check_aligned(const char *op, const QuantMatrix &w) {
                   "-byte boundary on ", w.device().str());
 }
 
-// Launches the GEMV for N outputs (see quant_gemv_kernel); for M > kFuseMaxM x is quantized first by
-// quantize_x_kernel into a stream-ordered scratch.
+// Launches the GEMV for N outputs (see quant_gemv_kernel); unless gemv_fused, quantize_x_kernel first
+// turns x into codes and scales in a stream-ordered scratch.
 template <class F, typename T, int MR, bool kSwiglu>
 void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int64_t N) {
     using D = device_t<T>;
     const int64_t M = x.size(0), K = w.cols(), nb = K / F::kBK;
-    const int dev = out.device().index, G = gemv_group(K);
+    const int dev = out.device().index, G = gemv_group(N, K);
     const cudaStream_t stream = stream_of(out);
+    const bool fused = gemv_fused(M, K);
     QuantX xq{nullptr, nullptr};
     Tensor scratch;
-    if (M > kFuseMaxM) { // q int8 [M, K], then d f32 [M, nb] (K % 32 == 0 keeps both 16-byte aligned)
+    if (!fused) { // q int8 [M, K], then d f32 [M, nb] (K % 32 == 0 keeps both 16-byte aligned)
         scratch = Tensor::empty({M * K + M * nb * 4}, DType::U8, out.device());
         int8_t *q = reinterpret_cast<int8_t *>(scratch.data());
         float *d = reinterpret_cast<float *>(q + M * K);
@@ -314,29 +310,11 @@ void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const
                    dev, q, d, dptr<T>(x), linear_detail::ld(x), M, K);
         xq = QuantX{q, d};
     }
-    auto kernel = quant_gemv_kernel<F, D, MR, kSwiglu>;
-    const size_t smem = gemv_smem(M, K, F::kBK, MR * (kSwiglu ? 2 : 1));
-    if (smem > 48 * 1024) {
-        static std::atomic<size_t> allowed{48 * 1024}; // per kernel; raised as larger K arrive
-        if (smem > allowed.load()) {
-            CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-            allowed.store(smem);
-        }
-    }
-    int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGemvThreads, smem));
-    const int64_t tiles = ceil_div(N, int64_t(kGemvThreads / G));
-    const int64_t blocks = std::min(tiles, int64_t(sm_count(dev)) * std::max(per_sm, 1));
-    launch_pdl(kernel, dim3(unsigned(blocks)), dim3(kGemvThreads), smem, stream, dev, dptr<T>(out),
-               w.bytes().data_as<uint8_t>(), w.row_bytes(), dptr<T>(x), linear_detail::ld(x), xq,
-               bias.defined() ? dptr<T>(bias) : nullptr, M, N, K, G);
-}
-
-// Whether the GEMV's shared memory holds M x rows of K (past ~200 KB, K of tens of thousands at M = 8,
-// the dense path runs instead).
-bool gemv_fits(const QuantMatrix &w, int64_t M, bool swiglu) {
-    return gemv_smem(M, w.cols(), quant_format_info(w.format()).block_elems, 8 * (swiglu ? 2 : 1)) <=
-           size_t(200) * 1024;
+    // x's codes and scales when fused (< 48 KB: M K <= 4096), then the partial sums of wide groups
+    const size_t smem = (fused ? size_t(M * K + M * nb * 4) : 0) + (kGemvThreads / 32) * MR * (kSwiglu ? 2 : 1) * 4;
+    launch_pdl(quant_gemv_kernel<F, D, MR, kSwiglu>, dim3(unsigned(ceil_div(N, int64_t(kGemvThreads / G)))),
+               dim3(kGemvThreads), smem, stream, dev, dptr<T>(out), w.bytes().data_as<uint8_t>(), w.row_bytes(),
+               dptr<T>(x), linear_detail::ld(x), xq, bias.defined() ? dptr<T>(bias) : nullptr, M, N, K, G);
 }
 
 template <typename T, bool kSwiglu>
@@ -382,7 +360,7 @@ void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight,
     constexpr const char *op = "quant_linear";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM || !gemv_fits(weight, x.size(0), false)) return linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        if (x.size(0) > kMaxGemvM) return linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
         gemv<T, false>(op, out, x, weight, bias);
     });
 }
@@ -391,7 +369,7 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     constexpr const char *op = "quant_linear_swiglu";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM || !gemv_fits(w_gate_up, x.size(0), true))
+        if (x.size(0) > kMaxGemvM)
             return linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
         gemv<T, true>(op, out, x, w_gate_up, Tensor());
     });
