@@ -64,7 +64,7 @@ class Call:
         self.state, self.rid, self.req = state, rid, req
         self.t0 = time.perf_counter()
         self.ttft: float | None = None
-        self.gen = Generation(state.engine, state.engine.engine_config.block_size)
+        self.gen = Generation(state.engine, state.engine.engine_config.block_size, state.hub)
         self.fmt = Formatter(state.engine, rid, chat, state.model_name, req.num_logprobs() is not None,
                              req.include_usage)
         self.choices: list[Choice] = []
