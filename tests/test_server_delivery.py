@@ -168,3 +168,22 @@ def test_merge_and_coalesce_keep_order_and_the_last_chunks_end():
     out = coalesce([a, err])
     assert out[0].text == "a" and out[1] is err
 
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_stream_events_written_from_a_prefix_equal_the_dict_through_json(chat, include_usage):
+    from llaisys.server.responses import Choice, Formatter, sse
+
+    texts = ["plain", "", 'quo"te \\ back\nslash\t', "Ünïcödé 你好 😀", "\x00\x1f ctrl \u2028", "end"]
+    fast = Formatter(None, "id-1", chat, "the/model \"name\"", False, include_usage)
+    slow = Formatter(None, "id-1", chat, "the/model \"name\"", False, include_usage)
+    slow.created = fast.created
+    for index in (0, 2):
+        a, b = Choice(), Choice()
+        for k, text in enumerate(texts):
+            chunk = StreamChunk(text, [k], "length" if k == len(texts) - 1 else None)
+            a.add(chunk)
+            b.add(chunk)
+            got = fast.stream_event(index, a, chunk)
+            assert got == sse(slow.stream_chunk(index, b, chunk))
+            assert got.startswith("data: {") and got.endswith("}\n\n")
