@@ -4,7 +4,9 @@ N requests arrive all at once (--request-rate inf) or as a Poisson process at a 
 output lengths follow nano-vllm's bench.py: prompts of random token ids (values < 10000), lengths uniform
 in [100, max_input_len], outputs uniform in [100, max_output_len] with ignore_eos, seed 0. Every request
 streams; reported: request and token throughput, TTFT p50/p99, inter-token latency (ITL) p50/p99 and time
-per output token. --compare-url runs the same requests against a second server in the same run; --offline
+per output token. A chunk may carry several tokens (llaisys serve merges the waiting chunks of a stream that
+fell behind, as vLLM does): ITL is the time between chunks with text, TPOT counts tokens from usage.
+--compare-url runs the same requests against a second server in the same run; --offline
 runs them through llaisys.Engine in this process (at the same arrival times), the ceiling the server's
 throughput is measured against; --offline-only runs only that (start it when no server holds the GPU).
 

@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .core import EngineCore, score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
-from .request import GenerationResult, Request, StreamChunk
+from .request import ChunkSink, GenerationResult, Request, StreamChunk
 from .sequence import Sequence
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # closed at exit, before the extension is torn down
@@ -38,7 +38,7 @@ atexit.register(lambda: [e.close() for e in list(_OPEN)])
 
 DEFAULT_MAX_SEQ_LEN = 8192  # context per sequence when the caller does not choose (the model may allow more)
 
-__all__ = ["Engine", "EngineConfig", "GenerationResult", "StreamChunk", "Request"]
+__all__ = ["Engine", "EngineConfig", "GenerationResult", "StreamChunk", "Request", "ChunkSink"]
 
 
 def _engine_config(config, settings: dict) -> EngineConfig:
@@ -155,10 +155,12 @@ class Engine:
         params = self._params("stream", sampling)
         return self._chunks(self._submit_ids(self._encode(prompt), params))
 
-    def submit(self, prompt, **sampling) -> Request:
+    def submit(self, prompt, sink: ChunkSink | None = None, **sampling) -> Request:
         """The request interface for servers: queue one prompt and return its handle at once. Iterate the
-        handle (from any thread) for its StreamChunks, call result() to wait for all, abort() to stop it."""
-        return self._submit_ids(self._encode(prompt), self._params("submit", sampling))
+        handle (from any thread) for its StreamChunks, call result() to wait for all, abort() to stop it.
+        With a sink (request.ChunkSink), the chunks go there instead, put and flushed by the step loop
+        thread: a server reading many requests wakes once per step, not once per token and request."""
+        return self._submit_ids(self._encode(prompt), self._params("submit", sampling), sink)
 
     def chat(self, messages, stream: bool = False, add_generation_prompt: bool = True, **sampling):
         """Render messages with the model's chat template and generate the assistant's reply; a list of
@@ -282,16 +284,16 @@ class Engine:
                              f"{self.config.max_position_embeddings} for this model)")
         return [int(t) for t in ids]
 
-    def _request(self, ids: list[int], params: SamplingParams) -> Request:
+    def _request(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None) -> Request:
         self._core.check_fits(len(ids), params.max_new_tokens)
         eos = params.stop_token_ids if params.ignore_eos else eos_union(
             self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos))
-        return Request(seq, self.tokenizer.inner, params.stop, self._open())
+        return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink)
 
-    def _submit_ids(self, ids: list[int], params: SamplingParams) -> Request:
-        return self._open().submit(self._request(ids, params))
+    def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None) -> Request:
+        return self._open().submit(self._request(ids, params, sink))
 
     def _submit_all(self, items) -> list[Request]:
         """Every request is built (and checked) before any is queued: one bad item fails the whole call."""

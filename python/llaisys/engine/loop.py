@@ -1,12 +1,16 @@
 """The step loop: one background thread drives every request of an engine. Any thread may submit,
-read and abort; the loop alone touches the scheduler, the KV pool and the model."""
+read and abort; the loop alone touches the scheduler, the KV pool and the model. Requests with a sink
+(request.ChunkSink) have their chunks put there; each sink that got any is flushed once per round."""
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import Future
 
 from .core import EngineCore
 from .request import Request
+
+log = logging.getLogger("llaisys.engine")
 
 
 class StepLoop:
@@ -17,6 +21,7 @@ class StepLoop:
         self._aborts: list[Request] = []
         self._calls: list[tuple] = []
         self._live: dict[int, Request] = {}  # seq_id -> request, while the core holds it
+        self.dirty: set = set()  # sinks that got chunks this round (loop thread only; Request._emit adds)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -75,6 +80,14 @@ class StepLoop:
             self._incoming, self._aborts, self._calls = [], [], []
             return work, self._closed
 
+    def _flush(self) -> None:
+        dirty, self.dirty = self.dirty, set()
+        for sink in dirty:
+            try:
+                sink.flush()
+            except Exception:  # the consumer's bug must not stop every other request
+                log.exception("a chunk sink failed to flush")
+
     def _run(self) -> None:
         try:
             self._serve()
@@ -88,6 +101,7 @@ class StepLoop:
                 req.fail(RuntimeError(f"the engine's step loop failed: {e!r}"))
             for _, fut in calls:
                 fut.set_exception(RuntimeError(f"the engine's step loop failed: {e!r}"))
+            self._flush()
             raise
 
     def _serve(self) -> None:
@@ -109,9 +123,11 @@ class StepLoop:
                     self.core.finish(req.seq, "abort")
                 self._live.clear()
                 self.core = None  # handles the caller still holds must not keep the model alive
+                self._flush()
                 return
             if self.core.has_work():
                 self._step()
+            self._flush()
 
     def _end(self, req: Request, reason: str) -> None:
         if self._live.pop(req.seq.seq_id, None) is not None:

@@ -1,11 +1,14 @@
 """A submitted request as its caller sees it: chunks of text arrive in a thread-safe queue, fed by the
-step loop; iterate the handle to read them, abort() to stop it and free its blocks at once."""
+step loop; iterate the handle to read them, abort() to stop it and free its blocks at once. A consumer of
+many requests (the HTTP server) passes a ChunkSink instead: the step loop hands it every chunk and tells it
+once per step that a batch is complete, so its readers wake once per step rather than once per token."""
 from __future__ import annotations
 
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..stops import StopStringMatcher
 from ..streaming import IncrementalDetokenizer
@@ -38,11 +41,39 @@ class GenerationResult:
 _END = object()
 
 
+class ChunkSink(Protocol):
+    """Where the chunks of requests submitted with Engine.submit(..., sink=) go instead of their own queues.
+
+    Both methods run on the step loop thread and must return quickly without raising (they hold up the
+    next step). put(request, item) comes for each chunk in order, the last one being the chunk with
+    finish_reason set or the exception that ended the request. flush() comes once after each round of the
+    loop (a step, or aborts handled, or the engine closing) that put anything into this sink: the moment to
+    hand the batch to its readers, e.g. with one call_soon_threadsafe for all of them."""
+
+    def put(self, request: "Request", item: "StreamChunk | BaseException") -> None: ...
+
+    def flush(self) -> None: ...
+
+
+def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
+    """Consecutive chunks of one request as one: text and token ids concatenated, logprobs entries in
+    order, finish_reason, usage and timings from the last. Text stays whole UTF-8 characters and shows no
+    stop string, as each chunk's does."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    lps = None
+    if any(c.logprobs is not None for c in chunks):
+        lps = [e for c in chunks for e in (c.logprobs or ())]
+    return StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                       last.finish_reason, last.usage, last.timings, lps)
+
+
 class Request:
     """Owned by the step loop after submit(): on_token/finish run there; the caller only reads chunks."""
 
-    def __init__(self, seq: Sequence, tokenizer_inner, stops: tuple[str, ...], loop):
-        self.seq, self._loop = seq, loop
+    def __init__(self, seq: Sequence, tokenizer_inner, stops: tuple[str, ...], loop, sink: ChunkSink | None = None):
+        self.seq, self._loop, self.sink = seq, loop, sink
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
@@ -68,9 +99,17 @@ class Request:
             self._tail = text
             return True
         if text:
-            self._chunks.put(StreamChunk(text, self._pending, logprobs=self._take_lp()))
+            self._emit(StreamChunk(text, self._pending, logprobs=self._take_lp()))
             self._pending = []
         return False
+
+    def _emit(self, item) -> None:
+        sink = self.sink
+        if sink is None:
+            self._chunks.put(item)
+        else:
+            sink.put(self, item)
+            self._loop.dirty.add(sink)  # flushed once after this round of the loop
 
     def _take_lp(self) -> list[dict] | None:
         lp = self._pending_lp
@@ -88,16 +127,19 @@ class Request:
             tail += "" if hit else self._stops.flush()
             if self._stops.hit:
                 reason = "stop"
-        self._chunks.put(StreamChunk(tail, self._pending, reason, self.usage(), self.timings(), self._take_lp()))
-        self._chunks.put(_END)
+        self._emit(StreamChunk(tail, self._pending, reason, self.usage(), self.timings(), self._take_lp()))
+        self._end()
+
+    def _end(self) -> None:
+        if self.sink is None:
+            self._chunks.put(_END)
         self._ended.set()
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
             self.done = True
-            self._chunks.put(error)
-            self._chunks.put(_END)
-            self._ended.set()
+            self._emit(error)
+            self._end()
 
     def usage(self) -> dict:
         s = self.seq
@@ -116,6 +158,8 @@ class Request:
     # ---- the caller's side ----------------------------------------------------------------------
     def __iter__(self):
         """Yields StreamChunks until the last one (with finish_reason); re-raises a step's error."""
+        if self.sink is not None:
+            raise RuntimeError("this request's chunks go to the sink it was submitted with")
         while True:
             item = self._chunks.get()
             if item is _END:

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .backend import StreamHub
 from .generate import Call
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -42,6 +43,7 @@ class ServerState:
         self.closing = False
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the app starts
+        self.hub: StreamHub | None = None  # the sink of every engine request, one per event loop (app start)
 
     def request_shutdown(self) -> None:
         """shutdown() from any thread or a signal handler."""
@@ -64,6 +66,7 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state.loop = asyncio.get_running_loop()
+        state.hub = StreamHub(state.loop)
         yield
         state.shutdown()
 

@@ -1,22 +1,26 @@
 """The server's side of the engine: the one place it is imported, prompts turned into token ids, and the
-engine requests of one HTTP request merged into one asyncio queue.
+engine requests of one HTTP request read on the event loop.
 
-Engine requests block their reader, so each is read by a thread of its own that hands chunks to the event
-loop (call_soon_threadsafe): the loop never waits on the engine, and a slow stream never holds a worker
-that others need (as a shared thread pool of a few workers would).
+Delivery is batched: every engine request of the server is submitted with one StreamHub as its sink
+(request.ChunkSink). The step loop puts the chunks of a step into the hub and flushes it once, which
+schedules one callback on the event loop for the whole step (not one thread wake-up and one callback per
+token and stream); the callback hands each Generation its chunks and wakes its reader once. A reader that
+finds several chunks of a choice waiting reads them as one (merge_chunks), so a stream that falls behind
+catches up in fewer, larger SSE events instead of falling further behind.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
-import threading
 
 import numpy as np
 
 from ..engine import Engine, StreamChunk
+from ..engine.request import merge_chunks
 from ..tokenizer import _BYTE_CHARS
 
-__all__ = ["Engine", "StreamChunk", "Generation", "chat_ids", "prompt_ids", "prompt_logprobs", "choice_seed",
+__all__ = ["Engine", "StreamChunk", "StreamHub", "Generation", "chat_ids", "prompt_ids", "prompt_logprobs", "choice_seed",
            "token_bytes"]
 
 SCORE_ROWS = 256  # log-softmax this many logit rows at a time: float64 copies of [rows, vocab], not [n, vocab]
@@ -91,19 +95,96 @@ def token_bytes(eng: Engine, token_id: int) -> bytes:
     return piece.encode()
 
 
+class StreamHub:
+    """The ChunkSink of every engine request read on one event loop. put() and flush() run on the step
+    loop thread; the rest on the event loop. At most one drain is scheduled at a time: a flush while one
+    is pending adds nothing, and the drain takes everything put before it runs."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._items: collections.deque = collections.deque()  # (engine request, chunk or exception)
+        self._scheduled = False
+        self._routes: dict = {}  # engine request -> (Generation, choice index), until its last item
+        self._early: dict = {}  # items of requests not registered yet (never, while submit and register share a thread)
+
+    # ---- the step loop's side ---------------------------------------------------------------------
+    def put(self, req, item) -> None:
+        self._items.append((req, item))
+
+    def flush(self) -> None:
+        if self._scheduled:
+            return
+        self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the event loop is closed (server shut down): nobody is listening
+            pass
+
+    # ---- the event loop's side --------------------------------------------------------------------
+    def register(self, req, gen: "Generation", index: int) -> None:
+        self._routes[req] = (gen, index)
+        early = self._early.pop(req, None)
+        if early:
+            self._deliver(req, early)
+
+    def _drain(self) -> None:
+        self._scheduled = False  # before taking: a flush from now on schedules another drain
+        items, batch = self._items, {}
+        for _ in range(len(items)):  # what was put before now; later items come with the next drain
+            req, item = items.popleft()
+            got = batch.get(req)
+            if got is None:
+                batch[req] = [item]
+            else:
+                got.append(item)
+        for req, got in batch.items():
+            self._deliver(req, got)
+
+    def _deliver(self, req, items: list) -> None:
+        route = self._routes.get(req)
+        if route is None:
+            self._early.setdefault(req, []).extend(items)
+            return
+        last = items[-1]
+        if isinstance(last, BaseException) or last.finish_reason is not None:
+            del self._routes[req]  # nothing comes after the last item
+        route[0].deliver(route[1], items)
+
+
+def coalesce(items: list) -> list:
+    """A choice's waiting items with consecutive chunks merged into one. Exceptions stay as they are, and
+    so does a last chunk that ends in "abort" (the server cut the request short: the text before it is
+    still sent before the error)."""
+    out, run = [], []
+    for item in items:
+        if isinstance(item, BaseException) or item.finish_reason == "abort":
+            if run:
+                out.append(merge_chunks(run))
+                run = []
+            out.append(item)
+        else:
+            run.append(item)
+    if run:
+        out.append(merge_chunks(run))
+    return out
+
+
 class Generation:
     """All engine requests of one HTTP request: for each prompt, n choices. events() yields
-    (choice index, StreamChunk) as they arrive, choices interleaved.
+    (choice index, StreamChunk) as they arrive, choices interleaved; the chunks of a choice that arrived
+    since its reader last looked come as one (coalesce).
 
     With n > 1 only the first choice of a prompt starts at once; the others are submitted when its first
     chunk arrives, so its prompt blocks are in the prefix cache and they share them instead of each
     computing the prompt again (requests admitted in the same step would not find each other's blocks).
     """
 
-    def __init__(self, eng: Engine, block_size: int):
+    def __init__(self, eng: Engine, block_size: int, hub: StreamHub | None = None):
         self.eng, self.block_size = eng, block_size
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.hub = hub if hub is not None and hub.loop is self.loop else StreamHub(self.loop)
+        self.pending: dict[int, list] = {}  # choice index -> items not read yet, in order
+        self.waiter: asyncio.Future | None = None
         self.requests: list = []
         self.followers: dict[int, list[tuple[int, list[int], dict]]] = {}  # leader index -> choices to start
         self.num_choices = 0
@@ -125,41 +206,48 @@ class Generation:
 
     def _submit(self, index: int, ids: list[int], sampling: dict) -> None:
         try:
-            req = self.eng.submit(ids, **sampling)
+            req = self.eng.submit(ids, sink=self.hub, **sampling)
         except BaseException:
             self.abort()
             raise
         self.requests.append(req)
-        threading.Thread(target=self._pump, args=(index, req), name=f"llaisys-http-{index}", daemon=True).start()
+        self.hub.register(req, self, index)
 
-    def _pump(self, index: int, req) -> None:
-        try:
-            for chunk in req:
-                self._put((index, chunk))
-        except BaseException as e:  # re-raised by events() on the event loop
-            self._put((index, e))
-
-    def _put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone (server shut down): nobody is listening
-            pass
+    def deliver(self, index: int, items: list) -> None:
+        """The hub's hand-over (event loop): items of choice `index`, in order."""
+        got = self.pending.get(index)
+        if got is None:
+            self.pending[index] = items
+        else:
+            got.extend(items)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def events(self):
         left = self.num_choices
         while left:
-            index, item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            followers = self.followers.pop(index, ())
-            if self.aborted:
-                left -= len(followers)  # never started: nothing of theirs will arrive
-            else:
-                for follower in followers:
-                    self._submit(*follower)
-            if item.finish_reason is not None:
-                left -= 1
-            yield index, item
+            if not self.pending:
+                self.waiter = self.loop.create_future()
+                try:
+                    await self.waiter
+                finally:
+                    self.waiter = None
+                continue
+            pending, self.pending = self.pending, {}
+            for index, items in pending.items():
+                for item in coalesce(items):
+                    if isinstance(item, BaseException):
+                        raise item
+                    followers = self.followers.pop(index, ())
+                    if self.aborted:
+                        left -= len(followers)  # never started: nothing of theirs will arrive
+                    else:
+                        for follower in followers:
+                            self._submit(*follower)
+                    if item.finish_reason is not None:
+                        left -= 1
+                    yield index, item
 
     def abort(self) -> None:
         """Stops every request (safe at any time): their blocks are freed before the next step."""

@@ -8,7 +8,6 @@ next step; a server shutdown aborts them too and the client gets an error (chunk
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 
@@ -17,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .backend import Generation, StreamChunk, chat_ids, choice_seed, prompt_ids, prompt_logprobs
 from .protocol import APIError, ChatRequest, CompletionRequest
-from .responses import Choice, Formatter, echo_logprobs, total_usage
+from .responses import Choice, Formatter, echo_logprobs, sse, total_usage
 
 log = logging.getLogger("llaisys.server")
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming request checks that its client is still there
@@ -64,7 +63,7 @@ class Call:
         self.state, self.rid, self.req = state, rid, req
         self.t0 = time.perf_counter()
         self.ttft: float | None = None
-        self.gen = Generation(state.engine, state.engine.engine_config.block_size)
+        self.gen = Generation(state.engine, state.engine.engine_config.block_size, state.hub)
         self.fmt = Formatter(state.engine, rid, chat, state.model_name, req.num_logprobs() is not None,
                              req.include_usage)
         self.choices: list[Choice] = []
@@ -157,20 +156,17 @@ class Call:
         status, outcome, error = 200, "ok", None
         try:
             async for index, choice, chunk in self._chunks():
-                yield _event(self.fmt.stream_chunk(index, choice, chunk))
+                yield self.fmt.stream_event(index, choice, chunk)
             if self.fmt.include_usage:
-                yield _event(self.fmt.usage_chunk(self.usage()))
+                yield sse(self.fmt.usage_chunk(self.usage()))
         except asyncio.CancelledError:  # Starlette cancels the stream when the client disconnects
             status, outcome, error = 499, "aborted", "the client disconnected"
             raise
         except Exception as e:  # headers are sent: the error goes in the stream, as vLLM does
             err = e if isinstance(e, APIError) else APIError(500, f"generation failed: {e}")
             status, outcome, error = err.status, "error", err.message
-            yield _event(err.body())
+            yield sse(err.body())
         finally:
             self.end(status, outcome, error)
         yield "data: [DONE]\n\n"
 
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
