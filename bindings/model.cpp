@@ -1,4 +1,4 @@
-// llaisys._core.Qwen2: the model class the Python engine drives.
+// llaisys._core.Qwen2: the model (weights and layer math) the Runner (serving.cpp) drives.
 #include "bindings/common.hpp"
 #include "llaisys/qwen2.hpp"
 #include "llaisys/quant.hpp"
@@ -34,22 +34,13 @@ Qwen2Config config_from_dict(const nb::dict &d) {
 
 void bind_model(nb::module_ &m) {
     using G = nb::call_guard<nb::gil_scoped_release>;
-    nb::class_<SamplingParams>(m, "SamplingParams")
-        .def(nb::init<>())
-        .def_rw("temperature", &SamplingParams::temperature)
-        .def_rw("top_k", &SamplingParams::top_k)
-        .def_rw("top_p", &SamplingParams::top_p)
-        .def_rw("min_p", &SamplingParams::min_p)
-        .def_rw("repetition_penalty", &SamplingParams::repetition_penalty)
-        .def_rw("penalty_ids", &SamplingParams::penalty_ids);
-
     nb::class_<Qwen2>(m, "Qwen2")
         .def("__init__", [](Qwen2 *self, const nb::dict &config, const std::string &dtype, const std::string &device,
-                            int64_t max_seq_len, int num_slots, std::optional<bool> fused) {
-            new (self) Qwen2(config_from_dict(config), dtype_from_name(dtype), Device::parse(device), max_seq_len,
-                             num_slots, fused);
-        }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("max_seq_len"), nb::arg("num_slots") = 1,
-             nb::arg("fused").none() = nb::none())
+                            std::optional<bool> fused) {
+            new (self) Qwen2(config_from_dict(config), dtype_from_name(dtype), Device::parse(device), fused);
+        }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("fused").none() = nb::none(),
+             "The weights and layer math of one step over a batch; a Runner (with a KVPool) runs it. fused: "
+             "fused projections on or off, None: on for CUDA only.")
         .def("load_weight", &Qwen2::load_weight, nb::arg("name"), nb::arg("value"), G())
         .def("load_quant_weight", &Qwen2::load_quant_weight, nb::arg("name"), nb::arg("value"), G(),
              "Takes a projection or embedding weight as a QuantMatrix (GGUF blocks), kept quantized.")
@@ -57,20 +48,8 @@ void bind_model(nb::module_ &m) {
         .def("prepare", &Qwen2::prepare, G(), "Finish loading: checks, fusion, decoded copies (see qwen2.hpp).")
         .def("weight_formats", &Qwen2::weight_formats, "[(HF name, stored format 'bf16' / 'q4_k' / ..., bytes)]")
         .def_prop_ro("weight_bytes", &Qwen2::weight_bytes, "Bytes the weights take on the model's device.")
-        .def("forward", &Qwen2::forward, nb::arg("slots"), nb::arg("tokens"), nb::arg("all_logits") = false, G(),
-             "Appends tokens to each slot's context; returns last-token logits [B, vocab] (or every token's "
-             "with all_logits), not synchronized.")
-        .def("forward_sample", &Qwen2::forward_sample, nb::arg("slots"), nb::arg("tokens"), nb::arg("params"),
-             nb::arg("seed"), nb::arg("offset"), G(), "forward() then one sampled token id per slot.")
-        .def("cache_length", [](Qwen2 &q, int slot) { return q.cache().length(slot); }, nb::arg("slot"))
-        .def("truncate", [](Qwen2 &q, int slot, int64_t n) { q.cache().truncate(slot, n); }, nb::arg("slot"),
-             nb::arg("length"))
-        .def_prop_rw("cuda_graphs", &Qwen2::cuda_graphs, &Qwen2::set_cuda_graphs,
-                     "Replay one captured CUDA graph per decode step (CUDA only).")
         .def_prop_ro("fused_projections", &Qwen2::fused_projections,
                      "One GEMV for q/k/v and for gate/up, RoPE + cache write in one kernel (set at construction).")
-        .def_prop_ro("max_seq_len", [](Qwen2 &q) { return q.cache().capacity(); })
-        .def_prop_ro("num_slots", [](Qwen2 &q) { return q.cache().num_slots(); })
         .def_prop_ro("dtype", [](const Qwen2 &q) { return std::string(dtype_name(q.dtype())); })
         .def_prop_ro("device", [](const Qwen2 &q) { return q.device().str(); });
 }

@@ -18,30 +18,47 @@ SMALL = dict(vocab_size=1000, hidden_size=128, intermediate_size=384, num_hidden
              max_position_embeddings=512)
 
 
-class _Recorder:
-    """Stands in for _core.Qwen2 and keeps every tensor random_model loads."""
-
-    def __init__(self, config, dtype, device, max_seq_len):
-        self.dtype, self.weights = dtype, {}
-
-    def load_weight(self, name, value):
-        self.weights[name] = value
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
-def test_random_model_weights_are_distinct_memory_of_their_real_size(monkeypatch, dtype):
-    """Overlapping windows of one pool let the whole model sit in a CPU's cache (154% of roofline)."""
-    monkeypatch.setattr(bench._core, "Qwen2", _Recorder)
-    model = bench.random_model(SMALL, dtype, "cpu", 64)
+def test_random_model_weights_are_distinct_memory_of_their_real_size(dtype):
+    """Overlapping windows of one pool let the whole model sit in a CPU's cache (154% of roofline). The weights
+    the Engine takes from random_loaded are each a new buffer of the real shape and dtype."""
+    loaded = bench.random_loaded(SMALL, dtype)
     shapes = bench.weight_shapes(SMALL)
-    assert model.weights.keys() == shapes.keys()
+    assert list(loaded.weights) == list(shapes)
+    taken = {name: loaded.weights.pop(name) for name in list(loaded.weights)}  # as Engine._load_weights does
     spans = []
-    for name, t in model.weights.items():
-        assert t.shape == shapes[name] and t.dtype == dtype, name
-        spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size, name))
+    for name, w in taken.items():
+        assert w.shape == shapes[name] and w.dtype == bench._np_dtype(dtype), name
+        begin = w.__array_interface__["data"][0]
+        spans.append((begin, begin + w.nbytes, name))
     spans.sort()
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         assert begin >= end, f"{a} and {b} share memory"
+
+
+def test_bench_shape_runs_random_weights_through_the_engine(monkeypatch):
+    """--shape measures the same Engine as --model, on random weights of the shape (a small one here); the
+    model holds every weight at its real size."""
+    monkeypatch.setitem(bench.SHAPES, "tiny-test", SMALL)
+    r = bench.bench(shape="tiny-test", device="cpu", dtype="f32", prompt_len=20, new_tokens=6)
+    assert (r["model"], r["dtype"], r["compute_dtype"], r["prompt_len"], r["new_tokens"]) == (
+        "tiny-test", "f32", "f32", 20, 6)
+    assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
+    assert r["weight_bytes"] == bench.decode_weight_bytes(SMALL, "f32") and r["weight_formats"] == ["f32"]
+    assert r["roofline_tok_s"] > 0 and r["fraction_of_roofline"] == r["decode_tok_s"] / r["roofline_tok_s"]
+    from llaisys.engine import Engine
+
+    with pytest.raises(TypeError, match="from_loaded\\(\\) takes a loader.LoadedModel, got dict"):
+        Engine.from_loaded(SMALL, device="cpu")
+    eng = Engine.from_loaded(bench.random_loaded(SMALL, "bf16"), device="cpu", dtype="bf16", max_seq_len=64,
+                             progress=False)
+    try:
+        sizes = {name: nbytes for name, _, nbytes in eng._model.weight_formats()}
+        assert sizes == {n: 2 * int(np.prod(s)) for n, s in bench.weight_shapes(SMALL).items()}
+        out = eng.generate([1, 2, 3], max_new_tokens=5, temperature=0, ignore_eos=True)
+        assert len(out.token_ids) == 5 and all(0 <= t < SMALL["vocab_size"] for t in out.token_ids)
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])

@@ -85,14 +85,76 @@ def test_half_precision_logits_close_to_f32_reference(tiny, device, dtype):
     assert err < (3e-2 if dtype == "bf16" else 5e-3), err
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_several_sequences_in_one_step_equal_separate_runs(tiny, device):
+class _Paged:
+    """A _core.Qwen2 run by the runtime as the engine runs it (a KVPool and a Runner), with the block tables
+    kept by hand so a test can say which sequence gets which tokens: sequence i owns the blocks
+    1 + i * per_seq .. (block 0 is reserved). forward() appends tokens to sequences and returns the logits
+    (Runner.logits); sample() appends them and returns one token each (Runner.step: penalties, sampling,
+    the CUDA graphs of decode batches); truncate() forgets a sequence's positions from `length` on."""
+
+    BLOCK = 16
+
+    def __init__(self, model, config: dict, num_seqs: int = 2, max_seq_len: int = 128):
+        self.model, self.per_seq = model, max_seq_len // self.BLOCK
+        self.pool = _core.KVPool(config["num_hidden_layers"], 1 + num_seqs * self.per_seq, self.BLOCK,
+                                 config["num_key_value_heads"], config["head_dim"], model.dtype, model.device)
+        self.runner = _core.Runner(model, self.pool, [1, 2], self.per_seq, True)
+        self.lengths = [0] * num_seqs
+
+    def _table(self, s):
+        return [1 + s * self.per_seq + j for j in range(self.per_seq)]
+
+    def _arrays(self, seqs, tokens):
+        ids, pos, slots, q_start, kv_len = [], [], [], [0], []
+        for s, toks in zip(seqs, tokens):
+            start, table = self.lengths[s], self._table(s)
+            for p, t in enumerate(toks, start):
+                ids.append(t)
+                pos.append(p)
+                slots.append(table[p // self.BLOCK] * self.BLOCK + p % self.BLOCK)
+            q_start.append(q_start[-1] + len(toks))
+            kv_len.append(start + len(toks))
+        return (np.array(ids, np.int64), np.array(pos, np.int64), np.array(slots, np.int64),
+                np.array(q_start, np.int32), np.array(kv_len, np.int32),
+                np.array([self._table(s) for s in seqs], np.int32))
+
+    def _advance(self, seqs, tokens):
+        for s, toks in zip(seqs, tokens):
+            self.lengths[s] += len(toks)
+
+    def forward(self, seqs, tokens, all_logits=False):
+        logits = self.runner.logits(*self._arrays(seqs, tokens), all_logits)
+        self._advance(seqs, tokens)
+        return logits
+
+    def sample(self, seqs, tokens, temperature=0.0, top_k=0, seed=0, step=0):
+        B, arrays = len(seqs), self._arrays(seqs, tokens)
+        try:
+            return list(self.runner.step(
+                *arrays, np.full(B, temperature, np.float32), np.full(B, top_k, np.int32), np.ones(B, np.float32),
+                np.zeros(B, np.float32), np.ones(B, np.float32), np.full(B, seed, np.uint64),
+                np.full(B, step, np.uint64), [], [], []))
+        finally:  # a step that fails while sampling has written its keys/values, as any step
+            self._advance(seqs, tokens)
+
+    def truncate(self, s, length):
+        self.lengths[s] = length
+
+
+def _core_model(eng, path, device, dtype, fused, skip=()):
     from llaisys import loader
 
+    m = _core.Qwen2(eng._config_dict(), dtype, device if device == "cpu" else "cuda:0", fused=fused)
+    for name, w in loader.load(path, progress=False).weights.items():
+        if name not in skip:
+            m.load_weight(name, llaisys.tensor(np.array(w)))  # a writable copy of the mapped weight
+    return m
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_sequences_in_one_step_equal_separate_runs(tiny, device):
     eng = Engine(tiny, device=device, dtype="f32", progress=False)
-    m = _core.Qwen2(eng._config_dict(), "f32", device if device == "cpu" else "cuda:0", 128, 2)
-    for name, w in loader.load(tiny, progress=False).weights.items():
-        m.load_weight(name, llaisys.tensor(np.array(w)))  # a writable copy of the mapped weight
+    m = _Paged(_core_model(eng, tiny, device, "f32", None), eng._config_dict())
     a, b = prompt_ids(eng.config.vocab_size, 9, 1), prompt_ids(eng.config.vocab_size, 4, 2)
     both = m.forward([0, 1], [a, b]).to("cpu").numpy()
     m.truncate(0, 0)
@@ -101,21 +163,10 @@ def test_several_sequences_in_one_step_equal_separate_runs(tiny, device):
     only_a = m.forward([0], [a]).to("cpu").numpy()
     np.testing.assert_allclose(both[0], only_a[0], atol=1e-5)
     np.testing.assert_allclose(both[1], only_b[0], atol=1e-5)
-    # a decode step for both slots at once, with different context lengths
+    # a decode step for both sequences at once, with different context lengths
     step = m.forward([0, 1], [[5], [6]]).to("cpu").numpy()
-    assert m.cache_length(0) == 10 and m.cache_length(1) == 5
     m.truncate(0, 9)
     np.testing.assert_allclose(m.forward([0], [[5]]).to("cpu").numpy()[0], step[0], atol=1e-5)
-
-
-def _core_model(eng, path, device, dtype, fused, num_slots=2, skip=()):
-    from llaisys import loader
-
-    m = _core.Qwen2(eng._config_dict(), dtype, device if device == "cpu" else "cuda:0", 128, num_slots, fused=fused)
-    for name, w in loader.load(path, progress=False).weights.items():
-        if name not in skip:
-            m.load_weight(name, llaisys.tensor(np.array(w)))
-    return m
 
 
 @pytest.mark.cuda
@@ -123,17 +174,40 @@ def test_first_step_under_a_graph_capture_raises_and_the_model_stays_usable(tiny
     """The first step after loading synchronizes once (the weights are constant from then on), which a graph
     capture cannot hold: it raises a clear error, and the model then runs as if nothing happened."""
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    m, fresh = (_core_model(eng, tiny, "cuda", "f32", True, num_slots=1) for _ in range(2))
+    m, fresh = (_Paged(_core_model(eng, tiny, "cuda", "f32", True), eng._config_dict()) for _ in range(2))
     ids = prompt_ids(eng.config.vocab_size, 5, 3)
     stream = llaisys.current_stream("cuda")
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="Qwen2: the first step after load_weight .* cannot be captured"):
         with torch.cuda.graph(graph, stream=torch.cuda.ExternalStream(stream.handle)):
             m.forward([0], [ids])
-    assert m.cache_length(0) == 0
     got = torch.from_dlpack(m.forward([0], [ids])).cpu()
     want = torch.from_dlpack(fresh.forward([0], [ids])).cpu()
     assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+def test_reloaded_weights_are_not_replayed_from_an_old_graph(tiny):
+    """A captured decode graph holds the weights' addresses: after load_weight the Runner captures anew, so
+    the next decode uses the new weights (as a model loaded with them from the start does)."""
+    from llaisys import loader
+
+    eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
+    m, fresh = (_Paged(_core_model(eng, tiny, "cuda", "f32", False), eng._config_dict()) for _ in range(2))
+    ids = prompt_ids(eng.config.vocab_size, 6, 4)
+    name = "model.layers.0.mlp.down_proj.weight"
+    new = 3 * np.array(loader.load(tiny, progress=False).weights[name])
+    m.sample([0], [ids])
+    m.sample([0], [[5]], step=1)  # a decode: captures the graph of batch size 1
+    assert m.runner.captured_batch_sizes == [1]
+    m.model.load_weight(name, llaisys.tensor(new))  # a new buffer (unfused): the graph's address is stale
+    fresh.model.load_weight(name, llaisys.tensor(new))
+    m.truncate(0, 0)  # the prompt again, with the new weights in both
+    assert m.sample([0], [ids]) == fresh.sample([0], [ids])
+    for step, feed in enumerate([5, 6, 7], 1):
+        assert m.sample([0], [[feed]], step=step) == fresh.sample([0], [[feed]], step=step)
+        assert torch.equal(torch.from_dlpack(m.runner.last_logits()).cpu(),
+                           torch.from_dlpack(fresh.runner.last_logits()).cpu())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,17 +217,17 @@ def test_fused_projections_equal_unfused(tiny, device, dtype):
     bit on the CPU (same sums in the same order); on CUDA the fused GEMV may split its sums differently,
     so close (f32) and top-1 equal. Covers prefill of two sequences in one step and graphed decode."""
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    fused, plain = (_core_model(eng, tiny, device, dtype, f) for f in (True, False))
-    assert fused.fused_projections and not plain.fused_projections
+    fused, plain = (_Paged(_core_model(eng, tiny, device, dtype, f), eng._config_dict()) for f in (True, False))
+    assert fused.model.fused_projections and not plain.model.fused_projections
     a, b = prompt_ids(eng.config.vocab_size, 9, 1), prompt_ids(eng.config.vocab_size, 4, 2)
     to_np = lambda t: torch.from_dlpack(t).double().cpu().numpy()  # noqa: E731
     got = [to_np(m.forward([0, 1], [a, b], all_logits=True)) for m in (fused, plain)]
-    sp, toks = _core.SamplingParams(), [[], []]
+    toks = [[], []]
     for i, m in enumerate((fused, plain)):
         feed = [a[-1]]
         m.truncate(0, len(a) - 1)  # decode one sequence from its prefix (the graphed path on CUDA)
         for step in range(12):
-            feed = [m.forward_sample([0], [feed], [sp], 0, step)[0]]
+            feed = m.sample([0], [feed], step=step)
             toks[i].append(feed[0])
     if device == "cpu":
         np.testing.assert_array_equal(got[0], got[1])
@@ -171,15 +245,21 @@ def test_fused_model_tracks_missing_slices_and_env_switch(tiny, monkeypatch):
     m = _core_model(eng, tiny, "cpu", "f32", True, skip=(name,))
     assert m.missing_weights() == [name]  # the fused matrix exists, the slice was never filled
     with pytest.raises(ValueError, match="not loaded"):
-        m.forward([0], [[1]])
+        _Paged(m, eng._config_dict()).forward([0], [[1]])
+    # EngineConfig.fused_projections decides; LLAISYS_FUSED only supplies its default
     monkeypatch.setenv("LLAISYS_FUSED", "1")
     on = Engine(tiny, device="cpu", dtype="f32", progress=False)
+    forced_off = Engine(tiny, device="cpu", dtype="f32", progress=False, fused_projections=False)
     monkeypatch.setenv("LLAISYS_FUSED", "0")
     off = Engine(tiny, device="cpu", dtype="f32", progress=False)
+    forced_on = Engine(tiny, device="cpu", dtype="f32", progress=False, fused_projections=True)
     assert on._model.fused_projections and not off._model.fused_projections
+    assert forced_on._model.fused_projections and not forced_off._model.fused_projections
     assert not eng._model.fused_projections  # the CPU default: the mapped checkpoint is used in place
     kw = dict(max_new_tokens=16, temperature=0, ignore_eos=True)
     assert on.generate("a b c", **kw).token_ids == off.generate("a b c", **kw).token_ids
+    with pytest.raises(ValueError, match="fused_projections must be True, False or None"):
+        Engine(tiny, device="cpu", progress=False, fused_projections=1)
 
 
 def test_prefix_reuse_matches_a_fresh_engine(tiny):
@@ -298,13 +378,27 @@ def test_bad_chat_messages_and_engine_arguments(tiny):
 
 def test_model_weight_errors_name_the_tensor(tiny):
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    m = _core.Qwen2(eng._config_dict(), "f32", "cpu", 64)
+    m = _core.Qwen2(eng._config_dict(), "f32", "cpu")
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.99.mlp.up_proj.weight'"):
         m.load_weight("model.layers.99.mlp.up_proj.weight", llaisys.zeros((1,)))
     with pytest.raises(ValueError, match="model.norm.weight' has shape"):
         m.load_weight("model.norm.weight", llaisys.zeros((3,)))
     with pytest.raises(ValueError, match="not loaded"):
-        m.forward([0], [[1]])
+        _Paged(m, eng._config_dict()).forward([0], [[1]])
+    with pytest.raises(ValueError, match="not loaded"):
+        m.prepare()
+    with pytest.raises(TypeError):
+        _core.Qwen2(eng._config_dict(), "f32", "cpu", fused=1)  # a bool or None
+
+
+def test_runner_refuses_token_ids_outside_the_vocabulary(tiny):
+    eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
+    m = _Paged(_core_model(eng, tiny, "cpu", "f32", None), eng._config_dict())
+    vocab = eng.config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(IndexError, match=rf"Runner: token id {bad} out of range \[0, {vocab}\)"):
+            m.forward([0], [[1, bad]])
+    assert tuple(m.forward([0], [[1, vocab - 1]]).shape) == (1, vocab)  # the refused steps left nothing behind
 
 
 # ---- CUDA: random weights of the real shapes, same weights in HF (zero-copy through DLPack) -------------
@@ -313,10 +407,10 @@ def _ours_from_hf(hf, shape: str, dtype: str):
     from llaisys.bench import SHAPES
 
     c = {k: v for k, v in SHAPES[shape].items() if k != "max_position_embeddings"}
-    ours = _core.Qwen2(c, dtype, "cuda:0", 512)
+    ours = _core.Qwen2(c, dtype, "cuda:0")
     for name, p in hf.state_dict().items():
         ours.load_weight(name, llaisys.from_dlpack(p.detach().contiguous()))
-    return ours
+    return _Paged(ours, c, num_seqs=1, max_seq_len=512)
 
 
 def _rel_err(a, b):
@@ -336,9 +430,9 @@ def test_real_shapes_against_hf_on_cuda(shape):
     ours = _ours_from_hf(hf, shape, "f32")
     ids = prompt_ids(151936, 16, 11)
     ref = hf_greedy(hf, ids, 32)
-    sp, got, feed = _core.SamplingParams(), [], ids
+    got, feed = [], ids
     for step in range(32):
-        tok = ours.forward_sample([0], [feed], [sp], 0, step)[0]
+        tok = ours.sample([0], [feed], step=step)[0]
         got.append(tok)
         feed = [tok]
     assert got == ref
@@ -388,30 +482,29 @@ def _nan_checkpoint(dirpath, name, rows=None):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_non_finite_logits_raise_naming_the_step(tmp_path, device, dtype):
-    """NaN logits never become tokens (they used to come out as token 0): forward_sample raises naming the
-    step and the row, greedy or sampled, on the CUDA-graph decode path too. Feeding the token whose
+    """NaN logits never become tokens (they used to come out as token 0): a Runner step raises naming the
+    request's step and the row, greedy or sampled, on the CUDA-graph decode path too. Feeding the token whose
     embedding row is NaN makes only that step's logits NaN."""
     bad = 9
     path = _nan_checkpoint(tmp_path, "model.embed_tokens.weight", rows=bad)
     eng = Engine(path, device="cpu", dtype="f32", progress=False)
-    m = _core_model(eng, path, device, dtype, None)
+    m = _Paged(_core_model(eng, path, device, dtype, None), eng._config_dict())
     prompt = [t for t in prompt_ids(eng.config.vocab_size, 8, 5) if t != bad]
     for temperature in [0.0, 0.8]:
-        sp = _core.SamplingParams()
-        sp.temperature, sp.top_k = temperature, 20
+        kw = dict(temperature=temperature, top_k=20, seed=1)
         m.truncate(0, 0)
-        tokens = [m.forward_sample([0], [prompt], [sp], 1, 0)[0]]
+        tokens = m.sample([0], [prompt], **kw, step=0)
         for step, feed in enumerate([5, 6], 1):  # on CUDA: capture the decode graph, then replay it
-            tokens += m.forward_sample([0], [[feed]], [sp], 1, step)
+            tokens += m.sample([0], [[feed]], **kw, step=step)
         assert all(0 <= t < eng.config.vocab_size for t in tokens)
-        with pytest.raises(RuntimeError, match=r"non-finite logits \(NaN or Inf\) at generation step 3 of sequence "
-                                               r"row 0 \(slot 0\)"):
-            m.forward_sample([0], [[bad]], [sp], 1, 3)  # a replay of the graph
+        with pytest.raises(RuntimeError, match=r"non-finite logits \(NaN or Inf\) at generation step 3 of the "
+                                               r"request in row 0 of the step"):
+            m.sample([0], [[bad]], **kw, step=3)  # a replay of the graph
         m.truncate(0, len(prompt) + 2)  # drop the NaN keys/values: the model is usable again
-        assert 0 <= m.forward_sample([0], [[7]], [sp], 1, 3)[0] < eng.config.vocab_size
+        assert 0 <= m.sample([0], [[7]], **kw, step=3)[0] < eng.config.vocab_size
         m.truncate(1, 0)
-        with pytest.raises(RuntimeError, match=r"at generation step 4 of sequence row 1 \(slot 1\)"):
-            m.forward_sample([0, 1], [[5], [bad]], [sp, sp], 1, 4)
+        with pytest.raises(RuntimeError, match=r"at generation step 4 of the request in row 1 of the step"):
+            m.sample([0, 1], [[5], [bad]], **kw, step=4)
 
 
 @pytest.mark.parametrize("device", DEVICES)

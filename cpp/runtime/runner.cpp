@@ -3,8 +3,8 @@
 #include "core/runtime.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
-#include "models/qwen2/penalties.hpp"
-#include "models/qwen2/staging.hpp"
+#include "runtime/penalties.hpp"
+#include "runtime/staging.hpp"
 
 #include <algorithm>
 
@@ -20,7 +20,7 @@ struct Runner::Graphed {
 
 Runner::Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config)
     : model_(model), pool_(pool), config_(std::move(config)),
-      staging_(std::make_unique<models::InputStaging>(model.device())) {
+      staging_(std::make_unique<InputStaging>(model.device())) {
     LLAISYS_CHECK(pool.device() == model.device() && pool.dtype() == model.dtype(), std::invalid_argument,
                   "Runner: the KV pool must have the model's device and dtype");
     LLAISYS_CHECK(config_.max_blocks_per_seq >= 1, std::invalid_argument,
@@ -43,6 +43,9 @@ void Runner::check(const HostBatch &b) const {
     LLAISYS_CHECK(b.max_blocks >= 1 && int64_t(b.block_tables.size()) == B * b.max_blocks, std::invalid_argument,
                   "Runner: block_tables must hold B * max_blocks = ", B * b.max_blocks, " entries, got ",
                   b.block_tables.size());
+    const int64_t vocab = model_.config().vocab_size;
+    for (int64_t id : b.ids)
+        LLAISYS_CHECK(id >= 0 && id < vocab, std::out_of_range, "Runner: token id ", id, " out of range [0, ", vocab, ")");
     const int64_t rows = pool_.num_blocks() * pool_.block_size();
     for (int64_t s : b.slots)
         LLAISYS_CHECK(s >= 0 && s < rows, std::out_of_range, "Runner: slot ", s, " outside the pool's ", rows, " rows");
@@ -140,6 +143,12 @@ Tensor Runner::run_graphed(const HostBatch &b, int64_t P) {
 
 Tensor Runner::logits(const HostBatch &b, bool all_logits) {
     check(b);
+    // Before any upload: the first step after loading raises here under a capture, touching nothing.
+    model_.prepare();
+    if (model_.weights_version() != graphs_weights_version_) { // reloaded weights: the graphs hold old addresses
+        graphs_.clear();
+        graphs_weights_version_ = model_.weights_version();
+    }
     DeviceGuard guard(model_.device());
     const int64_t size = all_logits ? 0 : graph_size_for(b);
     if (size > 0) return run_graphed(b, size);
@@ -154,7 +163,7 @@ std::vector<int64_t> Runner::captured_batch_sizes() const {
 }
 
 // One logit_bias call covering every row's (id, bias) pairs (ids [B, n] padded with -1).
-static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &rows, models::InputStaging &st) {
+static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &rows, InputStaging &st) {
     size_t width = 0;
     for (const RowSampling &r : rows) width = std::max(width, r.bias_ids.size());
     if (width == 0) return;
@@ -173,7 +182,7 @@ static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &r
 // launch, each from its own request's (seed, step), so its tokens never depend on its row.
 void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
     const int64_t B = int64_t(rows.size());
-    models::apply_repetition_penalties(logits, rows, *staging_);
+    apply_repetition_penalties(logits, rows, *staging_);
     apply_biases(logits, rows, *staging_);
     Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
     ops::argmax(out, max_val, logits);

@@ -1,4 +1,5 @@
-"""`llaisys bench`: prefill and decode speed of one sequence, against the weight-bandwidth roofline.
+"""`llaisys bench`: prefill and decode speed of one request through the Engine, against the weight-bandwidth
+roofline.
 
 Batch-1 decode reads every weight once per token, so its floor is weight_bytes / copy_bandwidth; the
 copy bandwidth is measured here on the same device (bytes read + written by a large device copy).
@@ -22,9 +23,8 @@ from typing import Iterator
 
 import numpy as np
 
-from . import _core
-from ._runtime import Event, build_info, current_stream, cuda_is_available, memory_stats, synchronize
-from ._tensor import empty, tensor
+from ._runtime import Event, build_info, current_stream, cuda_is_available, memory_stats
+from ._tensor import empty
 
 # Real shapes of the Qwen2 family (HF config values).
 SHAPES = {
@@ -57,36 +57,53 @@ def decode_weight_bytes(c: dict, dtype: str) -> int:
 _FLOAT_BITS = {"bf16": (16, 7, 127), "f16": (16, 10, 15), "f32": (32, 23, 127)}
 
 
-def random_weights(c: dict, dtype: str, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, weight) for every weight of HF config `c`, one at a time, each a new buffer of its real size in
-    `dtype` (norms 1). Aliased weights (views of one pool) would let a CPU model sit in cache and beat the
-    roofline. Values are random bit patterns: a random sign and mantissa with exponent 2^-7 or 2^-6, so
-    |w| in [0.0078, 0.031) like an initialised model; 1.5B of them take seconds, not minutes."""
-    import ml_dtypes
-
-    np_dtype = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[dtype]
+def random_weight(shape: tuple[int, ...], dtype: str, seed) -> np.ndarray:
+    """A new buffer of `shape` in `dtype`, drawn from `seed` (an int or a tuple of ints). Values are random bit
+    patterns: a random sign and mantissa with exponent 2^-7 or 2^-6, so |w| in [0.0078, 0.031) like an
+    initialised model; 1.5B of them take seconds, not minutes."""
     bits, mantissa, bias = _FLOAT_BITS[dtype]
     uint = np.dtype(f"uint{bits}")
     keep = (1 << (bits - 1)) | (1 << mantissa) | ((1 << mantissa) - 1)  # sign, lowest exponent bit, mantissa
     exponent = (bias - 7) << mantissa  # bias - 7 is even, so the kept exponent bit picks 2^-7 or 2^-6
-    rng = np.random.default_rng(seed)
-    for name, shape in weight_shapes(c).items():
-        if name.endswith("norm.weight"):
-            yield name, np.ones(shape, np_dtype)
-            continue
-        n = int(np.prod(shape))
-        w = rng.bit_generator.random_raw(-(-n * bits // 64)).view(uint)[:n]
-        w &= uint.type(keep)
-        w |= uint.type(exponent)
-        yield name, w.view(np_dtype).reshape(shape)
+    n = int(np.prod(shape))
+    w = np.random.default_rng(seed).bit_generator.random_raw(-(-n * bits // 64)).view(uint)[:n]
+    w &= uint.type(keep)
+    w |= uint.type(exponent)
+    return w.view(_np_dtype(dtype)).reshape(shape)
 
 
-def random_model(c: dict, dtype: str, device: str, max_seq_len: int, seed: int = 0):
-    """A Qwen2 with random weights (see random_weights), built on `device`."""
-    model = _core.Qwen2({k: v for k, v in c.items() if k != "max_position_embeddings"}, dtype, device, max_seq_len)
-    for name, w in random_weights(c, dtype, seed):
-        model.load_weight(name, tensor(w))  # on the CPU the model keeps w itself (zero-copy)
-    return model
+def _np_dtype(dtype: str):
+    import ml_dtypes
+
+    return {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[dtype]
+
+
+def _random_or_ones(name: str, shape: tuple[int, ...], dtype: str, seed) -> np.ndarray:
+    return np.ones(shape, _np_dtype(dtype)) if name.endswith("norm.weight") else random_weight(shape, dtype, seed)
+
+
+def random_weights(c: dict, dtype: str, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, weight) for every weight of HF config `c`, one at a time, each a new buffer of its real size in
+    `dtype` (norms 1), weight i drawn from (seed, i). Aliased weights (views of one pool) would let a CPU model
+    sit in cache and beat the roofline."""
+    for i, (name, shape) in enumerate(weight_shapes(c).items()):
+        yield name, _random_or_ones(name, shape, dtype, (seed, i))
+
+
+def random_loaded(c: dict, dtype: str, seed: int = 0, name: str = "random"):
+    """A loader.LoadedModel of HF config `c` with the weights of random_weights (each made when the Engine
+    takes it) and a tokenizer that knows no text (prompts are token ids; generated text is empty): what
+    Engine.from_loaded runs for `llaisys bench --shape`."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from .loader import LazyWeights, LoadedModel, Qwen2Config
+    from .tokenizer import Tokenizer
+
+    config = Qwen2Config.from_hf({**c, "model_type": "qwen2", "dtype": dtype}, f"{name} shape")
+    makers = {n: (lambda n=n, s=s, i=i: _random_or_ones(n, s, dtype, (seed, i)))
+              for i, (n, s) in enumerate(weight_shapes(c).items())}
+    tokenizer = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    return LoadedModel(config, LazyWeights(makers, {}), tokenizer, None, {}, name)
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -118,40 +135,6 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
         end.synchronize()
         times.append(start.elapsed_ms(end) / 1e3)
     return 2 * nbytes / float(np.median(times))
-
-
-def _greedy():
-    sp = _core.SamplingParams()
-    sp.temperature = 0.0
-    return sp
-
-
-def run_model(model, vocab: int, device: str, prompt_len: int, new_tokens: int, seed: int = 0) -> dict:
-    """Times one prefill of prompt_len random tokens, then new_tokens greedy decode steps."""
-    rng = np.random.default_rng(seed)
-    prompt = [int(t) for t in rng.integers(0, vocab, prompt_len)]
-    sp = _greedy()
-    model.truncate(0, 0)
-    # Warm-up at the timed shapes: the first use of a GEMM shape pays for library handles, workspaces and
-    # algorithm choice, and the first decode step captures the CUDA graph.
-    model.forward_sample([0], [prompt], [sp], 0, 0)
-    model.forward_sample([0], [[1]], [sp], 0, 1)
-    model.truncate(0, 0)
-    t0 = time.perf_counter()
-    token = model.forward_sample([0], [prompt], [sp], 0, 0)[0]
-    ttft = time.perf_counter() - t0
-    token = model.forward_sample([0], [[token]], [sp], 0, 1)[0]  # first decode step: warm the decode path
-    mallocs = memory_stats(device)["device_mallocs"] if device != "cpu" else 0
-    t1 = time.perf_counter()
-    for step in range(new_tokens):
-        token = model.forward_sample([0], [[token]], [sp], 0, step + 2)[0]
-    decode_s = time.perf_counter() - t1
-    if device != "cpu":
-        synchronize(device)
-    new_mallocs = (memory_stats(device)["device_mallocs"] - mallocs) if device != "cpu" else 0
-    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "ttft_ms": ttft * 1e3,
-            "prefill_tok_s": prompt_len / ttft, "decode_tok_s": new_tokens / decode_s,
-            "decode_ms_per_token": decode_s / new_tokens * 1e3, "decode_device_mallocs": new_mallocs}
 
 
 def bench_prompts(vocab: int, prompt_len: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -210,34 +193,35 @@ def _device(device: str) -> str:
 
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
           prompt_len: int = 128, new_tokens: int = 256) -> dict:
-    """One llaisys measurement in this process. `dtype` goes to the Engine as given for --model ("quantized",
-    and "auto" on the CPU, keep a GGUF file's block formats); the random --shape model is dense ("auto" = bf16)."""
+    """One llaisys measurement in this process, through the Engine (scheduler, runner, paged KV cache). `dtype`
+    goes to the Engine as given for --model ("quantized", and "auto" on the CPU, keep a GGUF file's block
+    formats); the random --shape model is dense ("auto" = bf16)."""
     device = _device(device)
-    max_seq = prompt_len + new_tokens + 16
-    if model is not None:
-        from .engine import Engine
+    max_seq_len = max(prompt_len + new_tokens + 16, 256)
+    from .engine import Engine
 
-        t = time.perf_counter()
-        with Engine(model, device=device, dtype=dtype, max_seq_len=max(max_seq, 256), progress=False) as eng:
-            load_s = time.perf_counter() - t
-            c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
-            name = model
-            result = run_engine(eng, prompt_len, new_tokens)
-            weight_bytes = engine_weight_bytes(eng, c)
-            # describe() needs a core that lists its weights (older builds don't)
-            described = eng.describe() if hasattr(eng._model, "weight_formats") else {}
-            result.update(load_s=load_s, compute_dtype=eng.dtype, quantized=bool(described.get("quantized")),
-                          weight_formats=sorted(described.get("weight_formats", {})))
-    else:  # random weights: the model's own single-sequence path (no scheduler), as before the engine
+    t = time.perf_counter()
+    if model is not None:
+        eng, name = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq_len, progress=False), model
+    else:  # random weights of a real shape, through the same Engine
         shape = shape or "qwen2-0.5b"
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
         if dtype == "quantized":
             raise ValueError("dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
         dtype = "bf16" if dtype == "auto" else dtype
-        c, name = SHAPES[shape], shape
-        result = run_model(random_model(c, dtype, device, max_seq), c["vocab_size"], device, prompt_len, new_tokens)
-        weight_bytes = decode_weight_bytes(c, dtype)
+        eng = Engine.from_loaded(random_loaded(SHAPES[shape], dtype, name=shape), device=device, dtype=dtype,
+                                 max_seq_len=max_seq_len, progress=False)
+        name = shape
+    with eng:
+        load_s = time.perf_counter() - t
+        c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
+        result = run_engine(eng, prompt_len, new_tokens)
+        weight_bytes = engine_weight_bytes(eng, c)
+        # describe() needs a core that lists its weights (older builds don't)
+        described = eng.describe() if hasattr(eng._model, "weight_formats") else {}
+        result.update(load_s=load_s, compute_dtype=eng.dtype, quantized=bool(described.get("quantized")),
+                      weight_formats=sorted(described.get("weight_formats", {})))
     # read before the copy-bandwidth buffers below raise it
     result["peak_rss_mb"] = peak_rss_mb() if device == "cpu" else None
     result["threads"] = build_info()["cpu_threads"]

@@ -1,7 +1,8 @@
-// The step runner of the serving path: takes one step's batch as host arrays (built by the Python
-// scheduler), uploads it in two copies, runs the model over the paged KV pool (replaying a captured
-// CUDA graph for decode batches, padded to the next graph batch size) and samples one token per
-// sequence with that sequence's own parameters and random stream.
+// The step runner: takes one step's batch as host arrays (built by the Python scheduler), uploads it in
+// two copies, runs the model over the paged KV pool (replaying a captured CUDA graph for decode
+// batches, padded to the next graph batch size) and samples one token per sequence with that
+// sequence's own parameters and random stream. The model is only the layer math; the runner owns
+// the graphs, the input staging and sampling (its settings come from the caller: EngineConfig).
 #pragma once
 #include "llaisys/graph.hpp"
 #include "llaisys/kv_pool.hpp"
@@ -12,11 +13,9 @@
 #include <memory>
 #include <vector>
 
-namespace llaisys::models {
-class InputStaging;
-}
-
 namespace llaisys::runtime {
+
+class InputStaging;
 
 // One step as the scheduler sees it (StepBatch's fields, on the host). Block tables are row-major
 // [B, max_blocks]; unused entries may hold anything in [0, num_blocks).
@@ -29,10 +28,16 @@ struct HostBatch {
     int64_t num_seqs() const { return int64_t(kv_len.size()); }
 };
 
-// Sampling for one sequence of the batch: the model's per-row parameters plus the request's random
-// stream and logit biases. Its random draw depends only on (seed, step): the same request samples the
-// same tokens whatever its row or its neighbours.
-struct RowSampling : models::SamplingParams {
+// Sampling for one sequence of the batch: its parameters, its request's random stream and logit biases.
+// Its random draw depends only on (seed, step): the same request samples the same tokens whatever its
+// row or its neighbours.
+struct RowSampling {
+    float temperature = 0.f; // 0 (or negative, or NaN) = greedy
+    int32_t top_k = 0;       // 0 = off
+    float top_p = 1.f;       // 1 = off
+    float min_p = 0.f;       // 0 = off
+    float repetition_penalty = 1.f;
+    std::vector<int64_t> penalty_ids; // distinct ids seen so far, penalised when repetition_penalty != 1
     uint64_t seed = 0, step = 0;
     // Added to the logits at these ids (distinct) after the repetition penalty: presence/frequency
     // penalties, and -inf for tokens banned this step (EOS before min_tokens).
@@ -71,8 +76,9 @@ private:
     models::Qwen2 &model_;
     KVPool &pool_;
     RunnerConfig config_;
-    std::unique_ptr<models::InputStaging> staging_;
+    std::unique_ptr<InputStaging> staging_;
     std::map<int64_t, std::unique_ptr<Graphed>> graphs_;
+    uint64_t graphs_weights_version_ = 0; // the model's weights_version() the graphs were captured with
     Tensor last_logits_;
 };
 

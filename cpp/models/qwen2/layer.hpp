@@ -1,8 +1,6 @@
 #pragma once
-#include "llaisys/graph.hpp"
 #include "llaisys/qwen2.hpp"
 #include "llaisys/linear_weight.hpp"
-#include "models/qwen2/staging.hpp"
 
 namespace llaisys::models {
 
@@ -23,18 +21,6 @@ struct Qwen2::Layer {
     LinearWeight wqkv, w_gate_up;
     Tensor bqkv;
     bool fused_qkv = false, fused_gate_up = false;
-};
-
-struct Qwen2::Staging : InputStaging {
-    using InputStaging::InputStaging;
-};
-
-// The decode step as one CUDA graph: inputs go to fixed device buffers, the graph replays every kernel
-// of the step, and its logits buffer is owned by the graph.
-struct Qwen2::DecodeGraph {
-    int slot = -1;
-    Tensor ids, pos, kv_len, logits; // [1] i64 each; logits [1, V]
-    std::unique_ptr<Graph> graph;
 };
 
 } // namespace llaisys::models

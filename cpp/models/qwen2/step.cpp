@@ -1,6 +1,6 @@
-// Qwen2's layer math for one step of a batch over the paged KV pool (the serving path). The step's
-// description (ids, positions, slots, block tables, lengths) lives in device tensors only, so the
-// same code runs eagerly and under CUDA-graph capture.
+// Qwen2's layer math for one step of a batch over the paged KV pool. The step's description (ids,
+// positions, slots, block tables, lengths) lives in device tensors only, so the same code runs eagerly
+// and under CUDA-graph capture. Every op enqueues on the device's current stream; nothing here syncs.
 #include "llaisys/kv_pool.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/qwen2.hpp"
@@ -11,8 +11,15 @@
 
 namespace llaisys::models {
 
+// attn [T, nh, hd] -> o_proj -> [T, H]
+Tensor Qwen2::project_out(const Layer &L, const Tensor &attn, int64_t T) {
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo);
+    return out;
+}
+
 // x [T, H] -> attention output projected back to [T, H]; this step's keys/values go to the pool first.
-Tensor Qwen2::attention_paged(int l, const Tensor &x, const runtime::StepBatch &b, const runtime::KVPool &pool) {
+Tensor Qwen2::attention(int l, const Tensor &x, const runtime::StepBatch &b, const runtime::KVPool &pool) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = x.size(0), nh = config_.num_heads, nkvh = config_.num_kv_heads, hd = config_.head_dim;
     Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
@@ -36,6 +43,24 @@ Tensor Qwen2::attention_paged(int l, const Tensor &x, const runtime::StepBatch &
     return project_out(L, attn, T);
 }
 
+// x [T, H] -> down(swiglu(gate(x), up(x))) [T, H]
+Tensor Qwen2::mlp(int l, const Tensor &x) {
+    const Layer &L = layers_[size_t(l)];
+    const int64_t T = x.size(0), I = config_.intermediate_size;
+    Tensor act = Tensor::empty({T, I}, dtype_, device_);
+    if (L.fused_gate_up) {
+        linear_swiglu(act, x, L.w_gate_up);
+    } else {
+        Tensor up = Tensor::empty({T, I}, dtype_, device_);
+        linear(act, x, L.w_gate);
+        linear(up, x, L.w_up);
+        ops::swiglu(act, act, up);
+    }
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    linear(out, act, L.w_down);
+    return out;
+}
+
 Tensor Qwen2::forward_step(const runtime::StepBatch &b, const runtime::KVPool &pool, bool all_logits) {
     check_ready();
     LLAISYS_CHECK(pool.num_layers() == config_.num_layers && pool.dtype() == dtype_ && pool.device() == device_,
@@ -50,7 +75,7 @@ Tensor Qwen2::forward_step(const runtime::StepBatch &b, const runtime::KVPool &p
         const Layer &L = layers_[size_t(l)];
         if (l == 0) ops::rms_norm(x, h, L.input_norm, config_.rms_norm_eps);
         else ops::add_rms_norm(x, h, mlp_out, L.input_norm, config_.rms_norm_eps);
-        const Tensor attn_out = attention_paged(l, x, b, pool);
+        const Tensor attn_out = attention(l, x, b, pool);
         ops::add_rms_norm(x, h, attn_out, L.post_norm, config_.rms_norm_eps);
         mlp_out = mlp(l, x);
     }

@@ -1,6 +1,5 @@
 // Weight names (as in HF checkpoints) -> the model's tensors, with strict shape checks; fusion of the
 // q/k/v and gate/up projections.
-#include "llaisys/graph.hpp"
 #include "llaisys/ops.hpp"
 #include "models/qwen2/layer.hpp"
 
@@ -111,8 +110,8 @@ int64_t Qwen2::fused_rows(bool qkv) const {
 }
 
 void Qwen2::load_weight(const std::string &name, const Tensor &value) {
-    graph_.reset(); // a captured decode step holds the old weights' addresses
     ready_ = false;
+    ++weights_version_; // a captured step holds the old weights' addresses
     Slot slot = weight_slot(name);
     LLAISYS_CHECK(slot.found(), std::invalid_argument, "Qwen2: unexpected weight '", name, "'",
                   config_.tie_word_embeddings && name == "lm_head.weight" ? " (the model ties its embeddings)" : "");
@@ -147,8 +146,8 @@ void Qwen2::load_weight(const std::string &name, const Tensor &value) {
 }
 
 void Qwen2::load_quant_weight(const std::string &name, const QuantMatrix &value) {
-    graph_.reset();
     ready_ = false;
+    ++weights_version_;
     Slot slot = weight_slot(name);
     LLAISYS_CHECK(slot.found(), std::invalid_argument, "Qwen2: unexpected weight '", name, "'",
                   config_.tie_word_embeddings && name == "lm_head.weight" ? " (the model ties its embeddings)" : "");

@@ -2,7 +2,8 @@
 
 Environment variables only supply defaults, here and nowhere else; they exist for A/B runs:
 LLAISYS_CUDA_GRAPHS=0 (no CUDA graphs), LLAISYS_PREFIX_CACHE=0 (no prefix caching),
-LLAISYS_KV_BLOCKS=N (a fixed number of KV blocks, e.g. to force preemption).
+LLAISYS_KV_BLOCKS=N (a fixed number of KV blocks, e.g. to force preemption), LLAISYS_FUSED=0|1 (fused
+projections off or on; unset: on for CUDA only).
 """
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from dataclasses import dataclass, field, fields
 def _env_flag(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     return default if value in (None, "") else value != "0"
+
+
+def _env_optional_flag(name: str) -> bool | None:
+    value = os.environ.get(name)
+    return None if value in (None, "") else value != "0"
 
 
 def _env_int(name: str) -> int | None:
@@ -44,6 +50,9 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default_factory=lambda: _env_flag("LLAISYS_PREFIX_CACHE", True))
     cuda_graphs: bool = field(default_factory=lambda: _env_flag("LLAISYS_CUDA_GRAPHS", True))
     graph_batch_sizes: tuple[int, ...] | None = None  # None: default_graph_sizes(max_num_seqs)
+    # one GEMV for q/k/v and for gate/up (RoPE + cache write fused); None: on for CUDA only, since on the
+    # CPU fusing copies the checkpoint's memory-mapped weights that are otherwise used in place
+    fused_projections: bool | None = field(default_factory=lambda: _env_optional_flag("LLAISYS_FUSED"))
     max_queued_requests: int = 4096       # submit() beyond this raises (a server answers 503)
 
     def __post_init__(self):
@@ -64,6 +73,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.fused_projections is not None and not isinstance(self.fused_projections, bool):
+            raise ValueError(f"EngineConfig.fused_projections must be True, False or None, got "
+                             f"{self.fused_projections!r}")
         sizes = self.graph_batch_sizes
         if sizes is not None and (not isinstance(sizes, (tuple, list)) or
                                   not all(isinstance(s, int) and s >= 1 for s in sizes)):
@@ -71,6 +83,9 @@ class EngineConfig:
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
+        if self.fused_projections is not None and not isinstance(self.fused_projections, bool):
+            raise ValueError(f"EngineConfig.fused_projections must be True, False or None, got "
+                             f"{self.fused_projections!r}")
         sizes = self.graph_batch_sizes or default_graph_sizes(self.max_num_seqs)
         return tuple(sorted(s for s in sizes if s <= self.max_num_seqs))
 

@@ -62,16 +62,39 @@ class Engine:
                  **settings):
         self._loop = None  # set last: close() and a failed __init__ leave an engine without one
         # every argument is checked before any file is read
+        self._check_arguments(device, dtype, max_seq_len, config, settings)
+        model = check_model_arg(model)
+        # no local name for the loaded model: _start drops the last reference once the weights are uploaded
+        self._start(loader.load(catalog.resolve(model), progress=progress), catalog.generation_defaults(model),
+                    max_seq_len, progress)
+
+    @classmethod
+    def from_loaded(cls, loaded: loader.LoadedModel, device: str = "auto", dtype: str = "auto",
+                    max_seq_len: int | None = None, progress: bool = True, config: EngineConfig | None = None,
+                    **settings) -> "Engine":
+        """An Engine over a model already in memory (a loader.LoadedModel, e.g. random weights of a real
+        shape for a benchmark: llaisys.bench.random_loaded). Takes the same arguments as Engine()."""
+        if not isinstance(loaded, loader.LoadedModel):
+            raise TypeError(f"from_loaded() takes a loader.LoadedModel, got {type(loaded).__name__}")
+        self = cls.__new__(cls)
+        self._loop = None
+        self._check_arguments(device, dtype, max_seq_len, config, settings)
+        self._start(loaded, {}, max_seq_len, progress)
+        return self
+
+    def _check_arguments(self, device, dtype, max_seq_len, config, settings) -> None:
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
         check_max_seq_len(max_seq_len)
         self.engine_config = _engine_config(config, settings)
-        model = check_model_arg(model)
-        loaded = loader.load(catalog.resolve(model), progress=progress)
+
+    def _start(self, loaded: loader.LoadedModel, generation_defaults: dict, max_seq_len: int | None,
+               progress: bool) -> None:
+        """Uploads the weights, sizes the KV pool and starts the step loop."""
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.chat_template = loaded.chat_template
-        self.generation_config = {**catalog.generation_defaults(model), **loaded.generation_config}
+        self.generation_config = {**generation_defaults, **loaded.generation_config}
         self.source = loaded.source
         limit = self.config.max_position_embeddings
         max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
@@ -89,8 +112,8 @@ class Engine:
             self.dtype == "quantized" or (self.dtype == "auto" and self.device == "cpu"))
         if self.dtype in ("auto", "quantized"):
             self.dtype = "f32" if self.quantized and self.device == "cpu" else "bf16"
-        # The model's own dense cache is unused by the batched runtime: give it one position.
-        net = _core.Qwen2(self._config_dict(), self.dtype, self.device, 1)
+        # the model is only weights and layer math; the KV pool, graphs and sampling are EngineCore's
+        net = _core.Qwen2(self._config_dict(), self.dtype, self.device, fused=self.engine_config.fused_projections)
         self._load_weights(net, loaded.weights, progress)
         net.prepare()  # before the KV pool takes the free device memory
         del loaded

@@ -1,10 +1,10 @@
-#include "models/qwen2/staging.hpp"
+#include "runtime/staging.hpp"
 
 #include "core/runtime.hpp"
 
 #include <cstring>
 
-namespace llaisys::models {
+namespace llaisys::runtime {
 
 InputStaging::InputStaging(Device device, size_t ring) : device_(device), slots_(ring) {}
 
@@ -32,4 +32,4 @@ void InputStaging::upload_into(const Tensor &dst, const void *data, size_t nbyte
     slot.done->record(current_stream(device_));
 }
 
-} // namespace llaisys::models
+} // namespace llaisys::runtime

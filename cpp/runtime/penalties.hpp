@@ -1,15 +1,15 @@
 // HF's repetition penalty for a batch of rows, each with its own penalty and ids: one repetition_penalty
 // call per distinct penalty value, each covering the rows using that value (ids [B, n] padded with -1,
-// so the other rows are untouched). Row: anything with SamplingParams' repetition_penalty and penalty_ids.
+// so the other rows are untouched). Row: anything with repetition_penalty and penalty_ids (RowSampling).
 #pragma once
 #include "llaisys/ops.hpp"
-#include "models/qwen2/staging.hpp"
+#include "runtime/staging.hpp"
 
 #include <algorithm>
 #include <set>
 #include <vector>
 
-namespace llaisys::models {
+namespace llaisys::runtime {
 
 template <class Row>
 void apply_repetition_penalties(const Tensor &logits, const std::vector<Row> &rows, InputStaging &staging) {
@@ -30,4 +30,4 @@ void apply_repetition_penalties(const Tensor &logits, const std::vector<Row> &ro
     }
 }
 
-} // namespace llaisys::models
+} // namespace llaisys::runtime

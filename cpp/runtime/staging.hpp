@@ -8,7 +8,7 @@
 #include <memory>
 #include <vector>
 
-namespace llaisys::models {
+namespace llaisys::runtime {
 
 class InputStaging {
 public:
@@ -31,4 +31,4 @@ private:
     size_t next_ = 0;
 };
 
-} // namespace llaisys::models
+} // namespace llaisys::runtime
