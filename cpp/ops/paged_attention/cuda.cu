@@ -220,18 +220,16 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
 }
 
 // Decode steps of few sequences (every sequence has at most one query): the split kernel's blocks
-// each walk 64 keys with a long serial instruction stream, and at batch 1 only a dozen of them exist
-// (ncu: 17.8 us at 6% occupancy). Grid (nsplit, B * nkvh), 128 threads: a block takes the group's query
-// heads (<= 8) of one kv head and one chunk of the sequence's keys, in steps of 32 keys. Each step
-// issues all its cache reads at once, straight into registers (one memory round trip for K and V):
-//   scores: warp w scores keys 8w .. 8w + 7, four lanes per key, each lane a quarter of the head dims,
-//           summed over the four lanes by shuffles;
+// would each walk 64 keys with a long serial instruction stream, and at batch 1 only a dozen of them
+// exist. Grid (nsplit, B * nkvh), 128 threads: a block takes the group's query heads (<= 8) of one kv
+// head and one chunk of the sequence's keys, in steps of 32 keys:
+//   scores: warp w scores keys 8w .. 8w + 7, four lanes per key, each lane a quarter of the head dims
+//           (16-byte loads straight from the cache), summed over the four lanes by shuffles;
 //   softmax: warp w updates rows w and w + 4 (running max and sum in shared memory);
 //   P @ V: thread = (key group, dim); 128 / hd key groups, merged through shared memory at the end.
 // The chunk's result goes to out (one split) or to the partials paged_combine_kernel merges.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const PagedArgs<T> a) {
-    constexpr int per16 = 16 / sizeof(T), kPieces = kThreads / 4 / per16; // 16-byte K pieces per lane, at most
     __shared__ __align__(16) float qs[kDecodeRows][kThreads]; // pre-scaled query rows, hd <= 128
     __shared__ float ps[kDecodeRows][kDecodeTile];            // scores, then probabilities, of the step
     __shared__ float row_m[kDecodeRows], row_l[kDecodeRows], row_c[kDecodeRows];
@@ -246,48 +244,39 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const PagedArgs<
     if (kb >= ke) return;
     const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, hd = a.hd, t = s.q0;
     const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
-    if (tid < min(kDecodeTile, ke - kb)) slots[tid] = cache_row(a, table, kb + tid);
     for (int idx = tid; idx < group * hd; idx += kThreads) {
         const int r = idx / hd, d = idx % hd;
         qs[r][d] = to_f32(a.q[t * a.q_s0 + (kvh * group + r) * a.q_s1 + d]) * a.scale_log2;
     }
     if (tid < kDecodeRows) row_m[tid] = -INFINITY, row_l[tid] = 0.f;
     const int64_t row_elems = int64_t(a.nkvh) * hd, head = int64_t(kvh) * hd;
-    const int quarter = hd / 4, pieces = quarter / per16, kpart = lane % 4, kkey = warp * 8 + lane / 4;
-    const int groups = kThreads / hd, d = tid % hd, kg = tid / hd;
+    const int quarter = hd / 4, kpart = lane % 4, kkey = warp * 8 + lane / 4; // scores: (key, quarter)
+    const int groups = kThreads / hd, d = tid % hd, kg = tid / hd;            // P @ V: (key group, dim)
     float acc[kDecodeRows];
 #pragma unroll
     for (int r = 0; r < kDecodeRows; ++r) acc[r] = 0.f;
     for (int t0 = kb; t0 < ke; t0 += kDecodeTile) {
         const int n = min(kDecodeTile, ke - t0);
-        __syncthreads(); // this step's slots (and the first time qs, row_m, row_l) are visible
-        uint4 kraw[kPieces];
-        T vraw[kDecodeTile];
-        const T *krow = a.k + slots[min(kkey, n - 1)] * row_elems + head + kpart * quarter;
-#pragma unroll
-        for (int i = 0; i < kPieces; ++i)
-            if (i < pieces && kkey < n) kraw[i] = __ldg(reinterpret_cast<const uint4 *>(krow) + i);
-#pragma unroll
-        for (int j = 0; j < kDecodeTile; ++j) {
-            const int c = kg + j * groups;
-            if (c < n) vraw[j] = a.v[slots[c] * row_elems + head + d];
-        }
+        if (tid < n) slots[tid] = cache_row(a, table, t0 + tid);
+        __syncthreads(); // slots (and the first time qs, row_m, row_l) are visible
         float sc[kDecodeRows];
 #pragma unroll
         for (int r = 0; r < kDecodeRows; ++r) sc[r] = 0.f;
-        if (kkey < n)
-#pragma unroll
-            for (int i = 0; i < kPieces; ++i) {
-                if (i >= pieces) break;
-                const T *kv = reinterpret_cast<const T *>(&kraw[i]);
+        if (kkey < n) {
+            constexpr int per16 = 16 / sizeof(T);
+            const T *krow = a.k + slots[kkey] * row_elems + head + kpart * quarter;
+            for (int e0 = 0; e0 < quarter; e0 += per16) {
+                T kv[per16];
+                *reinterpret_cast<uint4 *>(kv) = __ldg(reinterpret_cast<const uint4 *>(krow + e0));
 #pragma unroll
                 for (int e = 0; e < per16; ++e) {
                     const float kf = to_f32(kv[e]);
 #pragma unroll
                     for (int r = 0; r < kDecodeRows; ++r)
-                        if (r < group) sc[r] += qs[r][kpart * quarter + i * per16 + e] * kf;
+                        if (r < group) sc[r] += qs[r][kpart * quarter + e0 + e] * kf;
                 }
             }
+        }
 #pragma unroll
         for (int r = 0; r < kDecodeRows; ++r) {
             sc[r] += __shfl_xor_sync(0xffffffffu, sc[r], 1);
@@ -314,24 +303,15 @@ __global__ void __launch_bounds__(kThreads) paged_decode_kernel(const PagedArgs<
 #pragma unroll
         for (int r = 0; r < kDecodeRows; ++r)
             if (r < group) acc[r] *= row_c[r];
+        for (int c = kg; c < n; c += groups) {
+            const float v = to_f32(a.v[slots[c] * row_elems + head + d]);
 #pragma unroll
-        for (int j = 0; j < kDecodeTile; ++j) {
-            const int c = kg + j * groups;
-            if (c < n) {
-                const float v = to_f32(vraw[j]);
-#pragma unroll
-                for (int r = 0; r < kDecodeRows; ++r)
-                    if (r < group) acc[r] += ps[r][c] * v;
-            }
+            for (int r = 0; r < kDecodeRows; ++r)
+                if (r < group) acc[r] += ps[r][c] * v;
         }
-        if (t0 + kDecodeTile < ke) {
-            __syncthreads(); // every thread is done with this step's slots and ps
-            if (tid < min(kDecodeTile, ke - t0 - kDecodeTile)) slots[tid] = cache_row(a, table, t0 + kDecodeTile + tid);
-        }
+        __syncthreads(); // slots and ps are rewritten by the next step
     }
-#pragma unroll
-    for (int r = 0; r < kDecodeRows; ++r)
-        if (r < group) merge[(kg * kDecodeRows + r) * hd + d] = acc[r];
+    for (int r = 0; r < group; ++r) merge[(kg * kDecodeRows + r) * hd + d] = acc[r];
     __syncthreads();
     for (int idx = tid; idx < group * hd; idx += kThreads) {
         const int r = idx / hd, dd = idx % hd, h = kvh * group + r;
