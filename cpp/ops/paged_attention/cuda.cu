@@ -24,8 +24,6 @@ using split_kv::kTile;           // two tiles in flight here
 constexpr int kMaxSplits = 256;  // key chunks per sequence at most (the combine kernel's weights in smem)
 constexpr int kCombineWarps = 4; // output rows per combine block, one warp each
 constexpr int kErrPagedMetadata = 5; // code in runtime::cuda::error_flag
-constexpr int kDecodeTile = 32;      // keys per step of the decode kernel
-constexpr int kDecodeRows = 8;       // query heads per kv head it takes at most
 
 template <typename T>
 struct PagedArgs {
@@ -38,7 +36,6 @@ struct PagedArgs {
     int64_t q_s0, q_s1, o_s0, o_s1;
     int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
     float scale_log2;
-    int granule; // chunks of a sequence's keys are multiples of it: kTile, or kDecodeTile (decode kernel)
 };
 
 // One sequence's metadata, clamped into the contract so that nothing out of bounds is read: q rows
@@ -71,9 +68,9 @@ __device__ __forceinline__ Seq load_seq(const PagedArgs<T> &a, int b) {
 
 // Keys of one chunk of a sequence of kv keys: the split is planned per sequence on the device, so short
 // sequences get short chunks (or fewer) and a long one uses every split.
-__device__ __forceinline__ int chunk_len(int kv, int nsplit, int granule = kTile) {
+__device__ __forceinline__ int chunk_len(int kv, int nsplit) {
     const int c = (kv + nsplit - 1) / nsplit;
-    return max(granule, (c + granule - 1) / granule * granule);
+    return max(kTile, (c + kTile - 1) / kTile * kTile);
 }
 
 // Shared-memory layout in bytes, shared by host and device code: split_kv's head (q, red, p) | cache rows
@@ -219,114 +216,6 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     finish<T, DPT>(a, lay, rows, s, smem, st);
 }
 
-// Decode steps of few sequences (every sequence has at most one query): the split kernel's blocks
-// would each walk 64 keys with a long serial instruction stream, and at batch 1 only a dozen of them
-// exist. Grid (nsplit, B * nkvh), 128 threads: a block takes the group's query heads (<= 8) of one kv
-// head and one chunk of the sequence's keys, in steps of 32 keys:
-//   scores: warp w scores keys 8w .. 8w + 7, four lanes per key, each lane a quarter of the head dims
-//           (16-byte loads straight from the cache), summed over the four lanes by shuffles;
-//   softmax: warp w updates rows w and w + 4 (running max and sum in shared memory);
-//   P @ V: thread = (key group, dim); 128 / hd key groups, merged through shared memory at the end.
-// The chunk's result goes to out (one split) or to the partials paged_combine_kernel merges.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) paged_decode_kernel(const PagedArgs<T> a) {
-    __shared__ __align__(16) float qs[kDecodeRows][kThreads]; // pre-scaled query rows, hd <= 128
-    __shared__ float ps[kDecodeRows][kDecodeTile];            // scores, then probabilities, of the step
-    __shared__ float row_m[kDecodeRows], row_l[kDecodeRows], row_c[kDecodeRows];
-    __shared__ int slots[kDecodeTile];
-    __shared__ float merge[kThreads * kDecodeRows]; // key groups' accumulators [groups][rows][hd]
-    pdl_trigger();
-    pdl_wait();
-    const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
-    const Seq s = load_seq(a, b);
-    if (s.qlen == 0) return;
-    const int L = chunk_len(s.kv, a.nsplit, kDecodeTile), kb = blockIdx.x * L, ke = min(kb + L, s.kv);
-    if (kb >= ke) return;
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, hd = a.hd, t = s.q0;
-    const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
-    for (int idx = tid; idx < group * hd; idx += kThreads) {
-        const int r = idx / hd, d = idx % hd;
-        qs[r][d] = to_f32(a.q[t * a.q_s0 + (kvh * group + r) * a.q_s1 + d]) * a.scale_log2;
-    }
-    if (tid < kDecodeRows) row_m[tid] = -INFINITY, row_l[tid] = 0.f;
-    const int64_t row_elems = int64_t(a.nkvh) * hd, head = int64_t(kvh) * hd;
-    const int quarter = hd / 4, kpart = lane % 4, kkey = warp * 8 + lane / 4; // scores: (key, quarter)
-    const int groups = kThreads / hd, d = tid % hd, kg = tid / hd;            // P @ V: (key group, dim)
-    float acc[kDecodeRows];
-#pragma unroll
-    for (int r = 0; r < kDecodeRows; ++r) acc[r] = 0.f;
-    for (int t0 = kb; t0 < ke; t0 += kDecodeTile) {
-        const int n = min(kDecodeTile, ke - t0);
-        if (tid < n) slots[tid] = cache_row(a, table, t0 + tid);
-        __syncthreads(); // slots (and the first time qs, row_m, row_l) are visible
-        float sc[kDecodeRows];
-#pragma unroll
-        for (int r = 0; r < kDecodeRows; ++r) sc[r] = 0.f;
-        if (kkey < n) {
-            constexpr int per16 = 16 / sizeof(T);
-            const T *krow = a.k + slots[kkey] * row_elems + head + kpart * quarter;
-            for (int e0 = 0; e0 < quarter; e0 += per16) {
-                T kv[per16];
-                *reinterpret_cast<uint4 *>(kv) = __ldg(reinterpret_cast<const uint4 *>(krow + e0));
-#pragma unroll
-                for (int e = 0; e < per16; ++e) {
-                    const float kf = to_f32(kv[e]);
-#pragma unroll
-                    for (int r = 0; r < kDecodeRows; ++r)
-                        if (r < group) sc[r] += qs[r][kpart * quarter + e0 + e] * kf;
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < kDecodeRows; ++r) {
-            sc[r] += __shfl_xor_sync(0xffffffffu, sc[r], 1);
-            sc[r] += __shfl_xor_sync(0xffffffffu, sc[r], 2);
-        }
-        if (kpart == 0 && kkey < n)
-#pragma unroll
-            for (int r = 0; r < kDecodeRows; ++r)
-                if (r < group) ps[r][kkey] = sc[r];
-        __syncthreads();
-        for (int r = warp; r < group; r += kThreads / 32) { // lane = key
-            const float v = lane < n ? ps[r][lane] : -INFINITY;
-            const float m_old = row_m[r], m_new = fmaxf(m_old, warp_max(v)); // fmaxf skips NaN scores
-            const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-            const float p = lane < n ? exp2f(v - m_ref) : 0.f;
-            if (lane < n) ps[r][lane] = p;
-            const float sum = warp_sum(p);
-            if (lane == 0) {
-                const float c = exp2f(m_old - m_ref);
-                row_c[r] = c, row_m[r] = m_new, row_l[r] = row_l[r] * c + sum;
-            }
-        }
-        __syncthreads();
-#pragma unroll
-        for (int r = 0; r < kDecodeRows; ++r)
-            if (r < group) acc[r] *= row_c[r];
-        for (int c = kg; c < n; c += groups) {
-            const float v = to_f32(a.v[slots[c] * row_elems + head + d]);
-#pragma unroll
-            for (int r = 0; r < kDecodeRows; ++r)
-                if (r < group) acc[r] += ps[r][c] * v;
-        }
-        __syncthreads(); // slots and ps are rewritten by the next step
-    }
-    for (int r = 0; r < group; ++r) merge[(kg * kDecodeRows + r) * hd + d] = acc[r];
-    __syncthreads();
-    for (int idx = tid; idx < group * hd; idx += kThreads) {
-        const int r = idx / hd, dd = idx % hd, h = kvh * group + r;
-        float v = 0.f;
-        for (int g = 0; g < groups; ++g) v += merge[(g * kDecodeRows + r) * hd + dd];
-        if (a.nsplit == 1) {
-            a.out[t * a.o_s0 + h * a.o_s1 + dd] = from_f32<T>(v / row_l[r]);
-        } else {
-            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (hd + 2);
-            dst[dd] = v;
-            if (dd == 0) dst[hd] = row_m[r], dst[hd + 1] = row_l[r];
-        }
-    }
-}
-
 // Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
 // row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks hold nothing for it) are weighted by
@@ -340,7 +229,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const Seq s = load_seq(a, blockIdx.y);
     const int i = rho / a.nh, h = rho % a.nh;
     if (i >= s.qlen) return; // whole warps return; only warp-level syncs follow
-    const int lim = i + s.kv - s.qlen, used = lim / chunk_len(s.kv, a.nsplit, a.granule) + 1, t = s.q0 + i;
+    const int lim = i + s.kv - s.qlen, used = lim / chunk_len(s.kv, a.nsplit) + 1, t = s.q0 + i;
     const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
     const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
     float *wt = wts[warp];
@@ -385,16 +274,6 @@ void launch(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     }
 }
 
-template <typename T>
-void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    launch_pdl(paged_decode_kernel<T>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kThreads), 0, stream,
-               device.index, a);
-    if (a.nsplit > 1) {
-        const dim3 cgrid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));
-        launch_pdl(paged_combine_kernel<T>, cgrid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
-    }
-}
-
 } // namespace
 
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
@@ -406,15 +285,8 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     if (tokens == 0 || B == 0 || mq == 0) return;
     LLAISYS_CHECK(B * nkvh <= 65535, std::invalid_argument, op, ": batch * kv heads (", std::to_string(B * nkvh),
                   ") is more than the CUDA grid allows (65535)");
-    const int64_t blocks = ceil_div(mq * (nh / nkvh), kRows) * B * nkvh, capacity = block_tables.size(1) * k_cache.size(1);
-    // decode of a batch smaller than the GPU: the decode kernel, its keys split until ~2 blocks per SM
-    const bool vec = (hd * int64_t(q.element_size())) % 16 == 0 && reinterpret_cast<uintptr_t>(k_cache.data()) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(v_cache.data()) % 16 == 0; // K/V rows in 16-byte pieces
-    const bool decode = vec && mq == 1 && hd % 32 == 0 && hd <= kThreads && nh / nkvh <= kDecodeRows &&
-                        B * nkvh < 2 * int64_t(sm_count(out.device().index));
-    const int nsplit = decode ? int(std::clamp<int64_t>(ceil_div(2 * int64_t(sm_count(out.device().index)), B * nkvh), 1,
-                                                        std::min<int64_t>(kMaxSplits, ceil_div(capacity, kDecodeTile))))
-                              : plan_splits(blocks, capacity, out.device().index);
+    const int64_t blocks = ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
+    const int nsplit = plan_splits(blocks, block_tables.size(1) * k_cache.size(1), out.device().index);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
     if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
@@ -426,10 +298,11 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
-                             scale * 1.4426950408889634f, decode ? kDecodeTile : kTile};
+                             scale * 1.4426950408889634f};
+        const bool vec = (hd * int64_t(sizeof(H))) % 16 == 0 && reinterpret_cast<uintptr_t>(k_cache.data()) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(v_cache.data()) % 16 == 0;
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
-        if (decode) return launch_decode<D>(a, bi, out.device(), stream);
         if (vec && hd <= kThreads) return launch<D, 1, true>(a, bi, out.device(), stream);
         if (vec) return launch<D, 2, true>(a, bi, out.device(), stream);
         if (hd <= kThreads) return launch<D, 1, false>(a, bi, out.device(), stream);
