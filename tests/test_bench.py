@@ -382,3 +382,144 @@ def test_llama_cpp_runs_a_random_gguf(random_gguf, tiny_tokenizer_gguf, tmp_path
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["peak_rss_mb"] > 0
     with pytest.raises(RuntimeError, match="not the same model"):
         _peers.run_llama_cpp(dict(ours, vocab_size=vocab + 1), path, threads=1)
+
+
+# ---- batched throughput, nano-vllm's protocol (issue 17) -------------------------------------------------
+
+from llaisys import bench_throughput  # noqa: E402
+
+
+def _every_token_ends(loaded):
+    """The model's generation_config names every id as EOS: a request that honours EOS stops after one token."""
+    loaded.generation_config["eos_token_id"] = list(range(loaded.config.vocab_size))
+    return loaded
+
+
+def test_throughput_generates_every_requested_token_eos_ignored(monkeypatch):
+    """--shape runs random weights of the shape through the Engine; with every id an EOS, only ignore_eos lets
+    the output token count reach the requested lengths summed."""
+    monkeypatch.setitem(bench.SHAPES, "tiny-test", SMALL)
+    real = bench.random_loaded
+    monkeypatch.setattr(bench, "random_loaded", lambda *a, **kw: _every_token_ends(real(*a, **kw)))
+    lines = []
+    r = bench_throughput.throughput(shape="tiny-test", device="cpu", dtype="f32", num_requests=5, min_len=3,
+                                    max_len=12, max_num_seqs=4, out=lines.append)
+    prompts, outs = bench_throughput.requests(5, 3, 12, SMALL["vocab_size"])
+    assert sorted(set(outs)) != [1] and all(3 <= n <= 12 for n in outs) and all(3 <= len(p) <= 12 for p in prompts)
+    assert r["output_tokens"] == r["requested_output_tokens"] == sum(outs)
+    assert r["prompt_tokens"] == sum(map(len, prompts))
+    assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"] and r["seconds"] > 0
+    assert r["steps"] >= max(outs) and r["ms_per_step"] > 0  # at most one token per request a step
+    assert (r["model"], r["dtype"], r["num_requests"], r["max_num_seqs"]) == ("tiny-test", "f32", 5, 4)
+    assert lines[0].startswith("llaisys ") and "5 requests, lengths [3, 12]" in lines[0]
+    assert lines[1].startswith("batched: ") and "output tok/s" in lines[1] and "total tok/s" in lines[1]
+    for part in ("steps", "ms/step", "schedule", "arrays", "runner", "postprocess"):
+        assert part in lines[1], part
+    # the same model honours EOS outside the protocol: every request would end after one token
+    loaded = bench.random_loaded(bench_throughput.shape_config("tiny-test"), "f32")
+    from llaisys.engine import Engine
+
+    with Engine.from_loaded(loaded, device="cpu", dtype="f32", max_seq_len=64, progress=False) as eng:
+        assert len(eng.generate(prompts[0], max_new_tokens=outs[0], temperature=0.6).token_ids) == 1
+
+
+def test_throughput_requests_are_seeded_and_uniform():
+    a, b = bench_throughput.requests(64, 100, 1024, 151936), bench_throughput.requests(64, 100, 1024, 151936)
+    assert a == b  # seed 0: every run and every engine gets the same requests
+    assert bench_throughput.requests(64, 100, 1024, 151936, seed=1) != a
+    prompts, outs = a
+    lens = [len(p) for p in prompts] + outs
+    assert min(lens) >= 100 and max(lens) <= 1024 and len(set(lens)) > 40
+    assert all(0 <= t < 151936 for p in prompts for t in p)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(num_requests=0), "--num-requests must be a whole number >= 1"),
+    (dict(min_len=0), "--min-len must be a whole number >= 1"),
+    (dict(max_len=2.5), "--max-len must be a whole number >= 1"),
+    (dict(max_num_seqs=True), "--max-num-seqs must be a whole number >= 1"),
+    (dict(min_len=50, max_len=10), "--min-len \\(50\\) must not exceed --max-len \\(10\\)"),
+    (dict(temperature=-0.1), "--temperature must be a number >= 0"),
+])
+def test_throughput_bad_settings_raise(kw, message):
+    settings = {**dict(num_requests=4, min_len=2, max_len=8, temperature=0.0, max_num_seqs=4), **kw}
+    with pytest.raises(ValueError, match=message):
+        bench_throughput.check(**{k: settings[k] for k in ("num_requests", "min_len", "max_len", "temperature",
+                                                           "max_num_seqs")})
+    with pytest.raises(ValueError, match=message):  # before any model is built
+        bench_throughput.throughput(shape="no-such-shape", device="cpu", **settings)
+
+
+def test_throughput_shape_is_tied_like_the_real_models():
+    for shape in bench.SHAPES:
+        c = bench_throughput.shape_config(shape)
+        assert c["tie_word_embeddings"] and {k: v for k, v in c.items() if k != "tie_word_embeddings"} == {
+            k: v for k, v in bench.SHAPES[shape].items() if k != "tie_word_embeddings"}
+    with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
+        bench_throughput.shape_config("qwen9")
+
+
+def _throughput_script(*args, cwd=None):
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "throughput.py")
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from tiny_model import make_tiny_qwen2
+
+    return make_tiny_qwen2(tmp_path_factory.mktemp("thr") / "m", seed=5)
+
+
+def test_throughput_script_keeps_its_flags(tiny_path, tmp_path):
+    """bench/throughput.py (what bench/gpu_check.sh runs) is a wrapper of the package's protocol."""
+    out = tmp_path / "r.json"
+    r = _throughput_script("--model", tiny_path, "--device", "cpu", "-n", "4", "--min-len", "2", "--max-len", "10",
+                           "--temperature", "0", "--max-num-seqs", "2", "--solo", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("llaisys ") and lines[1].startswith("batched: ") and lines[2].startswith(
+        "one at a time: ")
+    res = json.loads(out.read_text())
+    _, outs = bench_throughput.requests(4, 2, 10, _vocab(tiny_path))
+    assert res["output_tokens"] == sum(outs) and res["solo"]["output_tokens"] == sum(outs)
+    assert res["output_tok_s"] > 0 and res["total_tok_s"] > 0 and res["max_num_seqs"] == 2
+    r = _throughput_script("--model", tiny_path, "--device", "cpu", "--single", "8", "4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[1].startswith("one request, prompt 8, 4 new: decode ")
+
+
+def _vocab(path) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["vocab_size"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "qwen2-0.5b", "-n", "0"], "--num-requests must be a whole number >= 1, got 0"),
+    (["--shape", "qwen2-0.5b", "--min-len", "9", "--max-len", "3"], "--min-len (9) must not exceed --max-len (3)"),
+    (["--model", "m", "--gguf-types", "q8_0"], "--gguf-types writes a random GGUF of --shape"),
+    (["--shape", "qwen2-0.5b", "--single", "0", "4"], "--single PROMPT NEW must both be >= 1"),
+])
+def test_throughput_script_bad_values_are_argparse_errors(args, message):
+    r = _throughput_script(*args)
+    assert r.returncode == 2 and "usage: throughput.py" in r.stderr and message in r.stderr, r.stderr
+
+
+def test_throughput_script_parses_gpu_check_flags():
+    """The command lines of bench/gpu_check.sh, parsed without running them."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_throughput_script", os.path.join(os.path.dirname(__file__), "..", "bench", "throughput.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    p = script.parser()
+    a = p.parse_args(["--shape", "qwen2-1.5b", "--device", "cuda", "--single", "128", "256"])
+    assert (a.shape, a.device, a.single, a.dtype) == ("qwen2-1.5b", "cuda", [128, 256], None)
+    a = p.parse_args(["--shape", "qwen2-1.5b", "--gguf-types", "q4_k_m", "--device", "cuda", "-n", "64"])
+    assert (a.gguf_types, a.num_requests, a.peers) == ("q4_k_m", 64, False)
+    a = p.parse_args(["--shape", "qwen2-0.5b", "--device", "cuda", "-n", "256", "--peers"])
+    assert a.peers and (a.num_requests, a.min_len, a.max_len, a.temperature, a.max_num_seqs) == (
+        256, 100, 1024, 0.6, 256)

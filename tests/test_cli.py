@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import llaisys
+from llaisys import bench_throughput  # noqa: F401  (binds the real llaisys.bench before `fake` swaps it)
 from llaisys import cli
 from llaisys.chat import render_chat_template
 
@@ -438,3 +439,101 @@ def test_bench_peers_without_torch_runs_llama_cpp_alone_on_a_real_model(capsys, 
     # random weights of a shape have no GGUF file: HF is the only peer, and it is missing
     code, out, err = run(capsys, ["bench", "--shape", "qwen2-0.5b", "--peers"])
     assert code == 2 and err.startswith("llaisys: error: --peers runs HF transformers on torch")
+
+
+# ---- bench --throughput (issue 17) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--throughput", "0"], "argument --throughput: must be >= 1, got 0"),
+    (["--throughput", "-n", "x"], "argument -n/--num-requests: expected a whole number, got 'x'"),
+    (["--throughput", "3", "-n", "4"], "--throughput 3 and --num-requests 4 disagree: give one"),
+    (["--throughput", "--min-len", "0"], "argument --min-len: must be >= 1, got 0"),
+    (["--throughput", "--min-len", "9", "--max-len", "3"], "--min-len (9) must not exceed --max-len (3)"),
+    (["--throughput", "--temperature", "-1"], "argument --temperature: must be a number >= 0, got -1"),
+    (["--throughput", "--temperature", "nan"], "argument --temperature: must be a number >= 0, got nan"),
+    (["--throughput", "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1, got 0"),
+    (["--throughput", "--prompt-len", "8", "--threads", "2"],
+     "--prompt-len, --threads: only in the one-request mode, not with --throughput"),
+    (["-n", "4"], "--num-requests: only with --throughput"),
+    (["--shape", "qwen2-0.5b", "--max-len", "64"], "--max-len: only with --throughput"),
+    (["--throughput", "--model", "m", "--gguf-types", "q8_0"], "--gguf-types writes a random GGUF file of --shape"),
+])
+def test_bench_throughput_argument_errors(capsys, fake, monkeypatch, argv, message):
+    from llaisys import bench_throughput
+
+    monkeypatch.setattr(bench_throughput, "main", lambda *a: pytest.fail("ran despite a bad argument"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: llaisys bench" in err and message in err, err
+    assert fake.bench_args == []
+
+
+def test_bench_throughput_passes_its_settings(capsys, fake, monkeypatch):
+    from llaisys import bench_throughput
+
+    seen = []
+    monkeypatch.setattr(bench_throughput, "main", lambda args, n: seen.append((args, n)) or 0)
+    assert run(capsys, ["bench", "--throughput", "--shape", "qwen2-1.5b", "--device", "cuda"])[0] == 0
+    args, n = seen[0]
+    assert n == 256 and (args.shape, args.device, args.min_len, args.max_len, args.temperature, args.max_num_seqs,
+                         args.peers, args.json) == ("qwen2-1.5b", "cuda", 100, 1024, 0.6, 256, False, None)
+    # the CLI's defaults are the protocol's
+    assert cli.THROUGHPUT_DEFAULTS == bench_throughput.DEFAULTS
+    for argv in (["--throughput", "12"], ["--throughput", "-n", "12"], ["--throughput", "12", "--num-requests", "12"]):
+        assert run(capsys, ["bench", *argv, "--min-len", "5", "--max-len", "5", "--temperature", "0",
+                            "--max-num-seqs", "3", "--json", "o.json"])[0] == 0
+        args, n = seen[-1]
+        assert n == args.num_requests == 12 and (args.min_len, args.max_len, args.temperature, args.max_num_seqs,
+                                                 args.json) == (5, 5, 0.0, 3, "o.json")
+    assert fake.bench_args == []  # the one-request benchmark never ran
+    run(capsys, ["bench", "--shape", "qwen2-0.5b"])  # and without --throughput it is what runs
+    assert len(seen) == 4 and (fake.bench_args[0].prompt_len, fake.bench_args[0].new_tokens) == (128, 256)
+
+
+def test_bench_throughput_peers_without_torch_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    code, out, err = run(capsys, ["bench", "--throughput", "--shape", "qwen2-0.5b", "--peers"])
+    assert code == 2 and out == ""
+    assert err.startswith("llaisys: error: --peers runs HF transformers' generate_batch, which needs torch")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bench_throughput_runs_the_protocol(capsys, tmp_path):
+    """The real protocol from the CLI on the tiny test model: every requested token generated (EOS ignored),
+    the one-line summary printed and the result written as JSON."""
+    import json
+
+    from llaisys import bench_throughput
+    from tiny_model import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path / "m", seed=7)
+    out = tmp_path / "r.json"
+    code, stdout, err = run(capsys, ["bench", "--throughput", "6", "--model", path, "--device", "cpu", "--min-len",
+                                     "3", "--max-len", "14", "--max-num-seqs", "4", "--json", str(out)])
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0].startswith("llaisys ") and "6 requests, lengths [3, 14]" in lines[0]
+    assert lines[1].startswith("batched: ") and " output tok/s, " in lines[1] and " total tok/s " in lines[1]
+    r = json.loads(out.read_text())
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    prompts, outs = bench_throughput.requests(6, 3, 14, vocab)
+    assert r["output_tokens"] == sum(outs) and r["prompt_tokens"] == sum(map(len, prompts))
+    assert r["output_tok_s"] > 0 and r["total_tok_s"] > r["output_tok_s"] and r["steps"] >= max(outs)
+    for key in ("seconds", "ms_per_step", "schedule_ms", "arrays_ms", "runner_ms", "postprocess_ms"):
+        assert r[key] >= 0, key
+    assert (r["num_requests"], r["min_len"], r["max_len"], r["max_num_seqs"], r["temperature"]) == (6, 3, 14, 4, 0.6)
+
+
+def test_bench_help_names_the_throughput_mode(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for word in ("--throughput [N]", "--num-requests", "--min-len", "--max-len", "--max-num-seqs", "nano-vllm"):
+        assert word in out, word

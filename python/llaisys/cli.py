@@ -6,6 +6,7 @@ is instant and a missing optional piece only affects the command that needs it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -128,12 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench(sub, fmt, debug) -> None:
-    b = sub.add_parser("bench", parents=[debug], formatter_class=fmt, help="measure prefill and decode speed",
+    b = sub.add_parser("bench", parents=[debug], formatter_class=fmt,
+                       help="measure prefill and decode speed, or batched throughput",
                        description="Time one prefill and a greedy decode of one sequence and compare decode with "
                                    "the weight-bandwidth roofline. --shape uses random weights of a real model "
-                                   "shape (no download); --model a real model.",
+                                   "shape (no download); --model a real model. --throughput [N] instead runs "
+                                   "nano-vllm's batched protocol: N requests (default 256) with prompt and output "
+                                   "lengths uniform in [--min-len, --max-len] (seed 0), EOS ignored; it prints "
+                                   "output and total tok/s and the per-step time split.",
                        epilog="examples:\n  llaisys bench --shape qwen2-1.5b --device cuda --json out.json\n"
-                              "  llaisys bench --model qwen2.5-coder-0.5b-instruct --peers")
+                              "  llaisys bench --model qwen2.5-coder-0.5b-instruct --peers\n"
+                              "  llaisys bench --throughput --shape qwen2-0.5b --device cuda --peers")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--model", "-m", metavar="M", help="a real model (as for generate)")
     src.add_argument("--shape", choices=["qwen2-0.5b", "qwen2-1.5b"], help="random weights of this shape "
@@ -141,24 +147,80 @@ def _add_bench(sub, fmt, debug) -> None:
     b.add_argument("--device", default="auto", type=_device, metavar="DEV",
                    help="auto, cpu, cuda or cuda:N (default auto)")
     b.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"], help="as for generate (default auto)")
-    b.add_argument("--prompt-len", type=_positive, default=128, metavar="N", help="prompt tokens (default 128)")
-    b.add_argument("--new-tokens", type=_positive, default=256, metavar="N", help="decode steps (default 256)")
-    b.add_argument("--threads", type=_positive, metavar="N",
-                   help="CPU threads for llaisys and llama.cpp (default: every core this process may use)")
+    one = b.add_argument_group("one request (the default mode)")
+    one.add_argument("--prompt-len", type=_positive, metavar="N", help="prompt tokens (default 128)")
+    one.add_argument("--new-tokens", type=_positive, metavar="N", help="decode steps (default 256)")
+    one.add_argument("--threads", type=_positive, metavar="N",
+                     help="CPU threads for llaisys and llama.cpp (default: every core this process may use)")
     b.add_argument("--gguf-types", metavar="PRESET",
                    help="with --shape: a random GGUF file in these block formats (q4_k_m, q8_0, q4_0, q5_0, "
                         "q5_k, q6_k; needs a source checkout's bench/)")
     b.add_argument("--peers", action="store_true",
                    help="also run the peers in the same run: llama.cpp (llama-cpp-python, CPU, GGUF files) and "
-                        "HF transformers")
+                        "HF transformers; with --throughput, HF transformers' generate_batch on the same requests")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
-    b.set_defaults(func=cmd_bench)
+    t = b.add_argument_group("batched throughput (--throughput)")
+    t.add_argument("--throughput", nargs="?", const=0, type=_positive,
+                   metavar="N", help="run nano-vllm's throughput protocol on N requests (default 256)")
+    t.add_argument("-n", "--num-requests", type=_positive, metavar="N", help="the N of --throughput")
+    t.add_argument("--min-len", type=_positive, metavar="L", help="shortest prompt and output (default 100)")
+    t.add_argument("--max-len", type=_positive, metavar="L", help="longest prompt and output (default 1024)")
+    t.add_argument("--temperature", type=_non_negative, metavar="T", help="sampling temperature (default 0.6)")
+    t.add_argument("--max-num-seqs", type=_positive, metavar="N",
+                   help="most sequences the engine runs at once (default 256)")
+    b.set_defaults(func=functools.partial(cmd_bench, parser=b))
+
+
+# `llaisys bench --throughput` defaults (python/llaisys/bench_throughput.py's DEFAULTS; not imported here so that
+# `llaisys --help` stays instant)
+THROUGHPUT_DEFAULTS = dict(num_requests=256, min_len=100, max_len=1024, temperature=0.6, max_num_seqs=256)
+_THROUGHPUT_ONLY = ("num_requests", "min_len", "max_len", "temperature", "max_num_seqs")
+_SINGLE_ONLY = ("prompt_len", "new_tokens", "threads")
+
+
+def check_bench_args(args, parser) -> int | None:
+    """Cross-flag checks of `llaisys bench` (parser.error on a bad mix); fills the defaults of the mode in use.
+    Returns the number of requests in throughput mode (also set as args.throughput and args.num_requests),
+    else None."""
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    if args.throughput is None:
+        given = [flag(k) for k in _THROUGHPUT_ONLY if getattr(args, k) is not None]
+        if given:
+            parser.error(f"{', '.join(given)}: only with --throughput (the batched protocol)")
+        args.prompt_len = 128 if args.prompt_len is None else args.prompt_len
+        args.new_tokens = 256 if args.new_tokens is None else args.new_tokens
+        return None
+    given = [flag(k) for k in _SINGLE_ONLY if getattr(args, k) is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: only in the one-request mode, not with --throughput")
+    n = args.throughput or args.num_requests or THROUGHPUT_DEFAULTS["num_requests"]  # 0: --throughput alone
+    if args.num_requests is not None and n != args.num_requests:
+        parser.error(f"--throughput {n} and --num-requests {args.num_requests} disagree: give one")
+    args.throughput = args.num_requests = n
+    for k in _THROUGHPUT_ONLY[1:]:
+        if getattr(args, k) is None:
+            setattr(args, k, THROUGHPUT_DEFAULTS[k])
+    if args.min_len > args.max_len:
+        parser.error(f"--min-len ({args.min_len}) must not exceed --max-len ({args.max_len})")
+    if args.gguf_types is not None and args.model:
+        parser.error("--gguf-types writes a random GGUF file of --shape; it cannot be combined with --model")
+    return n
 
 
 def _device(text: str) -> str:
     if re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
         return text
     raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -242,8 +304,15 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    if args.peers:  # before the llaisys run, so a missing peer costs no waiting
+def cmd_bench(args, parser=None) -> int:
+    n = check_bench_args(args, parser or build_parser())
+    if n is not None:
+        from . import bench_throughput
+
+        if args.peers:  # before the llaisys run, so a missing peer costs no waiting
+            bench_throughput.require_hf()
+        return bench_throughput.main(args, n) or 0
+    if args.peers:
         require_peers(args)
     from . import bench
 

@@ -1,0 +1,261 @@
+"""`llaisys bench --throughput [N]` (and bench/throughput.py): batched throughput, nano-vllm's protocol.
+
+N requests (default 256) with prompt and output lengths uniform in [min_len, max_len] (default [100, 1024],
+seed 0), random prompt ids, EOS ignored, all submitted at once to one Engine. Prints output tok/s and total
+tok/s (prompt + output tokens over the wall time), the steps and where a step's time goes (scheduler, host
+arrays, runner, bookkeeping).
+
+--shape runs random weights of a real Qwen2 shape (every weight its own buffer, tied embeddings as the real
+models have; bench.random_loaded, nothing written to disk); --model a real model; --shape with --gguf-types a
+random GGUF file of the shape (bench/random_gguf.py, a source checkout only).
+
+--peers also runs HF transformers' continuous batching (model.generate_batch) on the same prompts, in the same
+run. HF takes one max_new_tokens for all requests, so that comparison reruns llaisys with every output length
+set to the mean, at temperature 0. With --shape both engines load one random HF checkpoint written to the temp
+dir (tests/tiny_model.py of a source checkout writes it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Callable
+
+from . import bench
+
+DEFAULTS = dict(num_requests=256, min_len=100, max_len=1024, temperature=0.6, max_num_seqs=256)
+
+
+def shape_config(shape: str) -> dict:
+    """HF config values of a shape as this protocol runs it: Qwen2 0.5B and 1.5B tie the LM head to the
+    embedding table (bench.SHAPES keeps them untied for the roofline's separate head)."""
+    if shape not in bench.SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {sorted(bench.SHAPES)}")
+    return dict(bench.SHAPES[shape], tie_word_embeddings=True)
+
+
+def check(num_requests: int, min_len: int, max_len: int, temperature: float, max_num_seqs: int) -> None:
+    """ValueError naming the flag of the first bad setting."""
+    for flag, v in (("--num-requests", num_requests), ("--min-len", min_len), ("--max-len", max_len),
+                    ("--max-num-seqs", max_num_seqs)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{flag} must be a whole number >= 1, got {v!r}")
+    if min_len > max_len:
+        raise ValueError(f"--min-len ({min_len}) must not exceed --max-len ({max_len})")
+    if not (isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")):
+        raise ValueError(f"--temperature must be a number >= 0, got {temperature!r}")
+
+
+def requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """(prompts, output lengths): n prompts of random ids with lengths uniform in [lo, hi], then n output
+    lengths uniform in [lo, hi], all from one seeded generator."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    outs = [rng.randint(lo, hi) for _ in range(n)]
+    return prompts, outs
+
+
+def _checkout_module(rel: str, name: str, why: str):
+    """A module of a source checkout (rel from its root): the checkout this package runs from, else the
+    current directory's."""
+    import importlib.util
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", rel)
+    path = next((p for p in (here, os.path.join(os.getcwd(), rel)) if os.path.exists(p)), None)
+    if path is None:
+        raise RuntimeError(f"{why} needs a source checkout of llaisys ({rel}): run it from the checkout's root")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_checkpoint(shape: str) -> str:
+    """A random HF checkpoint of the shape (every weight its own tensor, bf16, real vocab) with a small trained
+    tokenizer: what both llaisys and transformers load for --peers. Kept in the temp dir for later runs."""
+    dirpath = os.path.join(tempfile.gettempdir(), f"llaisys-bench-{shape}")
+    if os.path.exists(os.path.join(dirpath, "generation_config.json")):
+        return dirpath
+    c = shape_config(shape)
+    tiny = _checkout_module(os.path.join("tests", "tiny_model.py"), "llaisys_tiny_model",
+                            "--peers with --shape (a random HF checkpoint)")
+    return tiny.make_tiny_qwen2(dirpath, tie=c["tie_word_embeddings"], dtype="bfloat16", vocab_size=c["vocab_size"],
+                                max_position_embeddings=c["max_position_embeddings"], rope_theta=c["rope_theta"],
+                                **{k: c[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                     "num_attention_heads", "num_key_value_heads")})
+
+
+def open_engine(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,
+                device: str = "auto", dtype: str = "auto", max_seq_len: int = 2064, max_num_seqs: int = 256,
+                checkpoint: bool = False):
+    """(engine, path or None, label, dtype). dtype goes to the Engine as given for a file ("quantized", and
+    "auto" on the CPU, keep a GGUF's blocks); the random shape is dense ("auto" = bf16). checkpoint: load
+    --shape from random_checkpoint (what HF loads too) instead of building it in memory."""
+    from .engine import Engine
+
+    if model and (shape or gguf_types):
+        raise ValueError("give --model or --shape (with --gguf-types), not both")
+    device = bench._device(device)
+    kw = dict(device=device, max_seq_len=max_seq_len, progress=False, max_num_seqs=max_num_seqs)
+    shape = shape or (None if model else "qwen2-0.5b")
+    if gguf_types:
+        path = bench.random_gguf_module().cached_random_gguf(shape, gguf_types)
+        label = f"{shape} {gguf_types} (random GGUF)"
+    elif shape and checkpoint:
+        path, label = random_checkpoint(shape), shape
+    else:
+        path, label = model, model or shape
+    if path is None:  # random weights of the shape, in memory
+        if dtype == "quantized":
+            raise ValueError("--dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
+        dtype = "bf16" if dtype == "auto" else dtype
+        return Engine.from_loaded(bench.random_loaded(shape_config(shape), dtype, name=shape), dtype=dtype,
+                                  **kw), None, label, dtype
+    return Engine(path, dtype=dtype, **kw), path, label, dtype
+
+
+def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
+    """All requests at once through eng.generate; the wall time and the engine's per-step split."""
+    core = eng._core
+    core.timing.update(dict.fromkeys(core.timing, 0))
+    core.runner.prepare_s = 0.0
+    preempted = eng.stats()["preemptions"]
+    t = time.perf_counter()
+    res = eng.generate(prompts, max_new_tokens=outs, temperature=temperature, ignore_eos=True,
+                       seed=list(range(len(prompts))))
+    dt = time.perf_counter() - t
+    gen = sum(len(r.token_ids) for r in res)
+    prompt_tokens = sum(map(len, prompts))
+    tm = dict(core.timing)
+    steps = max(tm["steps"], 1)
+    stats = eng.stats()
+    return {"seconds": dt, "prompt_tokens": prompt_tokens, "output_tokens": gen, "output_tok_s": gen / dt,
+            "total_tok_s": (gen + prompt_tokens) / dt, "steps": tm["steps"], "ms_per_step": 1e3 * dt / steps,
+            "schedule_ms": 1e3 * tm["schedule_s"] / steps, "arrays_ms": 1e3 * core.runner.prepare_s / steps,
+            "runner_ms": 1e3 * (tm["run_s"] - core.runner.prepare_s) / steps,
+            "postprocess_ms": 1e3 * tm["postprocess_s"] / steps,
+            "preemptions": stats["preemptions"] - preempted, "stats": stats}
+
+
+def run_solo(eng, prompts, outs) -> dict:
+    """The same requests one at a time (greedy)."""
+    t = time.perf_counter()
+    gen = sum(len(eng.generate(p, max_new_tokens=o, temperature=0, ignore_eos=True).token_ids)
+              for p, o in zip(prompts, outs))
+    dt = time.perf_counter() - t
+    return {"seconds": dt, "output_tokens": gen, "output_tok_s": gen / dt}
+
+
+def run_single(eng, prompt_len: int, new_tokens: int) -> dict:
+    """Decode speed of one request (median of 3 after a warm-up), as `llaisys bench` measures it."""
+    prompt = requests(1, prompt_len, prompt_len, eng.config.vocab_size)[0][0]
+    eng.generate(prompt, max_new_tokens=8, temperature=0, ignore_eos=True)  # warm-up, graph capture
+    runs = []
+    for _ in range(3):
+        eng.generate([1] + prompt[1:], max_new_tokens=1)  # a different first block: no prefix hit next
+        r = eng.generate(prompt, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        runs.append(r.timings["decode_tokens_per_s"])
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "decode_tok_s": sorted(runs)[1], "runs": runs}
+
+
+def run_hf(path: str, device: str, prompts, new_tokens: int) -> dict:
+    """HF transformers' continuous batching (generate_batch) on the checkpoint or GGUF file at path, greedy,
+    no EOS, new_tokens for every request."""
+    import torch
+    import transformers
+
+    from . import catalog
+
+    path = catalog.resolve(path)
+    # a GGUF file loads (dequantized) from its folder by file name
+    where = dict(gguf_file=os.path.basename(path)) if path.endswith(".gguf") else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if where else path,
+                                                              dtype=torch.bfloat16, **where).to(
+        "cuda" if device.startswith("cuda") else "cpu").eval()
+    gc = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                       pad_token_id=0)
+    model.generate_batch(inputs=prompts[:2], generation_config=gc)  # warm-up
+    t = time.perf_counter()
+    out = model.generate_batch(inputs=prompts, generation_config=gc)
+    dt = time.perf_counter() - t
+    gen = sum(len(o.generated_tokens) for o in out.values())
+    return {"seconds": dt, "output_tokens": gen, "output_tok_s": gen / dt}
+
+
+def format_line(r: dict) -> str:
+    return (f"batched: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s "
+            f"({r['seconds']:.1f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
+            f"{r['schedule_ms']:.2f}, arrays {r['arrays_ms']:.2f}, runner {r['runner_ms']:.2f}, "
+            f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']})")
+
+
+def throughput(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,
+               device: str = "auto", dtype: str = "auto", num_requests: int = 256, min_len: int = 100,
+               max_len: int = 1024, temperature: float = 0.6, max_num_seqs: int = 256, solo: bool = False,
+               peers: bool = False, single: tuple[int, int] | None = None,
+               out: Callable[[str], None] = print) -> dict:
+    """Run the protocol (or with `single`, one request's decode instead), printing each result line through
+    `out`; returns the result dict (what --json writes)."""
+    check(num_requests, min_len, max_len, temperature, max_num_seqs)
+    # a prompt and its output at most; one request alone as `llaisys bench` sizes it
+    max_seq_len = max(sum(single) + 16, 256) if single else 2 * max_len + 16
+    eng, path, label, dtype = open_engine(shape, model, gguf_types, device, dtype, max_seq_len, max_num_seqs,
+                                          checkpoint=peers and not model)
+    import llaisys
+
+    with eng:
+        what = "one request" if single else f"{num_requests} requests, lengths [{min_len}, {max_len}]"
+        out(f"llaisys {getattr(llaisys, '__version__', '')} on {eng.device}: {label}, dtype {dtype} (computes "
+            f"{eng.dtype}), {what}")
+        result = {"engine": "llaisys", "model": label, "device": eng.device, "dtype": dtype,
+                  "compute_dtype": eng.dtype, "num_requests": num_requests, "min_len": min_len, "max_len": max_len,
+                  "temperature": temperature, "max_num_seqs": max_num_seqs}
+        if single:
+            s = run_single(eng, *single)
+            out(f"one request, prompt {s['prompt_len']}, {s['new_tokens']} new: decode {s['decode_tok_s']:.1f} "
+                f"tok/s (runs {', '.join(f'{x:.1f}' for x in s['runs'])})")
+            return dict(result, single=s)
+        prompts, outs = requests(num_requests, min_len, max_len, eng.config.vocab_size)
+        eng.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)  # warm-up (graphs, allocator)
+        result.update(run_llaisys(eng, prompts, outs, temperature), requested_output_tokens=sum(outs))
+        out(format_line(result))
+        if solo:
+            s = result["solo"] = run_solo(eng, prompts, outs)
+            out(f"one at a time: {s['output_tok_s']:.1f} output tok/s ({s['seconds']:.1f} s); "
+                f"batched/solo = {result['output_tok_s'] / s['output_tok_s']:.2f}x")
+        if peers:
+            mean = sum(outs) // len(outs)
+            same = run_llaisys(eng, prompts, [mean] * len(outs), 0.0)
+    if peers:  # the engine is closed: its memory is HF's now
+        hf = run_hf(path, result["device"], prompts, mean)
+        result["peers"] = {"new_tokens": mean, "llaisys": same, "hf_generate_batch": hf}
+        out(f"fixed {mean} new tokens: llaisys {same['output_tok_s']:.0f} tok/s, HF generate_batch "
+            f"{hf['output_tok_s']:.0f} tok/s -> {same['output_tok_s'] / hf['output_tok_s']:.1f}x")
+    return result
+
+
+def require_hf() -> None:
+    """--peers runs HF generate_batch: RuntimeError in one line when torch or transformers is missing."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"--peers runs HF transformers' generate_batch, which needs {' and '.join(missing)} "
+                           f"(pip install 'llaisys[test]')")
+
+
+def main(args, num_requests: int) -> int:
+    """`llaisys bench --throughput` with the CLI's checked args."""
+    if args.peers:
+        require_hf()
+    r = throughput(shape=args.shape, model=args.model, gguf_types=args.gguf_types, device=args.device,
+                   dtype=args.dtype, num_requests=num_requests, min_len=args.min_len, max_len=args.max_len,
+                   temperature=args.temperature, max_num_seqs=args.max_num_seqs, peers=args.peers)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    sys.stdout.flush()
+    return 0
