@@ -24,6 +24,7 @@
 namespace llaisys::ops::cpu::quant_isa {
 
 struct Portable {
+    static constexpr int kTileRows = 4; // x rows per unpacked W block (kernels.inc: column)
     struct B {
         uint8_t b[32];
     };
@@ -161,6 +162,7 @@ struct Portable {
 #define LLAISYS_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 struct Avx2 {
+    static constexpr int kTileRows = 4; // 16 ymm registers: 4 rows' accumulators and sums fit
     using B = __m256i;
     using W = __m256i;
     using I = __m256i;
@@ -241,6 +243,7 @@ struct Avx2 {
 // VPDPBUSD does maddubs + madd + add in one instruction, VPDPWSSD madd + add (256-bit forms, AVX512VL);
 // the fifth bit of Q5_0 goes in through a mask register.
 struct Avx512Vnni : Avx2 {
+    static constexpr int kTileRows = 8; // AVX-512VL has 32 ymm registers: 8 rows fit
     LLAISYS_TARGET_VNNI static B q5(const uint8_t *qs, uint32_t qh) {
         const __m256i q = nibbles16(qs);
         return _mm256_mask_add_epi8(q, __mmask32(qh), q, _mm256_set1_epi8(0x10));
