@@ -66,7 +66,10 @@ def llama_cpp_decoder(args):
 def worker(args) -> int:
     """Loads the model, then either prints `ready` and decodes forever (a contender) or prints the
     median decode tok/s over the repeats as JSON (a measurement)."""
-    sys.path.insert(0, PYTHON_DIR)
+    try:
+        import llaisys  # noqa: F401
+    except ImportError:  # a checkout without the package installed
+        sys.path.insert(0, PYTHON_DIR)
     rate, threads = (llama_cpp_decoder if args.engine == "llama.cpp" else llaisys_decoder)(args)
     rate(8)  # warm-up: first-touch of the weights and the cache
     if args.role == "contender":
