@@ -20,7 +20,8 @@
 #                       checkpoint directory, which both servers load
 #   DEVICE [cuda]  N [256]  N_RATE [32]  RATE [1]  MAX_INPUT_LEN [1024]  MAX_OUTPUT_LEN [1024]
 #   TEMPERATURE [0.6]  OUT [./serve-out]  PY [python3]  T_START [300] s to wait for /health  T_RUN [300] s per load run
-#   LLAISYS_ARGS, HF_ARGS: more arguments for `llaisys serve` / `transformers serve`
+#   LLAISYS_ARGS, HF_ARGS: more arguments for `llaisys serve` / `transformers serve` (LLAISYS_ARGS=--no-engine-process:
+#                       the engine in the server's process, the A/B of the engine process)
 #   LLAISYS_BUILD_DIR [build/gpu if it holds a build]: the llaisys extension to use (bench/gpu_check.sh build makes one)
 # Writes to $OUT: summary.txt (the table and the targets), results.json (every run), bench.log (serve_load's
 # output), llaisys_serve.log, transformers_serve.log, pip.log, build.log.

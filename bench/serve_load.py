@@ -174,22 +174,27 @@ def run_offline(model: str, reqs: list[dict], args) -> dict:
             "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3), "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3)}
 
 
-SHAPES = {"tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, tie=True, vocab_size=16384, max_position_embeddings=4096)}
+SHAPES = {  # HF config fields of the real models (tied embeddings, as they have) and a tiny one for the CPU
+    "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, tie=True),
+    "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                       num_key_value_heads=2, tie=True),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie=True, vocab_size=16384, max_position_embeddings=4096),
+}
 
 
 def write_checkpoint(shape: str, dirpath: str) -> str:
-    """A random HF checkpoint of `shape` (bench/throughput.py's shapes, real vocabulary, bf16; or "tiny")
-    that both llaisys and transformers load. The test tokenizer knows 400 tokens; its vocabulary is padded
+    """A random HF checkpoint of `shape` (the real shapes and vocabulary, bf16; or "tiny") that both
+    llaisys and transformers load. The test tokenizer knows 400 tokens; its vocabulary is padded
     with one word per remaining id (" t<id>") so every id a random model samples decodes to text: a server
     streams nothing for a token without text, and TTFT could not be measured."""
-    sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
-    from throughput import SHAPES as REAL
+    sys.path[:0] = [os.path.join(HERE, "..", "tests")]
     from tiny_model import make_tiny_qwen2
 
-    if shape not in {**REAL, **SHAPES}:
-        raise SystemExit(f"--shape must be one of {sorted({**REAL, **SHAPES})}, got {shape!r}")
-    cfg = dict({**REAL, **SHAPES}[shape])
+    if shape not in SHAPES:
+        raise SystemExit(f"--shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    cfg = dict(SHAPES[shape])
     tie = cfg.pop("tie")
     cfg = {"vocab_size": 151936, "max_position_embeddings": 32768, "rope_theta": 1e6, **cfg}
     make_tiny_qwen2(dirpath, tie=tie, dtype="bfloat16", **cfg)

@@ -76,6 +76,9 @@ def create_app(engine, model_name: str | None = None, api_key: str | None = None
 
     @app.get("/health")
     async def health():
+        failure = getattr(engine, "failure", None)  # an engine process that died
+        if failure is not None and not state.closing:
+            raise APIError(503, f"the engine is not running: {failure}", code="engine_unavailable")
         if state.closing or engine.closed:
             raise APIError(503, "the server is shutting down", code="server_shutdown")
         return {"status": "ok"}

@@ -17,10 +17,11 @@ import hashlib
 import numpy as np
 
 from ..engine import Engine, StreamChunk
+from ..engine.process import EngineProcess
 from ..engine.request import merge_chunks
 from ..tokenizer import _BYTE_CHARS
 
-__all__ = ["Engine", "StreamChunk", "StreamHub", "Generation", "chat_ids", "prompt_ids", "prompt_logprobs", "choice_seed",
+__all__ = ["Engine", "EngineProcess", "StreamChunk", "StreamHub", "Generation", "chat_ids", "prompt_ids", "prompt_logprobs", "choice_seed",
            "token_bytes"]
 
 SCORE_ROWS = 256  # log-softmax this many logit rows at a time: float64 copies of [rows, vocab], not [n, vocab]
@@ -28,7 +29,7 @@ SCORE_ROWS = 256  # log-softmax this many logit rows at a time: float64 copies o
 _CHAR_BYTE = {c: b for b, c in enumerate(_BYTE_CHARS)}
 
 
-def chat_ids(eng: Engine, messages: list[dict]) -> list[int]:
+def chat_ids(eng: Engine | EngineProcess, messages: list[dict]) -> list[int]:
     """The conversation as Engine.chat submits it; the server's own message when there is no template."""
     if not eng.chat_template:
         raise ValueError(f"the model {eng.source} has no chat template: use /v1/completions with a raw prompt")

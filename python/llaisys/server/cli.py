@@ -18,6 +18,9 @@ examples:
 The API key defaults to $LLAISYS_API_KEY; /health and /metrics need none."""
 
 
+ENGINE_PROCESS = True  # the default of --engine-process (docs/ARCHITECTURE.md, "Serving over HTTP", has why)
+
+
 def _int_at_least(low: int):
     def parse(text: str) -> int:
         try:
@@ -53,6 +56,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $LLAISYS_API_KEY, else none)")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --model)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=ENGINE_PROCESS,
+                   help="run the engine (model, step loop, detokenizer) in a process of its own, so that HTTP "
+                        "and the step loop do not share one GIL (default: %(default)s)")
     g = p.add_argument_group("engine settings (EngineConfig; left out: its defaults)")
     g.add_argument("--max-num-seqs", type=_int_at_least(1), metavar="N", help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), metavar="N", help="tokens per step")
@@ -81,13 +87,16 @@ def run_serve(args) -> int:
     except ImportError as e:
         raise RuntimeError(f"the server needs FastAPI and uvicorn ({e}): pip install 'llaisys[serve]'") from None
     from .. import catalog
-    from .backend import Engine
+    from .backend import Engine, EngineProcess
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     model = args.model or catalog.DEFAULT_MODEL
     settings = {k: getattr(args, k) for k in ENGINE_SETTINGS if getattr(args, k) is not None}
-    engine = Engine(model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len, **settings)
+    make = EngineProcess if args.engine_process else Engine
+    engine = make(model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len, **settings)
+    if args.engine_process:
+        logging.getLogger("llaisys.server").info("the engine runs in process %d", engine.pid)
     try:
         app = create_app(engine, args.served_model_name or model, args.api_key)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

@@ -1,0 +1,390 @@
+"""The engine in a process of its own, for the HTTP server: EngineProcess starts an Engine (model, step loop,
+detokenizer, stop strings) in a child process and is, to the server, what the Engine is (submit with a
+sink, abort, score, stats, tokenize, render_chat and the config values).
+
+Why: in one process the server's event loop (HTTP, SSE writes) and the engine's step loop (scheduling,
+detokenizing every token of every request) share one GIL; at hundreds of streams each slows the other.
+Here the child's step loop sends one message per step (every new chunk of every request, pickled once) and
+a receiver thread of the server turns it into one put() per chunk and one flush() per sink, exactly as the
+in-process step loop does, so the server's delivery (server/backend.py StreamHub) is the same in both modes.
+
+The child is started with multiprocessing's 'spawn' context: a fresh interpreter (no fork of a process that
+has threads, or a CUDA context, to copy), with Connection objects that frame and pickle messages, and the
+parent's sys.path. Two one-way pipes:
+
+    parent -> child   ("submit", rid, ids, sampling) ("abort", rid) ("call", cid, name, args) ("close",)
+    child -> parent   ("ready", info) | ("failed", exc)  first; then ("chunks", [(rid, chunk or exc), ...])
+                      once per step, and ("reply", cid, ok, value)
+
+submit() checks what Engine.submit checks (prompt ids, sampling values, that the request can ever fit, the
+queue limit) in the parent, with the same messages, and does not wait for the child: it costs the event
+loop one pipe write. A child that dies (or is killed) ends every running request with a RuntimeError,
+fails pending calls, and `closed` becomes true; a parent that dies closes the pipe, and the child closes
+its engine and exits. The child ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and
+the parent decides how to shut down (close() asks the child to close, then terminates it if it must).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .core import EngineCore
+from .engine import Engine
+from .request import StreamChunk
+
+log = logging.getLogger("llaisys.engine")
+
+CLOSE_TIMEOUT_S = 30.0  # how long close() waits for the child to close its engine before terminating it
+
+
+class _Limits:
+    """What EngineCore.check_fits reads, sent by the child once."""
+
+    def __init__(self, max_seq_len: int, capacity_tokens: int):
+        self.max_seq_len = max_seq_len
+        self.blocks = type("Blocks", (), {"capacity_tokens": capacity_tokens})()
+
+
+class RemoteRequest:
+    """The parent's handle of a request running in the child: abort() it; `done` once its last item came.
+    Without a sink its chunks are read by iterating it (as an in-process Request)."""
+
+    def __init__(self, client: "EngineProcess", rid: int, sink):
+        self._client, self.rid = client, rid
+        self._queue = queue.SimpleQueue() if sink is None else None
+        self.sink = sink if sink is not None else _QueueSink(self._queue)
+        self.done = False
+
+    def abort(self) -> None:
+        if not self.done:
+            self._client._send(("abort", self.rid), quiet=True)
+
+    def __iter__(self):
+        if self._queue is None:
+            raise RuntimeError("this request's chunks go to the sink it was submitted with")
+        while True:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+
+class _QueueSink:
+    def __init__(self, q: queue.SimpleQueue):
+        self.q = q
+
+    def put(self, req, item) -> None:
+        self.q.put(item)
+
+    def flush(self) -> None:
+        pass
+
+
+class EngineProcess:
+    """An Engine running in a child process. Takes Engine's arguments; raises what Engine() raises (its
+    type and message) when the child fails to load the model."""
+
+    # the parent's checks are the Engine's own, on the values the child sent
+    tokenize = Engine.tokenize
+    render_chat = Engine.render_chat
+    _params = Engine._params
+    _check_ids = Engine._check_ids
+
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", max_seq_len: int | None = None,
+                 progress: bool = True, **settings):
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, self._cmd = ctx.Pipe(duplex=False)
+        self._out, out_send = ctx.Pipe(duplex=False)
+        kwargs = dict(device=device, dtype=dtype, max_seq_len=max_seq_len, progress=progress, **settings)
+        self._proc = ctx.Process(target=_child_main, args=(cmd_recv, out_send, model, kwargs),
+                                 name="llaisys-engine-core", daemon=True)
+        self._proc.start()
+        cmd_recv.close()  # else the parent's copies keep the pipes open after the child is gone: no EOF
+        out_send.close()
+        self._send_lock = threading.Lock()
+        self._live: dict[int, RemoteRequest] = {}
+        self._calls: dict[int, Future] = {}
+        self._ids = itertools.count()
+        self._closing = False
+        self.failure: str | None = None  # why the child is gone, when it went by itself
+        try:
+            kind, info = self._out.recv()
+        except (EOFError, OSError):
+            self._proc.join()
+            raise RuntimeError(f"the engine process exited while loading the model (exit code "
+                               f"{self._proc.exitcode})") from None
+        except BaseException:  # Ctrl-C while loading: the child ignores SIGINT, so end it here
+            self._proc.kill()
+            self._proc.join()
+            raise
+        if kind == "failed":
+            self._proc.join()
+            raise info
+        self._limits = _Limits(info["max_seq_len"], info.pop("capacity_tokens"))
+        for k, v in info.items():
+            setattr(self, k, v)
+        self._receiver = threading.Thread(target=self._receive, name="llaisys-engine-receiver", daemon=True)
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def closed(self) -> bool:
+        return self._closing or self.failure is not None
+
+    # ---- Engine's interface, as the server uses it ------------------------------------------------
+    def submit(self, prompt, sink=None, **sampling) -> RemoteRequest:
+        """Engine.submit in the child; the errors Engine.submit raises for this request are raised here."""
+        ids = self._check_ids(self.tokenize(prompt))
+        params = self._params("submit", sampling)
+        EngineCore.check_fits(self._limits, len(ids), params.max_new_tokens)
+        with self._send_lock:  # the queue check and the send, as one: the limit holds under concurrency
+            if self.closed:
+                raise RuntimeError("the engine is closed")
+            queued = self.engine_config.max_queued_requests
+            if len(self._live) >= queued:
+                raise RuntimeError(f"too many requests in flight ({queued}, EngineConfig.max_queued_requests)")
+            rid = next(self._ids)
+            req = self._live[rid] = RemoteRequest(self, rid, sink)
+            try:
+                self._cmd.send(("submit", rid, ids, sampling))
+            except (OSError, ValueError):
+                del self._live[rid]
+                raise RuntimeError("the engine process is not running") from None
+        return req
+
+    def score(self, token_ids):
+        return self._call("score", list(token_ids))
+
+    def stats(self) -> dict:
+        return self._call("stats")
+
+    def describe(self) -> dict:
+        return self._call("describe")
+
+    def _open(self):  # Engine._params's check
+        if self.closed:
+            raise RuntimeError("engine is closed: create a new Engine to generate again")
+
+    def close(self) -> None:
+        """Asks the child to close its engine (running requests end with an error) and waits for it to
+        exit; terminates (then kills) it when it does not within CLOSE_TIMEOUT_S. Closing twice is fine."""
+        if self._closing:
+            return
+        self._closing = True
+        self._send(("close",), quiet=True)
+        self._proc.join(CLOSE_TIMEOUT_S)
+        if self._proc.exitcode is None:
+            log.warning("the engine process did not exit in %.0f s: terminating it", CLOSE_TIMEOUT_S)
+            self._proc.terminate()
+            self._proc.join(5)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join()
+        self._receiver.join(10)
+        self._cmd.close()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _send(self, msg, quiet: bool = False) -> None:
+        try:
+            with self._send_lock:
+                self._cmd.send(msg)
+        except (OSError, ValueError):  # the child is gone (or the pipe closed): the receiver tells why
+            if not quiet:
+                raise RuntimeError("the engine process is not running") from None
+
+    def _call(self, name: str, *args):
+        if self.closed:
+            raise RuntimeError("engine is closed: create a new Engine to generate again")
+        fut: Future = Future()
+        cid = next(self._ids)
+        self._calls[cid] = fut
+        try:
+            self._send(("call", cid, name, args))
+        except RuntimeError:
+            self._calls.pop(cid, None)
+            raise
+        if self.closed and self._calls.pop(cid, None) is not None:  # the receiver ended before it was put
+            raise RuntimeError("the engine process is not running")
+        return fut.result()
+
+    def _receive(self) -> None:
+        """The receiver thread: one message per step becomes one put() per item and one flush() per sink."""
+        live, calls = self._live, self._calls
+        try:
+            while True:
+                msg = self._out.recv()
+                if msg[0] == "chunks":
+                    dirty = set()
+                    for rid, item in msg[1]:
+                        req = live.get(rid)
+                        if req is None:
+                            continue
+                        if type(item) is tuple:
+                            item = StreamChunk(*item)
+                            if item.finish_reason is not None:
+                                req.done = True
+                                del live[rid]
+                        else:  # the exception that ended it
+                            req.done = True
+                            del live[rid]
+                        req.sink.put(req, item)
+                        dirty.add(req.sink)
+                    self._flush(dirty)
+                elif msg[0] == "reply":
+                    _, cid, ok, value = msg
+                    fut = calls.pop(cid, None)
+                    if fut is not None:
+                        (fut.set_result if ok else fut.set_exception)(value)
+        except (EOFError, OSError):
+            pass
+        except Exception as e:  # a message that cannot be read: nothing after it can be trusted
+            log.exception("the engine process's message could not be read")
+            self.failure = f"a message from the engine process could not be read ({e!r})"
+        self._proc.join(1.0 if self._closing else 10.0)
+        if not self._closing and self.failure is None:
+            self.failure = f"the engine process exited (exit code {self._proc.exitcode})"
+            log.error("%s: running requests fail", self.failure)
+        why = self.failure or "engine is closed"
+        with self._send_lock:  # from here submit() sees `closed` and adds nothing more to _live
+            self._closing = self._closing or self.failure is None
+            reqs, calls_left = list(live.values()), list(calls.values())
+            live.clear()
+            calls.clear()
+        dirty = set()
+        for req in reqs:
+            req.done = True
+            req.sink.put(req, RuntimeError(f"{why}: this request was still running"))
+            dirty.add(req.sink)
+        self._flush(dirty)
+        for fut in calls_left:
+            fut.set_exception(RuntimeError(why))
+
+    @staticmethod
+    def _flush(sinks) -> None:
+        for sink in sinks:
+            try:
+                sink.flush()
+            except Exception:
+                log.exception("a chunk sink failed to flush")
+
+
+# ---- the child ------------------------------------------------------------------------------------------
+
+class _BatchSink:
+    """The child's ChunkSink for every request: a flush sends what the step put, as one message."""
+
+    def __init__(self, out, out_lock: threading.Lock):
+        self.out, self.out_lock = out, out_lock
+        self.lock = threading.Lock()  # rids and reqs: the command thread adds, the step loop removes
+        self.rids: dict = {}  # Request -> rid
+        self.reqs: dict[int, object] = {}  # rid -> Request
+        self.items: list = []
+
+    def put(self, req, item) -> None:
+        self.items.append((req, item))
+
+    def flush(self) -> None:
+        items, self.items = self.items, []
+        batch = []
+        with self.lock:
+            for req, item in items:
+                rid = self.rids.get(req)
+                if isinstance(item, BaseException):
+                    batch.append((rid, _picklable(item)))
+                    last = True
+                else:
+                    batch.append((rid, (item.text, item.token_ids, item.finish_reason, item.usage, item.timings,
+                                        item.logprobs)))
+                    last = item.finish_reason is not None
+                if last:
+                    del self.rids[req]
+                    del self.reqs[rid]
+        self.send(("chunks", batch))
+
+    def send(self, msg) -> None:
+        with self.out_lock:
+            self.out.send(msg)
+
+
+def _picklable(e: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _child_main(cmd, out, model: str, kwargs: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (see the module's docstring)
+    out_lock = threading.Lock()
+    try:
+        eng = Engine(model, **kwargs)
+    except BaseException as e:
+        out.send(("failed", _picklable(e)))
+        return
+    info = dict(source=eng.source, config=eng.config, tokenizer=eng.tokenizer, chat_template=eng.chat_template,
+                generation_config=eng.generation_config, engine_config=eng.engine_config,
+                max_seq_len=eng.max_seq_len, device=eng.device, dtype=eng.dtype,
+                capacity_tokens=eng._core.blocks.capacity_tokens)
+    out.send(("ready", info))
+    sink = _BatchSink(out, out_lock)
+    workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="llaisys-engine-call")
+    calls = {"score": eng.score, "stats": eng.stats, "describe": eng.describe}
+
+    def run_call(cid, name, args):
+        try:
+            value, ok = calls[name](*args), True
+        except BaseException as e:
+            value, ok = _picklable(e), False
+        try:
+            sink.send(("reply", cid, ok, value))
+        except (OSError, ValueError):
+            pass
+
+    try:
+        while True:
+            try:
+                msg = cmd.recv()
+            except (EOFError, OSError):  # the parent is gone
+                break
+            kind = msg[0]
+            if kind == "submit":
+                _, rid, ids, sampling = msg
+                with sink.lock:  # a step may put this request's chunks before it is named: flush waits
+                    try:
+                        req = eng.submit(ids, sink=sink, **sampling)
+                    except Exception as e:  # the parent checked what Engine.submit checks: a race, or a bug
+                        error = _picklable(e)
+                    else:
+                        sink.rids[req], sink.reqs[rid], error = rid, req, None
+                if error is not None:
+                    sink.send(("chunks", [(rid, error)]))
+            elif kind == "abort":
+                req = sink.reqs.get(msg[1])
+                if req is not None:
+                    req.abort()
+            elif kind == "call":
+                workers.submit(run_call, *msg[1:])
+            elif kind == "close":
+                break
+    finally:
+        workers.shutdown(wait=True)
+        eng.close()  # running requests end with an error, flushed through the sink
