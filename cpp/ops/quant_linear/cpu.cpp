@@ -50,6 +50,8 @@ struct Q8Act<256> {
 
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
+// out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
+using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, const void *xq, int64_t nb, float *out);
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -111,6 +113,16 @@ ColumnFn column_fn(QuantFormat format) {
     }
 }
 
+RowsFn rows_fn(QuantFormat format) {
+    switch (g_path.load(std::memory_order_relaxed)) {
+#ifdef LLAISYS_QUANT_X86
+    case QuantCpuPath::Avx512Vnni: return vnni::rows_fn(format);
+    case QuantCpuPath::Avx2: return avx2::rows_fn(format);
+#endif
+    default: return portable::rows_fn(format);
+    }
+}
+
 template <int BK, typename T>
 void quantize_row(const T *x, int64_t nb, Q8Act<BK> *out, int offset) {
     switch (g_path.load(std::memory_order_relaxed)) {
@@ -169,18 +181,36 @@ QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
 // [split, N) to the plane after it, [M, N - split] (quant_linear_swiglu's g and u in one call).
 template <typename T>
 void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out, int64_t split) {
-    constexpr int64_t kChunk = 64; // x rows per call: the column buffer lives on the stack
-    const ColumnFn fn = column_fn(w.format());
-    const int64_t M = xq.M, N = w.rows();
-    parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
+    constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
+    const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes();
+    const uint8_t *w0 = w.row(0);
+    auto put = [&](int64_t m, int64_t n, float v) {
         const int64_t ld = n < split ? split : N - split;
         T *o = n < split ? out : out + M * split;
-        const int64_t c = n < split ? n : n - split;
+        store(o + m * ld, n < split ? n : n - split, bias ? v + load(bias, n) : v);
+    };
+    if (M == 1) { // decode: each task takes a range of W rows, 64 at a time through the 4-row kernel
+        const RowsFn fn = rows_fn(w.format());
+        const int64_t tasks = std::max<int64_t>(1, std::min({N, int64_t(8) * cpu_threads(), N * w.cols() / 4 >> 13}));
+        auto range = [&](int64_t t) {
+            for (int64_t n = N * t / tasks, end = N * (t + 1) / tasks; n < end; n += kChunk) {
+                float row[kChunk];
+                const int64_t nn = std::min(kChunk, end - n);
+                fn(w0 + n * rb, rb, nn, xq.row(0), xq.nb, row);
+                for (int64_t i = 0; i < nn; ++i) put(0, n + i, row[i]);
+            }
+        };
+        if (N * w.cols() / 4 >= (1 << 15)) parallel_tasks(tasks, range);
+        else for (int64_t t = 0; t < tasks; ++t) range(t);
+        return;
+    }
+    const ColumnFn fn = column_fn(w.format());
+    parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
         for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
             float col[kChunk];
             const int64_t mm = std::min(kChunk, M - m0);
-            fn(w.row(n), xq.row(m0), mm, xq.nb, col);
-            for (int64_t i = 0; i < mm; ++i) store(o + (m0 + i) * ld, c, bias ? col[i] + load(bias, n) : col[i]);
+            fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
+            for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
         }
     });
 }
