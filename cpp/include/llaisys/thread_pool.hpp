@@ -33,19 +33,25 @@ void parallel_tasks(int64_t n, Fn &&fn) {
                    const_cast<void *>(static_cast<const void *>(std::addressof(fn))));
 }
 
-// Calls fn(i) for every i in [0, n). Work of at least 2^15 (n * work_per_item, in rough element
-// operations) is split into up to 8 ranges per thread, none under 2^13: small enough that a thread
-// another process has descheduled holds up little, large enough to pay for claiming it.
+// Calls fn(begin, end) over ranges that cover [0, n) once. Work of at least 2^15 (n * work_per_item, in
+// rough element operations) is split into up to 8 ranges per thread, none under 2^13: small enough that
+// a thread another process has descheduled holds up little, large enough to pay for claiming it.
 template <typename Fn>
-void parallel_for(int64_t n, int64_t work_per_item, Fn &&fn) {
+void parallel_ranges(int64_t n, int64_t work_per_item, Fn &&fn) {
     const int64_t work = n * std::max<int64_t>(work_per_item, 1);
     if (n <= 0) return;
     const int64_t tasks = std::max<int64_t>(1, std::min({n, int64_t(8) * cpu_threads(), work >> 13}));
-    auto range = [&](int64_t t) {
-        for (int64_t i = n * t / tasks, end = n * (t + 1) / tasks; i < end; ++i) fn(i);
-    };
+    auto range = [&](int64_t t) { fn(n * t / tasks, n * (t + 1) / tasks); };
     if (work >= (1 << 15)) parallel_tasks(tasks, range);
     else for (int64_t t = 0; t < tasks; ++t) range(t);
+}
+
+// Calls fn(i) for every i in [0, n), in parallel_ranges' ranges.
+template <typename Fn>
+void parallel_for(int64_t n, int64_t work_per_item, Fn &&fn) {
+    parallel_ranges(n, work_per_item, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) fn(i);
+    });
 }
 
 } // namespace llaisys

@@ -189,19 +189,16 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
         T *o = n < split ? out : out + M * split;
         store(o + m * ld, n < split ? n : n - split, bias ? v + load(bias, n) : v);
     };
-    if (M == 1) { // decode: each task takes a range of W rows, 64 at a time through the 4-row kernel
+    if (M == 1) { // decode: each range of W rows goes to the kernel 64 rows per call
         const RowsFn fn = rows_fn(w.format());
-        const int64_t tasks = std::max<int64_t>(1, std::min({N, int64_t(8) * cpu_threads(), N * w.cols() / 4 >> 13}));
-        auto range = [&](int64_t t) {
-            for (int64_t n = N * t / tasks, end = N * (t + 1) / tasks; n < end; n += kChunk) {
+        parallel_ranges(N, w.cols() / 4, [&](int64_t begin, int64_t end) {
+            for (int64_t n = begin; n < end; n += kChunk) {
                 float row[kChunk];
                 const int64_t nn = std::min(kChunk, end - n);
                 fn(w0 + n * rb, rb, nn, xq.row(0), xq.nb, row);
                 for (int64_t i = 0; i < nn; ++i) put(0, n + i, row[i]);
             }
-        };
-        if (N * w.cols() / 4 >= (1 << 15)) parallel_tasks(tasks, range);
-        else for (int64_t t = 0; t < tasks; ++t) range(t);
+        });
         return;
     }
     const ColumnFn fn = column_fn(w.format());
