@@ -35,18 +35,14 @@ struct QuantX {
     const float *d;
 };
 
-// x [M, K] (rows ldx apart) -> q, d, as cpu.cpp's quantize_row (same f32 operations, so the same
-// bits): each thread takes 8 elements and the BK / 8 threads of a block (<= 32: one warp) reduce
-// max|x| and finiteness by shuffles. A block holding NaN or Inf gets d = NaN and q = 0.
-// Launch: ceil(M K / 8 / 256) blocks of 256 threads.
+// Elements [8 (g % (K / 8)), + 8) of x row g / (K / 8) (rows ldx apart) -> q, d, as cpu.cpp's quantize_row
+// (same f32 operations, so the same bits): the BK / 8 threads of a block of x (<= 32, within one warp)
+// reduce max|x| and finiteness by shuffles, so every lane of the warp must call it; lanes with
+// valid == false take part in the shuffles only. A block holding NaN or Inf gets d = NaN and q = 0.
 template <typename T, int BK>
-__global__ void quantize_x_kernel(int8_t *__restrict__ q, float *__restrict__ d, const T *__restrict__ x,
-                                  int64_t ldx, int64_t M, int64_t K) {
-    pdl_trigger();
-    pdl_wait();
-    const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, per_row = K / 8;
-    const bool valid = g < M * per_row; // whole BK-blocks are in or out, and every lane reaches the shuffles
-    const int64_t m = valid ? g / per_row : 0, k0 = valid ? g % per_row * 8 : 0;
+__device__ __forceinline__ void quantize_group(int8_t *q, float *d, const T *__restrict__ x, int64_t ldx, int64_t K,
+                                               int64_t g, bool valid) {
+    const int64_t per_row = K / 8, m = valid ? g / per_row : 0, k0 = valid ? g % per_row * 8 : 0;
     float v[8], amax = 0.f;
     int bad = 0;
 #pragma unroll
@@ -70,6 +66,17 @@ __global__ void quantize_x_kernel(int8_t *__restrict__ q, float *__restrict__ d,
     }
     *reinterpret_cast<uint2 *>(q + m * K + k0) = make_uint2(packed[0], packed[1]);
     if (k0 % BK == 0) d[m * (K / BK) + k0 / BK] = bad ? __int_as_float(0x7fc00000) : dd;
+}
+
+// x [M, K] -> q, d in global memory, one group of 8 elements per thread (whole BK-blocks are in or out
+// of range, and every lane reaches the shuffles). Launch: ceil(M K / 8 / 256) blocks of 256 threads.
+template <typename T, int BK>
+__global__ void quantize_x_kernel(int8_t *__restrict__ q, float *__restrict__ d, const T *__restrict__ x,
+                                  int64_t ldx, int64_t M, int64_t K) {
+    pdl_trigger();
+    pdl_wait();
+    const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    quantize_group<T, BK>(q, d, x, ldx, K, g, g < M * (K / 8));
 }
 
 // One sub-block of W dotted with 32 x codes, in f32: exact integer sums, then the scales. The codes'
@@ -97,42 +104,14 @@ inline int gemv_group(int64_t N, int64_t K) {
 // only while x is short.
 inline bool gemv_fused(int64_t M, int64_t K) { return M * K <= 4096; }
 
-// x [M, K] (rows ldx apart) -> q, d in shared memory, as cpu.cpp's quantize_row: the block's threads take
-// 8 elements each, and the BK / 8 threads of one block of x (<= 32, within one warp) reduce max|x| and
-// finiteness by shuffles.
+// x [M, K] (rows ldx apart) -> q, d in shared memory: the block's threads take groups of 8 elements in
+// rounds (every lane of a warp takes each round, for quantize_group's shuffles).
 template <typename T, int BK>
 __device__ __forceinline__ void quantize_x(int8_t *q, float *d, const T *__restrict__ x, int64_t ldx, int64_t M,
                                            int64_t K) {
-    const int64_t per_row = K / 8, total = M * per_row;
-    for (int64_t g0 = 0; g0 < total; g0 += blockDim.x) { // every lane of a warp takes each round (shuffles)
-        const int64_t g = g0 + threadIdx.x;
-        const bool valid = g < total;
-        const int64_t m = valid ? g / per_row : 0, k0 = valid ? g % per_row * 8 : 0;
-        float v[8], amax = 0.f;
-        int bad = 0;
-        const T *xp = x + m * ldx + k0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            v[j] = valid ? to_f32(xp[j]) : 0.f;
-            bad |= !isfinite(v[j]);
-            amax = fmaxf(amax, fabsf(v[j]));
-        }
-#pragma unroll
-        for (int o = 1; o < BK / 8; o <<= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            bad |= __shfl_xor_sync(0xffffffffu, bad, o);
-        }
-        if (!valid) continue;
-        const float dd = amax / 127.f, id = dd != 0.f && !bad ? 1.f / dd : 0.f;
-        uint32_t packed[2] = {0, 0};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int qj = bad ? 0 : int(roundf(__fmul_rn(v[j], id))); // halves away from zero, as std::round
-            packed[j / 4] |= uint32_t(uint8_t(int8_t(qj))) << (8 * (j % 4));
-        }
-        *reinterpret_cast<uint2 *>(q + m * K + k0) = make_uint2(packed[0], packed[1]);
-        if (k0 % BK == 0) d[m * (K / BK) + k0 / BK] = bad ? __int_as_float(0x7fc00000) : dd;
-    }
+    const int64_t total = M * (K / 8);
+    for (int64_t g0 = 0; g0 < total; g0 += blockDim.x)
+        quantize_group<T, BK>(q, d, x, ldx, K, g0 + threadIdx.x, g0 + threadIdx.x < total);
 }
 
 // Adds sub-block s of W's row(s) dotted with the M x rows (codes and scales in shared memory) to acc.
