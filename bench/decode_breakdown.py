@@ -75,7 +75,8 @@ def profiled(eng, prompts, new_tokens: int):
 
 
 def main() -> int:
-    from throughput import SHAPES, random_checkpoint, requests
+    from llaisys.bench import SHAPES
+    from llaisys.bench_throughput import random_checkpoint, requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))

@@ -523,3 +523,16 @@ def test_throughput_script_parses_gpu_check_flags():
     a = p.parse_args(["--shape", "qwen2-0.5b", "--device", "cuda", "-n", "256", "--peers"])
     assert a.peers and (a.num_requests, a.min_len, a.max_len, a.temperature, a.max_num_seqs) == (
         256, 100, 1024, 0.6, 256)
+
+
+def test_decode_breakdown_script_starts():
+    """bench/decode_breakdown.py (gpu_check.sh's breakdown step) imports what the package still has: it takes
+    its shapes and requests from llaisys.bench / llaisys.bench_throughput, not from bench/throughput.py."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", "decode_breakdown.py")
+    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, r.stderr
+    assert "--batch" in r.stdout and "qwen2-1.5b" in r.stdout
