@@ -133,6 +133,37 @@ def test_decode_batch_of_mixed_lengths(heads, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", [(16, 2, 128), (8, 8, 64), (6, 2, 32), (5, 1, 128)], ids=["g8", "g1", "hd32", "g5"])
+def test_decode_steps_group_sizes_and_idle_sequences(heads, dtype, device):
+    """Steps of one query per sequence (CUDA's decode kernel: lanes over the head dims, a GQA group of up to
+    8 rows): every group size it takes, sequences without a query in the step, lengths around its 8- and
+    32-key steps, and keys split over many chunks; the unused cache rows are NaN, so a masked key that
+    reached a sum would show."""
+    kvlens = [1, 7, 8, 9, 31, 32, 33, 0, 65, 1000, 5]
+    qlens = [1 if kv else 0 for kv in kvlens]
+    qlens[4] = 0  # a sequence with keys but no query in this step
+    check(Batch(qlens, kvlens, 16, heads, dtype, device, seed=11), max_q_len=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_decode_nan_key_reaches_its_head_group_only(dtype, device):
+    """A NaN in one key read by a decode step makes the rows of that kv head's group NaN, nothing else."""
+    b = Batch([1, 1], [70, 70], 8, (8, 2, 64), dtype, device, seed=12)
+    k = b.ref_k.copy()
+    slot = b.tables[1, 40 // 8] * 8 + 40 % 8
+    k.reshape(-1, 2, 64)[slot, 0, 3] = np.nan
+    b.k = llaisys.tensor(k.astype(NP_DTYPE[dtype]), device)
+    b.ref_k = k
+    out = to_f64(b.run(0.125))
+    assert np.isnan(out[1, :4]).all() and not np.isnan(out[1, 4:]).any() and not np.isnan(out[0]).any()
+    ok = b.expected(0.125)
+    assert_close(out[0], ok[0], dtype)
+    assert_close(out[1, 4:], ok[1, 4:], dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("qlens,kvlens", [([100], [100]), ([37, 64], [300, 64]), ([1, 70, 1, 19], [250, 90, 2, 19])],
                          ids=["prefill", "chunked+prefill", "decode+chunks"])
 def test_prefill_and_chunks(qlens, kvlens, dtype, device):
@@ -209,16 +240,17 @@ def test_cuda_large(qlens, kvlens, block_size, heads, dtype, device):
 
 
 @pytest.mark.cuda
-def test_cuda_bad_metadata_raises_at_synchronize():
+@pytest.mark.parametrize("qlens", [[2, 1], [1, 1]], ids=["split-kernel", "decode-kernel"])
+def test_cuda_bad_metadata_raises_at_synchronize(qlens):
     """kv_len < qlen and a block id out of range: the kernels clamp (nothing out of bounds is read) and
     the next synchronize raises; the flag is cleared after."""
-    b = Batch([2, 1], [5, 7], 4, (4, 2, 32), "f32", "cuda", seed=10)
-    for tables, kv_len in [(b.tables, np.array([1, 7], np.int32)),
+    b = Batch(qlens, [5, 7], 4, (4, 2, 32), "f32", "cuda", seed=10)
+    for tables, kv_len in [(b.tables, np.array([0, 7], np.int32)),
                            (np.where(np.arange(b.tables.shape[1]) == 0, 10 ** 6, b.tables).astype(np.int32),
                             b.kv_len)]:
         out = poisoned(b.shape, "f32", "cuda")
         llaisys.ops.paged_attention(out, b.q, b.k, b.v, llaisys.tensor(tables, "cuda"), b.meta[1],
-                                    llaisys.tensor(kv_len, "cuda"), 0.5, 2)
+                                    llaisys.tensor(kv_len, "cuda"), 0.5, max(qlens))
         with pytest.raises(IndexError, match="paged_attention: "):
             llaisys.synchronize("cuda")
         llaisys.synchronize("cuda")

@@ -1,5 +1,6 @@
-// Paged attention on CUDA: one split-KV ("flash-decoding") kernel on CUDA cores for every step - decode,
-// chunked prefill, prefill - followed by a combine kernel when a sequence's keys were split. Every
+// Paged attention on CUDA: a split-KV ("flash-decoding") kernel on CUDA cores for prefill and chunked
+// steps, a decode kernel for steps of one query per sequence, each followed by a combine kernel when a
+// sequence's keys were split. Every
 // per-sequence number (query rows, length, block table) is read on the device, so the grid depends only
 // on (B, max_q_len, max_blocks) and one captured graph serves every decode step of a batch. Softmax runs
 // in base 2 (scores pre-multiplied by scale * log2 e) with f32 running max/sum, accumulation in f32.
@@ -24,6 +25,9 @@ using split_kv::kTile;           // two tiles in flight here
 constexpr int kMaxSplits = 256;  // key chunks per sequence at most (the combine kernel's weights in smem)
 constexpr int kCombineWarps = 4; // output rows per combine block, one warp each
 constexpr int kErrPagedMetadata = 5; // code in runtime::cuda::error_flag
+// The decode kernel (one query per sequence): 4 warps a block, each taking 8 keys a step, so a block's
+// step covers 32 keys and its chunks are multiples of 32; a GQA group of at most 8 query heads.
+constexpr int kDecWarps = 4, kDecKeys = 8, kDecTile = kDecWarps * kDecKeys, kDecRows = 8;
 
 template <typename T>
 struct PagedArgs {
@@ -36,6 +40,7 @@ struct PagedArgs {
     int64_t q_s0, q_s1, o_s0, o_s1;
     int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
     float scale_log2;
+    int granule; // a sequence's key chunks are multiples of it: kTile (split kernel) or kDecTile (decode kernel)
 };
 
 // One sequence's metadata, clamped into the contract so that nothing out of bounds is read: q rows
@@ -68,9 +73,9 @@ __device__ __forceinline__ Seq load_seq(const PagedArgs<T> &a, int b) {
 
 // Keys of one chunk of a sequence of kv keys: the split is planned per sequence on the device, so short
 // sequences get short chunks (or fewer) and a long one uses every split.
-__device__ __forceinline__ int chunk_len(int kv, int nsplit) {
+__device__ __forceinline__ int chunk_len(int kv, int nsplit, int granule) {
     const int c = (kv + nsplit - 1) / nsplit;
-    return max(kTile, (c + kTile - 1) / kTile * kTile);
+    return max(granule, (c + granule - 1) / granule * granule);
 }
 
 // Shared-memory layout in bytes, shared by host and device code: split_kv's head (q, red, p) | cache rows
@@ -176,7 +181,7 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     const Seq s = load_seq(a, b);
     if (int(blockIdx.x) * kRows >= s.qlen * group) return;
     const split_kv::Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows);
-    const int kb = blockIdx.z * chunk_len(s.kv, a.nsplit), ke = min(kb + chunk_len(s.kv, a.nsplit), rows.last_key + 1);
+    const int L = chunk_len(s.kv, a.nsplit, a.granule), kb = blockIdx.z * L, ke = min(kb + L, rows.last_key + 1);
     if (kb >= ke) return;
     const Smem lay{{a.hd, a.hd, int(sizeof(T))}};
     float *qs = reinterpret_cast<float *>(smem), *red = reinterpret_cast<float *>(smem + lay.red_off()),
@@ -216,6 +221,158 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     finish<T, DPT>(a, lay, rows, s, smem, st);
 }
 
+// DPL elements of T as one load: 2 to 16 bytes.
+template <int BYTES> struct RawVec;
+template <> struct RawVec<2> { using type = unsigned short; };
+template <> struct RawVec<4> { using type = unsigned int; };
+template <> struct RawVec<8> { using type = uint2; };
+template <> struct RawVec<16> { using type = uint4; };
+
+template <typename T, int DPL>
+struct Dims {
+    using Raw = typename RawVec<DPL * int(sizeof(T))>::type;
+    Raw raw;
+    __device__ __forceinline__ void load(const T *p) { raw = __ldg(reinterpret_cast<const Raw *>(p)); }
+    __device__ __forceinline__ void zero() { raw = Raw{}; }
+    __device__ __forceinline__ float operator[](int e) const { return to_f32(reinterpret_cast<const T *>(&raw)[e]); }
+};
+
+// v[r] holds this lane's part of row r's dot product (r < 8); returns the whole warp's sum of row
+// (lane >> 2) & 7 (four lanes hold each row). A reduce-scatter: each exchange hands the partner the half
+// of the rows it keeps, 4 + 2 + 1 shuffles, then 2 more to sum the last four lanes: 9 instead of 8 x 5.
+__device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int lane) {
+    constexpr unsigned all = 0xffffffffu;
+    const bool b16 = lane & 16, b8 = lane & 8, b4 = lane & 4;
+    float v4[4], v2[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v4[i] = (b16 ? v[i + 4] : v[i]) + __shfl_xor_sync(all, b16 ? v[i] : v[i + 4], 16);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) v2[i] = (b8 ? v4[i + 2] : v4[i]) + __shfl_xor_sync(all, b8 ? v4[i] : v4[i + 2], 8);
+    float x = (b4 ? v2[1] : v2[0]) + __shfl_xor_sync(all, b4 ? v2[0] : v2[1], 4);
+    x += __shfl_xor_sync(all, x, 2);
+    return x + __shfl_xor_sync(all, x, 1);
+}
+
+// Decode steps (one query per sequence). The split kernel's blocks each walk 64 keys with a serial
+// instruction stream (thread = key, then thread = dim over every key) and at batch 1 only a dozen exist.
+// Here grid (nsplit, B * nkvh), 4 warps: a block takes one chunk (a multiple of 32 keys) of one kv head's
+// keys for the group's query heads (<= 8), and every warp walks its own 8 keys a step with no barrier:
+//   lane = DPL = hd / 32 dims: the lane holds those dims of all 8 query rows (q), loads those dims of
+//   its warp's 8 K and 8 V rows at once (one block-table lookup per key, by lanes 0-7), forms 8 partial
+//   dot products per key and reduce-scatters them, so lane l ends with row (l >> 2)'s scores; the
+//   online softmax of that row runs in the lane, and P @ V takes each row's probability by a shuffle.
+// The 4 warps' (max, sum, acc) merge through shared memory; the chunk's result goes to out (one split) or
+// to the partials paged_combine_kernel merges (the same layout as the split kernel's).
+template <typename T, int DPL>
+__global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const PagedArgs<T> a) {
+    constexpr unsigned all = 0xffffffffu;
+    __shared__ float wm[kDecWarps][kDecRows], wl[kDecWarps][kDecRows];
+    __shared__ __align__(16) float wacc[kDecWarps][kDecRows][32 * DPL];
+    pdl_trigger();
+    pdl_wait();
+    const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
+    const Seq s = load_seq(a, b);
+    if (s.qlen == 0) return;
+    const int L = chunk_len(s.kv, a.nsplit, kDecTile), kb = blockIdx.x * L, ke = min(kb + L, s.kv);
+    if (kb >= ke) return;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
+    const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + lane * DPL;
+    const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
+    float q[kDecRows][DPL], acc[kDecRows][DPL];
+#pragma unroll
+    for (int r = 0; r < kDecRows; ++r) {
+        Dims<T, DPL> qd;
+        if (r < group) qd.load(a.q + t * a.q_s0 + (kvh * group + r) * a.q_s1 + lane * DPL);
+        else qd.zero(); // padding rows score 0 and are never written
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) {
+            q[r][e] = qd[e] * a.scale_log2;
+            acc[r][e] = 0.f;
+        }
+    }
+    float m = -INFINITY, l = 0.f; // row own's running max and sum (base 2)
+    for (int t0 = kb + warp * kDecKeys; t0 < ke; t0 += kDecTile) {
+        const int n = min(kDecKeys, ke - t0);
+        const int slot = lane < n ? cache_row(a, table, t0 + lane) : 0;
+        Dims<T, DPL> kd[kDecKeys], vd[kDecKeys];
+#pragma unroll
+        for (int k = 0; k < kDecKeys; ++k) { // every load of the step in flight at once
+            const int64_t at = int64_t(__shfl_sync(all, slot, k)) * row_elems + head;
+            if (k < n) {
+                kd[k].load(a.k + at);
+                vd[k].load(a.v + at);
+            } else { // past the chunk: no read, and V = 0 so that p = 0 adds nothing (not 0 * NaN)
+                kd[k].zero();
+                vd[k].zero();
+            }
+        }
+        float sc[kDecKeys], mx = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kDecKeys; ++k) {
+            float part[kDecRows];
+#pragma unroll
+            for (int r = 0; r < kDecRows; ++r) {
+                part[r] = 0.f;
+#pragma unroll
+                for (int e = 0; e < DPL; ++e) part[r] += q[r][e] * kd[k][e];
+            }
+            sc[k] = k < n ? reduce_scatter8(part, lane) : -INFINITY;
+            mx = fmaxf(mx, sc[k]); // fmaxf skips NaN scores; exp2f below turns them into NaN
+        }
+        const float m_new = fmaxf(m, mx), m_ref = m_new == -INFINITY ? 0.f : m_new; // avoid -inf - -inf
+        const float corr = exp2f(m - m_ref);
+        float p[kDecKeys], psum = 0.f;
+#pragma unroll
+        for (int k = 0; k < kDecKeys; ++k) {
+            p[k] = exp2f(sc[k] - m_ref);
+            psum += p[k];
+        }
+        l = l * corr + psum;
+        m = m_new;
+#pragma unroll
+        for (int r = 0; r < kDecRows; ++r) {
+            const float c = __shfl_sync(all, corr, 4 * r);
+#pragma unroll
+            for (int e = 0; e < DPL; ++e) acc[r][e] *= c;
+        }
+#pragma unroll
+        for (int k = 0; k < kDecKeys; ++k)
+#pragma unroll
+            for (int r = 0; r < kDecRows; ++r) {
+                const float pr = __shfl_sync(all, p[k], 4 * r);
+#pragma unroll
+                for (int e = 0; e < DPL; ++e) acc[r][e] += pr * vd[k][e];
+            }
+    }
+    if ((lane & 3) == 0) wm[warp][own] = m, wl[warp][own] = l;
+#pragma unroll
+    for (int r = 0; r < kDecRows; ++r)
+#pragma unroll
+        for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * a.hd; idx += kDecWarps * 32) {
+        const int r = idx / a.hd, d = idx % a.hd, h = kvh * group + r;
+        float mm = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kDecWarps; ++w) mm = fmaxf(mm, wm[w][r]);
+        const float m_ref = mm == -INFINITY ? 0.f : mm;
+        float o = 0.f, sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kDecWarps; ++w) { // a warp that saw no key has m = -inf: weight 0
+            const float wt = exp2f(wm[w][r] - m_ref);
+            o += wt * wacc[w][r][d];
+            sum += wt * wl[w][r];
+        }
+        if (a.nsplit == 1) {
+            a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
+        } else {
+            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
+            dst[d] = o;
+            if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
+        }
+    }
+}
+
 // Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
 // row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks hold nothing for it) are weighted by
@@ -229,7 +386,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const Seq s = load_seq(a, blockIdx.y);
     const int i = rho / a.nh, h = rho % a.nh;
     if (i >= s.qlen) return; // whole warps return; only warp-level syncs follow
-    const int lim = i + s.kv - s.qlen, used = lim / chunk_len(s.kv, a.nsplit) + 1, t = s.q0 + i;
+    const int lim = i + s.kv - s.qlen, used = lim / chunk_len(s.kv, a.nsplit, a.granule) + 1, t = s.q0 + i;
     const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
     const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
     float *wt = wts[warp];
@@ -253,10 +410,17 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
 
 // Splits each sequence's keys until about four blocks per SM are busy (a decode batch smaller than the
 // GPU); a large batch or a prefill has blocks enough already. Planned from the host-known sizes only.
-int plan_splits(int64_t blocks, int64_t capacity, int device) {
+int plan_splits(int64_t blocks, int64_t capacity, int granule, int device) {
     const int64_t want = 4 * int64_t(sm_count(device));
     if (blocks >= want) return 1;
-    return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, kTile)})));
+    return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, granule)})));
+}
+
+template <typename T>
+void launch_combine(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
+    if (a.nsplit == 1) return;
+    const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));
+    launch_pdl(paged_combine_kernel<T>, grid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
 }
 
 template <typename T, int DPT, bool VEC>
@@ -268,10 +432,14 @@ void launch(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * group, kRows)), unsigned(B * a.nkvh), unsigned(a.nsplit));
     launch_pdl(paged_split_kernel<T, DPT, VEC>, grid, dim3(kThreads), size_t(Smem{{a.hd, a.hd, elem}}.bytes()), stream,
                device.index, a);
-    if (a.nsplit > 1) {
-        const dim3 cgrid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));
-        launch_pdl(paged_combine_kernel<T>, cgrid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
-    }
+    launch_combine(a, B, device, stream);
+}
+
+template <typename T, int DPL>
+void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
+    launch_pdl(paged_decode_kernel<T, DPL>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kDecWarps * 32), 0,
+               stream, device.index, a);
+    launch_combine(a, B, device, stream);
 }
 
 } // namespace
@@ -285,8 +453,19 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     if (tokens == 0 || B == 0 || mq == 0) return;
     LLAISYS_CHECK(B * nkvh <= 65535, std::invalid_argument, op, ": batch * kv heads (", std::to_string(B * nkvh),
                   ") is more than the CUDA grid allows (65535)");
-    const int64_t blocks = ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
-    const int nsplit = plan_splits(blocks, block_tables.size(1) * k_cache.size(1), out.device().index);
+    const int64_t capacity = block_tables.size(1) * k_cache.size(1), elem = q.element_size();
+    const auto aligned = [&](const Tensor &t, int64_t bytes) { return reinterpret_cast<uintptr_t>(t.data()) % bytes == 0; };
+    // K/V rows in 16-byte pieces (the split kernel's cp.async)
+    const bool vec = (hd * elem) % 16 == 0 && aligned(k_cache, 16) && aligned(v_cache, 16);
+    // Decode (one query per sequence): the decode kernel where its lanes cover the head (hd = 32 x 1, 2 or
+    // 4 dims) and q's rows can be read in the lanes' pieces; prefill and chunked steps: the split kernel.
+    const int dpl = int(hd / 32), piece = dpl * int(elem);
+    const bool decode = mq == 1 && hd % 32 == 0 && (dpl == 1 || dpl == 2 || dpl == 4) && nh / nkvh <= kDecRows &&
+                        aligned(q, piece) && aligned(k_cache, piece) && aligned(v_cache, piece) &&
+                        (q.stride(0) * elem) % piece == 0 && (q.stride(1) * elem) % piece == 0;
+    const int granule = decode ? kDecTile : kTile;
+    const int64_t blocks = decode ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
+    const int nsplit = plan_splits(blocks, capacity, granule, out.device().index);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
     if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
@@ -298,11 +477,12 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
-                             scale * 1.4426950408889634f};
-        const bool vec = (hd * int64_t(sizeof(H))) % 16 == 0 && reinterpret_cast<uintptr_t>(k_cache.data()) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(v_cache.data()) % 16 == 0;
+                             scale * 1.4426950408889634f, granule};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
+        if (decode && dpl == 1) return launch_decode<D, 1>(a, bi, out.device(), stream);
+        if (decode && dpl == 2) return launch_decode<D, 2>(a, bi, out.device(), stream);
+        if (decode) return launch_decode<D, 4>(a, bi, out.device(), stream);
         if (vec && hd <= kThreads) return launch<D, 1, true>(a, bi, out.device(), stream);
         if (vec) return launch<D, 2, true>(a, bi, out.device(), stream);
         if (hd <= kThreads) return launch<D, 1, false>(a, bi, out.device(), stream);
