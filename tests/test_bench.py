@@ -535,7 +535,7 @@ def test_decode_breakdown_script_starts():
     assert "--batch" in r.stdout and "qwen2-1.5b" in r.stdout
 
 
-# ---- bench/memory.py (issue 16, item 8) ------------------------------------------------------------------
+# ---- bench/memory.py and bench/cpu_contention.py (issue 16, items 8 and 2) -------------------------------
 
 def test_memory_script_reports_every_stage(tiny_path, tmp_path):
     """Each dtype in its own process: the RSS of every stage, and the model's bytes as the engine holds them."""
@@ -557,3 +557,49 @@ def test_memory_script_shape_argument_errors():
     assert r.returncode == 2 and "unknown shape 'qwen9'" in r.stderr, r.stderr
     r = _run_script("memory", "--shape", "qwen2-1.5b", "--model", "m")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr, r.stderr
+
+
+def test_contention_one_thread_rows_have_the_same_contender(monkeypatch):
+    """The 1-thread rows beside a busy loop or a 2nd engine start the contender of the engine's own-threads row;
+    only the measured engine runs on one thread."""
+    script = _bench_script("cpu_contention")
+    args = argparse.Namespace(model="m", tokens=8, repeats=1, dtype="auto", threads=None,
+                              single_thread_env="LLAISYS_NUM_THREADS")
+    calls = []
+
+    class Contender:
+        def kill(self):
+            pass
+
+        def wait(self):
+            pass
+
+    def start_contender(kind, engine, a):
+        calls.append(("contender", kind, engine))
+        return Contender()
+
+    def run(cmd, env, **kw):
+        threads = cmd[cmd.index("--threads") + 1] if "--threads" in cmd else None
+        calls.append(("measure", threads, env.get("LLAISYS_NUM_THREADS")))
+        return argparse.Namespace(stdout=json.dumps({"median": 1.0, "rates": [1.0], "threads": 2}))
+
+    monkeypatch.setattr(script, "start_contender", start_contender)
+    monkeypatch.setattr(script.subprocess, "run", run)
+    monkeypatch.setattr(script.time, "sleep", lambda s: None)
+    monkeypatch.delenv("LLAISYS_NUM_THREADS", raising=False)
+    for own, one in script.SAME_CONTENDER.values():
+        calls.clear()
+        script.measure("llaisys", own, args)
+        own_calls = list(calls)
+        calls.clear()
+        script.measure("llaisys", one, args)
+        assert calls[:-1] == own_calls[:-1]  # the same contender, or none
+        assert own_calls[-1] == ("measure", None, None) and calls[-1] == ("measure", "1", "1")
+
+
+def test_contention_same_contender_ratios():
+    script = _bench_script("cpu_contention")
+    medians = {"idle": 20.0, "busy-loop": 10.0, "engine": 6.0, "1-thread": 12.0, "1-thread busy-loop": 8.0,
+               "1-thread engine": 4.0}
+    ratios = script.same_contender({c: {"median": m} for c, m in medians.items()})
+    assert ratios == pytest.approx({"none": 20 / 12, "busy-loop": 10 / 8, "engine": 6 / 4})
