@@ -1,19 +1,24 @@
 """CPU decode speed when other processes use the CPU (issue 16, item 2), llaisys and llama.cpp side by side.
 
     LLAISYS_BUILD_DIR=build/h1 python bench/cpu_contention.py [--model NAME] [--tokens 64] [--repeats 3]
-        [--engines llaisys llama.cpp] [--threads N] [--dtype auto|quantized|bf16|f32]
+        [--engines llaisys llama.cpp] [--threads N] [--dtype auto|quantized|bf16|f32] [--json FILE]
 
-Greedy decode tok/s of a real model on the CPU in four conditions, each in a fresh process:
-  idle          nothing else running
-  busy-loop     beside one process spinning a Python `while True` loop
-  engine        beside a second process of the same engine decoding the same model without pause
-  1-thread      idle, with one thread (llaisys: LLAISYS_NUM_THREADS=1, an A/B switch only; llama.cpp:
-                n_threads=1)
-and the ratio of each to idle and to 1-thread. The target: busy-loop >= 0.45x idle, and no condition
-below 1-thread. llama.cpp (llama-cpp-python, when installed) runs the same GGUF file with the same prompt,
-token count and threads (n_threads = n_threads_batch = llaisys' pool size, the cores of this process,
-unless --threads), greedy, EOS ignored. Other work on the machine (compilers, other users) shows up as
-noise: repeat runs.
+Greedy decode tok/s of a real model on the CPU in six conditions, each in a fresh process:
+  idle                nothing else running
+  busy-loop           beside one process spinning a Python `while True` loop
+  engine              beside a second process of the same engine decoding the same model without pause
+  1-thread            idle, with one thread (llaisys: LLAISYS_NUM_THREADS=1, an A/B switch only; llama.cpp:
+                      n_threads=1)
+  1-thread busy-loop  one thread, beside the same busy loop
+  1-thread engine     one thread, beside the same second engine (which keeps the default threads, as in
+                      `engine`)
+and the ratio of each to idle and to 1-thread, then "N threads / 1 thread, same contender": each of the
+first three over its 1-thread row beside the same contender. The target: busy-loop >= 0.45x idle, and no
+condition below 1-thread (compared beside the same contender, the last table). llama.cpp (llama-cpp-python,
+when installed) runs the same GGUF file with the same prompt, token count and threads (n_threads =
+n_threads_batch = llaisys' pool size, the cores of this process, unless --threads), greedy, EOS ignored.
+Other work on the machine (compilers, other users) shows up as noise: repeat runs. --json FILE also writes
+every rate and ratio.
 """
 from __future__ import annotations
 
@@ -104,9 +109,24 @@ def _env(engine: str, threads: int | None, args) -> dict:
     return env
 
 
+# condition: (contender or None, whether the measured engine runs on one thread). A 1-thread row beside a
+# contender has the same contender as the row of the engine's own threads, so the two compare like with like.
+CONDITIONS = {
+    "idle": (None, False),
+    "busy-loop": ("busy-loop", False),
+    "engine": ("engine", False),
+    "1-thread": (None, True),
+    "1-thread busy-loop": ("busy-loop", True),
+    "1-thread engine": ("engine", True),
+}
+SAME_CONTENDER = {"none": ("idle", "1-thread"), "busy-loop": ("busy-loop", "1-thread busy-loop"),
+                  "engine": ("engine", "1-thread engine")}  # contender: (own threads, one thread)
+
+
 def measure(engine: str, condition: str, args) -> dict:
-    threads = 1 if condition == "1-thread" else args.threads
-    contender = start_contender(condition, engine, args) if condition in ("busy-loop", "engine") else None
+    kind, single = CONDITIONS[condition]
+    threads = 1 if single else args.threads
+    contender = start_contender(kind, engine, args) if kind else None
     try:
         time.sleep(0.5)  # let the contender reach its steady state
         out = subprocess.run(_worker_cmd("measure", engine, args, threads), env=_env(engine, threads, args),
@@ -118,12 +138,14 @@ def measure(engine: str, condition: str, args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-CONDITIONS = ("idle", "busy-loop", "engine", "1-thread")
-
-
 def _columns(results: dict, c: str) -> str:
     r, idle, single = results[c], results["idle"]["median"], results["1-thread"]["median"]
     return f"{r['median']:7.1f} {r['median'] / idle:7.2f} {r['median'] / single:10.2f}"
+
+
+def same_contender(results: dict) -> dict:
+    """{contender: decode with the engine's own threads / with one thread, beside that same contender}."""
+    return {kind: results[own]["median"] / results[one]["median"] for kind, (own, one) in SAME_CONTENDER.items()}
 
 
 def main() -> int:
@@ -137,6 +159,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f32"], help="llaisys' dtype")
     ap.add_argument("--single-thread-env", default="LLAISYS_NUM_THREADS",
                     help="variable set to 1 for llaisys' 1-thread row (OMP_NUM_THREADS for an OpenMP build)")
+    ap.add_argument("--json", metavar="FILE", help="also write every rate and ratio to FILE")
     ap.add_argument("--role", choices=["measure", "contender"], help=argparse.SUPPRESS)
     ap.add_argument("--engine", default="llaisys", choices=["llaisys", "llama.cpp"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -158,14 +181,24 @@ def main() -> int:
           f"{len(os.sched_getaffinity(0))} cores, threads: {threads}")
     head = " | ".join(f"{e + ' tok/s':>15} {'x idle':>7} {'x 1-thread':>10}" for e in engines)
     both = len(engines) == 2
-    print(f"{'condition':<10} {head}" + ("  llaisys/llama.cpp" if both else ""))
+    print(f"{'condition':<18} {head}" + ("  llaisys/llama.cpp" if both else ""))
     for c in CONDITIONS:
         row = " | ".join(f"{'':>8}{_columns(results[e], c)}" for e in engines)
         ratio = f"  {results['llaisys'][c]['median'] / results['llama.cpp'][c]['median']:17.2f}x" if both else ""
-        print(f"{c:<10} {row}{ratio}")
+        print(f"{c:<18} {row}{ratio}")
+    ratios = {e: same_contender(results[e]) for e in engines}
+    print(f"{'same contender':<18} " + " | ".join(
+        f"{e + ' ' + str(results[e]['idle']['threads']) + ' threads / 1 thread':>34}" for e in engines))
+    for kind in SAME_CONTENDER:
+        print(f"{kind:<18} " + " | ".join(f"{ratios[e][kind]:33.2f}x" for e in engines))
     for e in engines:
         print(f"{e} runs: " + "; ".join(f"{c} " + " ".join(f"{x:.1f}" for x in results[e][c]["rates"])
                                       for c in CONDITIONS))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "tokens": args.tokens, "repeats": args.repeats,
+                       "cores": len(os.sched_getaffinity(0)), "results": results,
+                       "same_contender": ratios}, f, indent=2)
     return 0
 
 

@@ -136,12 +136,27 @@ def test_options_pass_dtype_and_threads_through():
     assert o["threads"] == 3 and o["peers"] and o["label"] is None
 
 
-def _peers_script():
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "peers.py")
-    spec = importlib.util.spec_from_file_location("bench_peers_script", path)
+def _bench_script(name: str):
+    """bench/NAME.py imported as a module."""
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _run_script(name: str, *args, cwd=None):
+    """bench/NAME.py ARGS in a child process that imports this llaisys."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), cwd=cwd)
+
+
+def _peers_script():
+    return _bench_script("peers")
 
 
 def test_peers_script_parses_the_new_flags():
@@ -248,11 +263,7 @@ def test_comparison_table_gives_llaisys_over_llama_cpp():
 @pytest.fixture(scope="module")
 def random_gguf():
     # this checkout's writer, loaded from its file: the tests may run against an installed (non-editable) package
-    spec = importlib.util.spec_from_file_location(
-        "llaisys_random_gguf", os.path.join(os.path.dirname(__file__), "..", "bench", "random_gguf.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _bench_script("random_gguf")
 
 
 @pytest.fixture(scope="module")
@@ -460,12 +471,7 @@ def test_throughput_shape_is_tied_like_the_real_models():
 
 
 def _throughput_script(*args, cwd=None):
-    import subprocess
-    import sys
-
-    script = os.path.join(os.path.dirname(__file__), "..", "bench", "throughput.py")
-    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)), cwd=cwd)
+    return _run_script("throughput", *args, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -511,11 +517,7 @@ def test_throughput_script_bad_values_are_argparse_errors(args, message):
 
 def test_throughput_script_parses_gpu_check_flags():
     """The command lines of bench/gpu_check.sh, parsed without running them."""
-    spec = importlib.util.spec_from_file_location(
-        "bench_throughput_script", os.path.join(os.path.dirname(__file__), "..", "bench", "throughput.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    p = script.parser()
+    p = _bench_script("throughput").parser()
     a = p.parse_args(["--shape", "qwen2-1.5b", "--device", "cuda", "--single", "128", "256"])
     assert (a.shape, a.device, a.single, a.dtype) == ("qwen2-1.5b", "cuda", [128, 256], None)
     a = p.parse_args(["--shape", "qwen2-1.5b", "--gguf-types", "q4_k_m", "--device", "cuda", "-n", "64"])
@@ -528,11 +530,76 @@ def test_throughput_script_parses_gpu_check_flags():
 def test_decode_breakdown_script_starts():
     """bench/decode_breakdown.py (gpu_check.sh's breakdown step) imports what the package still has: it takes
     its shapes and requests from llaisys.bench / llaisys.bench_throughput, not from bench/throughput.py."""
-    import subprocess
-    import sys
-
-    script = os.path.join(os.path.dirname(__file__), "..", "bench", "decode_breakdown.py")
-    r = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    r = _run_script("decode_breakdown", "--help")
     assert r.returncode == 0, r.stderr
     assert "--batch" in r.stdout and "qwen2-1.5b" in r.stdout
+
+
+# ---- bench/memory.py and bench/cpu_contention.py (issue 16, items 8 and 2) -------------------------------
+
+def test_memory_script_reports_every_stage(tiny_path, tmp_path):
+    """Each dtype in its own process: the RSS of every stage, and the model's bytes as the engine holds them."""
+    out = tmp_path / "mem.json"
+    r = _run_script("memory", "--model", tiny_path, "--dtype", "f32", "bf16", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[0] for line in r.stdout.splitlines()[2:4]] == ["f32", "bf16"]
+    res = json.loads(out.read_text())["dtypes"]
+    for dtype in ("f32", "bf16"):
+        stages = res[dtype]["stages"]
+        assert list(stages) == ["imported", "loaded", "generated", "closed", "deleted"]
+        assert all(s["VmRSS"] > 0 and s["VmHWM"] >= s["VmRSS"] for s in stages.values())
+        assert res[dtype]["dtype"] == dtype and res[dtype]["kv_bytes"] > 0
+    assert res["f32"]["weight_bytes"] == 2 * res["bf16"]["weight_bytes"]
+
+
+def test_memory_script_shape_argument_errors():
+    r = _run_script("memory", "--shape", "qwen9")
+    assert r.returncode == 2 and "unknown shape 'qwen9'" in r.stderr, r.stderr
+    r = _run_script("memory", "--shape", "qwen2-1.5b", "--model", "m")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr, r.stderr
+
+
+def test_contention_one_thread_rows_have_the_same_contender(monkeypatch):
+    """The 1-thread rows beside a busy loop or a 2nd engine start the contender of the engine's own-threads row;
+    only the measured engine runs on one thread."""
+    script = _bench_script("cpu_contention")
+    args = argparse.Namespace(model="m", tokens=8, repeats=1, dtype="auto", threads=None,
+                              single_thread_env="LLAISYS_NUM_THREADS")
+    calls = []
+
+    class Contender:
+        def kill(self):
+            pass
+
+        def wait(self):
+            pass
+
+    def start_contender(kind, engine, a):
+        calls.append(("contender", kind, engine))
+        return Contender()
+
+    def run(cmd, env, **kw):
+        threads = cmd[cmd.index("--threads") + 1] if "--threads" in cmd else None
+        calls.append(("measure", threads, env.get("LLAISYS_NUM_THREADS")))
+        return argparse.Namespace(stdout=json.dumps({"median": 1.0, "rates": [1.0], "threads": 2}))
+
+    monkeypatch.setattr(script, "start_contender", start_contender)
+    monkeypatch.setattr(script.subprocess, "run", run)
+    monkeypatch.setattr(script.time, "sleep", lambda s: None)
+    monkeypatch.delenv("LLAISYS_NUM_THREADS", raising=False)
+    for own, one in script.SAME_CONTENDER.values():
+        calls.clear()
+        script.measure("llaisys", own, args)
+        own_calls = list(calls)
+        calls.clear()
+        script.measure("llaisys", one, args)
+        assert calls[:-1] == own_calls[:-1]  # the same contender, or none
+        assert own_calls[-1] == ("measure", None, None) and calls[-1] == ("measure", "1", "1")
+
+
+def test_contention_same_contender_ratios():
+    script = _bench_script("cpu_contention")
+    medians = {"idle": 20.0, "busy-loop": 10.0, "engine": 6.0, "1-thread": 12.0, "1-thread busy-loop": 8.0,
+               "1-thread engine": 4.0}
+    ratios = script.same_contender({c: {"median": m} for c, m in medians.items()})
+    assert ratios == pytest.approx({"none": 20 / 12, "busy-loop": 10 / 8, "engine": 6 / 4})

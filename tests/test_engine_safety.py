@@ -103,7 +103,9 @@ def test_a_paused_stream_keeps_its_own_text_while_another_thread_generates(eng, 
 
 def test_close_releases_the_model_and_later_calls_raise(tiny):
     with Engine(tiny, device="cpu", dtype="f32", progress=False) as e:
-        paused = e.stream("hello", **GREEDY)
+        # long enough that the step loop cannot finish it before close(): 24 tokens sometimes did (the loop
+        # thread can hold the GIL for a switch interval, ~5 ms), and list(paused) then returned them
+        paused = e.stream("hello", **{**GREEDY, "max_new_tokens": 480})
         next(paused)
         assert not e.closed
     assert e.closed and e._model is None
