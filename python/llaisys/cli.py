@@ -301,6 +301,9 @@ def cmd_info(args) -> int:
               f"weights {d['weight_bytes'] / 2**20:.1f} MiB")
         for fmt, v in sorted(d["weight_formats"].items(), key=lambda kv: -kv[1]["bytes"]):
             print(f"  {fmt:>5}: {v['tensors']:4d} tensors, {v['bytes'] / 2**20:8.1f} MiB")
+        if d["decode_scratch_bytes"]:
+            print(f"  decode scratch {d['decode_scratch_bytes'] / 2**20:.1f} MiB besides the weights ({d['dtype']}: "
+                  f"multi-row steps decode one quantized weight at a time into it)")
     return 0
 
 

@@ -149,7 +149,10 @@ class Engine:
 
     def describe(self) -> dict:
         """What the loaded model holds: its compute dtype, and per stored weight format (bf16, q4_k, ...) the
-        number of tensors and their bytes on the device (quantized weights count their block bytes)."""
+        number of tensors and their bytes on the device (quantized weights count their block bytes).
+        decode_scratch_bytes: on CUDA with quantized weights, the one buffer prefill and batches of more than
+        8 sequences decode each quantized weight into before the dense GEMM (the compute dtype, as large as
+        the largest weight; 0 otherwise), not part of weight_bytes."""
         self._open()
         formats: dict[str, dict] = {}
         for _, fmt, nbytes in self._model.weight_formats():
@@ -157,7 +160,8 @@ class Engine:
             entry["tensors"] += 1
             entry["bytes"] += int(nbytes)
         return {"source": self.source, "device": self.device, "dtype": self.dtype, "quantized": self.quantized,
-                "weight_formats": formats, "weight_bytes": int(self._model.weight_bytes)}
+                "weight_formats": formats, "weight_bytes": int(self._model.weight_bytes),
+                "decode_scratch_bytes": int(self._model.decode_scratch_bytes)}
 
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
