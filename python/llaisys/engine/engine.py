@@ -24,7 +24,7 @@ from .. import _core, catalog, loader, quant
 from .._tensor import _wrap
 from ..chat import render_chat_template
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
-                           token_sequence, trim_heap)
+                           token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .config import EngineConfig
 from .core import EngineCore, score_logits
@@ -101,17 +101,8 @@ class Engine:
         if max_seq_len > limit:
             raise ValueError(f"max_seq_len must be at most {limit} for this model, got {max_seq_len}")
         self.max_seq_len = int(max_seq_len)
-        # "quantized" keeps a GGUF file's block formats as they are, computing in f32 on the CPU (activations
-        # are a small part of the bytes moved there) and bf16 on CUDA. "auto" does so on the CPU; on CUDA it
-        # dequantizes to bf16, which is faster there today (bench/RESULTS.md, 2026-11-25: the quantized GEMV
-        # is below bf16 at batch 1, and larger batches need decoded copies of the weights anyway).
-        if self.dtype == "quantized" and not loaded.weights.quantized:
-            raise ValueError(f"dtype='quantized' keeps a GGUF file's quantized tensors, but {loaded.source} has "
-                             f"none (use auto, bf16, f16 or f32)")
-        self.quantized = loaded.weights.quantized and (
-            self.dtype == "quantized" or (self.dtype == "auto" and self.device == "cpu"))
-        if self.dtype in ("auto", "quantized"):
-            self.dtype = "f32" if self.quantized and self.device == "cpu" else "bf16"
+        # whether a GGUF file's blocks are kept, and the compute dtype: engine_args.weight_policy says why
+        self.quantized, self.dtype = weight_policy(self.dtype, self.device, loaded.weights.quantized, loaded.source)
         # the model is only weights and layer math; the KV pool, graphs and sampling are EngineCore's
         net = _core.Qwen2(self._config_dict(), self.dtype, self.device, fused=self.engine_config.fused_projections)
         self._load_weights(net, loaded.weights, progress)
