@@ -204,7 +204,7 @@ def test_cuda_without_a_gpu_raises_before_loading(no_loading, device):
 
 @pytest.mark.parametrize("dtype, device, has_blocks, expected", [
     ("auto", "cpu", True, (True, "f32")),          # the file's blocks, f32 activations
-    ("auto", "cuda:0", True, (False, "bf16")),     # dequantized on CUDA (see weight_policy)
+    ("auto", "cuda:0", True, (True, "bf16")),      # the blocks on CUDA too, bf16 activations
     ("quantized", "cpu", True, (True, "f32")),
     ("quantized", "cuda:0", True, (True, "bf16")),
     ("auto", "cpu", False, (False, "bf16")),       # safetensors / a GGUF without blocks: bf16

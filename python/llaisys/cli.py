@@ -71,8 +71,9 @@ def _model_parent() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", type=_device, metavar="DEV",
                    help="auto (a GPU when there is one), cpu, cuda or cuda:N (default auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"],
-                   help="weights and compute dtype. auto (default): on the CPU a GGUF file's quantized weights are "
-                        "kept as stored, computing in f32; otherwise bf16. quantized: keep them on CUDA too")
+                   help="weights and compute dtype. auto (default): a GGUF file's quantized weights are kept as "
+                        "stored, computing in f32 on the CPU and bf16 on CUDA; otherwise bf16. quantized: as auto, "
+                        "but only for a GGUF file with quantized weights")
     g.add_argument("--max-seq-len", type=_positive, metavar="N", help="context size to reserve (default: up to 8192)")
     return p
 
