@@ -311,7 +311,8 @@ void gemv(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix 
     });
 }
 
-// out [n, K] (T, contiguous) = decode_rows_kernel over W's rows ids (or all rows when ids is null).
+// out [n, K] (T, contiguous) = decode_rows_kernel over W's rows ids (or all rows when ids is null: no id
+// can be out of range, so no error flag, which the first op to use it allocates).
 template <typename T, typename Id>
 void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMatrix &w) {
     const int64_t n = out.size(0), K = w.cols();
@@ -322,7 +323,7 @@ void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMa
         check_aligned<F>(op, w);
         decode_rows_kernel<F, device_t<T>, Id><<<unsigned(n), threads, 0, stream_of(out)>>>(
             dptr<T>(out), ids, w.bytes().data_as<uint8_t>(), w.row_bytes(), w.rows(), K,
-            ::llaisys::runtime::cuda::error_flag(out.device()));
+            ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr);
         CUDA_CHECK_LAUNCH();
     });
 }
