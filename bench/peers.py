@@ -28,8 +28,8 @@ def parser() -> argparse.ArgumentParser:
                    "(q4_k_m, q8_0, q4_0, q5_0, q5_k, q6_k; bench/random_gguf.py)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"],
-                   help="llaisys' dtype, as for the Engine; when it keeps a GGUF's blocks (quantized, or auto on "
-                        "the CPU) a bf16 reference row is added")
+                   help="llaisys' dtype, as for the Engine; when it keeps a GGUF's blocks (quantized or auto) "
+                        "a bf16 reference row is added")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads of llaisys (LLAISYS_NUM_THREADS), "
                    "llama.cpp and torch (default: llaisys' own count, for all)")
     p.add_argument("--prompt-len", type=int, default=128)

@@ -45,9 +45,12 @@ void bind_model(nb::module_ &m) {
         .def("load_quant_weight", &Qwen2::load_quant_weight, nb::arg("name"), nb::arg("value"), G(),
              "Takes a projection or embedding weight as a QuantMatrix (GGUF blocks), kept quantized.")
         .def("missing_weights", &Qwen2::missing_weights)
-        .def("prepare", &Qwen2::prepare, G(), "Finish loading: checks, fusion, decoded copies (see qwen2.hpp).")
+        .def("prepare", &Qwen2::prepare, G(), "Finish loading: checks, fusion, decode scratch (see qwen2.hpp).")
         .def("weight_formats", &Qwen2::weight_formats, "[(HF name, stored format 'bf16' / 'q4_k' / ..., bytes)]")
         .def_prop_ro("weight_bytes", &Qwen2::weight_bytes, "Bytes the weights take on the model's device.")
+        .def_prop_ro("decode_scratch_bytes", &Qwen2::decode_scratch_bytes,
+                     "CUDA, quantized weights: bytes of the buffer multi-row steps decode each weight into (0 "
+                     "otherwise; set by prepare()).")
         .def_prop_ro("fused_projections", &Qwen2::fused_projections,
                      "One GEMV for q/k/v and for gate/up, RoPE + cache write in one kernel (set at construction).")
         .def_prop_ro("dtype", [](const Qwen2 &q) { return std::string(dtype_name(q.dtype())); })

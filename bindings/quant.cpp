@@ -84,4 +84,5 @@ void bind_quant(nb::module_ &m) {
     }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), G());
     q.def("linear_swiglu", &ops::quant_linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), G());
     q.def("embedding", &ops::quant_embedding, nb::arg("out"), nb::arg("ids"), nb::arg("weight"), G());
+    q.def("dequantize", &ops::quant_dequantize, nb::arg("out"), nb::arg("weight"), G());
 }

@@ -204,6 +204,31 @@ def test_cuda_without_a_gpu_raises_before_loading(no_loading, device):
         Engine("unused", device=device, progress=False)
 
 
+@pytest.mark.parametrize("dtype, device, has_blocks, expected", [
+    ("auto", "cpu", True, (True, "f32")),          # the file's blocks, f32 activations
+    ("auto", "cuda:0", True, (True, "bf16")),      # the blocks on CUDA too, bf16 activations
+    ("quantized", "cpu", True, (True, "f32")),
+    ("quantized", "cuda:0", True, (True, "bf16")),
+    ("auto", "cpu", False, (False, "bf16")),       # safetensors / a GGUF without blocks: bf16
+    ("auto", "cuda:1", False, (False, "bf16")),
+    ("f32", "cuda:0", True, (False, "f32")),       # an explicit dtype always dequantizes
+    ("bf16", "cpu", True, (False, "bf16")),
+    ("f16", "cpu", False, (False, "f16")),
+])
+def test_weight_policy_decides_blocks_and_compute_dtype(dtype, device, has_blocks, expected):
+    """The dtype decision once the file is read: a pure function, so it is tested here for CUDA too."""
+    from llaisys.engine_args import weight_policy
+
+    assert weight_policy(dtype, device, has_blocks) == expected
+
+
+def test_weight_policy_quantized_needs_blocks():
+    from llaisys.engine_args import weight_policy
+
+    with pytest.raises(ValueError, match="dtype='quantized' keeps a GGUF file's quantized tensors, but m.gguf has"):
+        weight_policy("quantized", "cuda:0", False, "m.gguf")
+
+
 # ---- model config -----------------------------------------------------------------------------------------
 
 GOOD_CONFIG = dict(architectures=["Qwen2ForCausalLM"], vocab_size=416, hidden_size=64, intermediate_size=128,

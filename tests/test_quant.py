@@ -14,7 +14,7 @@ import pytest
 
 import llaisys
 from llaisys import quant
-from utils import FLOAT_DTYPES, NP_DTYPE, TOL, bits, poisoned
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, TOL, bits, poisoned
 
 gguf = pytest.importorskip("gguf")
 GQT = gguf.GGMLQuantizationType
@@ -312,6 +312,28 @@ def test_embedding_picks_dequantized_rows(fmt, dtype):
     np.testing.assert_array_equal(bits(out), ref.view(f"u{ref.itemsize}"))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_dequantize_op_bit_equal_to_gguf(device, fmt, dtype):
+    """quant.dequantize_, what a CUDA model's multi-row steps decode each quantized weight with: the whole
+    matrix as gguf-py decodes it, then one rounding to the dtype, into the caller's tensor (a strided one
+    too, whose other elements stay as they were)."""
+    data = random_blocks(fmt, 37, 512, seed=13, from_floats=False)
+    w = matrix(fmt, data).to(device)
+    ref = gguf.quants.dequantize(data, gtype(fmt)).astype(NP_DTYPE[dtype])
+    ref_bits = ref.view(f"u{ref.itemsize}")
+    out = poisoned((37, 512), dtype, device)
+    quant.dequantize_(out, w)
+    np.testing.assert_array_equal(bits(out), ref_bits)
+    np.testing.assert_array_equal(bits(quant.dequantize(w, dtype)), ref_bits)
+    wide = poisoned((37, 520), dtype, device)
+    quant.dequantize_(wide.slice(1, 8, 520), w)
+    got = bits(wide)
+    np.testing.assert_array_equal(got[:, 8:], ref_bits)
+    assert np.isnan(wide.slice(1, 0, 8).to("cpu").to("f32").numpy()).all()
+
+
 # ---- error paths ------------------------------------------------------------------------------
 
 def test_errors():
@@ -343,6 +365,10 @@ def test_errors():
         quant.linear_swiglu_(llaisys.empty([2, 1]), x, w.slice_rows(0, 3))
     with pytest.raises(IndexError, match="quant_embedding: id 4 at position 1"):
         quant.embedding_(llaisys.empty([2, 64]), llaisys.tensor(np.array([0, 4], np.int64)), w)
+    with pytest.raises(ValueError, match="quant_dequantize: out must have shape"):
+        quant.dequantize_(llaisys.empty([3, 32]), w)
+    with pytest.raises(TypeError, match="quant_dequantize: out"):
+        quant.dequantize_(llaisys.empty([w.rows, w.cols], "i64"), w)
     with pytest.raises(ValueError, match="unknown quantized CPU path"):
         quant.set_cpu_path("sse")
 
@@ -420,6 +446,63 @@ def test_cuda_embedding_bit_equal_to_gguf(fmt, dtype, id_dtype):
     quant.embedding_(out, llaisys.tensor(ids, "cuda"), w)
     ref = gguf.quants.dequantize(data, gtype(fmt))[ids].astype(NP_DTYPE[dtype])
     np.testing.assert_array_equal(bits(out), ref.view(f"u{ref.itemsize}"))
+
+
+@cuda
+def test_cuda_two_weights_decoded_into_one_scratch_inside_a_graph():
+    """What a CUDA model's multi-row step does per quantized weight (models::linear): decode it into the
+    model's one scratch (a view of a flat buffer sized for its largest weight), then the dense linear on
+    it. Two weights of different formats and shapes back to back, captured into one CUDA graph (torch's,
+    on llaisys' stream) and replayed with new x: the second decode must not overwrite the scratch before
+    the first GEMM has read it, and the capture allocates nothing. Both outputs are held to the dense
+    path's reference (weights rounded to the dtype, unquantized x), eagerly and at every replay."""
+    torch = pytest.importorskip("torch")
+    dtype, M = "bf16", 16
+    specs = [("q4_k", 96, 512, 21), ("q6_k", 160, 256, 22)]  # format, N, K, seed: the second is larger
+    data = [random_blocks(fmt, N, K, seed=seed) for fmt, N, K, seed in specs]
+    weights = [matrix(fmt, d).to("cuda") for (fmt, *_), d in zip(specs, data)]
+    dense = [gguf.quants.dequantize(d, gtype(fmt)).astype(NP_DTYPE[dtype]).astype(np.float64)
+             for (fmt, *_), d in zip(specs, data)]
+    scratch = llaisys.empty([max(N * K for _, N, K, _ in specs)], dtype, "cuda")
+    xs = [llaisys.empty([M, K], dtype, "cuda") for _, _, K, _ in specs]
+    outs = [llaisys.empty([M, N], dtype, "cuda") for _, N, _, _ in specs]
+    rng = np.random.default_rng(23)
+
+    def step():
+        for w, x, out in zip(weights, xs, outs):
+            decoded = scratch.slice(0, 0, w.rows * w.cols).view(w.rows, w.cols)
+            quant.dequantize_(decoded, w)
+            llaisys.ops.linear(out, x, decoded)
+
+    def new_inputs():
+        values = [rng.standard_normal((M, x.shape[1])).astype(NP_DTYPE[dtype]) for x in xs]
+        for x, v in zip(xs, values):
+            x.copy_(llaisys.tensor(v, "cuda"))
+        for out in outs:
+            out.fill_(float("nan"))
+        llaisys.synchronize("cuda")
+        return [v.astype(np.float64) for v in values]
+
+    def check_outputs(x64):
+        llaisys.synchronize("cuda")
+        for out, x, wd in zip(outs, x64, dense):
+            check(out, x @ wd.T, dense_tol(dtype, x, wd))
+
+    x64 = new_inputs()
+    step()  # eagerly first: cuBLASLt's handle, workspace and algorithms are made outside the capture
+    check_outputs(x64)
+    stream = torch.cuda.ExternalStream(llaisys.current_stream("cuda").handle)
+    graph = torch.cuda.CUDAGraph()
+    llaisys.reset_peak_memory_stats("cuda")
+    before = llaisys.memory_stats("cuda")["allocated"]
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    assert llaisys.memory_stats("cuda")["peak"] == before  # nothing allocated while capturing
+    for _ in range(2):
+        x64 = new_inputs()
+        with torch.cuda.stream(stream):
+            graph.replay()
+        check_outputs(x64)
 
 
 @cuda

@@ -180,6 +180,45 @@ def test_cuda_quantized_is_as_close_to_hf_f32_as_hf_bf16(random_q4_k_m, rows):
     assert agree(ours) >= agree(ref16) - (0.05 if rows <= 8 else 0.02), (agree(ours), agree(ref16))
 
 
+@pytest.mark.cuda
+def test_cuda_batched_decode_graphs_read_the_decode_scratch(random_q4_k_m):
+    """16 sequences decoding together: every linear of a step has 16 rows, so each quantized weight is
+    decoded in turn into the model's one scratch and read there by cuBLASLt (models::linear), in steps
+    replayed from the captured CUDA graph of batch 16 (the fused gate/up's linear_swiglu included). The
+    model holds the file's blocks plus that one scratch, no decoded copies. Each generated token is held
+    to the same model's eager forward of the finished sequence (score(): prefill rows, decoded into the
+    same scratch): greedy picks its top-1 up to near-ties, and reports its logprob. A replay that read a
+    stale or overwritten scratch would pick tokens unrelated to those logits."""
+    reader = gguf.GGUFReader(random_q4_k_m)
+    file_bytes = {}
+    for t in reader.tensors:
+        file_bytes[t.tensor_type.name.lower()] = file_bytes.get(t.tensor_type.name.lower(), 0) + int(t.n_bytes)
+    with Engine(random_q4_k_m, device="cuda", dtype="quantized", max_seq_len=256, max_num_seqs=16,
+                progress=False) as eng:
+        d, c = eng.describe(), eng.config
+        for fmt in ("q4_k", "q6_k"):  # blocks only: the bytes the file holds
+            assert d["weight_formats"][fmt]["bytes"] == file_bytes[fmt]
+        assert d["decode_scratch_bytes"] == 2 * c.vocab_size * c.hidden_size  # the LM head in bf16, the largest
+        rng = np.random.default_rng(5)
+        prompts = [[int(t) for t in rng.integers(0, 150000, 6 + 3 * i)] for i in range(16)]
+        outs = eng.generate(prompts, max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+        assert 16 in eng._core.runner.runner.captured_batch_sizes
+        scored = [eng.score(p + o.token_ids[:-1])[len(p) - 1:].astype(np.float64) for p, o in zip(prompts, outs)]
+    top1 = 0
+    for o, z in zip(outs, scored):
+        logp = z - z.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        for row, tok, entry in zip(logp, o.token_ids, o.logprobs):
+            # Two bf16 runs (M = 16 against M = the sequence) differ by roundings: the logits' own (1 ulp is
+            # ~2-4% of their spread for random weights) and the activations' carried through the layers. A
+            # replay of wrong weights picks tokens ~4 spreads below the top (150k near-normal logits).
+            tol = 0.15 * row.std()
+            assert row[tok] >= row.max() - tol, (row.max() - row[tok], row.std())
+            assert abs(entry["logprob"] - row[tok]) <= tol, (entry["logprob"], row[tok], row.std())
+            top1 += int(row.argmax() == tok)
+    assert top1 >= 0.75 * 16 * 4, top1
+
+
 def test_quantized_dtype_on_a_file_without_blocks_raises(tmp_path):
     from tiny_model import make_tiny_qwen2
 

@@ -10,7 +10,7 @@ cached in the temp dir; a source checkout only).
 `--peers` also runs, on the same prompt ids, token counts and threads: llama.cpp (llama-cpp-python) on the
 same GGUF file, and HF transformers (python/llaisys/_peers.py). Then llaisys and llama.cpp each run in a
 process of their own, so each one's peak RSS is its own; when llaisys keeps the file's blocks (dtype
-quantized, or auto on the CPU) it also runs dequantized to bf16 (the reference), and a table gives the ratios
+auto or quantized) it also runs dequantized to bf16 (the reference), and a table gives the ratios
 llaisys / llama.cpp.
 `--threads N` sets LLAISYS_NUM_THREADS (and llama.cpp's n_threads) to N.
 """
@@ -194,7 +194,7 @@ def _device(device: str) -> str:
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
           prompt_len: int = 128, new_tokens: int = 256) -> dict:
     """One llaisys measurement in this process, through the Engine (scheduler, runner, paged KV cache). `dtype`
-    goes to the Engine as given for --model ("quantized", and "auto" on the CPU, keep a GGUF file's block
+    goes to the Engine as given for --model ("quantized" and "auto" keep a GGUF file's block
     formats); the random --shape model is dense ("auto" = bf16)."""
     device = _device(device)
     max_seq_len = max(prompt_len + new_tokens + 16, 256)

@@ -91,8 +91,8 @@ def random_checkpoint(shape: str) -> str:
 def open_engine(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,
                 device: str = "auto", dtype: str = "auto", max_seq_len: int = 2064, max_num_seqs: int = 256,
                 checkpoint: bool = False):
-    """(engine, path or None, label, dtype). dtype goes to the Engine as given for a file ("quantized", and
-    "auto" on the CPU, keep a GGUF's blocks); the random shape is dense ("auto" = bf16). checkpoint: load
+    """(engine, path or None, label, dtype). dtype goes to the Engine as given for a file ("quantized" and
+    "auto" keep a GGUF's blocks); the random shape is dense ("auto" = bf16). checkpoint: load
     --shape from random_checkpoint (what HF loads too) instead of building it in memory."""
     from .engine import Engine
 

@@ -71,8 +71,9 @@ def _model_parent() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", type=_device, metavar="DEV",
                    help="auto (a GPU when there is one), cpu, cuda or cuda:N (default auto)")
     g.add_argument("--dtype", default="auto", choices=["auto", "quantized", "bf16", "f16", "f32"],
-                   help="weights and compute dtype. auto (default): on the CPU a GGUF file's quantized weights are "
-                        "kept as stored, computing in f32; otherwise bf16. quantized: keep them on CUDA too")
+                   help="weights and compute dtype. auto (default): a GGUF file's quantized weights are kept as "
+                        "stored, computing in f32 on the CPU and bf16 on CUDA; otherwise bf16. quantized: as auto, "
+                        "but only for a GGUF file with quantized weights")
     g.add_argument("--max-seq-len", type=_positive, metavar="N", help="context size to reserve (default: up to 8192)")
     return p
 
@@ -301,6 +302,9 @@ def cmd_info(args) -> int:
               f"weights {d['weight_bytes'] / 2**20:.1f} MiB")
         for fmt, v in sorted(d["weight_formats"].items(), key=lambda kv: -kv[1]["bytes"]):
             print(f"  {fmt:>5}: {v['tensors']:4d} tensors, {v['bytes'] / 2**20:8.1f} MiB")
+        if d["decode_scratch_bytes"]:
+            print(f"  decode scratch {d['decode_scratch_bytes'] / 2**20:.1f} MiB besides the weights ({d['dtype']}: "
+                  f"multi-row steps decode one quantized weight at a time into it)")
     return 0
 
 

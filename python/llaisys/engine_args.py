@@ -25,6 +25,25 @@ def resolve_dtype(dtype) -> str:
     return _DTYPES[dtype]
 
 
+def weight_policy(dtype: str, device: str, has_blocks: bool, source: str = "the model") -> tuple[bool, str]:
+    """(keep the file's quantized blocks, compute dtype) for a resolve_dtype'd dtype on a resolve_device'd
+    device, once the file is read: has_blocks says whether it holds GGUF quantized tensors. "auto" and
+    "quantized" keep the blocks on either device, computing in f32 on the CPU (activations are a small part
+    of the bytes moved there) and bf16 on CUDA. On CUDA that holds the file's bytes plus one decode scratch
+    (the largest matrix in bf16) instead of a bf16 model, and batch-1 decode is faster than bf16 (H100,
+    1.5B shape, bench/RESULTS.md 2026-11-25 late: 554 against 487 tok/s); steps of more than 8 rows decode
+    each weight into the scratch before cuBLASLt (with a decoded copy of every weight they ran at 0.99x
+    bf16; the scratch path's batched throughput is measured on the device). Other dtypes always
+    dequantize."""
+    if dtype == "quantized" and not has_blocks:
+        raise ValueError(f"dtype='quantized' keeps a GGUF file's quantized tensors, but {source} has none (use auto, "
+                         f"bf16, f16 or f32)")
+    keep = has_blocks and dtype in ("auto", "quantized")
+    if dtype in ("auto", "quantized"):
+        dtype = "f32" if keep and device == "cpu" else "bf16"
+    return keep, dtype
+
+
 def resolve_device(device) -> str:
     """"auto" | "cpu" | "cuda" | "cuda:N" -> "cpu" or "cuda:N", checked against this build and machine."""
     if not isinstance(device, str):

@@ -24,6 +24,7 @@ cpu_path_supported = _q.cpu_path_supported
 linear_ = _q.linear  # out-parameter forms
 linear_swiglu_ = _q.linear_swiglu
 embedding_ = _q.embedding
+dequantize_ = _q.dequantize
 
 
 def from_numpy(format: str, rows: int, cols: int, data: np.ndarray) -> QuantMatrix:
@@ -58,5 +59,14 @@ def embedding(ids: Tensor, weight: QuantMatrix, dtype: str = "f32") -> Tensor:
     return out
 
 
+def dequantize(weight: QuantMatrix, dtype: str = "f32") -> Tensor:
+    """The whole weight decoded -> [rows, cols] in ``dtype`` on the weight's device (any device, unlike
+    QuantMatrix.dequantize, which returns a NumPy array of a host matrix's rows)."""
+    out = empty([weight.rows, weight.cols], dtype, weight.device)
+    _q.dequantize(out, weight)
+    return out
+
+
 __all__ = ["QuantMatrix", "from_numpy", "row_bytes", "format_info", "format_from_gguf", "set_cpu_path", "cpu_path",
-           "cpu_path_supported", "linear", "linear_swiglu", "embedding", "linear_", "linear_swiglu_", "embedding_"]
+           "cpu_path_supported", "linear", "linear_swiglu", "embedding", "dequantize", "linear_", "linear_swiglu_",
+           "embedding_", "dequantize_"]

@@ -6,31 +6,37 @@
 #include "llaisys/tensor.hpp"
 
 #include <string>
+#include <vector>
 
 namespace llaisys::models {
 
 struct LinearWeight {
     Tensor dense;      // [N, K] in the model dtype, or undefined
     QuantMatrix quant; // [N, K] blocks, or undefined; at most one of the two is defined
-    // CUDA, quantized: the weight decoded once into the compute dtype for steps of more than
-    // kQuantGemvMaxRows rows, which run cuBLASLt on it. Made by prepare_gemm() when the model is
-    // loaded: decoding per call would allocate inside every captured decode graph, each graph keeping
-    // its own decoded model alive. (A GEMM that reads the blocks directly would make this unneeded.)
-    Tensor gemm_copy;
 
     bool defined() const { return dense.defined() || quant.defined(); }
     bool quantized() const { return quant.defined(); }
     // "bf16", "q4_k", ...: what the weight is stored as
     std::string format() const;
-    int64_t nbytes() const; // including gemm_copy
-    void prepare_gemm(DType dtype); // makes gemm_copy for a quantized weight on CUDA (else nothing)
+    int64_t nbytes() const; // of what it is stored as: the dense tensor or the blocks
 };
 
 // out = x @ W^T (+ bias). Dense weights are constant once loaded (ops::linear's constant_weight).
-void linear(const Tensor &out, const Tensor &x, const LinearWeight &w, const Tensor &bias = Tensor());
-// out = swiglu(x @ W[:I]^T, x @ W[I:]^T) for W = [gate; up] of 2I rows.
-void linear_swiglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up);
+// scratch: where a quantized weight is decoded when x has more than kQuantGemvMaxRows rows, for the dense
+// op (cuBLASLt on CUDA) to run on: a flat tensor of the compute dtype with at least N * K elements, shared
+// by every weight of a model (decode_scratch below). CUDA models pass one; undefined (the CPU, whose
+// quantized kernels take any number of rows), the quantized op runs for every x.
+void linear(const Tensor &out, const Tensor &x, const LinearWeight &w, const Tensor &scratch,
+            const Tensor &bias = Tensor());
+// out = swiglu(x @ W[:I]^T, x @ W[I:]^T) for W = [gate; up] of 2I rows; scratch as for linear.
+void linear_swiglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up, const Tensor &scratch);
 // out [n, K] = rows of W picked by ids [n].
 void embedding(const Tensor &out, const Tensor &ids, const LinearWeight &w);
+
+// The buffer linear/linear_swiglu decode quantized weights into on CUDA: [max N * K] of dtype, for the
+// largest quantized weight among `weights` (those the model passes to linear); undefined when none is
+// quantized or the device is not CUDA. One per model: its steps run on one stream, so each decode waits
+// for the GEMM that read the previous weight, eagerly and inside a captured graph alike.
+Tensor decode_scratch(const std::vector<const LinearWeight *> &weights, DType dtype, Device device);
 
 } // namespace llaisys::models

@@ -78,7 +78,8 @@ namespace ops {
 // 256 for the K-quants, q = round(x / d)) and the products are integer dot products per block, as
 // llama.cpp computes them; the result is thus x's 8-bit rounding times the exact weights. CUDA does
 // the same for M <= 8 rows of x; for more it decodes the weight to x's dtype and runs the dense linear
-// on the unquantized x (a transient [N, K] copy of the weight in that dtype; ops/quant_linear/cuda.cu).
+// on the unquantized x (a transient [N, K] copy of the weight in that dtype; ops/quant_linear/cuda.cu;
+// a model decodes into a buffer of its own instead: quant_dequantize, models::linear).
 void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight, const Tensor &bias);
 // out [..., I] = swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T) with w_gate_up [2I, K]; g and u are
 // rounded to out's dtype before the SwiGLU, so it equals two quant_linear calls + swiglu bit for bit.
@@ -86,6 +87,11 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
 // out [n, D] = dequantized rows of weight [V, D] picked by ids [n] (i64/i32); an id outside [0, V) raises
 // (on CUDA at the next synchronize, as embedding does, its row zero-filled).
 void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight);
+// out [N, K] (a float dtype, on the weight's device) = the whole weight decoded, as quant_embedding decodes
+// a row: quant_embedding with ids 0..N-1, without the ids. It allocates nothing (for a contiguous out), so a
+// buffer decoded into over and over can live inside a captured CUDA graph: how a model's multi-row steps on
+// CUDA read a quantized weight (models::linear).
+void quant_dequantize(const Tensor &out, const QuantMatrix &weight);
 } // namespace ops
 
 } // namespace llaisys

@@ -54,10 +54,16 @@ public:
     // take on the device (each buffer once).
     std::vector<std::tuple<std::string, std::string, int64_t>> weight_formats() const;
     int64_t weight_bytes() const;
+    // CUDA with quantized weights: the bytes of the one buffer multi-row steps decode each quantized
+    // weight into before the dense GEMM (the compute dtype, sized to the largest such weight: on the 1.5B
+    // shape the LM head, 151936 x 1536 bf16 = 467 MB); 0 otherwise or before prepare(). Not part of
+    // weight_bytes.
+    int64_t decode_scratch_bytes() const;
     std::vector<std::string> missing_weights() const;
-    // Checks every weight is loaded, fuses projections and (CUDA, quantized) makes the decoded copies
-    // multi-row steps use; the first step does it otherwise. Call it before sizing a KV cache from the
-    // free device memory, and before capturing a step into a CUDA graph.
+    // Checks every weight is loaded, fuses projections and (CUDA, quantized) allocates the decode
+    // scratch; the first step does it otherwise. Call it before sizing a KV cache from the free device
+    // memory, and before capturing a step into a CUDA graph (which then holds no memory of its own for
+    // decoded weights: every step decodes into the model's one scratch, in stream order).
     void prepare() { check_ready(); }
     // Bumped by every load_weight / load_quant_weight: a captured step holds the weights' addresses, so
     // its owner (the Runner) drops it when this changes.
@@ -87,6 +93,8 @@ private:
     void fuse_layer(Layer &layer); // builds the fused projections its loaded parts allow
     std::pair<LinearWeight *, int64_t> fused_home(Layer &layer, const LinearWeight *part) const;
     int64_t fused_rows(bool qkv) const;
+    const LinearWeight &lm_head() const { return config_.tie_word_embeddings ? embed_ : lm_head_; }
+    std::vector<const LinearWeight *> projections() const; // every weight a step passes to linear()
     Tensor project_out(const Layer &L, const Tensor &attn, int64_t T);
     Tensor attention(int layer, const Tensor &x, const runtime::StepBatch &batch, const runtime::KVPool &pool);
     Tensor mlp(int layer, const Tensor &x);
@@ -95,6 +103,7 @@ private:
     DType dtype_;
     Device device_;
     LinearWeight embed_, lm_head_;
+    Tensor decode_scratch_; // see decode_scratch_bytes(); made by check_ready
     Tensor final_norm_;
     std::vector<Layer> layers_;
     bool fused_ = false;

@@ -2,6 +2,8 @@
 
 #include "llaisys/ops.hpp"
 
+#include <algorithm>
+
 namespace llaisys::models {
 
 std::string LinearWeight::format() const {
@@ -9,45 +11,53 @@ std::string LinearWeight::format() const {
     return dense.defined() ? dtype_name(dense.dtype()) : "none";
 }
 
-namespace {
-int64_t tensor_bytes(const Tensor &t) { return t.defined() ? t.numel() * int64_t(dtype_size(t.dtype())) : 0; }
+int64_t LinearWeight::nbytes() const {
+    if (quant.defined()) return quant.nbytes();
+    return dense.defined() ? dense.numel() * int64_t(dtype_size(dense.dtype())) : 0;
+}
 
-// The weight the dense kernels read for x: the dense tensor, or a quantized weight's decoded copy when x
-// has more rows than the quantized GEMV takes; undefined when the quantized kernel runs.
-const Tensor &dense_for(const LinearWeight &w, const Tensor &x) {
-    static const Tensor none;
+namespace {
+// The dense weight the dense kernels read for x: w's dense tensor, or a quantized w decoded into scratch
+// when there is one and x has more rows than the quantized GEMV takes; undefined when the quantized op
+// runs.
+Tensor dense_for(const LinearWeight &w, const Tensor &x, const Tensor &scratch) {
     if (!w.quantized()) return w.dense;
-    return w.gemm_copy.defined() && x.numel() / w.quant.cols() > kQuantGemvMaxRows ? w.gemm_copy : none;
+    const int64_t N = w.quant.rows(), K = w.quant.cols();
+    if (!scratch.defined() || x.numel() / K <= kQuantGemvMaxRows) return Tensor();
+    LLAISYS_CHECK(scratch.numel() >= N * K, std::invalid_argument, "linear: the decode scratch holds ",
+                  scratch.numel(), " elements, the ", quant_format_info(w.quant.format()).name, " weight [", N, ", ",
+                  K, "] needs ", N * K);
+    const Tensor decoded = scratch.slice(0, 0, N * K).view({N, K});
+    ops::quant_dequantize(decoded, w.quant);
+    return decoded;
 }
 } // namespace
 
-int64_t LinearWeight::nbytes() const {
-    return (quant.defined() ? quant.nbytes() : tensor_bytes(dense)) + tensor_bytes(gemm_copy);
-}
-
-void LinearWeight::prepare_gemm(DType dtype) {
-    if (!quant.defined() || !quant.device().is_cuda() || (gemm_copy.defined() && gemm_copy.dtype() == dtype)) return;
-    // rows of the matrix picked in order: the embedding op decodes them
-    Tensor ids = Tensor::empty({quant.rows()}, DType::I64, Device::cpu());
-    for (int64_t r = 0; r < quant.rows(); ++r) ids.data_as<int64_t>()[r] = r;
-    gemm_copy = Tensor::empty({quant.rows(), quant.cols()}, dtype, quant.device());
-    ops::quant_embedding(gemm_copy, ids.to(quant.device()), quant);
-}
-
-void linear(const Tensor &out, const Tensor &x, const LinearWeight &w, const Tensor &bias) {
-    if (const Tensor &d = dense_for(w, x); d.defined()) ops::linear(out, x, d, bias, /*constant_weight=*/true);
+// constant_weight: a loaded dense weight is never written again; the scratch is, by the next decode (and
+// this call's own decode was just enqueued), so the dense op must not read it early.
+void linear(const Tensor &out, const Tensor &x, const LinearWeight &w, const Tensor &scratch, const Tensor &bias) {
+    if (const Tensor d = dense_for(w, x, scratch); d.defined())
+        ops::linear(out, x, d, bias, /*constant_weight=*/!w.quantized());
     else ops::quant_linear(out, x, w.quant, bias);
 }
 
-void linear_swiglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up) {
-    if (const Tensor &d = dense_for(w_gate_up, x); d.defined())
-        ops::linear_swiglu(out, x, d, /*constant_weight=*/true);
+void linear_swiglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up, const Tensor &scratch) {
+    if (const Tensor d = dense_for(w_gate_up, x, scratch); d.defined())
+        ops::linear_swiglu(out, x, d, /*constant_weight=*/!w_gate_up.quantized());
     else ops::quant_linear_swiglu(out, x, w_gate_up.quant);
 }
 
 void embedding(const Tensor &out, const Tensor &ids, const LinearWeight &w) {
     if (w.quantized()) ops::quant_embedding(out, ids, w.quant);
     else ops::embedding(out, ids, w.dense);
+}
+
+Tensor decode_scratch(const std::vector<const LinearWeight *> &weights, DType dtype, Device device) {
+    if (!device.is_cuda()) return Tensor();
+    int64_t elems = 0;
+    for (const LinearWeight *w : weights)
+        if (w->quantized()) elems = std::max(elems, w->quant.rows() * w->quant.cols());
+    return elems ? Tensor::empty({elems}, dtype, device) : Tensor();
 }
 
 } // namespace llaisys::models

@@ -9,7 +9,8 @@
 namespace llaisys::models {
 
 // A model's weights are written once (load_weight), then only read: linear() tells the dense kernels
-// so (constant_weight), which lets the M = 1 GEMV start reading them early. check_ready() synchronizes
+// so (constant_weight), which lets the M = 1 GEMV start reading them early (not so the decode scratch
+// quantized weights are decoded into on CUDA, rewritten weight after weight). check_ready() synchronizes
 // the device once after loading so no kernel that wrote a weight is still running. A weight taken
 // zero-copy from the caller must not be changed in place afterwards without load_weight again.
 
@@ -52,19 +53,30 @@ void Qwen2::check_ready() {
     LLAISYS_CHECK(!device_.is_cuda() || !current_stream(device_).capturing(), std::logic_error,
                   "Qwen2: the first step after load_weight waits for the weights to be written and cannot be "
                   "captured into a CUDA graph; run one step before capturing");
-    for (Layer &L : layers_) {
-        fuse_layer(L);
-        // quantized weights on CUDA: their decoded copies for multi-row steps (LinearWeight::gemm_copy)
-        if (L.fused_qkv) L.wqkv.prepare_gemm(dtype_);
-        else for (LinearWeight *w : {&L.wq, &L.wk, &L.wv}) w->prepare_gemm(dtype_);
-        if (L.fused_gate_up) L.w_gate_up.prepare_gemm(dtype_);
-        else for (LinearWeight *w : {&L.w_gate, &L.w_up}) w->prepare_gemm(dtype_);
-        L.wo.prepare_gemm(dtype_);
-        L.w_down.prepare_gemm(dtype_);
-    }
-    (config_.tie_word_embeddings ? embed_ : lm_head_).prepare_gemm(dtype_);
+    for (Layer &L : layers_) fuse_layer(L);
+    // CUDA, quantized: the one buffer multi-row steps decode each weight into (linear's scratch), taken
+    // now so that a KV cache sized from the free memory afterwards leaves room for it. After a reload the
+    // old one is released first (graphs that held its address are dropped: weights_version).
+    decode_scratch_ = Tensor();
+    decode_scratch_ = decode_scratch(projections(), dtype_, device_);
     if (device_.is_cuda()) synchronize(device_); // constant weights: every weight-writing kernel is done
     ready_ = true;
+}
+
+std::vector<const LinearWeight *> Qwen2::projections() const {
+    std::vector<const LinearWeight *> out{&lm_head()};
+    for (const Layer &L : layers_) {
+        if (L.fused_qkv) out.push_back(&L.wqkv);
+        else out.insert(out.end(), {&L.wq, &L.wk, &L.wv});
+        if (L.fused_gate_up) out.push_back(&L.w_gate_up);
+        else out.insert(out.end(), {&L.w_gate, &L.w_up});
+        out.insert(out.end(), {&L.wo, &L.w_down});
+    }
+    return out;
+}
+
+int64_t Qwen2::decode_scratch_bytes() const {
+    return decode_scratch_.defined() ? decode_scratch_.numel() * int64_t(decode_scratch_.element_size()) : 0;
 }
 
 } // namespace llaisys::models

@@ -14,7 +14,7 @@ namespace llaisys::models {
 // attn [T, nh, hd] -> o_proj -> [T, H]
 Tensor Qwen2::project_out(const Layer &L, const Tensor &attn, int64_t T) {
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo);
+    linear(out, attn.view({T, config_.num_heads * config_.head_dim}), L.wo, decode_scratch_);
     return out;
 }
 
@@ -25,13 +25,13 @@ Tensor Qwen2::attention(int l, const Tensor &x, const runtime::StepBatch &b, con
     Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
     if (L.fused_qkv) {
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
-        linear(qkv, x, L.wqkv, L.bqkv);
+        linear(qkv, x, L.wqkv, decode_scratch_, L.bqkv);
         ops::rope_qkv_cache(q, pool.key_rows(l), pool.value_rows(l), qkv, b.pos, config_.rope_theta, b.slots);
     } else {
         Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
-        linear(q.view({T, nh * hd}), x, L.wq, L.bq);
-        linear(k.view({T, nkvh * hd}), x, L.wk, L.bk);
-        linear(v.view({T, nkvh * hd}), x, L.wv, L.bv);
+        linear(q.view({T, nh * hd}), x, L.wq, decode_scratch_, L.bq);
+        linear(k.view({T, nkvh * hd}), x, L.wk, decode_scratch_, L.bk);
+        linear(v.view({T, nkvh * hd}), x, L.wv, decode_scratch_, L.bv);
         ops::rope(q, q, b.pos, config_.rope_theta);
         ops::rope(k, k, b.pos, config_.rope_theta);
         ops::index_copy(pool.key_rows(l), b.slots, k);
@@ -49,15 +49,15 @@ Tensor Qwen2::mlp(int l, const Tensor &x) {
     const int64_t T = x.size(0), I = config_.intermediate_size;
     Tensor act = Tensor::empty({T, I}, dtype_, device_);
     if (L.fused_gate_up) {
-        linear_swiglu(act, x, L.w_gate_up);
+        linear_swiglu(act, x, L.w_gate_up, decode_scratch_);
     } else {
         Tensor up = Tensor::empty({T, I}, dtype_, device_);
-        linear(act, x, L.w_gate);
-        linear(up, x, L.w_up);
+        linear(act, x, L.w_gate, decode_scratch_);
+        linear(up, x, L.w_up, decode_scratch_);
         ops::swiglu(act, act, up);
     }
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    linear(out, act, L.w_down);
+    linear(out, act, L.w_down, decode_scratch_);
     return out;
 }
 
@@ -86,7 +86,7 @@ Tensor Qwen2::forward_step(const runtime::StepBatch &b, const runtime::KVPool &p
         ops::embedding(rows, b.last, x);
     }
     Tensor logits = Tensor::empty({rows.size(0), config_.vocab_size}, dtype_, device_);
-    linear(logits, rows, config_.tie_word_embeddings ? embed_ : lm_head_);
+    linear(logits, rows, lm_head(), decode_scratch_);
     return logits;
 }
 

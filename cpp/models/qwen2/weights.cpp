@@ -123,7 +123,6 @@ void Qwen2::load_weight(const std::string &name, const Tensor &value) {
     Tensor *dst = slot.tensor;
     if (slot.linear) {
         slot.linear->quant = QuantMatrix(); // a quantized weight loaded before is replaced
-        slot.linear->gemm_copy = Tensor();
         if (slot.fusable) { // a dense part of a fused matrix: its row slice, filled in place
             auto [fused, start] = fused_home(*slot.layer, slot.linear);
             if (!fused->dense.defined())

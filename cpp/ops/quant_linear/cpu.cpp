@@ -236,24 +236,37 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     });
 }
 
-void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight) {
-    const int64_t n = ids.numel(), D = weight.cols();
-    detail::dispatch_float("quant_embedding", out.dtype(), out.device(), [&](auto tag) {
+namespace {
+// Row i of out [n, D] (contiguous) = W row row_of(i) decoded (gguf-py's f32 arithmetic, then one rounding
+// to out's dtype); rows in parallel. What embedding (rows picked by ids) and dequantize (every row) share.
+template <class RowOf>
+void decode_rows(const char *op, const Tensor &out, const QuantMatrix &weight, int64_t n, RowOf row_of) {
+    const int64_t D = weight.cols();
+    detail::dispatch_float(op, out.dtype(), out.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        detail::dispatch_index("quant_embedding", ids.dtype(), ids.device(), [&](auto itag) {
-            const auto *id = ids.data_as<typename decltype(itag)::type>();
-            T *o = out.data_as<T>();
-            parallel_for(n, D, [&](int64_t i) {
-                if constexpr (std::is_same_v<T, float>) {
-                    dequantize_rows(weight, int64_t(id[i]), 1, o + i * D);
-                } else {
-                    std::vector<float> row(static_cast<size_t>(D)); // [D]
-                    dequantize_rows(weight, int64_t(id[i]), 1, row.data());
-                    for (int64_t k = 0; k < D; ++k) store(o + i * D, k, row[size_t(k)]);
-                }
-            });
+        T *o = out.data_as<T>();
+        parallel_for(n, D, [&](int64_t i) {
+            if constexpr (std::is_same_v<T, float>) {
+                dequantize_rows(weight, row_of(i), 1, o + i * D);
+            } else {
+                std::vector<float> row(static_cast<size_t>(D)); // [D]
+                dequantize_rows(weight, row_of(i), 1, row.data());
+                for (int64_t k = 0; k < D; ++k) store(o + i * D, k, row[size_t(k)]);
+            }
         });
     });
+}
+} // namespace
+
+void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight) {
+    detail::dispatch_index("quant_embedding", ids.dtype(), ids.device(), [&](auto itag) {
+        const auto *id = ids.data_as<typename decltype(itag)::type>();
+        decode_rows("quant_embedding", out, weight, ids.numel(), [id](int64_t i) { return int64_t(id[i]); });
+    });
+}
+
+void quant_dequantize(const Tensor &out, const QuantMatrix &weight) {
+    decode_rows("quant_dequantize", out, weight, weight.rows(), [](int64_t i) { return i; });
 }
 
 } // namespace llaisys::ops::cpu

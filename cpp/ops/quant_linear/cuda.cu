@@ -5,11 +5,12 @@
 //   (M K <= 4096) each block of the GEMV quantizes it itself (one launch per linear: at batch 1 a
 //   separate quantize kernel cost about as much as a small GEMV); else quantize_x_kernel does it once,
 //   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x.
-//   M > 8 (prefill, large batches): the whole weight is decoded into a dense scratch [N, K] of x's dtype
-//   and the dense linear (cuBLASLt) runs on it with the unquantized x. Memory: N * K * sizeof(T) for the
-//   call (bf16: 3.6x the Q4_K bytes; the 1.5B LM head, 151936 x 1536, takes 467 MB), handed back to the
-//   caching allocator after it. TODO: a tensor-core GEMM that decodes W tiles in shared memory.
-// quant_embedding decodes the picked rows with the M > 8 path's kernel.
+//   M > 8 (prefill, large batches): the whole weight is decoded into a dense [N, K] of x's dtype and the
+//   dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes into a transient tensor
+//   (N * K * sizeof(T) for the call, handed back to the caching allocator after it); a model decodes into
+//   one buffer of its own with quant_dequantize instead (models/common/linear_weight.cpp), so a captured
+//   graph holds no copy. TODO: a tensor-core GEMM that decodes W tiles in shared memory.
+// quant_embedding and quant_dequantize decode rows with the M > 8 path's kernel.
 #include "ops/quant_linear/quant_linear.hpp"
 
 #include "core/runtime.hpp"
@@ -228,9 +229,10 @@ __global__ void __launch_bounds__(kGemvThreads)
 }
 
 // out [n, K] = rows ids[i] of W [V, K] decoded (embedding; an id outside [0, V) sets the device error
-// flag and zero-fills its row), or rows i when ids is null (the M > 8 path's dense copy of W).
+// flag and zero-fills its row), or rows i when ids is null (dequantize, the M > 8 path's dense copy of W).
 // Launch: one block per output row; each thread decodes sub-blocks of 32 weights and stores them with
-// 16-byte writes where the row allows.
+// 16-byte writes where the row allows. A plain launch, never PDL: a model reuses one out buffer for
+// weight after weight, so this kernel must not start writing while the GEMM ahead still reads it.
 template <class F, typename T, typename Id>
 __global__ void decode_rows_kernel(T *__restrict__ out, const Id *__restrict__ ids, const uint8_t *__restrict__ w,
                                    int64_t row_bytes, int64_t V, int64_t K, int *error_flag) {
@@ -309,7 +311,8 @@ void gemv(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix 
     });
 }
 
-// out [n, K] (T, contiguous) = decode_rows_kernel over W's rows ids (or all rows when ids is null).
+// out [n, K] (T, contiguous) = decode_rows_kernel over W's rows ids (or all rows when ids is null: no id
+// can be out of range, so no error flag, which the first op to use it allocates).
 template <typename T, typename Id>
 void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMatrix &w) {
     const int64_t n = out.size(0), K = w.cols();
@@ -320,12 +323,12 @@ void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMa
         check_aligned<F>(op, w);
         decode_rows_kernel<F, device_t<T>, Id><<<unsigned(n), threads, 0, stream_of(out)>>>(
             dptr<T>(out), ids, w.bytes().data_as<uint8_t>(), w.row_bytes(), w.rows(), K,
-            ::llaisys::runtime::cuda::error_flag(out.device()));
+            ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr);
         CUDA_CHECK_LAUNCH();
     });
 }
 
-// W decoded into a new dense tensor [rows, K] of dtype T (the M > 8 path's scratch).
+// W decoded into a new dense tensor [rows, K] of dtype T (the op's M > 8 path).
 template <typename T>
 Tensor dense_weight(const char *op, const QuantMatrix &w, DType dtype) {
     const Tensor dense = Tensor::empty({w.rows(), w.cols()}, dtype, w.device());
@@ -362,6 +365,13 @@ void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &we
             using Id = typename decltype(itag)::type;
             decode_rows<T, Id>(op, out, ids.data_as<Id>(), weight);
         });
+    });
+}
+
+void quant_dequantize(const Tensor &out, const QuantMatrix &weight) {
+    constexpr const char *op = "quant_dequantize";
+    detail::dispatch_float(op, out.dtype(), out.device(), [&](auto tag) {
+        decode_rows<typename decltype(tag)::type, int64_t>(op, out, nullptr, weight);
     });
 }
 

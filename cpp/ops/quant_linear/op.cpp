@@ -106,4 +106,17 @@ void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &we
     });
 }
 
+void quant_dequantize(const Tensor &out, const QuantMatrix &weight) {
+    constexpr const char *op = "quant_dequantize";
+    detail::check_defined(op, "out", out);
+    check_weight(op, "weight", weight, out.device());
+    detail::check_float(op, "out", out);
+    detail::check_shape(op, "out", out, {weight.rows(), weight.cols()});
+    if (weight.rows() == 0) return;
+    detail::with_contiguous_out(out, [&](const Tensor &dst) {
+        LLAISYS_DEVICE_DISPATCH(op, dst.device(), cpu::quant_dequantize(dst, weight),
+                                cuda::quant_dequantize(dst, weight));
+    });
+}
+
 } // namespace llaisys::ops

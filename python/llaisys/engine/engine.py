@@ -24,7 +24,7 @@ from .. import _core, catalog, loader, quant
 from .._tensor import _wrap
 from ..chat import render_chat_template
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
-                           token_sequence, trim_heap)
+                           token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .config import EngineConfig
 from .core import EngineCore, score_logits
@@ -101,17 +101,8 @@ class Engine:
         if max_seq_len > limit:
             raise ValueError(f"max_seq_len must be at most {limit} for this model, got {max_seq_len}")
         self.max_seq_len = int(max_seq_len)
-        # "quantized" keeps a GGUF file's block formats as they are, computing in f32 on the CPU (activations
-        # are a small part of the bytes moved there) and bf16 on CUDA. "auto" does so on the CPU; on CUDA it
-        # dequantizes to bf16, which is faster there today (bench/RESULTS.md, 2026-11-25: the quantized GEMV
-        # is below bf16 at batch 1, and larger batches need decoded copies of the weights anyway).
-        if self.dtype == "quantized" and not loaded.weights.quantized:
-            raise ValueError(f"dtype='quantized' keeps a GGUF file's quantized tensors, but {loaded.source} has "
-                             f"none (use auto, bf16, f16 or f32)")
-        self.quantized = loaded.weights.quantized and (
-            self.dtype == "quantized" or (self.dtype == "auto" and self.device == "cpu"))
-        if self.dtype in ("auto", "quantized"):
-            self.dtype = "f32" if self.quantized and self.device == "cpu" else "bf16"
+        # whether a GGUF file's blocks are kept, and the compute dtype: engine_args.weight_policy says why
+        self.quantized, self.dtype = weight_policy(self.dtype, self.device, loaded.weights.quantized, loaded.source)
         # the model is only weights and layer math; the KV pool, graphs and sampling are EngineCore's
         net = _core.Qwen2(self._config_dict(), self.dtype, self.device, fused=self.engine_config.fused_projections)
         self._load_weights(net, loaded.weights, progress)
@@ -149,7 +140,10 @@ class Engine:
 
     def describe(self) -> dict:
         """What the loaded model holds: its compute dtype, and per stored weight format (bf16, q4_k, ...) the
-        number of tensors and their bytes on the device (quantized weights count their block bytes)."""
+        number of tensors and their bytes on the device (quantized weights count their block bytes).
+        decode_scratch_bytes: on CUDA with quantized weights, the one buffer prefill and batches of more than
+        8 sequences decode each quantized weight into before the dense GEMM (the compute dtype, as large as
+        the largest weight; 0 otherwise), not part of weight_bytes."""
         self._open()
         formats: dict[str, dict] = {}
         for _, fmt, nbytes in self._model.weight_formats():
@@ -157,7 +151,8 @@ class Engine:
             entry["tensors"] += 1
             entry["bytes"] += int(nbytes)
         return {"source": self.source, "device": self.device, "dtype": self.dtype, "quantized": self.quantized,
-                "weight_formats": formats, "weight_bytes": int(self._model.weight_bytes)}
+                "weight_formats": formats, "weight_bytes": int(self._model.weight_bytes),
+                "decode_scratch_bytes": int(self._model.decode_scratch_bytes)}
 
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
