@@ -14,12 +14,14 @@ The client must not be what limits a run. --procs N splits the requests over N w
 goes to worker i % N with its own prompt, length and arrival time), each with its own event loop, all
 starting at one common time; the parent merges their results and computes every figure over all requests,
 throughput over the span from that start to the last request's end. The default, min(8, usable cores // 2)
-(1 on a 2-core machine), leaves half the cores to the server and its engine. --client light (the default)
-reads the stream with a small HTTP/1.1 client on asyncio streams (chunked or Content-Length bodies, SSE lines
-split anywhere across reads); --client httpx is the previous client, ~4x its CPU per token. Every run
-reports the client's own CPU (client_cpu_us_per_token: process CPU time of the workers over output tokens;
-client_busiest_cpu_share: the busiest worker's CPU over the run's wall time, near 1 when it saturated
-its core and the figures are the client's, not the server's). --max-concurrency is split among the workers.
+(8 on a 16-core machine, 1 on 2 cores), leaves half the cores to the server and its engine process, and
+keeps each worker's loop mostly idle so that it timestamps chunks as they come. --client light (the
+default) is a small HTTP/1.1 client on an asyncio Protocol (chunked, Content-Length or until-close bodies,
+SSE lines split anywhere across reads, kept-alive connections); --client httpx is the previous client,
+at 2.5x its CPU per token (bench/fake_step.py's stand-in: ~28 against ~68 us at 256 streams). Every run
+reports the client's own CPU: client_cpu_us_per_token (the workers' process CPU time over output tokens)
+and client_busiest_cpu_share (the busiest worker's CPU over the run's wall time: near 1, the figures are
+the client's, not the server's). --max-concurrency is split among the workers.
 
 `transformers serve` (HF's OpenAI-compatible server; bench/serve_check.sh starts it) takes only text
 prompts and no ignore_eos: --api transformers sends --prompt-format text (random common words) and asks
@@ -319,7 +321,8 @@ class Response:
 
 class Connection(asyncio.Protocol):
     """One connection of LightClient: the response being read gets every byte in data_received, as it
-    comes, without a task wake-up per read (asyncio's streams cost about twice the CPU per chunk)."""
+    comes: no future, task wake-up and buffer copy per read, as asyncio's streams would add (a streams
+    version of this client took ~37 us of CPU a token where this one takes ~28-30, one run each)."""
 
     def __init__(self):
         self.transport, self.response, self.closed = None, None, False
@@ -473,9 +476,9 @@ async def run_part(url: str, model: str, jobs: list, args, limit: int | None, st
 
 
 def default_procs() -> int:
-    """Half the cores this process may run on, at most 8 (a light client at ~17K tok/s needs well under one
-    core in all; more processes keep each event loop idle enough that it timestamps chunks as they come),
-    leaving the other half to the server's HTTP process and its engine process."""
+    """Half the cores this process may run on, at most 8, leaving the other half to the server's HTTP process
+    and its engine process. The light client needs about half a core in all at 17K tok/s (~28 us a token):
+    several processes keep each event loop idle enough that it timestamps chunks as they come."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(8, cores // 2))
 
