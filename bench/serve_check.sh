@@ -20,6 +20,8 @@
 #                       checkpoint directory, which both servers load
 #   DEVICE [cuda]  N [256]  N_RATE [32]  RATE [1]  MAX_INPUT_LEN [1024]  MAX_OUTPUT_LEN [1024]
 #   TEMPERATURE [0.6]  OUT [./serve-out]  PY [python3]  T_START [300] s to wait for /health  T_RUN [300] s per load run
+#   PROCS [8]  client processes of serve_load (--procs: half of the H100 box's 16 cores; the table's client
+#              columns say whether the client came near a full core: us of client CPU per token, busiest share)
 #   LLAISYS_ARGS, HF_ARGS: more arguments for `llaisys serve` / `transformers serve` (LLAISYS_ARGS=--no-engine-process:
 #                       the engine in the server's process, the A/B of the engine process)
 #   LLAISYS_BUILD_DIR [build/gpu if it holds a build]: the llaisys extension to use (bench/gpu_check.sh build makes one)
@@ -34,7 +36,7 @@ cd "$(dirname "$0")/.."
 WHEELS=${1:-.devdeps/serve}
 MODEL=${MODEL:-qwen2-0.5b} DEVICE=${DEVICE:-cuda} N=${N:-256} N_RATE=${N_RATE:-32} RATE=${RATE:-1}
 MAX_INPUT_LEN=${MAX_INPUT_LEN:-1024} MAX_OUTPUT_LEN=${MAX_OUTPUT_LEN:-1024} TEMPERATURE=${TEMPERATURE:-0.6}
-OUT=${OUT:-$PWD/serve-out} PY=${PY:-python3} T_START=${T_START:-300} T_RUN=${T_RUN:-300}
+OUT=${OUT:-$PWD/serve-out} PY=${PY:-python3} T_START=${T_START:-300} T_RUN=${T_RUN:-300} PROCS=${PROCS:-8}
 steps=${STEPS:-install build llaisys offline transformers}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_UPDATE_CHECK=1
@@ -95,8 +97,9 @@ load() {
   local name=$1; shift
   log "serve_load $name: $*"
   timeout "$T_RUN" "$PY" bench/serve_load.py --max-input-len "$MAX_INPUT_LEN" --max-output-len "$MAX_OUTPUT_LEN" \
-    --temperature "$TEMPERATURE" --device "$DEVICE" --json "$RUNS/$name.json" "$@" 2>&1 | grep -v Warning |
-    tee -a "$OUT/bench.log" | grep -E "^==|output_throughput|ttft_p50|itl_p50|failed|share|/ offline|rror" |
+    --temperature "$TEMPERATURE" --device "$DEVICE" --procs "$PROCS" --json "$RUNS/$name.json" "$@" 2>&1 |
+    grep -v Warning | tee -a "$OUT/bench.log" |
+    grep -E "^==|output_throughput|ttft_p50|itl_p50|failed|client_cpu_us|client_busiest|/ offline|rror" |
     tee -a "$OUT/summary.txt"
 }
 
@@ -106,12 +109,15 @@ report() {
 import glob, json, os, sys
 runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json")))}
 json.dump(runs, open(sys.argv[2], "w"), indent=2)
-keys = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-print(f"{'run':<24} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'failed':>6} (ms)")
+keys = ("output_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "client_cpu_us_per_token",
+        "client_busiest_cpu_share")
+print(f"{'run':<24} {'out tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'failed':>6}"
+      f" {'client us/tok':>13} {'busiest':>7}  (times in ms)")
 for name, r in runs.items():
     for s in (r[part] for part in ("server", "offline engine") if part in r):
         c = [s.get(k, float("nan")) for k in keys]
-        print(f"{name:<24} {c[0]:>10.0f} {c[1]:>9.1f} {c[2]:>9.1f} {c[3]:>8.2f} {c[4]:>8.2f} {s.get('failed', 0):>6}")
+        print(f"{name:<24} {c[0]:>10.0f} {c[1]:>9.1f} {c[2]:>9.1f} {c[3]:>8.2f} {c[4]:>8.2f} {s.get('failed', 0):>6}"
+              f" {c[5]:>13.1f} {c[6]:>7.2f}")
 
 
 def get(run, part, key):

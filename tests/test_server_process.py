@@ -204,11 +204,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(ckpt, tmp_path, *extra, session=False):
+def _start_server(ckpt, tmp_path, *extra, session=False, launcher=("-m", "llaisys.server")):
     port = _free_port()
     log_path = tmp_path / f"server-{port}.log"
     log = open(log_path, "w")
-    server = subprocess.Popen([sys.executable, "-m", "llaisys.server", "--model", ckpt, "--device", "cpu", "--port",
+    server = subprocess.Popen([sys.executable, *launcher, "--model", ckpt, "--device", "cpu", "--port",
                                str(port), "--max-seq-len", "256", "--num-kv-blocks", "256", *extra],
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=session)
     url = f"http://127.0.0.1:{port}"
@@ -321,3 +321,75 @@ def test_a_server_that_ends_leaves_no_engine_process(ckpt, tmp_path, sig):
             server.kill()
             server.wait()
         log.close()
+
+
+# `python SPY_SERVER LOG serve-options`: llaisys serve, with every entry point of llaisys._core (devices, memory,
+# streams, tensors, the model, the KV pool, the runner, ops, and build_info, which callers such as
+# cuda_is_available() consult first on a CPU build) logged to LOG when this process calls it after importing
+# the server's modules, through whatever name a llaisys module holds it by. Its engine process imports this file as its
+# main module (multiprocessing spawn) and skips the __main__ block: it is not spied on.
+SPY_SERVER = """
+import runpy, sys
+
+if __name__ == "__main__":
+    log = sys.argv.pop(1)
+    import llaisys.server.app, llaisys.server.cli  # noqa: E401  (build_info is all that runs at import)
+    from llaisys import _core
+
+    class Spy:  # calls (and the attributes of classes, e.g. static methods) go to obj, once logged
+        def __init__(self, name, obj):
+            self.name, self.obj = name, obj
+
+        def __call__(self, *args, **kwargs):
+            with open(log, "a") as f:
+                f.write(self.name + "\\n")
+            return self.obj(*args, **kwargs)
+
+        def __getattr__(self, attr):
+            value = getattr(self.obj, attr)
+            return Spy(f"{self.name}.{attr}", value) if callable(value) else value
+    spies = {}
+    for mod, prefix in ((_core, ""), (_core.ops, "ops."), (_core.quant, "quant.")):
+        for name, obj in list(vars(mod).items()):
+            if callable(obj) and not name.startswith("__"):
+                spies[id(obj)] = Spy(prefix + name, obj)
+                setattr(mod, name, spies[id(obj)])
+    for mod in [m for n, m in sys.modules.items() if n.startswith("llaisys")]:
+        for name, obj in list(vars(mod).items()):
+            if id(obj) in spies:
+                setattr(mod, name, spies[id(obj)])
+    sys.argv[0] = "llaisys serve"
+    runpy.run_module("llaisys.server", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("extra", [(), ("--no-engine-process",)], ids=["engine-process", "in-process"])
+def test_only_the_engine_process_touches_the_device(ckpt, tmp_path, extra):
+    # with the engine in its own process, the server's process must create no CUDA context: once its modules
+    # are imported it calls nothing of _core (not cuda_device_count, not the model, not memory stats),
+    # whatever it serves.
+    # In process (--no-engine-process) the same spy sees the engine being built: the check can fail.
+    script, log = tmp_path / "spy_server.py", tmp_path / "core_calls.txt"
+    script.write_text(SPY_SERVER)
+    server, url, pid, server_log = _start_server(ckpt, tmp_path, "--served-model-name", "m", *extra,
+                                                 launcher=(str(script), str(log)))
+    try:
+        with _stream(url, max_tokens=8, logprobs=2) as r:
+            assert r.status_code == 200 and [x for x in r.iter_lines() if x.startswith("data:")][-1] == "data: [DONE]"
+        r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                       json={"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert r.status_code == 200
+        r = httpx.post(url + "/v1/completions", timeout=120,  # echo + logprobs: the prompt scored (Engine.score)
+                       json={"model": "m", "prompt": PROMPTS[1], "max_tokens": 2, "echo": True, "logprobs": 1})
+        assert r.status_code == 200
+        assert "llaisys_kv_blocks_total" in httpx.get(url + "/metrics", timeout=120).text
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) in (0, -signal.SIGTERM)
+        server_log.close()
+    calls = set(log.read_text().split()) if log.exists() else set()
+    if extra:
+        assert {"Qwen2", "KVPool", "Runner"} <= calls, calls
+    else:
+        assert calls == set() and pid is not None
