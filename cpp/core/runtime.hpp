@@ -30,11 +30,6 @@ void memcpy(void *dst, const void *src, size_t n, const Stream &stream, bool wai
 // 3 self_attention_cached length out of range, 4 rope_qkv_cache position out of range, 5 paged_attention
 // metadata out of range.
 int *error_flag(Device device);
-// kZeroedCounters ints in device memory, zero when no kernel runs: a kernel may count on them (e.g. which
-// of its blocks finishes last) only if every use returns its counter to zero before the kernel ends. Shared
-// by the kernels of a device, which the single compute stream of the device orders.
-constexpr int kZeroedCounters = 1 << 16;
-int *zeroed_counters(Device device);
 } // namespace cuda
 #endif
 

@@ -61,16 +61,13 @@ int *error_flag(Device device) {
     std::lock_guard<std::mutex> lock(t.mu);
     if (t.error_flags.size() <= size_t(device.index)) t.error_flags.resize(device.index + 1, nullptr);
     int *&flag = t.error_flags[device.index];
-    if (!flag) { // the flag, then the counters of zeroed_counters: one allocation, zeroed once
-        const size_t bytes = (1 + size_t(kZeroedCounters)) * sizeof(int);
+    if (!flag) {
         DeviceGuard g(device);
-        LLAISYS_CUDA_CHECK(cudaMalloc(&flag, bytes));
-        LLAISYS_CUDA_CHECK(cudaMemset(flag, 0, bytes));
+        LLAISYS_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
+        LLAISYS_CUDA_CHECK(cudaMemset(flag, 0, sizeof(int)));
     }
     return flag;
 }
-
-int *zeroed_counters(Device device) { return error_flag(device) + 1; }
 } // namespace runtime::cuda
 
 Stream current_stream(Device device) {

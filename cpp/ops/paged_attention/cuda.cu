@@ -1,6 +1,6 @@
 // Paged attention on CUDA: a split-KV ("flash-decoding") kernel on CUDA cores for prefill and chunked
-// steps, followed by a combine kernel when a sequence's keys were split; for steps of one query per
-// sequence a decode kernel whose last block per sequence and kv head merges the splits itself. Every
+// steps, a decode kernel for steps of one query per sequence, each followed by a combine kernel when a
+// sequence's keys were split. Every
 // per-sequence number (query rows, length, block table) is read on the device, so the grid depends only
 // on (B, max_q_len, max_blocks) and one captured graph serves every decode step of a batch. Softmax runs
 // in base 2 (scores pre-multiplied by scale * log2 e) with f32 running max/sum, accumulation in f32.
@@ -28,7 +28,6 @@ constexpr int kErrPagedMetadata = 5; // code in runtime::cuda::error_flag
 // The decode kernel (one query per sequence): 4 warps a block, each taking 8 keys a step, so a block's
 // step covers 32 keys and its chunks are multiples of 32; a GQA group of at most 8 query heads.
 constexpr int kDecWarps = 4, kDecKeys = 8, kDecTile = kDecWarps * kDecKeys, kDecRows = 8;
-static_assert(65535 <= ::llaisys::runtime::cuda::kZeroedCounters, "a counter per (sequence, kv head) of the grid");
 
 template <typename T>
 struct PagedArgs {
@@ -38,7 +37,6 @@ struct PagedArgs {
     const int32_t *tables, *q_start, *kv_len; // [B, max_blocks], [B + 1], [B]
     float *part;                              // nsplit > 1: partials [nsplit][tokens][nh][hd + 2] (acc, m, l)
     int *error;
-    int *counters; // decode kernel: chunks done per (sequence, kv head), zero between calls (zeroed_counters)
     int64_t q_s0, q_s1, o_s0, o_s1;
     int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
     float scale_log2;
@@ -263,9 +261,8 @@ __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int
 //   its warp's 8 K and 8 V rows at once (one block-table lookup per key, by lanes 0-7), forms 8 partial
 //   dot products per key and reduce-scatters them, so lane l ends with row (l >> 2)'s scores; the
 //   online softmax of that row runs in the lane, and P @ V takes each row's probability by a shuffle.
-// The 4 warps' (max, sum, acc) merge through shared memory; the chunk's result goes to out (a sequence of
-// one chunk) or to the partials (the split kernel's layout), which the sequence's last block to finish
-// merges into out.
+// The 4 warps' (max, sum, acc) merge through shared memory; the chunk's result goes to out (one split) or
+// to the partials paged_combine_kernel merges (the same layout as the split kernel's).
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
@@ -353,8 +350,6 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 #pragma unroll
         for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
     __syncthreads();
-    const int used = (s.kv + L - 1) / L; // the sequence's chunks (blocks past them returned above)
-    const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // partials: between chunks
     for (int idx = threadIdx.x; idx < group * a.hd; idx += kDecWarps * 32) {
         const int r = idx / a.hd, d = idx % a.hd, h = kvh * group + r;
         float mm = -INFINITY;
@@ -368,51 +363,13 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
             o += wt * wacc[w][r][d];
             sum += wt * wl[w][r];
         }
-        if (used == 1) {
+        if (a.nsplit == 1) {
             a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
         } else {
-            float *dst = a.part + blockIdx.x * stride + (int64_t(t) * a.nh + h) * (a.hd + 2);
+            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
             dst[d] = o;
             if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
         }
-    }
-    if (used == 1) return;
-    // The last of the (sequence, kv head)'s chunk blocks to finish merges every chunk's partial into out,
-    // which saves the combine kernel's launch: each block publishes its partial (fence), then counts.
-    __shared__ bool last;
-    __shared__ float cw[kMaxSplits][kDecRows], inv_sum[kDecRows]; // chunk weights 2^(m_c - max), 1 / sum
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int *count = a.counters + blockIdx.y;
-        last = atomicAdd(count, 1) == used - 1;
-        if (last) *count = 0; // every other chunk has counted: zero again for the next call
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const float *p0 = a.part + int64_t(t) * a.nh * (a.hd + 2); // chunk 0, row (t, head 0)
-    for (int r = warp; r < group; r += kDecWarps) { // warp = row, lane = chunk; L2 reads (__ldcg): other SMs wrote them
-        const float *pr = p0 + (kvh * group + r) * (a.hd + 2);
-        float mm = -INFINITY, sum = 0.f;
-        for (int c = lane; c < used; c += 32) mm = fmaxf(mm, __ldcg(pr + c * stride + a.hd));
-        mm = warp_max(mm);
-        const float m_ref = mm == -INFINITY ? 0.f : mm;
-        for (int c = lane; c < used; c += 32) {
-            cw[c][r] = exp2f(__ldcg(pr + c * stride + a.hd) - m_ref);
-            sum += cw[c][r] * __ldcg(pr + c * stride + a.hd + 1);
-        }
-        sum = warp_sum(sum);
-        if (lane == 0) inv_sum[r] = 1.f / sum;
-    }
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < group * a.hd; idx += kDecWarps * 32) {
-        const int r = idx / a.hd, d = idx % a.hd, h = kvh * group + r;
-        const float *pd = p0 + h * (a.hd + 2) + d;
-        float o = 0.f;
-#pragma unroll 8
-        for (int c = 0; c < used; ++c) o += cw[c][r] * __ldcg(pd + c * stride);
-        a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o * inv_sum[r]);
     }
 }
 
@@ -482,6 +439,7 @@ template <typename T, int DPL>
 void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     launch_pdl(paged_decode_kernel<T, DPL>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kDecWarps * 32), 0,
                stream, device.index, a);
+    launch_combine(a, B, device, stream);
 }
 
 } // namespace
@@ -516,8 +474,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
         const PagedArgs<D> a{dptr<H>(out), dptr<H>(q), dptr<H>(k_cache), dptr<H>(v_cache),
                              block_tables.data_as<int32_t>(), q_start.data_as<int32_t>(), kv_len.data_as<int32_t>(),
                              nsplit > 1 ? part.data_as<float>() : nullptr,
-                             ::llaisys::runtime::cuda::error_flag(out.device()),
-                             ::llaisys::runtime::cuda::zeroed_counters(out.device()), q.stride(0), q.stride(1),
+                             ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
                              scale * 1.4426950408889634f, granule};
