@@ -269,8 +269,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     __shared__ float wm[kDecWarps][kDecRows], wl[kDecWarps][kDecRows];
     __shared__ __align__(16) float wacc[kDecWarps][kDecRows][32 * DPL];
     pdl_trigger();
-    // The step's metadata (q_start, kv_len, block tables) is uploaded before the step's first kernel and
-    // written by none, so it is read before waiting for the kernel ahead (which writes q and the new keys).
+    pdl_wait();
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
     if (s.qlen == 0) return;
@@ -279,9 +278,6 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
     const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + lane * DPL;
     const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
-    int t0 = kb + warp * kDecKeys; // this warp's first key; lanes 0-7 look up the cache rows of its step
-    int slot = lane < kDecKeys && t0 + lane < ke ? cache_row(a, table, t0 + lane) : 0;
-    pdl_wait();
     float q[kDecRows][DPL], acc[kDecRows][DPL];
 #pragma unroll
     for (int r = 0; r < kDecRows; ++r) {
@@ -295,8 +291,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
         }
     }
     float m = -INFINITY, l = 0.f; // row own's running max and sum (base 2)
-    for (; t0 < ke; t0 += kDecTile) {
+    for (int t0 = kb + warp * kDecKeys; t0 < ke; t0 += kDecTile) {
         const int n = min(kDecKeys, ke - t0);
+        const int slot = lane < n ? cache_row(a, table, t0 + lane) : 0;
         Dims<T, DPL> kd[kDecKeys], vd[kDecKeys];
 #pragma unroll
         for (int k = 0; k < kDecKeys; ++k) { // every load of the step in flight at once
@@ -309,8 +306,6 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
                 vd[k].zero();
             }
         }
-        const int t1 = t0 + kDecTile; // the next step's cache rows, looked up while this one computes
-        slot = lane < kDecKeys && t1 + lane < ke ? cache_row(a, table, t1 + lane) : 0;
         float sc[kDecKeys], mx = -INFINITY;
 #pragma unroll
         for (int k = 0; k < kDecKeys; ++k) {
