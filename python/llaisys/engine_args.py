@@ -33,7 +33,7 @@ def weight_policy(dtype: str, device: str, has_blocks: bool, source: str = "the 
     (the largest matrix in bf16) instead of a bf16 model, and batch-1 decode is faster than bf16 (H100,
     1.5B shape, bench/RESULTS.md 2026-11-25 late: 554 against 487 tok/s); steps of more than 8 rows decode
     each weight into the scratch before cuBLASLt (with a decoded copy of every weight they ran at 0.99x
-    bf16; the scratch path's batched throughput is measured on the device). Other dtypes always
+    bf16; the scratch path's at 0.90x, bench/RESULTS.md 2026-11-26). Other dtypes always
     dequantize."""
     if dtype == "quantized" and not has_blocks:
         raise ValueError(f"dtype='quantized' keeps a GGUF file's quantized tensors, but {source} has none (use auto, "
