@@ -392,6 +392,17 @@ def test_cuda_linear_matches_float64(fmt, dtype, M, N):
 
 @cuda
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 2, 8])
+@pytest.mark.parametrize("K", [512, 4096])
+def test_cuda_gemv_many_rows_and_long_x(fmt, M, K):
+    """More than one wave of GEMV blocks, an odd row count (a partial last block), and at K = 4096
+    with M = 8 an x too long to quantize in every block (quantize_x_kernel runs ahead)."""
+    out, ref, tol = run_linear(fmt, "bf16", M, 12289 if K == 512 else 2049, K, seed=M + K, with_bias=True, device="cuda")
+    check(out, ref, tol)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M", [1, 3, 8])
 def test_cuda_gemv_agrees_with_cpu(fmt, dtype, M):
@@ -401,6 +412,43 @@ def test_cuda_gemv_agrees_with_cpu(fmt, dtype, M):
     gpu, _, _ = run_linear(fmt, dtype, M, 333, 1536, seed=M + 40, with_bias=True, device="cuda")
     check(cpu, ref, (rtol, atol))
     check(gpu, np.asarray(cpu.numpy()).astype(np.float64), (2 * rtol, 2 * atol))
+
+
+def device_matrix_at(fmt, data, offset):
+    """The blocks of `data` on CUDA, starting `offset` bytes past a 256-byte aligned allocation."""
+    rows, rb = data.shape
+    buf = np.zeros(rows * rb + 32, np.uint8)
+    buf[offset:offset + rows * rb] = data.ravel()
+    flat = llaisys.tensor(buf, "cuda").slice(0, offset, offset + rows * rb)
+    cols = rb // quant.format_info(fmt)["block_bytes"] * block_elems(fmt)
+    return quant.QuantMatrix(fmt, rows, cols, flat.view(rows, rb))
+
+
+@cuda
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("M", [1, 3])
+def test_cuda_gemv_and_decode_same_bits_at_any_alignment(fmt, M):
+    """The device readers load the 2-byte-aligned formats (Q4_0, Q5_0, Q8_0, Q6_K) in funnel-shifted
+    4-byte words whose shift depends on where a block starts (blocks.cuh): every start the format
+    allows gives the same bits, and the decode stays gguf-py's. Blocks of these formats alternate
+    between the two 4-byte phases within a row."""
+    data = random_blocks(fmt, 37, 512, seed=21)
+    x = llaisys.tensor(np.random.default_rng(22).standard_normal((M, 512)).astype(np.float32), "cuda")
+    step = 4 if fmt in ("q4_k", "q5_k") else 2  # the format's alignment (blocks.cuh's kAlign)
+    outs, decoded = [], []
+    for offset in (0, step, 16 - step):
+        w = device_matrix_at(fmt, data, offset)
+        out = poisoned((M, 37), "f32", "cuda")
+        quant.linear_(out, x, w)
+        outs.append(bits(out))
+        dense = poisoned((37, 512), "f32", "cuda")
+        quant.dequantize_(dense, w)
+        decoded.append(bits(dense))
+    for o, d in zip(outs[1:], decoded[1:]):
+        np.testing.assert_array_equal(o, outs[0])
+        np.testing.assert_array_equal(d, decoded[0])
+    ref = gguf.quants.dequantize(data, gtype(fmt))
+    np.testing.assert_array_equal(decoded[0], ref.view(np.uint32))
 
 
 @cuda
@@ -420,15 +468,16 @@ def test_cuda_linear_nan_input_makes_its_row_nan(fmt, M):
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_0", "q6_k", "q8_0"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M", [1, 5, 9])
-def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M):
+@pytest.mark.parametrize("I", [37, 6007])
+def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M, I):
     """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs the
-    dense linear_swiglu on the same decoded weight."""
-    w = matrix(fmt, random_blocks(fmt, 2 * 37, 512, seed=8)).to("cuda")
+    dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last one."""
+    w = matrix(fmt, random_blocks(fmt, 2 * I, 512, seed=8)).to("cuda")
     x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]), "cuda")
-    out = poisoned((M, 37), dtype, "cuda")
+    out = poisoned((M, I), dtype, "cuda")
     quant.linear_swiglu_(out, x, w)
-    g, u = quant.linear(x, w.slice_rows(0, 37)), quant.linear(x, w.slice_rows(37, 74))
-    ref = poisoned((M, 37), dtype, "cuda")
+    g, u = quant.linear(x, w.slice_rows(0, I)), quant.linear(x, w.slice_rows(I, 2 * I))
+    ref = poisoned((M, I), dtype, "cuda")
     llaisys.ops.swiglu(ref, g, u)
     np.testing.assert_array_equal(bits(out), bits(ref))
 
