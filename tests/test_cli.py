@@ -538,16 +538,19 @@ def test_bench_help_names_the_throughput_mode(capsys):
 # ---- where `llaisys bench` finds the benchmark code (issue 17: the package ships none) -------------------
 
 def test_bench_without_the_benchmark_code_is_a_one_line_error(capsys, fake, monkeypatch, tmp_path):
-    """A wheel install has no bench/ beside its sources: each mode says what to do in one line, exit 2."""
+    """A wheel install has no bench/ beside its sources: run outside a checkout, each mode says what to do in
+    one line, exit 2."""
     import llaisys_bench
 
     monkeypatch.delenv("LLAISYS_BENCH_DIR", raising=False)
     monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "llaisys" / "cli.py"))  # as installed
+    monkeypatch.chdir(tmp_path)
     for argv in (["--shape", "qwen2-0.5b"], ["--throughput", "--shape", "qwen2-0.5b"]):
         code, out, err = run(capsys, ["bench", *argv])
         assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
         assert err.startswith("llaisys: error: `llaisys bench` runs the benchmark code of a source checkout")
-        assert "clone the llaisys repository" in err and "set LLAISYS_BENCH_DIR" in err
+        assert "clone the llaisys repository and run it from the clone's root" in err
+        assert "or set LLAISYS_BENCH_DIR to the clone's bench/ folder" in err
     monkeypatch.setenv("LLAISYS_BENCH_DIR", str(tmp_path))  # a folder without llaisys_bench/
     code, out, err = run(capsys, ["bench", "--shape", "qwen2-0.5b"])
     assert code == 2 and len(err.strip().splitlines()) == 1
@@ -555,3 +558,6 @@ def test_bench_without_the_benchmark_code_is_a_one_line_error(capsys, fake, monk
     assert fake.bench_args == []
     monkeypatch.setenv("LLAISYS_BENCH_DIR", llaisys_bench.BENCH_DIR)  # the override finds a checkout's code
     assert run(capsys, ["bench", "--shape", "qwen2-0.5b"])[0] == 0 and len(fake.bench_args) == 1
+    monkeypatch.delenv("LLAISYS_BENCH_DIR")
+    monkeypatch.chdir(llaisys_bench.ROOT)  # so does running from a checkout's root
+    assert run(capsys, ["bench", "--shape", "qwen2-0.5b"])[0] == 0 and len(fake.bench_args) == 2

@@ -327,19 +327,23 @@ BENCH_DIR_VARIABLE = "LLAISYS_BENCH_DIR"
 
 def bench_dir() -> str:
     """The folder holding the benchmark code (llaisys_bench/): $LLAISYS_BENCH_DIR, else the bench/ beside this
-    package's sources (a source checkout run with PYTHONPATH=python or installed with pip install -e). A wheel
-    ships no benchmark code: RuntimeError (a one-line error, exit 2) saying what to do."""
+    package's sources (a checkout run with PYTHONPATH=python or installed with pip install -e), else ./bench (a
+    checkout's root, where an installed package is run, as its CI runs the tests). A wheel ships no benchmark
+    code: RuntimeError (a one-line error, exit 2) saying what to do."""
+    holds_code = lambda d: os.path.isfile(os.path.join(d, "llaisys_bench", "__init__.py"))  # noqa: E731
     override = os.environ.get(BENCH_DIR_VARIABLE)
-    where = os.path.abspath(override or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
-    if os.path.isfile(os.path.join(where, "llaisys_bench", "__init__.py")):
-        return where
     if override:
-        raise RuntimeError(f"{BENCH_DIR_VARIABLE}={override} holds no llaisys_bench/: point it at the bench/ folder "
-                           f"of a llaisys source checkout")
-    raise RuntimeError(f"`llaisys bench` runs the benchmark code of a source checkout (bench/llaisys_bench), which "
-                       f"this installed package does not include: clone the llaisys repository and run it from the "
-                       f"checkout (pip install -e . or PYTHONPATH=python), or set {BENCH_DIR_VARIABLE} to the "
-                       f"checkout's bench/ folder")
+        if not holds_code(override):
+            raise RuntimeError(f"{BENCH_DIR_VARIABLE}={override} holds no llaisys_bench/: point it at the bench/ "
+                               f"folder of a llaisys source checkout")
+        return os.path.abspath(override)
+    beside_sources = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+    found = next((d for d in (beside_sources, "bench") if holds_code(d)), None)
+    if found is None:
+        raise RuntimeError(f"`llaisys bench` runs the benchmark code of a source checkout (bench/llaisys_bench), "
+                           f"which this installed package does not include: clone the llaisys repository and run "
+                           f"it from the clone's root, or set {BENCH_DIR_VARIABLE} to the clone's bench/ folder")
+    return os.path.abspath(found)
 
 
 def bench_module(name: str):
