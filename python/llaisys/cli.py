@@ -347,12 +347,12 @@ def bench_dir() -> str:
 
 
 def bench_module(name: str):
-    """llaisys_bench.NAME of bench_dir() (put on sys.path, as a bench/ script has it)."""
+    """llaisys_bench.NAME of bench_dir(), put on sys.path (last: its scripts must not shadow other modules)."""
     import importlib
 
     where = bench_dir()
     if where not in sys.path:
-        sys.path.insert(0, where)
+        sys.path.append(where)
     return importlib.import_module(f"llaisys_bench.{name}")
 
 
