@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as Q
 # package is not installed
 from llaisys_bench.shapes import SHAPES, weight_shapes
 # the loader's name tables, and its reader: ~3x faster than gguf.GGUFReader over a 150k-token vocabulary
-from llaisys.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES, _open  # noqa: E402
+from llaisys.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES, _open
 
 # preset -> (format of most 2-D weights, format of ffn_down / output / token_embd)
 PRESETS = {"q4_k_m": (Q.Q4_K, Q.Q6_K), "q8_0": (Q.Q8_0, Q.Q8_0), "q4_0": (Q.Q4_0, Q.Q4_0),
