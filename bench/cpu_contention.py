@@ -55,7 +55,7 @@ def llama_cpp_decoder(args):
     from llama_cpp import Llama
 
     from llaisys import catalog
-    from llaisys._peers import llama_cpp_timed
+    from llaisys_bench.peers import llama_cpp_timed  # this script's folder is sys.path[0]
 
     threads = args.threads or len(os.sched_getaffinity(0))  # llaisys' pool default (llama-cpp-python's: cores / 2)
     llm = Llama(model_path=catalog.resolve(args.model), n_threads=threads, n_threads_batch=threads,

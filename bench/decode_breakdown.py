@@ -15,18 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from collections import defaultdict
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-try:
-    import llaisys  # noqa: F401
-except ImportError:  # run from a checkout without the package installed
-    sys.path.insert(0, os.path.join(HERE, "..", "python"))
-sys.path.insert(0, HERE)
-
 
 def short(name: str) -> str:
     """A kernel's name without namespaces, template arguments and parameter list; a GEMV keeps its
@@ -75,8 +65,8 @@ def profiled(eng, prompts, new_tokens: int):
 
 
 def main() -> int:
-    from llaisys.bench import SHAPES
-    from llaisys.bench_throughput import random_checkpoint, requests
+    from llaisys_bench.shapes import SHAPES  # this folder is sys.path[0]; llaisys_bench finds llaisys' sources
+    from llaisys_bench.throughput import random_checkpoint, requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))

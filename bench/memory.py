@@ -7,7 +7,7 @@ close() and after `del engine` + gc, each dtype in a fresh process (a process's 
 
 --shape S (qwen2-0.5b, qwen2-1.5b) loads a random HF checkpoint of that real Qwen2 shape instead of a model:
 bf16 safetensors with every tensor its own bytes and the LM head tied to the embedding, as the real models
-have (llaisys.bench_throughput.random_checkpoint; written once to the temp dir, 3.1 GB for qwen2-1.5b, and
+have (llaisys_bench.throughput.random_checkpoint; written once to the temp dir, 3.1 GB for qwen2-1.5b, and
 reused; writing it needs transformers and a source checkout's tests/tiny_model.py).
 
 RSS splits into anonymous memory (the model's own buffers, converted copies) and file-backed pages (the
@@ -86,7 +86,7 @@ def main() -> int:
         print(json.dumps(child(model, args.dtype[0])))
         return 0
     if args.shape:
-        from llaisys.bench_throughput import random_checkpoint, shape_config
+        from llaisys_bench.throughput import random_checkpoint, shape_config
 
         try:
             shape_config(args.shape)

@@ -6,23 +6,18 @@ torch.compile decode. llaisys and llama.cpp each run in a process of their own (
     python bench/peers.py --model qwen2.5-coder-0.5b-instruct --device cpu --threads 2
     python bench/peers.py --shape qwen2-1.5b --gguf-types q4_k_m --device cpu      # a random GGUF of the shape
     python bench/peers.py --shape qwen2-1.5b --device cuda --prompt-len 128 --new-tokens 256
-Same as `llaisys bench --peers`; see python/llaisys/_peers.py for how each peer is timed.
+Same as `llaisys bench --peers`; see bench/llaisys_bench/peers.py for how each peer is timed.
 """
 import argparse
-import importlib.util
-import os
 import sys
 
-if importlib.util.find_spec("llaisys") is None:  # run from a checkout without an install: use its sources
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-
-from llaisys import bench  # noqa: E402
+from llaisys_bench import one_request, shapes  # this folder is sys.path[0] when run as a script
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--shape", choices=sorted(bench.SHAPES))
+    src.add_argument("--shape", choices=sorted(shapes.SHAPES))
     src.add_argument("--model")
     p.add_argument("--gguf-types", metavar="PRESET", help="with --shape: a random GGUF in these block formats "
                    "(q4_k_m, q8_0, q4_0, q5_0, q5_k, q6_k; bench/random_gguf.py)")
@@ -42,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     args.peers = True
-    return bench.main(args)
+    return one_request.main(args)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import importlib.util
 import sys
 import tempfile
 
@@ -33,13 +32,11 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if importlib.util.find_spec("llaisys") is None:  # run from a checkout without an install: use its sources
-    sys.path.insert(0, os.path.join(HERE, "..", "python"))
-
-from llaisys.bench import SHAPES, weight_shapes  # noqa: E402
+# this folder is on sys.path (sys.path[0] when run as a script); llaisys_bench finds llaisys' sources when the
+# package is not installed
+from llaisys_bench.shapes import SHAPES, weight_shapes
 # the loader's name tables, and its reader: ~3x faster than gguf.GGUFReader over a 150k-token vocabulary
-from llaisys.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES, _open  # noqa: E402
+from llaisys.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES, _open
 
 # preset -> (format of most 2-D weights, format of ffn_down / output / token_embd)
 PRESETS = {"q4_k_m": (Q.Q4_K, Q.Q6_K), "q8_0": (Q.Q8_0, Q.Q8_0), "q4_0": (Q.Q4_0, Q.Q4_0),
@@ -204,7 +201,7 @@ def _default_tokenizer_source() -> str:
 
 def write_random_gguf(path, shape, types: str, seed: int = 0, tokenizer_from: str | None = None,
                       verbose: bool = True) -> str:
-    """Write the file and return its path. `shape`: a name of llaisys.bench.SHAPES or a dict of HF config
+    """Write the file and return its path. `shape`: a name of llaisys_bench.shapes.SHAPES or a dict of HF config
     values; `types`: a preset (PRESETS); `tokenizer_from`: a GGUF whose tokenizer.* metadata is copied
     (default: the default catalog model, downloaded if missing). Fallbacks are printed unless not verbose."""
     if not isinstance(seed, int) or isinstance(seed, bool):

@@ -1,4 +1,4 @@
-"""Batched throughput, nano-vllm's protocol: a thin wrapper of python/llaisys/bench_throughput.py (what
+"""Batched throughput, nano-vllm's protocol: a thin wrapper of bench/llaisys_bench/throughput.py (what
 `llaisys bench --throughput [N]` runs), keeping this script's flags (bench/gpu_check.sh calls it). N requests
 with prompt and output lengths uniform in [min_len, max_len] (seed 0), random prompt ids, EOS ignored. Prints
 output tok/s and total tok/s, and where a step's time goes (scheduler, host arrays, runner, bookkeeping).
@@ -20,13 +20,13 @@ import argparse
 import json
 import sys
 
-from llaisys import bench, bench_throughput as bt
+from llaisys_bench import shapes, throughput as bt  # this folder is sys.path[0] when run as a script
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--shape", choices=sorted(bench.SHAPES))
+    src.add_argument("--shape", choices=sorted(shapes.SHAPES))
     src.add_argument("--model")
     ap.add_argument("--gguf-types", metavar="PRESET", help="with --shape: a random GGUF in these block formats")
     ap.add_argument("--dtype", choices=["auto", "quantized", "bf16", "f32"],

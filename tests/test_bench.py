@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from llaisys import bench
+from llaisys_bench import one_request as bench, peers, shapes  # bench/ is on sys.path (conftest.py)
 
 # A small Qwen2 shape (HF config values): every weight kind, a few MB in all
 SMALL = dict(vocab_size=1000, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
@@ -18,17 +18,36 @@ SMALL = dict(vocab_size=1000, hidden_size=128, intermediate_size=384, num_hidden
              max_position_embeddings=512)
 
 
+def test_the_installed_package_ships_no_benchmark_code():
+    """Issue 17: the benchmark code lives in bench/llaisys_bench, outside the package; the wheel packs
+    python/llaisys alone (scikit-build-core's wheel.packages), so it holds no benchmark module."""
+    import llaisys
+
+    root = os.path.dirname(os.path.abspath(llaisys.__file__))
+    modules = [os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
+               if f.endswith(".py")]
+    assert "cli.py" in modules and "__init__.py" in modules
+    assert [m for m in modules if "bench" in m or "peers" in m] == []
+    assert os.path.dirname(os.path.abspath(bench.__file__)) != root
+    pyproject = os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")
+    if not os.path.exists(pyproject):
+        pytest.skip("no source checkout: pyproject.toml is not here")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(pyproject, "rb") as f:
+        assert tomllib.load(f)["tool"]["scikit-build"]["wheel"]["packages"] == ["python/llaisys"]
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
 def test_random_model_weights_are_distinct_memory_of_their_real_size(dtype):
     """Overlapping windows of one pool let the whole model sit in a CPU's cache (154% of roofline). The weights
     the Engine takes from random_loaded are each a new buffer of the real shape and dtype."""
-    loaded = bench.random_loaded(SMALL, dtype)
-    shapes = bench.weight_shapes(SMALL)
-    assert list(loaded.weights) == list(shapes)
+    loaded = shapes.random_loaded(SMALL, dtype)
+    expected = shapes.weight_shapes(SMALL)
+    assert list(loaded.weights) == list(expected)
     taken = {name: loaded.weights.pop(name) for name in list(loaded.weights)}  # as Engine._load_weights does
     spans = []
     for name, w in taken.items():
-        assert w.shape == shapes[name] and w.dtype == bench._np_dtype(dtype), name
+        assert w.shape == expected[name] and w.dtype == shapes._np_dtype(dtype), name
         begin = w.__array_interface__["data"][0]
         spans.append((begin, begin + w.nbytes, name))
     spans.sort()
@@ -39,22 +58,22 @@ def test_random_model_weights_are_distinct_memory_of_their_real_size(dtype):
 def test_bench_shape_runs_random_weights_through_the_engine(monkeypatch):
     """--shape measures the same Engine as --model, on random weights of the shape (a small one here); the
     model holds every weight at its real size."""
-    monkeypatch.setitem(bench.SHAPES, "tiny-test", SMALL)
+    monkeypatch.setitem(shapes.SHAPES, "tiny-test", SMALL)
     r = bench.bench(shape="tiny-test", device="cpu", dtype="f32", prompt_len=20, new_tokens=6)
     assert (r["model"], r["dtype"], r["compute_dtype"], r["prompt_len"], r["new_tokens"]) == (
         "tiny-test", "f32", "f32", 20, 6)
     assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
-    assert r["weight_bytes"] == bench.decode_weight_bytes(SMALL, "f32") and r["weight_formats"] == ["f32"]
+    assert r["weight_bytes"] == shapes.decode_weight_bytes(SMALL, "f32") and r["weight_formats"] == ["f32"]
     assert r["roofline_tok_s"] > 0 and r["fraction_of_roofline"] == r["decode_tok_s"] / r["roofline_tok_s"]
     from llaisys.engine import Engine
 
     with pytest.raises(TypeError, match="from_loaded\\(\\) takes a loader.LoadedModel, got dict"):
         Engine.from_loaded(SMALL, device="cpu")
-    eng = Engine.from_loaded(bench.random_loaded(SMALL, "bf16"), device="cpu", dtype="bf16", max_seq_len=64,
+    eng = Engine.from_loaded(shapes.random_loaded(SMALL, "bf16"), device="cpu", dtype="bf16", max_seq_len=64,
                              progress=False)
     try:
         sizes = {name: nbytes for name, _, nbytes in eng._model.weight_formats()}
-        assert sizes == {n: 2 * int(np.prod(s)) for n, s in bench.weight_shapes(SMALL).items()}
+        assert sizes == {n: 2 * int(np.prod(s)) for n, s in shapes.weight_shapes(SMALL).items()}
         out = eng.generate([1, 2, 3], max_new_tokens=5, temperature=0, ignore_eos=True)
         assert len(out.token_ids) == 5 and all(0 <= t < SMALL["vocab_size"] for t in out.token_ids)
     finally:
@@ -63,7 +82,7 @@ def test_bench_shape_runs_random_weights_through_the_engine(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 def test_random_weights_look_like_an_initialised_model(dtype):
-    weights = dict(bench.random_weights(SMALL, dtype, seed=1))
+    weights = dict(shapes.random_weights(SMALL, dtype, seed=1))
     w = weights["model.layers.1.mlp.down_proj.weight"].astype(np.float64)
     assert np.isfinite(w).all() and 0.0078 <= np.abs(w).min() and np.abs(w).max() < 0.032
     assert abs(w.mean()) < 1e-3 and 0.01 < w.std() < 0.03  # both signs, not one repeated value
@@ -94,7 +113,6 @@ def test_below_roofline_prints_no_warning():
 
 def test_bench_model_runs_one_request_through_the_engine(tmp_path):
     """--model measures the Engine users get (scheduler, paged KV cache), on fresh prompts."""
-    from llaisys import bench
     from tiny_model import make_tiny_qwen2
 
     path = make_tiny_qwen2(tmp_path / "m", seed=3)
@@ -169,55 +187,48 @@ def test_peers_script_parses_the_new_flags():
 
 def test_threads_reach_the_llaisys_child(monkeypatch):
     """--threads is LLAISYS_NUM_THREADS of the process that measures llaisys (the pool reads it at start)."""
-    from llaisys import _peers
-
     seen = {}
 
     def fake_run_child(code, payload, env, what):
         seen.update(env=env, payload=payload, what=what)
         return {"ok": True}
 
-    monkeypatch.setattr(_peers, "run_child", fake_run_child)
+    monkeypatch.setattr(peers, "run_child", fake_run_child)
     assert bench.run_isolated(dict(model="m.gguf", dtype="bf16"), threads=3) == {"ok": True}
     assert seen["env"]["LLAISYS_NUM_THREADS"] == "3" and seen["payload"]["dtype"] == "bf16"
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(bench.__file__)))
-    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[0] == package_parent
+    import llaisys
+    import llaisys_bench
+
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(llaisys.__file__)))
+    assert seen["env"]["PYTHONPATH"].split(os.pathsep)[:2] == [package_parent, llaisys_bench.BENCH_DIR]
 
 
 def test_run_child_reports_a_failing_child_in_one_error():
-    from llaisys import _peers
-
     with pytest.raises(RuntimeError, match=r"llama.cpp failed in its own process \(exit 3\): boom"):
-        _peers.run_child("import sys; print('boom', file=sys.stderr); sys.exit(3)", {}, dict(os.environ), "llama.cpp")
-    assert _peers.run_child("import json, sys; print('noise'); print(json.dumps(json.loads(sys.argv[1])))",
-                            {"a": [1, 2]}, dict(os.environ), "x") == {"a": [1, 2]}
+        peers.run_child("import sys; print('boom', file=sys.stderr); sys.exit(3)", {}, dict(os.environ), "llama.cpp")
+    assert peers.run_child("import json, sys; print('noise'); print(json.dumps(json.loads(sys.argv[1])))",
+                           {"a": [1, 2]}, dict(os.environ), "x") == {"a": [1, 2]}
 
 
 def _hide(monkeypatch, *modules):
-    from llaisys import _peers
-
     real = importlib.util.find_spec
-    monkeypatch.setattr(_peers.importlib.util, "find_spec",
+    monkeypatch.setattr(peers.importlib.util, "find_spec",
                         lambda name, *a: None if name in modules else real(name, *a))
 
 
 def test_missing_llama_cpp_is_one_line(monkeypatch):
-    from llaisys import _peers
-
     _hide(monkeypatch, "llama_cpp")
-    assert _peers.llama_cpp_skip_reason("cpu", "m.gguf") == _peers.LLAMA_CPP_MISSING
-    assert "pip install llama-cpp-python" in _peers.LLAMA_CPP_MISSING and "\n" not in _peers.LLAMA_CPP_MISSING
+    assert peers.llama_cpp_skip_reason("cpu", "m.gguf") == peers.LLAMA_CPP_MISSING
+    assert "pip install llama-cpp-python" in peers.LLAMA_CPP_MISSING and "\n" not in peers.LLAMA_CPP_MISSING
 
 
 def test_llama_cpp_needs_cpu_and_a_gguf_file():
-    from llaisys import _peers
-
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python not installed: the missing-module reason comes first")
-    assert "CPU build" in _peers.llama_cpp_skip_reason("cuda:0", "m.gguf")
-    assert "runs GGUF files" in _peers.llama_cpp_skip_reason("cpu", "/models/qwen")
-    assert "runs GGUF files" in _peers.llama_cpp_skip_reason("cpu", None)
-    assert _peers.llama_cpp_skip_reason("cpu", "m.gguf") is None
+    assert "CPU build" in peers.llama_cpp_skip_reason("cuda:0", "m.gguf")
+    assert "runs GGUF files" in peers.llama_cpp_skip_reason("cpu", "/models/qwen")
+    assert "runs GGUF files" in peers.llama_cpp_skip_reason("cpu", None)
+    assert peers.llama_cpp_skip_reason("cpu", "m.gguf") is None
 
 
 def test_peers_without_llama_cpp_or_torch_say_so_in_one_line_each(monkeypatch, capsys):
@@ -233,16 +244,10 @@ def test_peers_without_llama_cpp_or_torch_say_so_in_one_line_each(monkeypatch, c
     out = capsys.readouterr().out.splitlines()
     assert calls == [(dict(shape="qwen2-0.5b", model=None, device="cpu", dtype="bf16", prompt_len=8, new_tokens=4), 2)]
     assert out[0].startswith("llaisys") and "2 threads, peak RSS 900 MB" in out[1]
-    assert out[2:] == [_peers_module().LLAMA_CPP_MISSING,
+    assert out[2:] == [peers.LLAMA_CPP_MISSING,
                        "HF transformers: skipped, torch and transformers not installed (pip install '.[test]')"]
     assert bench.main(_args(shape="qwen2-0.5b", peers=True, skip_hf=True)) == 0
-    assert capsys.readouterr().out.splitlines()[2:] == [_peers_module().LLAMA_CPP_MISSING]  # HF left out: no line
-
-
-def _peers_module():
-    from llaisys import _peers
-
-    return _peers
+    assert capsys.readouterr().out.splitlines()[2:] == [peers.LLAMA_CPP_MISSING]  # HF left out: no line
 
 
 def test_comparison_table_gives_llaisys_over_llama_cpp():
@@ -304,7 +309,7 @@ def test_random_gguf_loads_with_the_requested_formats_and_sane_values(random_ggu
     assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
             c.num_key_value_heads, c.head_dim) == (vocab, 256, 512, 2, 4, 2, 64)
     assert not c.tie_word_embeddings
-    assert {n: tuple(w.shape) for n, w in m.weights.items()} == dict(bench.weight_shapes(shape))
+    assert {n: tuple(w.shape) for n, w in m.weights.items()} == dict(shapes.weight_shapes(shape))
     main, more = EXPECTED[preset]
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     for name, t in tensors.items():
@@ -382,22 +387,20 @@ def test_random_gguf_copies_the_real_tokenizer(random_gguf, tmp_path):
 def test_llama_cpp_runs_a_random_gguf(random_gguf, tiny_tokenizer_gguf, tmp_path):
     """The llama.cpp peer on a tiny random file: it loads, decodes greedy past EOS, and reports its RSS."""
     pytest.importorskip("llama_cpp")
-    from llaisys import _peers
-
     tok, vocab = tiny_tokenizer_gguf
     path = random_gguf.write_random_gguf(tmp_path / "r.gguf", _shape(vocab), "q4_k_m", tokenizer_from=tok,
                                          verbose=False)
     ours = {"model": path, "prompt_len": 12, "new_tokens": 6, "vocab_size": vocab}
-    row = _peers.run_llama_cpp(ours, path, threads=1)
+    row = peers.run_llama_cpp(ours, path, threads=1)
     assert row["engine"] == "llama.cpp" and row["threads"] == 1 and row["new_tokens"] == 6
     assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0 and row["peak_rss_mb"] > 0
     with pytest.raises(RuntimeError, match="not the same model"):
-        _peers.run_llama_cpp(dict(ours, vocab_size=vocab + 1), path, threads=1)
+        peers.run_llama_cpp(dict(ours, vocab_size=vocab + 1), path, threads=1)
 
 
 # ---- batched throughput, nano-vllm's protocol (issue 17) -------------------------------------------------
 
-from llaisys import bench_throughput  # noqa: E402
+from llaisys_bench import throughput as bench_throughput  # noqa: E402
 
 
 def _every_token_ends(loaded):
@@ -409,9 +412,9 @@ def _every_token_ends(loaded):
 def test_throughput_generates_every_requested_token_eos_ignored(monkeypatch):
     """--shape runs random weights of the shape through the Engine; with every id an EOS, only ignore_eos lets
     the output token count reach the requested lengths summed."""
-    monkeypatch.setitem(bench.SHAPES, "tiny-test", SMALL)
-    real = bench.random_loaded
-    monkeypatch.setattr(bench, "random_loaded", lambda *a, **kw: _every_token_ends(real(*a, **kw)))
+    monkeypatch.setitem(shapes.SHAPES, "tiny-test", SMALL)
+    real = shapes.random_loaded
+    monkeypatch.setattr(shapes, "random_loaded", lambda *a, **kw: _every_token_ends(real(*a, **kw)))
     lines = []
     r = bench_throughput.throughput(shape="tiny-test", device="cpu", dtype="f32", num_requests=5, min_len=3,
                                     max_len=12, max_num_seqs=4, out=lines.append)
@@ -427,7 +430,7 @@ def test_throughput_generates_every_requested_token_eos_ignored(monkeypatch):
     for part in ("steps", "ms/step", "schedule", "arrays", "runner", "postprocess"):
         assert part in lines[1], part
     # the same model honours EOS outside the protocol: every request would end after one token
-    loaded = bench.random_loaded(bench_throughput.shape_config("tiny-test"), "f32")
+    loaded = shapes.random_loaded(bench_throughput.shape_config("tiny-test"), "f32")
     from llaisys.engine import Engine
 
     with Engine.from_loaded(loaded, device="cpu", dtype="f32", max_seq_len=64, progress=False) as eng:
@@ -462,10 +465,10 @@ def test_throughput_bad_settings_raise(kw, message):
 
 
 def test_throughput_shape_is_tied_like_the_real_models():
-    for shape in bench.SHAPES:
+    for shape in shapes.SHAPES:
         c = bench_throughput.shape_config(shape)
         assert c["tie_word_embeddings"] and {k: v for k, v in c.items() if k != "tie_word_embeddings"} == {
-            k: v for k, v in bench.SHAPES[shape].items() if k != "tie_word_embeddings"}
+            k: v for k, v in shapes.SHAPES[shape].items() if k != "tie_word_embeddings"}
     with pytest.raises(ValueError, match="unknown shape 'qwen9'"):
         bench_throughput.shape_config("qwen9")
 
@@ -482,7 +485,7 @@ def tiny_path(tmp_path_factory):
 
 
 def test_throughput_script_keeps_its_flags(tiny_path, tmp_path):
-    """bench/throughput.py (what bench/gpu_check.sh runs) is a wrapper of the package's protocol."""
+    """bench/throughput.py (what bench/gpu_check.sh runs) is a wrapper of llaisys_bench.throughput."""
     out = tmp_path / "r.json"
     r = _throughput_script("--model", tiny_path, "--device", "cpu", "-n", "4", "--min-len", "2", "--max-len", "10",
                            "--temperature", "0", "--max-num-seqs", "2", "--solo", "--json", str(out))
@@ -528,8 +531,8 @@ def test_throughput_script_parses_gpu_check_flags():
 
 
 def test_decode_breakdown_script_starts():
-    """bench/decode_breakdown.py (gpu_check.sh's breakdown step) imports what the package still has: it takes
-    its shapes and requests from llaisys.bench / llaisys.bench_throughput, not from bench/throughput.py."""
+    """bench/decode_breakdown.py (gpu_check.sh's breakdown step) starts: it takes its shapes and requests from
+    llaisys_bench.shapes / llaisys_bench.throughput, not from bench/throughput.py."""
     r = _run_script("decode_breakdown", "--help")
     assert r.returncode == 0, r.stderr
     assert "--batch" in r.stdout and "qwen2-1.5b" in r.stdout

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import pytest
 
 import llaisys
-from llaisys import bench_throughput  # noqa: F401  (binds the real llaisys.bench before `fake` swaps it)
 from llaisys import cli
+from llaisys_bench import throughput as bench_throughput  # bench/ is on sys.path (conftest.py)
 from llaisys.chat import render_chat_template
 
 
@@ -91,11 +91,12 @@ def fake(monkeypatch):
     catalog = types.SimpleNamespace(DEFAULT_MODEL="tiny-default", download=download, cache_dir=lambda: "/cache",
                                     CATALOG={"tiny-default": types.SimpleNamespace(description="A tiny model"),
                                              "other": types.SimpleNamespace(description="Another one")})
-    bench = types.SimpleNamespace(main=lambda args: ns.bench_args.append(args) or 0)
-    for name, module in (("engine", types.SimpleNamespace(Engine=FakeEngine)), ("catalog", catalog),
-                         ("bench", bench)):
+    for name, module in (("engine", types.SimpleNamespace(Engine=FakeEngine)), ("catalog", catalog)):
         monkeypatch.setitem(sys.modules, f"llaisys.{name}", module)
         monkeypatch.setattr(llaisys, name, module, raising=False)
+    # what `llaisys bench` runs (the real throughput module, imported above, keeps the real engine)
+    one_request = types.SimpleNamespace(main=lambda args: ns.bench_args.append(args) or 0)
+    monkeypatch.setitem(sys.modules, "llaisys_bench.one_request", one_request)
     return ns
 
 
@@ -459,8 +460,6 @@ def test_bench_peers_without_torch_runs_llama_cpp_alone_on_a_real_model(capsys, 
     (["--throughput", "--model", "m", "--gguf-types", "q8_0"], "--gguf-types writes a random GGUF file of --shape"),
 ])
 def test_bench_throughput_argument_errors(capsys, fake, monkeypatch, argv, message):
-    from llaisys import bench_throughput
-
     monkeypatch.setattr(bench_throughput, "main", lambda *a: pytest.fail("ran despite a bad argument"))
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", *argv])
@@ -471,8 +470,6 @@ def test_bench_throughput_argument_errors(capsys, fake, monkeypatch, argv, messa
 
 
 def test_bench_throughput_passes_its_settings(capsys, fake, monkeypatch):
-    from llaisys import bench_throughput
-
     seen = []
     monkeypatch.setattr(bench_throughput, "main", lambda args, n: seen.append((args, n)) or 0)
     assert run(capsys, ["bench", "--throughput", "--shape", "qwen2-1.5b", "--device", "cuda"])[0] == 0
@@ -509,7 +506,6 @@ def test_bench_throughput_runs_the_protocol(capsys, tmp_path):
     the one-line summary printed and the result written as JSON."""
     import json
 
-    from llaisys import bench_throughput
     from tiny_model import make_tiny_qwen2
 
     path = make_tiny_qwen2(tmp_path / "m", seed=7)
@@ -537,3 +533,31 @@ def test_bench_help_names_the_throughput_mode(capsys):
     out = capsys.readouterr().out
     for word in ("--throughput [N]", "--num-requests", "--min-len", "--max-len", "--max-num-seqs", "nano-vllm"):
         assert word in out, word
+
+
+# ---- where `llaisys bench` finds the benchmark code (issue 17: the package ships none) -------------------
+
+def test_bench_without_the_benchmark_code_is_a_one_line_error(capsys, fake, monkeypatch, tmp_path):
+    """A wheel install has no bench/ beside its sources: run outside a checkout, each mode says what to do in
+    one line, exit 2."""
+    import llaisys_bench
+
+    monkeypatch.delenv("LLAISYS_BENCH_DIR", raising=False)
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "llaisys" / "cli.py"))  # as installed
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--shape", "qwen2-0.5b"], ["--throughput", "--shape", "qwen2-0.5b"]):
+        code, out, err = run(capsys, ["bench", *argv])
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("llaisys: error: `llaisys bench` runs the benchmark code of a source checkout")
+        assert "clone the llaisys repository and run it from the clone's root" in err
+        assert "or set LLAISYS_BENCH_DIR to the clone's bench/ folder" in err
+    monkeypatch.setenv("LLAISYS_BENCH_DIR", str(tmp_path))  # a folder without llaisys_bench/
+    code, out, err = run(capsys, ["bench", "--shape", "qwen2-0.5b"])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"llaisys: error: LLAISYS_BENCH_DIR={tmp_path} holds no llaisys_bench/")
+    assert fake.bench_args == []
+    monkeypatch.setenv("LLAISYS_BENCH_DIR", llaisys_bench.BENCH_DIR)  # the override finds a checkout's code
+    assert run(capsys, ["bench", "--shape", "qwen2-0.5b"])[0] == 0 and len(fake.bench_args) == 1
+    monkeypatch.delenv("LLAISYS_BENCH_DIR")
+    monkeypatch.chdir(llaisys_bench.ROOT)  # so does running from a checkout's root
+    assert run(capsys, ["bench", "--shape", "qwen2-0.5b"])[0] == 0 and len(fake.bench_args) == 2

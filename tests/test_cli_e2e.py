@@ -42,3 +42,21 @@ def test_errors_are_one_line_messages_with_exit_code_2(tiny, tmp_path):
     assert r.returncode == 2 and "llaisys: error:" in r.stderr and "Traceback" not in r.stderr
     r = run_cli("generate", "--model", tiny, "--device", "cpu", "--top-p", "1.5", "--raw", "hi")
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_bench_of_an_installed_package_without_a_checkout_says_what_to_do(tmp_path):
+    """The package copied alone into a site folder, as a wheel installs it (no bench/ beside it): `llaisys
+    bench` exits 2 with one line, before loading any model."""
+    import shutil
+
+    import llaisys
+    import llaisys._core
+
+    site = tmp_path / "site"
+    shutil.copytree(os.path.dirname(llaisys.__file__), site / "llaisys", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(site), LLAISYS_BUILD_DIR=os.path.dirname(llaisys._core.__file__))
+    env.pop("LLAISYS_BENCH_DIR", None)
+    r = subprocess.run([sys.executable, "-m", "llaisys", "bench", "--shape", "qwen2-0.5b", "--device", "cpu"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("llaisys: error: `llaisys bench` runs the benchmark code of a source checkout")

@@ -404,7 +404,7 @@ def test_runner_refuses_token_ids_outside_the_vocabulary(tiny):
 # ---- CUDA: random weights of the real shapes, same weights in HF (zero-copy through DLPack) -------------
 
 def _ours_from_hf(hf, shape: str, dtype: str):
-    from llaisys.bench import SHAPES
+    from llaisys_bench.shapes import SHAPES
 
     c = {k: v for k, v in SHAPES[shape].items() if k != "max_position_embeddings"}
     ours = _core.Qwen2(c, dtype, "cuda:0")
@@ -422,7 +422,7 @@ def _rel_err(a, b):
 def test_real_shapes_against_hf_on_cuda(shape):
     """Random weights of the real shape: f32 greedy equals HF; in bf16 our logits are as close to the f32
     reference as HF's own bf16 model is (teacher forcing over 300 positions)."""
-    from llaisys.bench import SHAPES
+    from llaisys_bench.shapes import SHAPES
 
     cfg = transformers.Qwen2Config(**SHAPES[shape], attn_implementation="eager")
     torch.manual_seed(0)

@@ -138,11 +138,8 @@ def _tokenizer_source():
 
 @pytest.fixture(scope="module")
 def random_q4_k_m(tmp_path_factory):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-    import random_gguf
-    from llaisys.bench import SHAPES
+    import random_gguf  # bench/ is on sys.path (conftest.py)
+    from llaisys_bench.shapes import SHAPES
 
     shape = dict(SHAPES["qwen2-1.5b"], num_hidden_layers=4)
     path = str(tmp_path_factory.mktemp("gguf") / "random-1.5b-q4_k_m.gguf")

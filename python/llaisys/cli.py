@@ -1,7 +1,8 @@
 """The `llaisys` command line: generate, chat, download, models, info, bench.
 
-Heavy modules (the engine, the catalog, the benchmark) are imported inside the commands, so `llaisys --help`
-is instant and a missing optional piece only affects the command that needs it.
+Heavy modules (the engine, the catalog) are imported inside the commands, so `llaisys --help` is instant and a
+missing optional piece only affects the command that needs it. `llaisys bench` runs the benchmark code of a
+source checkout (bench/llaisys_bench): the installed package ships none of it.
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ def _add_bench(sub, fmt, debug) -> None:
                      help="CPU threads for llaisys and llama.cpp (default: every core this process may use)")
     b.add_argument("--gguf-types", metavar="PRESET",
                    help="with --shape: a random GGUF file in these block formats (q4_k_m, q8_0, q4_0, q5_0, "
-                        "q5_k, q6_k; needs a source checkout's bench/)")
+                        "q5_k, q6_k)")
     b.add_argument("--peers", action="store_true",
                    help="also run the peers in the same run: llama.cpp (llama-cpp-python, CPU, GGUF files) and "
                         "HF transformers; with --throughput, HF transformers' generate_batch on the same requests")
@@ -172,8 +173,8 @@ def _add_bench(sub, fmt, debug) -> None:
     b.set_defaults(func=functools.partial(cmd_bench, parser=b))
 
 
-# `llaisys bench --throughput` defaults (python/llaisys/bench_throughput.py's DEFAULTS; not imported here so that
-# `llaisys --help` stays instant)
+# `llaisys bench --throughput` defaults (bench/llaisys_bench/throughput.py's DEFAULTS; not imported here: that
+# code is a checkout's, and `llaisys --help` stays instant)
 THROUGHPUT_DEFAULTS = dict(num_requests=256, min_len=100, max_len=1024, temperature=0.6, max_num_seqs=256)
 _THROUGHPUT_ONLY = ("num_requests", "min_len", "max_len", "temperature", "max_num_seqs")
 _SINGLE_ONLY = ("prompt_len", "new_tokens", "threads")
@@ -311,16 +312,48 @@ def cmd_info(args) -> int:
 def cmd_bench(args, parser=None) -> int:
     n = check_bench_args(args, parser or build_parser())
     if n is not None:
-        from . import bench_throughput
-
+        throughput = bench_module("throughput")
         if args.peers:  # before the llaisys run, so a missing peer costs no waiting
-            bench_throughput.require_hf()
-        return bench_throughput.main(args, n) or 0
+            throughput.require_hf()
+        return throughput.main(args, n) or 0
+    one_request = bench_module("one_request")
     if args.peers:
         require_peers(args)
-    from . import bench
+    return one_request.main(args) or 0
 
-    return bench.main(args) or 0
+
+BENCH_DIR_VARIABLE = "LLAISYS_BENCH_DIR"
+
+
+def bench_dir() -> str:
+    """The folder holding the benchmark code (llaisys_bench/): $LLAISYS_BENCH_DIR, else the bench/ beside this
+    package's sources (a checkout run with PYTHONPATH=python or installed with pip install -e), else ./bench (a
+    checkout's root, where an installed package is run, as its CI runs the tests). A wheel ships no benchmark
+    code: RuntimeError (a one-line error, exit 2) saying what to do."""
+    holds_code = lambda d: os.path.isfile(os.path.join(d, "llaisys_bench", "__init__.py"))  # noqa: E731
+    override = os.environ.get(BENCH_DIR_VARIABLE)
+    if override:
+        if not holds_code(override):
+            raise RuntimeError(f"{BENCH_DIR_VARIABLE}={override} holds no llaisys_bench/: point it at the bench/ "
+                               f"folder of a llaisys source checkout")
+        return os.path.abspath(override)
+    beside_sources = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+    found = next((d for d in (beside_sources, "bench") if holds_code(d)), None)
+    if found is None:
+        raise RuntimeError(f"`llaisys bench` runs the benchmark code of a source checkout (bench/llaisys_bench), "
+                           f"which this installed package does not include: clone the llaisys repository and run "
+                           f"it from the clone's root, or set {BENCH_DIR_VARIABLE} to the clone's bench/ folder")
+    return os.path.abspath(found)
+
+
+def bench_module(name: str):
+    """llaisys_bench.NAME of bench_dir(), put on sys.path (last: its scripts must not shadow other modules)."""
+    import importlib
+
+    where = bench_dir()
+    if where not in sys.path:
+        sys.path.append(where)
+    return importlib.import_module(f"llaisys_bench.{name}")
 
 
 def require_peers(args) -> None:

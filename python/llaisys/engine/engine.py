@@ -73,7 +73,7 @@ class Engine:
                     max_seq_len: int | None = None, progress: bool = True, config: EngineConfig | None = None,
                     **settings) -> "Engine":
         """An Engine over a model already in memory (a loader.LoadedModel, e.g. random weights of a real
-        shape for a benchmark: llaisys.bench.random_loaded). Takes the same arguments as Engine()."""
+        shape for a benchmark: bench/llaisys_bench/shapes.py, random_loaded). Takes the same arguments as Engine()."""
         if not isinstance(loaded, loader.LoadedModel):
             raise TypeError(f"from_loaded() takes a loader.LoadedModel, got {type(loaded).__name__}")
         self = cls.__new__(cls)

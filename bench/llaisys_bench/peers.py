@@ -25,12 +25,10 @@ def _hf_model(shape: str | None, model: str | None, dtype, device):
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from .bench import SHAPES
+    from .shapes import SHAPES
 
     if model is not None:
-        import os
-
-        from . import catalog
+        from llaisys import catalog
 
         path = catalog.resolve(model)
         if path.endswith(".gguf"):
@@ -143,10 +141,15 @@ def run_peers(ours: dict, shape: str | None = None, model: str | None = None, th
 # ---- running a peer in a process of its own -------------------------------------------------------------
 
 def child_env() -> dict:
-    """The environment for a child that imports this llaisys (the package's parent first on its path)."""
+    """The environment for a child that imports this llaisys and this benchmark code: the llaisys package's
+    parent, then bench/, first on its path."""
+    import llaisys
+
+    from . import BENCH_DIR
+
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(llaisys.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, BENCH_DIR, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -181,7 +184,7 @@ def llama_cpp_measure(path: str, threads: int, vocab: int, prompt_len: int, new_
     the ids llaisys got (bench_prompts of the same vocabulary size)."""
     from llama_cpp import Llama
 
-    from .bench import bench_prompts, peak_rss_mb
+    from .one_request import bench_prompts, peak_rss_mb
 
     t = time.perf_counter()
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt_len + new_tokens + 16,
@@ -216,7 +219,7 @@ def llama_cpp_timed(llm, prompt: list[int], n: int) -> tuple[float, float]:
 
 def run_llama_cpp(ours: dict, path: str, threads: int) -> dict:
     """llama.cpp's row, measured in its own process on the prompt ids llaisys got."""
-    code = ("import json, sys; from llaisys._peers import llama_cpp_measure; "
+    code = ("import json, sys; from llaisys_bench.peers import llama_cpp_measure; "
             "print(json.dumps(llama_cpp_measure(**json.loads(sys.argv[1]))))")
     payload = dict(path=path, threads=threads, vocab=ours["vocab_size"], prompt_len=ours["prompt_len"],
                    new_tokens=ours["new_tokens"])
@@ -240,7 +243,7 @@ def run_all(ours: dict, model: str | None, shape: str | None, threads: int | Non
     named in one line."""
     path = None
     if model is not None:
-        from . import catalog
+        from llaisys import catalog
 
         path = catalog.resolve(model)
     rows = []
@@ -253,7 +256,7 @@ def run_all(ours: dict, model: str | None, shape: str | None, threads: int | Non
         except (RuntimeError, ValueError) as e:  # a peer that fails is reported, not fatal to the benchmark
             print(f"  peer llama.cpp failed: {e}")
         else:
-            from .bench import format_row
+            from .one_request import format_row
 
             print(format_row(rows[-1]) + f"  peak RSS {rows[-1]['peak_rss_mb']:.0f} MB")
     if not hf:
@@ -262,7 +265,7 @@ def run_all(ours: dict, model: str | None, shape: str | None, threads: int | Non
     if reason:
         print(reason)
         return rows
-    from .bench import format_row
+    from .one_request import format_row
 
     for peer in run_peers(ours, shape=shape, model=model, threads=threads):
         rows.append(peer)

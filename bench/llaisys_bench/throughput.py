@@ -6,13 +6,13 @@ tok/s (prompt + output tokens over the wall time), the steps and where a step's 
 arrays, runner, bookkeeping).
 
 --shape runs random weights of a real Qwen2 shape (every weight its own buffer, tied embeddings as the real
-models have; bench.random_loaded, nothing written to disk); --model a real model; --shape with --gguf-types a
-random GGUF file of the shape (bench/random_gguf.py, a source checkout only).
+models have; shapes.random_loaded, nothing written to disk); --model a real model; --shape with --gguf-types a
+random GGUF file of the shape (bench/random_gguf.py).
 
 --peers also runs HF transformers' continuous batching (model.generate_batch) on the same prompts, in the same
 run. HF takes one max_new_tokens for all requests, so that comparison reruns llaisys with every output length
 set to the mean, at temperature 0. With --shape both engines load one random HF checkpoint written to the temp
-dir (tests/tiny_model.py of a source checkout writes it).
+dir (the checkout's tests/tiny_model.py writes it).
 """
 from __future__ import annotations
 
@@ -24,17 +24,17 @@ import tempfile
 import time
 from typing import Callable
 
-from . import bench
+from . import checkout_module, random_gguf_module, resolve_device, shapes
 
 DEFAULTS = dict(num_requests=256, min_len=100, max_len=1024, temperature=0.6, max_num_seqs=256)
 
 
 def shape_config(shape: str) -> dict:
     """HF config values of a shape as this protocol runs it: Qwen2 0.5B and 1.5B tie the LM head to the
-    embedding table (bench.SHAPES keeps them untied for the roofline's separate head)."""
-    if shape not in bench.SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; choose from {sorted(bench.SHAPES)}")
-    return dict(bench.SHAPES[shape], tie_word_embeddings=True)
+    embedding table (shapes.SHAPES keeps them untied for the roofline's separate head)."""
+    if shape not in shapes.SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {sorted(shapes.SHAPES)}")
+    return dict(shapes.SHAPES[shape], tie_word_embeddings=True)
 
 
 def check(num_requests: int, min_len: int, max_len: int, temperature: float, max_num_seqs: int) -> None:
@@ -58,21 +58,6 @@ def requests(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> tuple[list[
     return prompts, outs
 
 
-def _checkout_module(rel: str, name: str, why: str):
-    """A module of a source checkout (rel from its root): the checkout this package runs from, else the
-    current directory's."""
-    import importlib.util
-
-    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", rel)
-    path = next((p for p in (here, os.path.join(os.getcwd(), rel)) if os.path.exists(p)), None)
-    if path is None:
-        raise RuntimeError(f"{why} needs a source checkout of llaisys ({rel}): run it from the checkout's root")
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def random_checkpoint(shape: str) -> str:
     """A random HF checkpoint of the shape (every weight its own tensor, bf16, real vocab) with a small trained
     tokenizer: what both llaisys and transformers load for --peers. Kept in the temp dir for later runs."""
@@ -80,8 +65,7 @@ def random_checkpoint(shape: str) -> str:
     if os.path.exists(os.path.join(dirpath, "generation_config.json")):
         return dirpath
     c = shape_config(shape)
-    tiny = _checkout_module(os.path.join("tests", "tiny_model.py"), "llaisys_tiny_model",
-                            "--peers with --shape (a random HF checkpoint)")
+    tiny = checkout_module(os.path.join("tests", "tiny_model.py"), "llaisys_tiny_model")
     return tiny.make_tiny_qwen2(dirpath, tie=c["tie_word_embeddings"], dtype="bfloat16", vocab_size=c["vocab_size"],
                                 max_position_embeddings=c["max_position_embeddings"], rope_theta=c["rope_theta"],
                                 **{k: c[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
@@ -94,15 +78,15 @@ def open_engine(shape: str | None = None, model: str | None = None, gguf_types: 
     """(engine, path or None, label, dtype). dtype goes to the Engine as given for a file ("quantized" and
     "auto" keep a GGUF's blocks); the random shape is dense ("auto" = bf16). checkpoint: load
     --shape from random_checkpoint (what HF loads too) instead of building it in memory."""
-    from .engine import Engine
+    from llaisys.engine import Engine
 
     if model and (shape or gguf_types):
         raise ValueError("give --model or --shape (with --gguf-types), not both")
-    device = bench._device(device)
+    device = resolve_device(device)
     kw = dict(device=device, max_seq_len=max_seq_len, progress=False, max_num_seqs=max_num_seqs)
     shape = shape or (None if model else "qwen2-0.5b")
     if gguf_types:
-        path = bench.random_gguf_module().cached_random_gguf(shape, gguf_types)
+        path = random_gguf_module().cached_random_gguf(shape, gguf_types)
         label = f"{shape} {gguf_types} (random GGUF)"
     elif shape and checkpoint:
         path, label = random_checkpoint(shape), shape
@@ -112,7 +96,7 @@ def open_engine(shape: str | None = None, model: str | None = None, gguf_types: 
         if dtype == "quantized":
             raise ValueError("--dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
         dtype = "bf16" if dtype == "auto" else dtype
-        return Engine.from_loaded(bench.random_loaded(shape_config(shape), dtype, name=shape), dtype=dtype,
+        return Engine.from_loaded(shapes.random_loaded(shape_config(shape), dtype, name=shape), dtype=dtype,
                                   **kw), None, label, dtype
     return Engine(path, dtype=dtype, **kw), path, label, dtype
 
@@ -167,7 +151,7 @@ def run_hf(path: str, device: str, prompts, new_tokens: int) -> dict:
     import torch
     import transformers
 
-    from . import catalog
+    from llaisys import catalog
 
     path = catalog.resolve(path)
     # a GGUF file loads (dequantized) from its folder by file name

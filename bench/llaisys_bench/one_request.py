@@ -5,10 +5,10 @@ Batch-1 decode reads every weight once per token, so its floor is weight_bytes /
 copy bandwidth is measured here on the same device (bytes read + written by a large device copy).
 With --shape the model has random weights of a real Qwen2 shape (no download); with --model a real one;
 with --shape and --gguf-types a random GGUF file of that shape in those block formats (bench/random_gguf.py,
-cached in the temp dir; a source checkout only).
+cached in the temp dir).
 
 `--peers` also runs, on the same prompt ids, token counts and threads: llama.cpp (llama-cpp-python) on the
-same GGUF file, and HF transformers (python/llaisys/_peers.py). Then llaisys and llama.cpp each run in a
+same GGUF file, and HF transformers (peers.py). Then llaisys and llama.cpp each run in a
 process of their own, so each one's peak RSS is its own; when llaisys keeps the file's blocks (dtype
 auto or quantized) it also runs dequantized to bf16 (the reference), and a table gives the ratios
 llaisys / llama.cpp.
@@ -19,97 +19,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Iterator
 
 import numpy as np
+from llaisys import Event, build_info, current_stream, empty, memory_stats
 
-from ._runtime import Event, build_info, current_stream, cuda_is_available, memory_stats
-from ._tensor import empty
-
-# Real shapes of the Qwen2 family (HF config values).
-SHAPES = {
-    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
-                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
-    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                       num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
-                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
-}
-BYTES = {"bf16": 2, "f16": 2, "f32": 4}
-
-
-def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    """The HF-named weights of a model with HF config values `c` (the loader's strict table)."""
-    from .loader.config import Qwen2Config, expected_weight_shapes
-
-    return expected_weight_shapes(Qwen2Config.from_hf({**c, "model_type": "qwen2"}, "bench shape"))
-
-
-def decode_weight_bytes(c: dict, dtype: str) -> int:
-    """Bytes one decode step must read: every weight except the embedding table (one row is read)."""
-    n = sum(int(np.prod(s)) for name, s in weight_shapes(c).items() if name != "model.embed_tokens.weight")
-    if c["tie_word_embeddings"]:
-        n += c["vocab_size"] * c["hidden_size"]  # the LM head reads the whole table
-    return n * BYTES[dtype]
-
-
-# (bits, mantissa bits, exponent bias) of each float dtype, to draw random values as bit patterns
-_FLOAT_BITS = {"bf16": (16, 7, 127), "f16": (16, 10, 15), "f32": (32, 23, 127)}
-
-
-def random_weight(shape: tuple[int, ...], dtype: str, seed) -> np.ndarray:
-    """A new buffer of `shape` in `dtype`, drawn from `seed` (an int or a tuple of ints). Values are random bit
-    patterns: a random sign and mantissa with exponent 2^-7 or 2^-6, so |w| in [0.0078, 0.031) like an
-    initialised model; 1.5B of them take seconds, not minutes."""
-    bits, mantissa, bias = _FLOAT_BITS[dtype]
-    uint = np.dtype(f"uint{bits}")
-    keep = (1 << (bits - 1)) | (1 << mantissa) | ((1 << mantissa) - 1)  # sign, lowest exponent bit, mantissa
-    exponent = (bias - 7) << mantissa  # bias - 7 is even, so the kept exponent bit picks 2^-7 or 2^-6
-    n = int(np.prod(shape))
-    w = np.random.default_rng(seed).bit_generator.random_raw(-(-n * bits // 64)).view(uint)[:n]
-    w &= uint.type(keep)
-    w |= uint.type(exponent)
-    return w.view(_np_dtype(dtype)).reshape(shape)
-
-
-def _np_dtype(dtype: str):
-    import ml_dtypes
-
-    return {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[dtype]
-
-
-def _random_or_ones(name: str, shape: tuple[int, ...], dtype: str, seed) -> np.ndarray:
-    return np.ones(shape, _np_dtype(dtype)) if name.endswith("norm.weight") else random_weight(shape, dtype, seed)
-
-
-def random_weights(c: dict, dtype: str, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, weight) for every weight of HF config `c`, one at a time, each a new buffer of its real size in
-    `dtype` (norms 1), weight i drawn from (seed, i). Aliased weights (views of one pool) would let a CPU model
-    sit in cache and beat the roofline."""
-    for i, (name, shape) in enumerate(weight_shapes(c).items()):
-        yield name, _random_or_ones(name, shape, dtype, (seed, i))
-
-
-def random_loaded(c: dict, dtype: str, seed: int = 0, name: str = "random"):
-    """A loader.LoadedModel of HF config `c` with the weights of random_weights (each made when the Engine
-    takes it) and a tokenizer that knows no text (prompts are token ids; generated text is empty): what
-    Engine.from_loaded runs for `llaisys bench --shape`."""
-    from tokenizers import Tokenizer as HFTokenizer, models
-
-    from .loader import LazyWeights, LoadedModel, Qwen2Config
-    from .tokenizer import Tokenizer
-
-    config = Qwen2Config.from_hf({**c, "model_type": "qwen2", "dtype": dtype}, f"{name} shape")
-    makers = {n: (lambda n=n, s=s, i=i: _random_or_ones(n, s, dtype, (seed, i)))
-              for i, (n, s) in enumerate(weight_shapes(c).items())}
-    tokenizer = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
-    return LoadedModel(config, LazyWeights(makers, {}), tokenizer, None, {}, name)
+from . import random_gguf_module, resolve_device
+from .shapes import SHAPES, decode_weight_bytes, random_loaded
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     """Measured device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     if device == "cpu":  # one copy thread per core (NumPy releases the GIL while copying)
-        import os
         from concurrent.futures import ThreadPoolExecutor
 
         nbytes, workers = 1 << 28, os.cpu_count() or 1
@@ -185,20 +105,14 @@ def engine_weight_bytes(eng, c: dict) -> int:
     return sum(sizes.values()) + (embed if c["tie_word_embeddings"] else 0)  # a tied table is the LM head
 
 
-def _device(device: str) -> str:
-    if device == "auto":
-        return "cuda:0" if cuda_is_available() else "cpu"
-    return "cuda:0" if device == "cuda" else device
-
-
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
           prompt_len: int = 128, new_tokens: int = 256) -> dict:
     """One llaisys measurement in this process, through the Engine (scheduler, runner, paged KV cache). `dtype`
     goes to the Engine as given for --model ("quantized" and "auto" keep a GGUF file's block
     formats); the random --shape model is dense ("auto" = bf16)."""
-    device = _device(device)
+    device = resolve_device(device)
     max_seq_len = max(prompt_len + new_tokens + 16, 256)
-    from .engine import Engine
+    from llaisys.engine import Engine
 
     t = time.perf_counter()
     if model is not None:
@@ -274,45 +188,27 @@ def _options(args) -> dict:
         model, shape, label = random_gguf_module().cached_random_gguf(shape, gguf_types), None, \
             f"{shape} {gguf_types} (random)"
     return dict(model=model, shape=shape, label=label, threads=threads, peers=bool(getattr(args, "peers", False)),
-                kw=dict(shape=shape, model=model, device=_device(args.device), dtype=args.dtype,
+                kw=dict(shape=shape, model=model, device=resolve_device(args.device), dtype=args.dtype,
                         prompt_len=args.prompt_len, new_tokens=args.new_tokens))
 
 
 def catalog_path(model: str) -> str:
     """The local path of --model as the Engine will load it (a catalog name is downloaded if needed)."""
-    from . import catalog
+    from llaisys import catalog
 
     return catalog.resolve(model)
-
-
-def random_gguf_module(path: str | None = None):
-    """bench/random_gguf.py of a source checkout (the writer is a benchmark tool, not part of the package):
-    `path`, else the checkout this package runs from (an editable install), else ./bench of the current
-    directory (a checkout the installed package is run in)."""
-    import importlib.util
-
-    candidates = [path] if path else [
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "random_gguf.py"),
-        os.path.join(os.getcwd(), "bench", "random_gguf.py")]
-    path = next((p for p in candidates if os.path.exists(p)), None)
-    if path is None:
-        raise RuntimeError("--gguf-types needs a source checkout of llaisys (bench/random_gguf.py writes the file): "
-                           "run it from the checkout's root")
-    spec = importlib.util.spec_from_file_location("llaisys_random_gguf", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_isolated(kw: dict, threads: int | None) -> dict:
     """bench(**kw) in a fresh process (its own peak RSS; LLAISYS_NUM_THREADS=threads read by its thread pool
     at start)."""
-    from ._peers import child_env, run_child
+    from .peers import child_env, run_child
 
     env = child_env()
     if threads is not None:
         env["LLAISYS_NUM_THREADS"] = str(threads)
-    code = "import json, sys; from llaisys import bench; print(json.dumps(bench.bench(**json.loads(sys.argv[1]))))"
+    code = ("import json, sys; from llaisys_bench.one_request import bench; "
+            "print(json.dumps(bench(**json.loads(sys.argv[1]))))")
     return run_child(code, kw, env, f"llaisys ({kw['dtype']})")
 
 
@@ -354,14 +250,14 @@ def main(args) -> int:
     rows = [r]
     _print_llaisys(r)
     if o["peers"]:
-        from . import _peers
+        from . import peers
 
         if r.get("quantized"):  # the dequantized reference, same run
             ref = run_isolated(dict(kw, dtype="bf16"), o["threads"])
             ref["model"] = r["model"]
             rows.append(ref)
             _print_llaisys(ref)
-        rows += _peers.run_all(r, o["model"], o["shape"], o["threads"], hf=not getattr(args, "skip_hf", False))
+        rows += peers.run_all(r, o["model"], o["shape"], o["threads"], hf=not getattr(args, "skip_hf", False))
         table = comparison_table(rows)
         if table:
             print(table)

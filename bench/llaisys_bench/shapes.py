@@ -1,0 +1,87 @@
+"""Real shapes of the Qwen2 family and random weights of them: what `llaisys bench --shape` and the throughput
+protocol run without a download, each weight a buffer of its own real size (aliased weights would let a CPU
+model sit in cache and beat the roofline)."""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+# Real shapes of the Qwen2 family (HF config values).
+SHAPES = {
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                       num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
+}
+BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+
+
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """The HF-named weights of a model with HF config values `c` (the loader's strict table)."""
+    from llaisys.loader.config import Qwen2Config, expected_weight_shapes
+
+    return expected_weight_shapes(Qwen2Config.from_hf({**c, "model_type": "qwen2"}, "bench shape"))
+
+
+def decode_weight_bytes(c: dict, dtype: str) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (one row is read)."""
+    n = sum(int(np.prod(s)) for name, s in weight_shapes(c).items() if name != "model.embed_tokens.weight")
+    if c["tie_word_embeddings"]:
+        n += c["vocab_size"] * c["hidden_size"]  # the LM head reads the whole table
+    return n * BYTES[dtype]
+
+
+# (bits, mantissa bits, exponent bias) of each float dtype, to draw random values as bit patterns
+_FLOAT_BITS = {"bf16": (16, 7, 127), "f16": (16, 10, 15), "f32": (32, 23, 127)}
+
+
+def random_weight(shape: tuple[int, ...], dtype: str, seed) -> np.ndarray:
+    """A new buffer of `shape` in `dtype`, drawn from `seed` (an int or a tuple of ints). Values are random bit
+    patterns: a random sign and mantissa with exponent 2^-7 or 2^-6, so |w| in [0.0078, 0.031) like an
+    initialised model; 1.5B of them take seconds, not minutes."""
+    bits, mantissa, bias = _FLOAT_BITS[dtype]
+    uint = np.dtype(f"uint{bits}")
+    keep = (1 << (bits - 1)) | (1 << mantissa) | ((1 << mantissa) - 1)  # sign, lowest exponent bit, mantissa
+    exponent = (bias - 7) << mantissa  # bias - 7 is even, so the kept exponent bit picks 2^-7 or 2^-6
+    n = int(np.prod(shape))
+    w = np.random.default_rng(seed).bit_generator.random_raw(-(-n * bits // 64)).view(uint)[:n]
+    w &= uint.type(keep)
+    w |= uint.type(exponent)
+    return w.view(_np_dtype(dtype)).reshape(shape)
+
+
+def _np_dtype(dtype: str):
+    import ml_dtypes
+
+    return {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[dtype]
+
+
+def _random_or_ones(name: str, shape: tuple[int, ...], dtype: str, seed) -> np.ndarray:
+    return np.ones(shape, _np_dtype(dtype)) if name.endswith("norm.weight") else random_weight(shape, dtype, seed)
+
+
+def random_weights(c: dict, dtype: str, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, weight) for every weight of HF config `c`, one at a time, each a new buffer of its real size in
+    `dtype` (norms 1), weight i drawn from (seed, i). Aliased weights (views of one pool) would let a CPU model
+    sit in cache and beat the roofline."""
+    for i, (name, shape) in enumerate(weight_shapes(c).items()):
+        yield name, _random_or_ones(name, shape, dtype, (seed, i))
+
+
+def random_loaded(c: dict, dtype: str, seed: int = 0, name: str = "random"):
+    """A loader.LoadedModel of HF config `c` with the weights of random_weights (each made when the Engine
+    takes it) and a tokenizer that knows no text (prompts are token ids; generated text is empty): what
+    Engine.from_loaded runs for `llaisys bench --shape`."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    from llaisys.loader import LazyWeights, LoadedModel, Qwen2Config
+    from llaisys.tokenizer import Tokenizer
+
+    config = Qwen2Config.from_hf({**c, "model_type": "qwen2", "dtype": dtype}, f"{name} shape")
+    makers = {n: (lambda n=n, s=s, i=i: _random_or_ones(n, s, dtype, (seed, i)))
+              for i, (n, s) in enumerate(weight_shapes(c).items())}
+    tokenizer = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    return LoadedModel(config, LazyWeights(makers, {}), tokenizer, None, {}, name)
