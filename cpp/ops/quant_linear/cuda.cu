@@ -92,12 +92,14 @@ __device__ __forceinline__ float sub_dot(const Sub32 &w, const int (&x)[8], int 
 
 // Lanes that share one output row in the GEMV (N outputs, K inputs): at batch 1 the GEMVs of a decode
 // step are latency-bound (a 2 MB matrix is under a microsecond of bandwidth), so the lanes of a row grow
-// until ~128K threads read the matrix at once or each lane has one sub-block of 32 weights (16..256).
+// until ~64K threads read the matrix at once or each lane has one sub-block of 32 weights (8..256).
 // N and K alone decide it, so linear_swiglu's g and u are summed in linear's order. 1.5B shapes: q/k/v
-// and o 64, gate/up 16, down 128, LM head 16.
+// 32, o and down 64, gate/up and LM head 8. Swept on the H100 (bench_ops, 2026-11-26): against
+// (128K, from 16) this takes q/k/v 3.49 -> 2.60 us, Q4_K down 8.25 -> 6.93, Q6_K down 10.3 -> 8.34, the
+// LM head 101 -> 90.7, Q8_0 4864 -> 896 5.22 -> 3.61; 32K or from 4 lose on some shapes.
 inline int gemv_group(int64_t N, int64_t K) {
-    int g = 16;
-    while (g < 256 && g < K / 32 && N * g < 128 * 1024) g *= 2;
+    int g = 8;
+    while (g < 256 && g < K / 32 && N * g < 64 * 1024) g *= 2;
     return g;
 }
 
