@@ -116,5 +116,7 @@ void bind_serving(nb::module_ &m) {
              "The step's logits [B, vocab] (or [T, vocab] with all_logits), not synchronized.")
         .def("last_logits", &Runner::last_logits,
              "The logits the last step sampled from [B, vocab] (after penalties, before temperature).")
-        .def_prop_ro("captured_batch_sizes", &Runner::captured_batch_sizes);
+        .def_prop_ro("captured_batch_sizes", &Runner::captured_batch_sizes)
+        .def_prop_ro("steps_sampled_in_graph", &Runner::steps_sampled_in_graph,
+                     "Steps whose tokens were sampled inside a CUDA graph (no penalty or bias in any row).");
 }

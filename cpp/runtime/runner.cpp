@@ -3,6 +3,7 @@
 #include "core/runtime.hpp"
 #include "llaisys/ops.hpp"
 #include "llaisys/stream.hpp"
+#include "runtime/packing.hpp"
 #include "runtime/penalties.hpp"
 #include "runtime/staging.hpp"
 
@@ -10,12 +11,19 @@
 
 namespace llaisys::runtime {
 
-// A captured decode step for `size` sequences of one token each: the inputs live in two fixed device
-// buffers (i64 and i32 fields) that every replay refills with one copy each.
+// A captured decode step for P sequences of one token each: the forward, the argmax of every row into
+// `ids` and, as a switchable part, sample_rows over all P rows into `ids` (sample_rows gives a greedy row
+// the argmax's token and -1, so its result replaces the argmax's whole). The inputs, sampling fields
+// included, live in two fixed device buffers (i64 and i32 fields) that every replay refills with one copy
+// each. One graph for both kinds of step: a second capture of the forward would hold a second copy of
+// its activations.
 struct Runner::Graphed {
-    Tensor buf64, buf32, logits;
+    Tensor buf64, buf32, logits, ids, max_val; // ids [P]: the replay's tokens
     StepBatch batch;
+    SamplingFields fields; // views into buf64 / buf32
     std::unique_ptr<Graph> graph;
+    size_t sampler = 0;     // the switchable part
+    bool sampler_on = true; // as captured
 };
 
 Runner::Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config)
@@ -60,43 +68,6 @@ void Runner::check(const HostBatch &b) const {
     }
 }
 
-// Lays the batch out as [ids | pos | slots | last] (i64) and [q_start | kv_len | block_tables] (i32),
-// padded to `P` sequences of block-table width `W`: padded sequences are one token at position 0 of
-// block 0 (reserved), so they compute finite garbage that nobody reads.
-static void pack(const HostBatch &b, int64_t P, int64_t W, std::vector<int64_t> &h64, std::vector<int32_t> &h32) {
-    const int64_t B = b.num_seqs(), T = int64_t(b.ids.size()), Tp = T + (P - B);
-    h64.assign(size_t(3 * Tp + P), 0);
-    std::copy(b.ids.begin(), b.ids.end(), h64.begin());
-    std::copy(b.pos.begin(), b.pos.end(), h64.begin() + Tp);
-    std::copy(b.slots.begin(), b.slots.end(), h64.begin() + 2 * Tp);
-    for (int64_t i = 0; i < P; ++i) h64[size_t(3 * Tp + i)] = i < B ? b.q_start[size_t(i + 1)] - 1 : T + (i - B);
-    h32.assign(size_t((P + 1) + P + P * W), 0);
-    for (int64_t i = 0; i <= P; ++i) h32[size_t(i)] = i <= B ? b.q_start[size_t(i)] : int32_t(T + (i - B));
-    for (int64_t i = 0; i < P; ++i) h32[size_t(P + 1 + i)] = i < B ? b.kv_len[size_t(i)] : 1;
-    int32_t *tables = h32.data() + 2 * P + 1;
-    for (int64_t i = 0; i < B; ++i)
-        std::copy_n(b.block_tables.begin() + i * b.max_blocks, std::min(W, b.max_blocks), tables + i * W);
-}
-
-static StepBatch views(const Tensor &buf64, const Tensor &buf32, int64_t P, int64_t Tp, int64_t W, int64_t max_q) {
-    StepBatch s;
-    s.ids = buf64.slice(0, 0, Tp);
-    s.pos = buf64.slice(0, Tp, 2 * Tp);
-    s.slots = buf64.slice(0, 2 * Tp, 3 * Tp);
-    s.last = buf64.slice(0, 3 * Tp, 3 * Tp + P);
-    s.q_start = buf32.slice(0, 0, P + 1);
-    s.kv_len = buf32.slice(0, P + 1, 2 * P + 1);
-    s.block_tables = buf32.slice(0, 2 * P + 1, 2 * P + 1 + P * W).view({P, W});
-    s.max_q_len = max_q;
-    return s;
-}
-
-static int64_t max_q_len(const HostBatch &b) {
-    int64_t m = 1;
-    for (size_t i = 0; i + 1 < b.q_start.size(); ++i) m = std::max<int64_t>(m, b.q_start[i + 1] - b.q_start[i]);
-    return m;
-}
-
 StepBatch Runner::upload(const HostBatch &b) {
     std::vector<int64_t> h64;
     std::vector<int32_t> h32;
@@ -113,35 +84,65 @@ int64_t Runner::graph_size_for(const HostBatch &b) const {
     return 0;
 }
 
-Tensor Runner::run_graphed(const HostBatch &b, int64_t P) {
+// Built aside and installed only once captured, so a failure leaves no half-built graph. The eager run of
+// the same work first fills the allocator's cache; the replay after the capture recomputes the same.
+std::unique_ptr<Runner::Graphed> Runner::capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
+                                                 int64_t P) {
     const int64_t W = config_.max_blocks_per_seq;
+    auto g = std::make_unique<Graphed>();
+    Graphed &r = *g;
+    r.buf64 = staging_->upload(h64, DType::I64);
+    r.buf32 = staging_->upload(h32, DType::I32);
+    r.batch = views(r.buf64, r.buf32, P, P, W, 1);
+    r.fields = sampling_views(r.buf64, r.buf32, P, W);
+    r.ids = Tensor::empty({P}, DType::I64, model_.device());
+    auto sampler = [&r] {
+        const SamplingFields &f = r.fields;
+        ops::sample_rows(r.ids, r.logits, f.temperature, f.top_k, f.top_p, f.min_p, f.seeds, f.steps);
+    };
+    auto forward = [&] { r.logits = model_.forward_step(r.batch, pool_); };
+    auto argmax = [&r] { ops::argmax(r.ids, r.max_val, r.logits); };
+    forward();
+    r.max_val = Tensor::empty({P}, r.logits.dtype(), model_.device());
+    argmax();
+    sampler();
+    r.graph = std::make_unique<Graph>(model_.device());
+    r.graph->capture([&] {
+        forward();
+        argmax();
+        r.sampler = r.graph->switchable(sampler);
+    });
+    return g;
+}
+
+// Replays the decode graph of padded size P (capturing it first if needed). With rows it samples them
+// into the graph's ids; without, its sampler is off and ids hold every row's argmax of the raw logits.
+const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::vector<RowSampling> *rows) {
+    std::vector<int64_t> h64;
+    std::vector<int32_t> h32;
+    pack(b, P, config_.max_blocks_per_seq, h64, h32);
+    pack_sampling(rows, P, h64, h32);
     auto it = graphs_.find(P);
     if (it == graphs_.end()) {
-        // Built aside and installed only once captured, so a failure leaves no half-built graph. The eager
-        // run first fills the allocator's cache (capture must not cudaMalloc); replay recomputes the same.
-        auto g = std::make_unique<Graphed>();
-        std::vector<int64_t> h64;
-        std::vector<int32_t> h32;
-        pack(b, P, W, h64, h32);
-        g->buf64 = staging_->upload(h64, DType::I64);
-        g->buf32 = staging_->upload(h32, DType::I32);
-        g->batch = views(g->buf64, g->buf32, P, P, W, 1);
-        g->logits = model_.forward_step(g->batch, pool_);
-        g->graph = std::make_unique<Graph>(model_.device());
-        g->graph->capture([&] { g->logits = model_.forward_step(g->batch, pool_); });
-        it = graphs_.emplace(P, std::move(g)).first;
+        it = graphs_.emplace(P, capture(h64, h32, P)).first;
     } else {
-        std::vector<int64_t> h64;
-        std::vector<int32_t> h32;
-        pack(b, P, W, h64, h32);
         staging_->upload_into(it->second->buf64, h64.data(), h64.size() * sizeof(int64_t));
         staging_->upload_into(it->second->buf32, h32.data(), h32.size() * sizeof(int32_t));
     }
-    it->second->graph->replay();
-    return it->second->logits.slice(0, 0, b.num_seqs());
+    Graphed &g = *it->second;
+    const bool on = rows != nullptr && std::any_of(rows->begin(), rows->end(), [](const RowSampling &r) {
+        return r.temperature > 0.f; // all greedy: the argmax is the answer, the sampler can stay off
+    });
+    if (g.sampler_on != on) {
+        g.graph->set_enabled(g.sampler, on);
+        g.sampler_on = on;
+    }
+    g.graph->replay();
+    return g;
 }
 
-Tensor Runner::logits(const HostBatch &b, bool all_logits) {
+// Checks the batch and readies the model for a step; returns the graph size it replays (0: eager).
+int64_t Runner::begin(const HostBatch &b, bool all_logits) {
     check(b);
     // Before any upload: the first step after loading raises here under a capture, touching nothing.
     model_.prepare();
@@ -149,9 +150,13 @@ Tensor Runner::logits(const HostBatch &b, bool all_logits) {
         graphs_.clear();
         graphs_weights_version_ = model_.weights_version();
     }
+    return all_logits ? 0 : graph_size_for(b);
+}
+
+Tensor Runner::logits(const HostBatch &b, bool all_logits) {
+    const int64_t size = begin(b, all_logits);
     DeviceGuard guard(model_.device());
-    const int64_t size = all_logits ? 0 : graph_size_for(b);
-    if (size > 0) return run_graphed(b, size);
+    if (size > 0) return replay(b, size, nullptr).logits.slice(0, 0, b.num_seqs());
     const StepBatch s = upload(b);
     return model_.forward_step(s, pool_, all_logits);
 }
@@ -216,15 +221,35 @@ void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<R
     if (!all) ops::index_copy(out, rows_d, ids);
 }
 
+// Whether a graph can sample the rows itself: none has a penalty or bias to apply to the logits first
+// (the conditions under which apply_repetition_penalties and apply_biases do nothing).
+static bool samples_in_graph(const std::vector<RowSampling> &rows) {
+    return std::none_of(rows.begin(), rows.end(), [](const RowSampling &r) {
+        return (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) || !r.bias_ids.empty();
+    });
+}
+
 std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
     LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
                   b.num_seqs(), " sequences, got ", rows.size());
-    const Tensor lg = logits(b, false);
-    last_logits_ = lg;
+    const int64_t size = begin(b, false), B = b.num_seqs();
     DeviceGuard guard(model_.device());
-    const int64_t B = b.num_seqs();
+    if (size > 0 && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
+        const Graphed &g = replay(b, size, &rows);
+        last_logits_ = g.logits.slice(0, 0, B);
+        ++steps_sampled_in_graph_;
+        return read_ids(g.ids, rows);
+    }
+    last_logits_ = size > 0 ? replay(b, size, nullptr).logits.slice(0, 0, B)
+                            : model_.forward_step(upload(b), pool_);
     Tensor out = Tensor::empty({B}, DType::I64, model_.device());
-    sample(out, lg, rows);
+    sample(out, last_logits_, rows);
+    return read_ids(out, rows);
+}
+
+// Copies the first B ids back (the step's one host sync) and raises on a row that got no token.
+std::vector<int64_t> Runner::read_ids(const Tensor &out, const std::vector<RowSampling> &rows) const {
+    const int64_t B = int64_t(rows.size());
     std::vector<int64_t> ids(size_t(B), 0);
     runtime::memcpy(ids.data(), Device::cpu(), out.data(), model_.device(), size_t(B) * sizeof(int64_t));
     for (int64_t i = 0; i < B; ++i) // argmax and sample mark a row without a finite maximum with -1

@@ -1,8 +1,9 @@
 // The step runner: takes one step's batch as host arrays (built by the Python scheduler), uploads it in
 // two copies, runs the model over the paged KV pool (replaying a captured CUDA graph for decode
 // batches, padded to the next graph batch size) and samples one token per sequence with that
-// sequence's own parameters and random stream. The model is only the layer math; the runner owns
-// the graphs, the input staging and sampling (its settings come from the caller: EngineConfig).
+// sequence's own parameters and random stream: inside the graph when no row has a repetition penalty
+// or logit biases, else after it. The model is only the layer math; the runner owns the graphs, the
+// input staging and sampling (its settings come from the caller: EngineConfig).
 #pragma once
 #include "llaisys/graph.hpp"
 #include "llaisys/kv_pool.hpp"
@@ -64,14 +65,20 @@ public:
     const Tensor &last_logits() const { return last_logits_; }
     // Graphs captured so far, by padded batch size.
     std::vector<int64_t> captured_batch_sizes() const;
+    // Steps whose tokens were sampled inside a CUDA graph (no sampling launch of their own), so far.
+    uint64_t steps_sampled_in_graph() const { return steps_sampled_in_graph_; }
 
 private:
     struct Graphed; // one captured decode step and its fixed input buffers
     StepBatch upload(const HostBatch &batch);
     void check(const HostBatch &batch) const;
+    int64_t begin(const HostBatch &batch, bool all_logits);
     int64_t graph_size_for(const HostBatch &batch) const;
-    Tensor run_graphed(const HostBatch &batch, int64_t size);
+    const Graphed &replay(const HostBatch &batch, int64_t size, const std::vector<RowSampling> *rows);
+    std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
+                                     int64_t size);
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
+    std::vector<int64_t> read_ids(const Tensor &ids, const std::vector<RowSampling> &rows) const;
 
     models::Qwen2 &model_;
     KVPool &pool_;
@@ -80,6 +87,7 @@ private:
     std::map<int64_t, std::unique_ptr<Graphed>> graphs_;
     uint64_t graphs_weights_version_ = 0; // the model's weights_version() the graphs were captured with
     Tensor last_logits_;
+    uint64_t steps_sampled_in_graph_ = 0;
 };
 
 } // namespace llaisys::runtime
