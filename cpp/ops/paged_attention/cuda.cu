@@ -24,6 +24,7 @@ using split_kv::kThreads;
 using split_kv::kTile;           // two tiles in flight here
 constexpr int kMaxSplits = 256;  // key chunks per sequence at most (the combine kernel's weights in smem)
 constexpr int kCombineWarps = 4; // output rows per combine block, one warp each
+constexpr int kCombineDims = 4;  // head dims per lane per pass of the combine kernel (hd 128 in one pass)
 constexpr int kErrPagedMetadata = 5; // code in runtime::cuda::error_flag
 // The decode kernel (one query per sequence): 4 warps a block, each taking 8 keys a step, so a block's
 // step covers 32 keys and its chunks are multiples of 32; a GQA group of at most 8 query heads.
@@ -379,7 +380,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 // 2^(m_c - max) and summed per dim.
 template <typename T>
 __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const PagedArgs<T> a) {
-    __shared__ float wts[kCombineWarps][kMaxSplits];
+    __shared__ float wts[kCombineWarps][kMaxSplits], sums[kCombineWarps][kMaxSplits];
     pdl_trigger();
     pdl_wait();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, rho = blockIdx.x * kCombineWarps + warp;
@@ -389,22 +390,35 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const int lim = i + s.kv - s.qlen, used = lim / chunk_len(s.kv, a.nsplit, a.granule) + 1, t = s.q0 + i;
     const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
     const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
-    float *wt = wts[warp];
+    float *wt = wts[warp], *lt = sums[warp];
     float m = -INFINITY, l = 0.f;
-    for (int c = lane; c < used; c += 32) m = fmaxf(m, p0[c * stride + a.hd]);
+    for (int c = lane; c < used; c += 32) { // each chunk's (m, l), read together
+        wt[c] = p0[c * stride + a.hd];
+        lt[c] = p0[c * stride + a.hd + 1];
+        m = fmaxf(m, wt[c]);
+    }
     m = warp_max(m);
     for (int c = lane; c < used; c += 32) {
-        wt[c] = exp2f(p0[c * stride + a.hd] - m); // a chunk with nothing visible (m = -inf) weighs 0
-        l += wt[c] * p0[c * stride + a.hd + 1];
+        wt[c] = exp2f(wt[c] - m); // a chunk with nothing visible (m = -inf) weighs 0
+        l += wt[c] * lt[c];
     }
     const float inv = 1.f / warp_sum(l);
     __syncwarp();
     T *dst = a.out + t * a.o_s0 + h * a.o_s1;
-    for (int d = lane; d < a.hd; d += 32) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int c = 0; c < used; ++c) acc += wt[c] * p0[c * stride + d];
-        dst[d] = from_f32<T>(acc * inv);
+    for (int d0 = 0; d0 < a.hd; d0 += 32 * kCombineDims) { // one pass for hd <= 128
+        // dims d0 + lane + 32 j of every chunk: chunks outer, so each step's loads of all the lane's dims
+        // (and, unrolled, of several chunks) are in flight together; each dim still sums its chunks in order
+        float acc[kCombineDims] = {};
+#pragma unroll 4
+        for (int c = 0; c < used; ++c) {
+            const float w = wt[c], *pc = p0 + c * stride + d0 + lane;
+#pragma unroll
+            for (int j = 0; j < kCombineDims; ++j)
+                if (d0 + lane + 32 * j < a.hd) acc[j] += w * pc[32 * j];
+        }
+#pragma unroll
+        for (int j = 0; j < kCombineDims; ++j)
+            if (d0 + lane + 32 * j < a.hd) dst[d0 + lane + 32 * j] = from_f32<T>(acc[j] * inv);
     }
 }
 
