@@ -48,10 +48,21 @@ struct Q8Act<256> {
     float d;
 };
 
+// Prefill's x for the 32-element formats on the VNNI path (kernels.inc: column_u8): tiles of kPackRows x
+// rows; per block the rows' codes + 128 as u8 (VPDPBUSD's unsigned operand) and their d, side by side, so
+// that one vector multiply gives a weight block's scales for the whole tile. Rows past M are 0 (d = 0).
+constexpr int kPackRows = 8;
+struct alignas(32) XTile32 {
+    uint8_t q[kPackRows][32];
+    float d[kPackRows];
+};
+
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
 // out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
 using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, const void *xq, int64_t nb, float *out);
+// col [mm] = one W row . the first mm rows of one tile (xt: its nb blocks).
+using ColumnU8Fn = void (*)(const uint8_t *w_row, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -123,6 +134,15 @@ RowsFn rows_fn(QuantFormat format) {
     }
 }
 
+// The packed-x prefill kernel of this format on the current path, or nullptr (then column_fn's).
+ColumnU8Fn column_u8_fn(QuantFormat format) {
+#ifdef LLAISYS_QUANT_X86
+    if (g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni) return vnni::column_u8_fn(format);
+#endif
+    (void)format;
+    return nullptr;
+}
+
 template <int BK, typename T>
 void quantize_row(const T *x, int64_t nb, Q8Act<BK> *out, int offset) {
     switch (g_path.load(std::memory_order_relaxed)) {
@@ -143,15 +163,18 @@ struct QuantizedX {
     const void *row(int64_t m) const { return data + m * row_bytes; }
 };
 
+// Slot 0 holds the quantized x rows, slot 1 their packed tiles; 64-byte aligned.
+template <int Slot>
 uint8_t *x_buffer(size_t bytes) {
     thread_local std::unique_ptr<uint8_t[]> buf;
     thread_local size_t cap = 0;
     if (bytes > cap) {
         buf.reset(); // before allocating the larger one: never hold both
-        buf.reset(new uint8_t[bytes]);
+        buf.reset(new uint8_t[bytes + 63]);
         cap = bytes;
     }
-    return buf.get();
+    const auto p = reinterpret_cast<uintptr_t>(buf.get());
+    return reinterpret_cast<uint8_t *>((p + 63) & ~uintptr_t(63));
 }
 
 template <int BK, typename T>
@@ -160,7 +183,7 @@ QuantizedX quantize_x(const Tensor &x, int64_t M, int64_t K, int offset) {
     q.M = M;
     q.nb = K / BK;
     q.row_bytes = q.nb * int64_t(sizeof(Q8Act<BK>));
-    q.data = x_buffer(size_t(M * q.row_bytes));
+    q.data = x_buffer<0>(size_t(M * q.row_bytes));
     const T *xp = x.data_as<T>();
     const int64_t ldx = M > 1 ? x.stride(0) : K;
     parallel_for(M, K, [&](int64_t m) {
@@ -175,6 +198,24 @@ QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
     if (quant_format_info(format).block_elems == quant::kQK)
         return quantize_x<quant::kQK, T>(x, M, K, portable::act_offset(format));
     return quantize_x<quant::kQK_K, T>(x, M, K, 0);
+}
+
+// xq's M rows of Q8Act<32> blocks -> ceil(M / kPackRows) tiles of nb XTile32 blocks.
+const XTile32 *pack_x(const QuantizedX &xq) {
+    const int64_t M = xq.M, nb = xq.nb, tiles = (M + kPackRows - 1) / kPackRows;
+    auto *out = reinterpret_cast<XTile32 *>(x_buffer<1>(size_t(tiles * nb) * sizeof(XTile32)));
+    parallel_for(tiles, kPackRows * nb * 32, [&](int64_t t) {
+        for (int64_t b = 0; b < nb; ++b) {
+            XTile32 &o = out[t * nb + b];
+            std::memset(&o, 0, sizeof o);
+            for (int r = 0; r < kPackRows && t * kPackRows + r < M; ++r) {
+                const Q8Act<32> &a = static_cast<const Q8Act<32> *>(xq.row(t * kPackRows + r))[b];
+                for (int e = 0; e < 32; ++e) o.q[r][e] = uint8_t(uint8_t(a.q[e]) ^ 0x80u); // q + 128
+                o.d[r] = a.d;
+            }
+        }
+    });
+    return out;
 }
 
 // W [N, K] . x rows (+ bias [N]); threads split the W rows. Rows [0, split) go to out [M, split], rows
@@ -197,6 +238,18 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
                 const int64_t nn = std::min(kChunk, end - n);
                 fn(w0 + n * rb, rb, nn, xq.row(0), xq.nb, row);
                 for (int64_t i = 0; i < nn; ++i) put(0, n + i, row[i]);
+            }
+        });
+        return;
+    }
+    if (const ColumnU8Fn fn = column_u8_fn(w.format())) { // prefill, packed x: one tile of rows per call
+        const XTile32 *xt = pack_x(xq);
+        parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
+            for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {
+                float col[kPackRows];
+                const int64_t mm = std::min<int64_t>(kPackRows, M - m0);
+                fn(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
+                for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
             }
         });
         return;
