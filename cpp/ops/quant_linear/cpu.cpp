@@ -5,7 +5,9 @@
 // Threads then split the W rows; each W row is dotted with every x row in integer arithmetic per block
 // (kernels.inc), compiled three times: portable C++, AVX2 and AVX-512 VNNI, picked at run time.
 // Decode (M = 1) reads each weight byte once, so it is bound by memory bandwidth: the quantized rows
-// are 3.5-7 times fewer bytes than bf16 ones.
+// are 3.5-7 times fewer bytes than bf16 ones. Prefill (M > 1) is bound by the arithmetic per block: on
+// VNNI the 32-element formats get their own kernel over x packed in 16-row tiles (kernels.inc:
+// column_u8), with the decode kernel's integers and float operations, so a row's bits never depend on M.
 //
 // This file is compiled with -ffp-contract=off (CMakeLists.txt), so a*b+c is never fused behind our
 // back: the three paths round the same float operations and return the same bits.
@@ -24,6 +26,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace llaisys::ops::cpu {
@@ -51,7 +54,7 @@ struct Q8Act<256> {
 // Prefill's x for the 32-element formats on the VNNI path (kernels.inc: column_u8): tiles of kPackRows x
 // rows; per block the rows' codes + 128 as u8 (VPDPBUSD's unsigned operand) and their d, side by side, so
 // that one vector multiply gives a weight block's scales for the whole tile. Rows past M are 0 (d = 0).
-constexpr int kPackRows = 8;
+constexpr int kPackRows = 16;
 struct alignas(32) XTile32 {
     uint8_t q[kPackRows][32];
     float d[kPackRows];
@@ -223,6 +226,7 @@ const XTile32 *pack_x(const QuantizedX &xq) {
 template <typename T>
 void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out, int64_t split) {
     constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
+    static_assert(kPackRows <= kChunk, "a packed tile's column fits the buffer");
     const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes();
     const uint8_t *w0 = w.row(0);
     auto put = [&](int64_t m, int64_t n, float v) {
@@ -242,24 +246,17 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
         });
         return;
     }
-    if (const ColumnU8Fn fn = column_u8_fn(w.format())) { // prefill, packed x: one tile of rows per call
-        const XTile32 *xt = pack_x(xq);
-        parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
-            for (int64_t m0 = 0; m0 < M; m0 += kPackRows) {
-                float col[kPackRows];
-                const int64_t mm = std::min<int64_t>(kPackRows, M - m0);
-                fn(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
-                for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
-            }
-        });
-        return;
-    }
+    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call
+    const ColumnU8Fn fn_u8 = column_u8_fn(w.format());
+    const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format());
+    const int64_t rows = fn_u8 ? kPackRows : kChunk;
     parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
-        for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+        for (int64_t m0 = 0; m0 < M; m0 += rows) {
             float col[kChunk];
-            const int64_t mm = std::min(kChunk, M - m0);
-            fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
+            const int64_t mm = std::min(rows, M - m0);
+            if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
+            else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
             for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
         }
     });
