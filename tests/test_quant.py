@@ -216,9 +216,11 @@ def test_linear_matches_float64(fmt, dtype, M, N):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("M", [1, 7, 64])
+@pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 17, 64, 200])
 def test_linear_each_cpu_path(cpu_path, fmt, dtype, M):
-    """Every path matches the reference, and the SIMD paths give the portable path's bits (isa.hpp)."""
+    """Every path matches the reference, and the SIMD paths give the portable path's bits (isa.hpp);
+    M covers the decode kernel, every tile height with leftovers, and (VNNI, 32-element formats) the
+    16-row packed tiles, full and partial."""
     out, ref, tol = run_linear(fmt, dtype, M, 111, 768, seed=M, with_bias=True)
     check(out, ref, tol)
     quant.set_cpu_path("portable")
@@ -282,15 +284,16 @@ def test_x_quantization_rounds_halves_away_from_zero(cpu_path):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_row_independent_of_batch(cpu_path, fmt):
     """A row's output has the same bits alone and in a batch (at every tile position), with an odd
-    number of blocks per row (the kernels pair blocks)."""
-    K = 800 if block_elems(fmt) == 32 else 768
+    number of blocks per row (the kernels pair blocks), more than the 32 whose scales the packed-x
+    kernel computes ahead at a time."""
+    K = 37 * 32 if block_elems(fmt) == 32 else 768
     data = random_blocks(fmt, 23, K, seed=11)
     w = matrix(fmt, data)
-    x = np.random.default_rng(12).standard_normal((9, K)).astype(np.float32)
-    batch = quant.linear(llaisys.tensor(x), w).numpy()
-    for m in range(9):
-        alone = quant.linear(llaisys.tensor(x[m:m + 1].copy()), w).numpy()
-        np.testing.assert_array_equal(batch[m:m + 1].view(np.uint32), alone.view(np.uint32), err_msg=f"row {m}")
+    x = np.random.default_rng(12).standard_normal((37, K)).astype(np.float32)  # two full 16-row tiles + 5
+    alone = np.concatenate([quant.linear(llaisys.tensor(x[m:m + 1].copy()), w).numpy() for m in range(37)])
+    for M in (2, 9, 16, 37):  # the decode kernel's bits (M = 1) at every row of every batch height
+        batch = quant.linear(llaisys.tensor(x[:M].copy()), w).numpy()
+        np.testing.assert_array_equal(batch.view(np.uint32), alone[:M].view(np.uint32), err_msg=f"M = {M}")
 
 
 def test_concat_rows_stacks_blocks():

@@ -5,7 +5,9 @@
 // Threads then split the W rows; each W row is dotted with every x row in integer arithmetic per block
 // (kernels.inc), compiled three times: portable C++, AVX2 and AVX-512 VNNI, picked at run time.
 // Decode (M = 1) reads each weight byte once, so it is bound by memory bandwidth: the quantized rows
-// are 3.5-7 times fewer bytes than bf16 ones.
+// are 3.5-7 times fewer bytes than bf16 ones. Prefill (M > 1) is bound by the arithmetic per block: on
+// VNNI the 32-element formats get their own kernel over x packed in 16-row tiles (kernels.inc:
+// column_u8), with the decode kernel's integers and float operations, so a row's bits never depend on M.
 //
 // This file is compiled with -ffp-contract=off (CMakeLists.txt), so a*b+c is never fused behind our
 // back: the three paths round the same float operations and return the same bits.
@@ -24,6 +26,7 @@
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace llaisys::ops::cpu {
@@ -48,10 +51,21 @@ struct Q8Act<256> {
     float d;
 };
 
+// Prefill's x for the 32-element formats on the VNNI path (kernels.inc: column_u8): tiles of kPackRows x
+// rows; per block the rows' codes + 128 as u8 (VPDPBUSD's unsigned operand) and their d, side by side, so
+// that one vector multiply gives a weight block's scales for the whole tile. Rows past M are 0 (d = 0).
+constexpr int kPackRows = 16;
+struct alignas(32) XTile32 {
+    uint8_t q[kPackRows][32];
+    float d[kPackRows];
+};
+
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
 // out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
 using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, const void *xq, int64_t nb, float *out);
+// col [mm] = one W row . the first mm rows of one tile (xt: its nb blocks).
+using ColumnU8Fn = void (*)(const uint8_t *w_row, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -123,6 +137,15 @@ RowsFn rows_fn(QuantFormat format) {
     }
 }
 
+// The packed-x prefill kernel of this format on the current path, or nullptr (then column_fn's).
+ColumnU8Fn column_u8_fn(QuantFormat format) {
+#ifdef LLAISYS_QUANT_X86
+    if (g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni) return vnni::column_u8_fn(format);
+#endif
+    (void)format;
+    return nullptr;
+}
+
 template <int BK, typename T>
 void quantize_row(const T *x, int64_t nb, Q8Act<BK> *out, int offset) {
     switch (g_path.load(std::memory_order_relaxed)) {
@@ -143,15 +166,18 @@ struct QuantizedX {
     const void *row(int64_t m) const { return data + m * row_bytes; }
 };
 
+// Slot 0 holds the quantized x rows, slot 1 their packed tiles; 64-byte aligned.
+template <int Slot>
 uint8_t *x_buffer(size_t bytes) {
     thread_local std::unique_ptr<uint8_t[]> buf;
     thread_local size_t cap = 0;
     if (bytes > cap) {
         buf.reset(); // before allocating the larger one: never hold both
-        buf.reset(new uint8_t[bytes]);
+        buf.reset(new uint8_t[bytes + 63]);
         cap = bytes;
     }
-    return buf.get();
+    const auto p = reinterpret_cast<uintptr_t>(buf.get());
+    return reinterpret_cast<uint8_t *>((p + 63) & ~uintptr_t(63));
 }
 
 template <int BK, typename T>
@@ -160,7 +186,7 @@ QuantizedX quantize_x(const Tensor &x, int64_t M, int64_t K, int offset) {
     q.M = M;
     q.nb = K / BK;
     q.row_bytes = q.nb * int64_t(sizeof(Q8Act<BK>));
-    q.data = x_buffer(size_t(M * q.row_bytes));
+    q.data = x_buffer<0>(size_t(M * q.row_bytes));
     const T *xp = x.data_as<T>();
     const int64_t ldx = M > 1 ? x.stride(0) : K;
     parallel_for(M, K, [&](int64_t m) {
@@ -177,11 +203,30 @@ QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
     return quantize_x<quant::kQK_K, T>(x, M, K, 0);
 }
 
+// xq's M rows of Q8Act<32> blocks -> ceil(M / kPackRows) tiles of nb XTile32 blocks.
+const XTile32 *pack_x(const QuantizedX &xq) {
+    const int64_t M = xq.M, nb = xq.nb, tiles = (M + kPackRows - 1) / kPackRows;
+    auto *out = reinterpret_cast<XTile32 *>(x_buffer<1>(size_t(tiles * nb) * sizeof(XTile32)));
+    parallel_for(tiles, kPackRows * nb * 32, [&](int64_t t) {
+        for (int64_t b = 0; b < nb; ++b) {
+            XTile32 &o = out[t * nb + b];
+            std::memset(&o, 0, sizeof o);
+            for (int r = 0; r < kPackRows && t * kPackRows + r < M; ++r) {
+                const Q8Act<32> &a = static_cast<const Q8Act<32> *>(xq.row(t * kPackRows + r))[b];
+                for (int e = 0; e < 32; ++e) o.q[r][e] = uint8_t(uint8_t(a.q[e]) ^ 0x80u); // q + 128
+                o.d[r] = a.d;
+            }
+        }
+    });
+    return out;
+}
+
 // W [N, K] . x rows (+ bias [N]); threads split the W rows. Rows [0, split) go to out [M, split], rows
 // [split, N) to the plane after it, [M, N - split] (quant_linear_swiglu's g and u in one call).
 template <typename T>
 void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out, int64_t split) {
     constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
+    static_assert(kPackRows <= kChunk, "a packed tile's column fits the buffer");
     const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes();
     const uint8_t *w0 = w.row(0);
     auto put = [&](int64_t m, int64_t n, float v) {
@@ -201,12 +246,17 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
         });
         return;
     }
+    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call
+    const ColumnU8Fn fn_u8 = column_u8_fn(w.format());
+    const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format());
+    const int64_t rows = fn_u8 ? kPackRows : kChunk;
     parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
-        for (int64_t m0 = 0; m0 < M; m0 += kChunk) {
+        for (int64_t m0 = 0; m0 < M; m0 += rows) {
             float col[kChunk];
-            const int64_t mm = std::min(kChunk, M - m0);
-            fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
+            const int64_t mm = std::min(rows, M - m0);
+            if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
+            else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
             for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
         }
     });

@@ -25,6 +25,7 @@ namespace llaisys::ops::cpu::quant_isa {
 
 struct Portable {
     static constexpr int kTileRows = 4; // x rows per unpacked W block (kernels.inc: column)
+    static constexpr bool kU8Act = false; // no prefill kernel on x's codes + 128 (kernels.inc: column_u8)
     struct B {
         uint8_t b[32];
     };
@@ -163,6 +164,7 @@ struct Portable {
 
 struct Avx2 {
     static constexpr int kTileRows = 4; // 16 ymm registers: 4 rows' accumulators and sums fit
+    static constexpr bool kU8Act = false; // maddubs would saturate on u8 x codes up to 255
     using B = __m256i;
     using W = __m256i;
     using I = __m256i;
@@ -244,6 +246,7 @@ struct Avx2 {
 // the fifth bit of Q5_0 goes in through a mask register.
 struct Avx512Vnni : Avx2 {
     static constexpr int kTileRows = 8; // AVX-512VL has 32 ymm registers: 8 rows fit
+    static constexpr bool kU8Act = true;
     LLAISYS_TARGET_VNNI static B q5(const uint8_t *qs, uint32_t qh) {
         const __m256i q = nibbles16(qs);
         return _mm256_mask_add_epi8(q, __mmask32(qh), q, _mm256_set1_epi8(0x10));
@@ -255,6 +258,20 @@ struct Avx512Vnni : Avx2 {
     }
     LLAISYS_TARGET_VNNI static I dot_scaled(I acc, B w, B x, W sc) {
         return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(w, x), sc);
+    }
+    // The prefill kernel of the 32-element formats (kernels.inc: column_u8) takes x's codes + 128 as
+    // VPDPBUSD's unsigned operand and the weight codes less their offset (s8) as the signed one; the
+    // offset 128 then moves to the weight's side, once per weight block: acc - 128 * (w's lane sums).
+    // Every product is at most 255 * 128 in magnitude, four to a lane: exact in int32.
+    LLAISYS_TARGET_VNNI static B sub_i8(B a, int v) { return _mm256_sub_epi8(a, _mm256_set1_epi8(char(v))); }
+    LLAISYS_TARGET_VNNI static I dot_ux(I acc, B xu, B ws) { return _mm256_dpbusd_epi32(acc, xu, ws); }
+    LLAISYS_TARGET_VNNI static I neg128_lane_sums(B ws) {
+        const __m256i zero = _mm256_setzero_si256();
+        return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(char(0x80)), ws));
+    }
+    // out[i] = a * v[i] for 8 floats, each rounded once (the scalar product's bits).
+    LLAISYS_TARGET_VNNI static void scale8(float a, const float *v, float *out) {
+        _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(a), _mm256_load_ps(v)));
     }
 };
 #endif
