@@ -4,8 +4,11 @@
 // state_ = epoch << 32 | n. Every thread, the caller included, claims task n - r by decrementing the
 // unclaimed count r with a CAS that also compares the epoch, so a worker waking late can never claim a
 // task of a later job. A claim pins its job (the caller returns only when done_ == n), so the fields a
-// thread reads after claiming are those of the job it claimed from.
+// thread reads after claiming are those of the job it claimed from. Before publishing, the caller asks the
+// governor (pool_governor.hpp) whether the workers pay off now; when they don't, it runs the job alone.
 #include "llaisys/thread_pool.hpp"
+
+#include "core/pool_governor.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -58,7 +61,24 @@ int threads_from_environment() {
     return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-thread_local bool t_in_task = false; // true on workers, and on a caller while it runs its own job's tasks
+thread_local bool t_in_task = false; // true on workers, and on a caller while it runs its own job
+
+// Marks the caller as inside its job until the scope ends (a task's exception included).
+struct InTask {
+    InTask() { t_in_task = true; }
+    ~InTask() { t_in_task = false; }
+};
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+void run_inline(int64_t n, void (*task)(void *, int64_t), void *ctx) {
+    for (int64_t i = 0; i < n; ++i) task(ctx, i);
+}
+
+std::atomic<PoolMode> g_mode{PoolMode::adaptive}; // outside the pool, so a forked child keeps it
 
 class Pool {
   public:
@@ -66,16 +86,28 @@ class Pool {
         for (int t = 1; t < threads; ++t) workers_.emplace_back([this] { worker_loop(); });
     }
     void run(int64_t n, void (*task)(void *, int64_t), void *ctx);
+    void restart_governor() {
+        std::lock_guard<std::mutex> g(caller_mu_);
+        governor_ = detail::PoolGovernor{};
+    }
+    PoolStats stats() const {
+        return {parallel_jobs_.load(std::memory_order_relaxed), serial_jobs_.load(std::memory_order_relaxed),
+                switches_.load(std::memory_order_relaxed)};
+    }
 
   private:
     static constexpr uint64_t kCountMask = 0xffffffffu;
-    void work(uint64_t epoch);
+    void publish(int64_t n, void (*task)(void *, int64_t), void *ctx);
+    void join(int64_t n);
+    int64_t work(uint64_t epoch);
     void worker_loop();
     void sleep_until_job(uint64_t seen);
     void record_error();
 
     std::vector<std::thread> workers_; // never joined: the pool lives until the process ends
     std::mutex caller_mu_;             // held by the caller whose job is running
+    detail::PoolGovernor governor_;    // under caller_mu_
+    std::atomic<int64_t> parallel_jobs_{0}, serial_jobs_{0}, switches_{0};
     // The current job, written by its caller before state_ publishes it.
     void (*task_)(void *, int64_t) = nullptr;
     void *ctx_ = nullptr;
@@ -93,24 +125,23 @@ class Pool {
 
 void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
     std::unique_lock<std::mutex> caller(caller_mu_, std::defer_lock);
-    if (t_in_task || !caller.try_lock()) { // nested, or another thread's job is running
-        for (int64_t i = 0; i < n; ++i) task(ctx, i);
-        return;
+    if (t_in_task || !caller.try_lock()) return run_inline(n, task, ctx); // nested, or another caller's job runs
+    InTask in_task;
+    const bool adaptive = g_mode.load(std::memory_order_relaxed) == PoolMode::adaptive;
+    const int64_t start = now_ns();
+    const bool on_workers = adaptive ? governor_.parallel(start) : g_mode.load() == PoolMode::parallel;
+    (on_workers ? parallel_jobs_ : serial_jobs_).fetch_add(1, std::memory_order_relaxed);
+    if (on_workers) {
+        publish(n, task, ctx);
+        work(epoch_ & kCountMask);
+        join(n);
+    } else {
+        run_inline(n, task, ctx); // a task's exception leaves the job untimed
     }
-    task_ = task, ctx_ = ctx, n_ = n, ++epoch_;
-    done_.store(0, std::memory_order_relaxed);
-    failed_.store(false, std::memory_order_relaxed);
-    state_.store((epoch_ & kCountMask) << 32 | uint64_t(n), std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) { // pairs with the increment in sleep_until_job
-        { std::lock_guard<std::mutex> g(sleep_mu_); }
-        wake_.notify_all();
-    }
-    t_in_task = true;
-    work(epoch_ & kCountMask);
-    t_in_task = false;
-    for (int spins = 0; done_.load(std::memory_order_acquire) != n; ++spins) {
-        if (spins < kCallerSpins) cpu_relax();
-        else std::this_thread::yield();
+    if (adaptive) {
+        const int64_t end = now_ns(), before = governor_.switches_to_serial();
+        governor_.record(end, uint64_t(reinterpret_cast<uintptr_t>(task)) * 31 + uint64_t(n), on_workers, end - start);
+        switches_.fetch_add(governor_.switches_to_serial() - before, std::memory_order_relaxed);
     }
     if (failed_.load(std::memory_order_relaxed)) {
         std::exception_ptr e;
@@ -119,8 +150,29 @@ void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
     }
 }
 
-// Claims and runs tasks of job `epoch` until none is left unclaimed (or a later job is published).
-void Pool::work(uint64_t epoch) {
+void Pool::publish(int64_t n, void (*task)(void *, int64_t), void *ctx) {
+    task_ = task, ctx_ = ctx, n_ = n, ++epoch_;
+    done_.store(0, std::memory_order_relaxed);
+    failed_.store(false, std::memory_order_relaxed);
+    state_.store((epoch_ & kCountMask) << 32 | uint64_t(n), std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) { // pairs with the increment in sleep_until_job
+        { std::lock_guard<std::mutex> g(sleep_mu_); }
+        wake_.notify_all();
+    }
+}
+
+// Waits until every task of the current job has finished or been skipped.
+void Pool::join(int64_t n) {
+    for (int spins = 0; done_.load(std::memory_order_acquire) != n; ++spins) {
+        if (spins < kCallerSpins) cpu_relax();
+        else std::this_thread::yield();
+    }
+}
+
+// Claims and runs tasks of job `epoch` until none is left unclaimed (or a later job is published);
+// returns how many it ran.
+int64_t Pool::work(uint64_t epoch) {
+    int64_t ran = 0;
     uint64_t s = state_.load(std::memory_order_acquire);
     while ((s >> 32) == epoch && (s & kCountMask) != 0) {
         if (!state_.compare_exchange_weak(s, s - 1, std::memory_order_acquire, std::memory_order_acquire)) continue;
@@ -132,8 +184,10 @@ void Pool::work(uint64_t epoch) {
             }
         }
         done_.fetch_add(1, std::memory_order_release);
+        ++ran;
         s = state_.load(std::memory_order_acquire);
     }
+    return ran;
 }
 
 void Pool::record_error() {
@@ -193,14 +247,18 @@ int cpu_threads() {
     return threads;
 }
 
+void set_pool_mode(PoolMode mode) {
+    g_mode.store(mode, std::memory_order_relaxed);
+    if (cpu_threads() > 1) pool().restart_governor();
+}
+
+PoolStats pool_stats() { return cpu_threads() > 1 ? pool().stats() : PoolStats{}; }
+
 void parallel_tasks(int64_t n, void (*task)(void *ctx, int64_t i), void *ctx) {
     if (n <= 0) return;
     if (uint64_t(n) > 0xffffffffu)
         throw std::invalid_argument("parallel_tasks: " + std::to_string(n) + " tasks (at most 2^32 - 1)");
-    if (n == 1 || cpu_threads() == 1) {
-        for (int64_t i = 0; i < n; ++i) task(ctx, i);
-        return;
-    }
+    if (n == 1 || cpu_threads() == 1) return run_inline(n, task, ctx);
     pool().run(n, task, ctx);
 }
 
