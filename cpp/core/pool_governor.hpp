@@ -21,10 +21,10 @@ namespace llaisys::detail {
 
 class PoolGovernor {
   public:
-    static constexpr int kProbeJobs = 32;                 // compared jobs per probe: ~1/5 of a 0.5B decode step
+    static constexpr int kProbeJobs = 128;                // compared jobs per probe: ~a 0.5B decode step
     static constexpr int kProbeMaxJobs = 4 * kProbeJobs;  // a probe ends here even if few jobs compared
-    static constexpr int64_t kMinBackoffNs = 50'000'000;  // a few decode steps
-    static constexpr int64_t kMaxBackoffNs = 1'000'000'000; // a losing probe of ~3 ms costs < 0.3% of this
+    static constexpr int64_t kMinBackoffNs = 100'000'000;   // a few decode steps
+    static constexpr int64_t kMaxBackoffNs = 1'000'000'000; // a losing probe (~7 ms lost when idle) costs < 1%
     static constexpr int64_t kWinPercent = 95;            // the probe must take < 95% of the winner's time
 
     // Whether the job starting at now_ns should run on the workers.

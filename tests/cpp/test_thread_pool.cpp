@@ -155,3 +155,25 @@ TEST(ThreadPool, EveryModeRunsEveryIndexOnceAndPropagatesErrors) {
     }
     set_pool_mode(PoolMode::adaptive);
 }
+
+#ifdef __linux__
+#include <sys/wait.h>
+#include <unistd.h>
+
+// A forked child has none of its parent's workers: it builds a pool of its own, in whatever mode was set.
+TEST(ThreadPool, ForkedChildRunsJobsOnItsOwnWorkers) {
+    ASSERT_GE(cpu_threads(), 2);
+    set_pool_mode(PoolMode::parallel);
+    ASSERT_EQ(run_counts(100), std::vector<int>(100, 1)); // the parent's pool exists before the fork
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        const bool ok = distinct(task_threads(64, true)) >= 2 && run_counts(1000) == std::vector<int>(1000, 1);
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    set_pool_mode(PoolMode::adaptive);
+}
+#endif
