@@ -99,7 +99,7 @@ class Pool {
     static constexpr uint64_t kCountMask = 0xffffffffu;
     void publish(int64_t n, void (*task)(void *, int64_t), void *ctx);
     void join(int64_t n);
-    int64_t work(uint64_t epoch);
+    void work(uint64_t epoch);
     void worker_loop();
     void sleep_until_job(uint64_t seen);
     void record_error();
@@ -143,7 +143,7 @@ void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
         governor_.record(end, uint64_t(reinterpret_cast<uintptr_t>(task)) * 31 + uint64_t(n), on_workers, end - start);
         switches_.fetch_add(governor_.switches_to_serial() - before, std::memory_order_relaxed);
     }
-    if (failed_.load(std::memory_order_relaxed)) {
+    if (on_workers && failed_.load(std::memory_order_relaxed)) { // an inline job's exception is already out
         std::exception_ptr e;
         std::swap(e, error_); // the pool keeps no reference to the exception
         std::rethrow_exception(e);
@@ -169,10 +169,8 @@ void Pool::join(int64_t n) {
     }
 }
 
-// Claims and runs tasks of job `epoch` until none is left unclaimed (or a later job is published);
-// returns how many it ran.
-int64_t Pool::work(uint64_t epoch) {
-    int64_t ran = 0;
+// Claims and runs tasks of job `epoch` until none is left unclaimed (or a later job is published).
+void Pool::work(uint64_t epoch) {
     uint64_t s = state_.load(std::memory_order_acquire);
     while ((s >> 32) == epoch && (s & kCountMask) != 0) {
         if (!state_.compare_exchange_weak(s, s - 1, std::memory_order_acquire, std::memory_order_acquire)) continue;
@@ -184,10 +182,8 @@ int64_t Pool::work(uint64_t epoch) {
             }
         }
         done_.fetch_add(1, std::memory_order_release);
-        ++ran;
         s = state_.load(std::memory_order_acquire);
     }
-    return ran;
 }
 
 void Pool::record_error() {

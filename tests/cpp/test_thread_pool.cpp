@@ -140,6 +140,17 @@ TEST(ThreadPool, SerialModeRunsEveryTaskOnTheCallerAndStillThrows) {
     set_pool_mode(PoolMode::adaptive);
 }
 
+// A job on the workers that threw leaves nothing behind for the next jobs, on the caller alone or not.
+TEST(ThreadPool, AFailedJobDoesNotFailTheNextInAnyMode) {
+    for (PoolMode next : {PoolMode::serial, PoolMode::parallel}) {
+        set_pool_mode(PoolMode::parallel);
+        EXPECT_THROW(parallel_tasks(64, [](int64_t) { throw std::runtime_error("task failed"); }), std::runtime_error);
+        set_pool_mode(next);
+        EXPECT_NO_THROW(parallel_tasks(64, [](int64_t) {}));
+    }
+    set_pool_mode(PoolMode::adaptive);
+}
+
 // The tests above in every mode: the adaptive one flips between the other two on this shared machine.
 TEST(ThreadPool, EveryModeRunsEveryIndexOnceAndPropagatesErrors) {
     for (PoolMode mode : {PoolMode::serial, PoolMode::parallel, PoolMode::adaptive}) {
