@@ -44,13 +44,14 @@ class PoolGovernor {
         Slot &s = slots_[size_t((key * 0x9E3779B97F4A7C15ull) >> 56)];
         if (s.key != key) s = Slot{key, {0, 0}};
         const bool probe = probing_ && on_workers != winner_parallel_;
-        if (probe && s.mean[winner_parallel_] > 0) {
+        if (probe && s.last[winner_parallel_] > 0) {
             probe_sum_ += wall_ns;
-            winner_sum_ += s.mean[winner_parallel_];
+            winner_sum_ += s.last[winner_parallel_];
             ++compared_;
         }
-        int64_t &m = s.mean[on_workers];
-        m = m > 0 ? m + (wall_ns - m) / 4 : std::max<int64_t>(wall_ns, 1); // damps one preempted job
+        // The last time, not an average: a job that runs once a token (the LM head) would keep an average
+        // of its first, page-faulting runs for dozens of tokens and alone decide every probe.
+        s.last[on_workers] = std::max<int64_t>(wall_ns, 1);
         if (probe && (compared_ >= kProbeJobs || ++probe_jobs_ >= kProbeMaxJobs)) end_probe(now_ns);
     }
 
@@ -73,7 +74,7 @@ class PoolGovernor {
 
     struct Slot {
         uint64_t key;
-        int64_t mean[2]; // recent wall time of this job on the caller alone / on the workers; 0: none yet
+        int64_t last[2]; // last wall time of this job on the caller alone / on the workers; 0: none yet
     };
     std::array<Slot, 256> slots_{};
     bool winner_parallel_ = true, probing_ = false;
