@@ -4,8 +4,11 @@
 // state_ = epoch << 32 | n. Every thread, the caller included, claims task n - r by decrementing the
 // unclaimed count r with a CAS that also compares the epoch, so a worker waking late can never claim a
 // task of a later job. A claim pins its job (the caller returns only when done_ == n), so the fields a
-// thread reads after claiming are those of the job it claimed from.
+// thread reads after claiming are those of the job it claimed from. Before publishing, the caller asks the
+// governor (pool_governor.hpp) whether the workers pay off now; when they don't, it runs the job alone.
 #include "llaisys/thread_pool.hpp"
+
+#include "core/pool_governor.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +49,8 @@ constexpr auto kWorkerSpin = std::chrono::microseconds(100);
 // (which a descheduled worker may be waiting for).
 constexpr int kCallerSpins = 2000;
 
+constexpr int64_t kMaxIntervalNs = 20'000'000;
+
 int threads_from_environment() {
     if (const char *s = std::getenv("LLAISYS_NUM_THREADS")) { // A/B runs only: read here and nowhere else
         const int n = std::atoi(s);
@@ -58,7 +63,33 @@ int threads_from_environment() {
     return int(std::max(1u, std::thread::hardware_concurrency()));
 }
 
-thread_local bool t_in_task = false; // true on workers, and on a caller while it runs its own job's tasks
+thread_local bool t_in_task = false; // true on workers, and on a caller while it runs its own job
+
+// Marks the caller as inside its job until the scope ends (a task's exception included).
+struct InTask {
+    InTask() { t_in_task = true; }
+    ~InTask() { t_in_task = false; }
+};
+
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+void run_inline(int64_t n, void (*task)(void *, int64_t), void *ctx) {
+    for (int64_t i = 0; i < n; ++i) task(ctx, i);
+}
+
+// Names a job for the governor: the task count alone is capped (parallel_ranges makes at most 8 per thread),
+// so one task function (a copy, a norm) runs jobs of very different sizes under one count; ctx, the caller's
+// closure on its stack, tells the call paths apart (measured: without it one 5.7 ms copy job stood for
+// jobs of 30-250 us and decided a probe at idle).
+uint64_t job_key(void (*task)(void *, int64_t), void *ctx, int64_t n) {
+    return (uint64_t(reinterpret_cast<uintptr_t>(task)) * 31 + uint64_t(reinterpret_cast<uintptr_t>(ctx))) * 31 +
+           uint64_t(n);
+}
+
+std::atomic<PoolMode> g_mode{PoolMode::adaptive}; // outside the pool, so a forked child keeps it
 
 class Pool {
   public:
@@ -66,9 +97,20 @@ class Pool {
         for (int t = 1; t < threads; ++t) workers_.emplace_back([this] { worker_loop(); });
     }
     void run(int64_t n, void (*task)(void *, int64_t), void *ctx);
+    void restart_governor() {
+        std::lock_guard<std::mutex> g(caller_mu_);
+        governor_ = detail::PoolGovernor{};
+    }
+    PoolStats stats() const {
+        return {parallel_jobs_.load(std::memory_order_relaxed), serial_jobs_.load(std::memory_order_relaxed),
+                switches_.load(std::memory_order_relaxed)};
+    }
 
   private:
     static constexpr uint64_t kCountMask = 0xffffffffu;
+    void publish(int64_t n, void (*task)(void *, int64_t), void *ctx);
+    void record_interval(int64_t start, uint64_t key, bool on_workers);
+    void join(int64_t n);
     void work(uint64_t epoch);
     void worker_loop();
     void sleep_until_job(uint64_t seen);
@@ -76,6 +118,11 @@ class Pool {
 
     std::vector<std::thread> workers_; // never joined: the pool lives until the process ends
     std::mutex caller_mu_;             // held by the caller whose job is running
+    detail::PoolGovernor governor_;    // under caller_mu_, as the previous job's fields:
+    int64_t last_start_ = 0;
+    uint64_t last_key_ = 0;
+    bool last_on_workers_ = false;
+    std::atomic<int64_t> parallel_jobs_{0}, serial_jobs_{0}, switches_{0};
     // The current job, written by its caller before state_ publishes it.
     void (*task_)(void *, int64_t) = nullptr;
     void *ctx_ = nullptr;
@@ -93,10 +140,41 @@ class Pool {
 
 void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
     std::unique_lock<std::mutex> caller(caller_mu_, std::defer_lock);
-    if (t_in_task || !caller.try_lock()) { // nested, or another thread's job is running
-        for (int64_t i = 0; i < n; ++i) task(ctx, i);
-        return;
+    if (t_in_task || !caller.try_lock()) return run_inline(n, task, ctx); // nested, or another caller's job runs
+    InTask in_task;
+    const bool adaptive = g_mode.load(std::memory_order_relaxed) == PoolMode::adaptive;
+    const int64_t start = adaptive ? now_ns() : 0;
+    const bool on_workers = adaptive ? governor_.parallel(start) : g_mode.load() == PoolMode::parallel;
+    (on_workers ? parallel_jobs_ : serial_jobs_).fetch_add(1, std::memory_order_relaxed);
+    if (on_workers) {
+        publish(n, task, ctx);
+        work(epoch_ & kCountMask);
+        join(n);
+    } else {
+        run_inline(n, task, ctx); // a task's exception leaves the job untimed
     }
+    if (adaptive) record_interval(start, job_key(task, ctx, n), on_workers);
+    if (on_workers && failed_.load(std::memory_order_relaxed)) { // an inline job's exception is already out
+        std::exception_ptr e;
+        std::swap(e, error_); // the pool keeps no reference to the exception
+        std::rethrow_exception(e);
+    }
+}
+
+// Hands the governor the time from the previous job's start to this one's: the job and the caller's own work
+// after it, which a worker spinning for the next job slows down when the machine has no core to spare (a
+// job's time alone missed that: beside a busy loop it kept the workers at 0.8x of the caller alone).
+// Intervals over kMaxIntervalNs span idle time or a long serial section and are not compared.
+void Pool::record_interval(int64_t start, uint64_t key, bool on_workers) {
+    if (last_start_ > 0 && start - last_start_ < kMaxIntervalNs) {
+        const int64_t before = governor_.switches_to_serial();
+        governor_.record(start, last_key_, last_on_workers_, start - last_start_);
+        switches_.fetch_add(governor_.switches_to_serial() - before, std::memory_order_relaxed);
+    }
+    last_start_ = start, last_key_ = key, last_on_workers_ = on_workers;
+}
+
+void Pool::publish(int64_t n, void (*task)(void *, int64_t), void *ctx) {
     task_ = task, ctx_ = ctx, n_ = n, ++epoch_;
     done_.store(0, std::memory_order_relaxed);
     failed_.store(false, std::memory_order_relaxed);
@@ -105,17 +183,13 @@ void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
         { std::lock_guard<std::mutex> g(sleep_mu_); }
         wake_.notify_all();
     }
-    t_in_task = true;
-    work(epoch_ & kCountMask);
-    t_in_task = false;
+}
+
+// Waits until every task of the current job has finished or been skipped.
+void Pool::join(int64_t n) {
     for (int spins = 0; done_.load(std::memory_order_acquire) != n; ++spins) {
         if (spins < kCallerSpins) cpu_relax();
         else std::this_thread::yield();
-    }
-    if (failed_.load(std::memory_order_relaxed)) {
-        std::exception_ptr e;
-        std::swap(e, error_); // the pool keeps no reference to the exception
-        std::rethrow_exception(e);
     }
 }
 
@@ -193,14 +267,18 @@ int cpu_threads() {
     return threads;
 }
 
+void set_pool_mode(PoolMode mode) {
+    g_mode.store(mode, std::memory_order_relaxed);
+    if (cpu_threads() > 1) pool().restart_governor();
+}
+
+PoolStats pool_stats() { return cpu_threads() > 1 ? pool().stats() : PoolStats{}; }
+
 void parallel_tasks(int64_t n, void (*task)(void *ctx, int64_t i), void *ctx) {
     if (n <= 0) return;
     if (uint64_t(n) > 0xffffffffu)
         throw std::invalid_argument("parallel_tasks: " + std::to_string(n) + " tasks (at most 2^32 - 1)");
-    if (n == 1 || cpu_threads() == 1) {
-        for (int64_t i = 0; i < n; ++i) task(ctx, i);
-        return;
-    }
+    if (n == 1 || cpu_threads() == 1) return run_inline(n, task, ctx);
     pool().run(n, task, ctx);
 }
 

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <stdexcept>
@@ -83,6 +85,7 @@ TEST(ThreadPool, ConcurrentCallersEachGetTheirOwnResults) {
 // (the caller included) claim all the rest, however the tasks are first handed out.
 TEST(ThreadPool, OtherThreadsFinishTheTasksOfAStalledOne) {
     ASSERT_GE(cpu_threads(), 2);
+    set_pool_mode(PoolMode::parallel); // on the caller alone task 0 would wait forever
     constexpr int64_t n = 64;
     std::atomic<int64_t> finished{0};
     parallel_tasks(n, [&](int64_t i) {
@@ -91,4 +94,97 @@ TEST(ThreadPool, OtherThreadsFinishTheTasksOfAStalledOne) {
         finished.fetch_add(1);
     });
     EXPECT_EQ(finished.load(), n);
+    set_pool_mode(PoolMode::adaptive);
 }
+
+// Runs a job of n tasks and returns the ids of the threads that ran them. With `stall`, task 0 waits (up to
+// 10 s) for every other task to finish, which only another thread can do: a job handed to the workers shows
+// two threads even on a busy machine.
+static std::vector<std::thread::id> task_threads(int64_t n, bool stall) {
+    std::vector<std::thread::id> ids(static_cast<size_t>(n));
+    std::atomic<int64_t> finished{0};
+    parallel_tasks(n, [&](int64_t i) {
+        ids[size_t(i)] = std::this_thread::get_id();
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (stall && i == 0 && finished.load() != n - 1 && std::chrono::steady_clock::now() < deadline)
+            std::this_thread::yield();
+        finished.fetch_add(1);
+    });
+    return ids;
+}
+
+static size_t distinct(std::vector<std::thread::id> ids) {
+    std::sort(ids.begin(), ids.end());
+    return size_t(std::unique(ids.begin(), ids.end()) - ids.begin());
+}
+
+TEST(ThreadPool, AdaptivePoolStartsOnTheWorkers) {
+    ASSERT_GE(cpu_threads(), 2);
+    set_pool_mode(PoolMode::adaptive); // restarts the choice: the first job goes to the workers
+    const PoolStats before = pool_stats();
+    EXPECT_GE(distinct(task_threads(64, true)), 2u);
+    EXPECT_EQ(pool_stats().parallel_jobs, before.parallel_jobs + 1);
+}
+
+TEST(ThreadPool, SerialModeRunsEveryTaskOnTheCallerAndStillThrows) {
+    set_pool_mode(PoolMode::serial);
+    const std::vector<std::thread::id> ids = task_threads(64, false);
+    EXPECT_EQ(distinct(ids), 1u);
+    EXPECT_EQ(ids[0], std::this_thread::get_id());
+    EXPECT_THROW(parallel_tasks(100, [](int64_t i) {
+                     if (i == 50) throw std::runtime_error("task failed");
+                 }),
+                 std::runtime_error);
+    const std::vector<int> counts = run_counts(1000); // usable after the throw
+    for (int c : counts) ASSERT_EQ(c, 1);
+    set_pool_mode(PoolMode::adaptive);
+}
+
+// A job on the workers that threw leaves nothing behind for the next jobs, on the caller alone or not.
+TEST(ThreadPool, AFailedJobDoesNotFailTheNextInAnyMode) {
+    for (PoolMode next : {PoolMode::serial, PoolMode::parallel}) {
+        set_pool_mode(PoolMode::parallel);
+        EXPECT_THROW(parallel_tasks(64, [](int64_t) { throw std::runtime_error("task failed"); }), std::runtime_error);
+        set_pool_mode(next);
+        EXPECT_NO_THROW(parallel_tasks(64, [](int64_t) {}));
+    }
+    set_pool_mode(PoolMode::adaptive);
+}
+
+// The tests above in every mode: the adaptive one flips between the other two on this shared machine.
+TEST(ThreadPool, EveryModeRunsEveryIndexOnceAndPropagatesErrors) {
+    for (PoolMode mode : {PoolMode::serial, PoolMode::parallel, PoolMode::adaptive}) {
+        set_pool_mode(mode);
+        for (int round = 0; round < 500; ++round) {
+            const std::vector<int> counts = run_counts(1 + round % 37);
+            for (int c : counts) ASSERT_EQ(c, 1) << "round " << round;
+        }
+        EXPECT_THROW(parallel_tasks(64, [](int64_t i) {
+                         if (i % 7 == 3) throw std::runtime_error("task failed");
+                     }),
+                     std::runtime_error);
+    }
+    set_pool_mode(PoolMode::adaptive);
+}
+
+#ifdef __linux__
+#include <sys/wait.h>
+#include <unistd.h>
+
+// A forked child has none of its parent's workers: it builds a pool of its own, in whatever mode was set.
+TEST(ThreadPool, ForkedChildRunsJobsOnItsOwnWorkers) {
+    ASSERT_GE(cpu_threads(), 2);
+    set_pool_mode(PoolMode::parallel);
+    ASSERT_EQ(run_counts(100), std::vector<int>(100, 1)); // the parent's pool exists before the fork
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        const bool ok = distinct(task_threads(64, true)) >= 2 && run_counts(1000) == std::vector<int>(1000, 1);
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    set_pool_mode(PoolMode::adaptive);
+}
+#endif

@@ -24,7 +24,22 @@ int cpu_threads();
 // is using the pool run inline on the calling thread, so any thread may call at any time.
 // Keep tasks small (a few microseconds or more, many per thread): a task a descheduled worker has
 // started is the only thing the caller can be left waiting for.
+// When other processes leave the workers arriving late, jobs run on the calling thread alone for a while
+// (core/pool_governor.hpp says when and why); which threads run a task never changes what it computes.
 void parallel_tasks(int64_t n, void (*task)(void *ctx, int64_t i), void *ctx);
+
+// For tests and benchmarks, not a user setting: adaptive (the default) lets the pool choose per job;
+// serial runs every job on its caller; parallel always hands jobs to the workers. Setting a mode
+// restarts the adaptive choice from parallel.
+enum class PoolMode { adaptive, serial, parallel };
+void set_pool_mode(PoolMode mode);
+
+// Jobs since the process started (or forked) that ran on the workers and on the caller alone because of
+// the adaptive choice, and how often it switched to the caller alone.
+struct PoolStats {
+    int64_t parallel_jobs = 0, serial_jobs = 0, switches_to_serial = 0;
+};
+PoolStats pool_stats();
 
 template <typename Fn>
 void parallel_tasks(int64_t n, Fn &&fn) {
