@@ -50,6 +50,7 @@ constexpr auto kWorkerSpin = std::chrono::microseconds(100);
 constexpr int kCallerSpins = 2000;
 
 constexpr int64_t kMaxIntervalNs = 20'000'000;
+constexpr int64_t kLateJoinNs = 200'000; // a wait at the join that means a descheduled worker (note_join)
 
 int threads_from_environment() {
     if (const char *s = std::getenv("LLAISYS_NUM_THREADS")) { // A/B runs only: read here and nowhere else
@@ -110,6 +111,7 @@ class Pool {
     static constexpr uint64_t kCountMask = 0xffffffffu;
     void publish(int64_t n, void (*task)(void *, int64_t), void *ctx);
     void record_interval(int64_t start, uint64_t key, bool on_workers);
+    void note_join(int64_t start, int64_t joined, int64_t done);
     void join(int64_t n);
     void work(uint64_t epoch);
     void worker_loop();
@@ -144,21 +146,31 @@ void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
     InTask in_task;
     const bool adaptive = g_mode.load(std::memory_order_relaxed) == PoolMode::adaptive;
     const int64_t start = adaptive ? now_ns() : 0;
-    const bool on_workers = adaptive ? governor_.parallel(start) : g_mode.load() == PoolMode::parallel;
+    const uint64_t key = adaptive ? job_key(task, ctx, n) : 0;
+    const bool on_workers = adaptive ? governor_.parallel(start, key) : g_mode.load() == PoolMode::parallel;
     (on_workers ? parallel_jobs_ : serial_jobs_).fetch_add(1, std::memory_order_relaxed);
     if (on_workers) {
         publish(n, task, ctx);
         work(epoch_ & kCountMask);
+        const int64_t joined = adaptive ? now_ns() : 0;
         join(n);
+        if (adaptive) note_join(start, joined, now_ns());
     } else {
         run_inline(n, task, ctx); // a task's exception leaves the job untimed
     }
-    if (adaptive) record_interval(start, job_key(task, ctx, n), on_workers);
+    if (adaptive) record_interval(start, key, on_workers);
     if (on_workers && failed_.load(std::memory_order_relaxed)) { // an inline job's exception is already out
         std::exception_ptr e;
         std::swap(e, error_); // the pool keeps no reference to the exception
         std::rethrow_exception(e);
     }
+}
+
+// A caller that waited at the join longer than it worked, and for more than kLateJoinNs, waited for a worker
+// the scheduler had parked with a claimed task (at idle the wait is at most one task's tail): the governor
+// then probes the caller alone soon instead of after its back-off, so an idle machine pays no probes.
+void Pool::note_join(int64_t start, int64_t joined, int64_t done) {
+    if (done - joined > kLateJoinNs && done - joined > joined - start) governor_.late_worker(done);
 }
 
 // Hands the governor the time from the previous job's start to this one's: the job and the caller's own work
