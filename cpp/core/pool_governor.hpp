@@ -7,7 +7,7 @@
 // jobs of ~100 us: 2-thread decode beside one busy loop ran at 0.87x of one thread. No estimate made from
 // parallel jobs alone predicted the caller-alone time on a loaded machine (its wall time counts its own
 // descheduling once per task, its CPU time not at all), so the governor measures both: the mode that won
-// last (the winner) runs, and after a back-off one probe window runs the other mode. Jobs repeat (a decode
+// last (the winner) runs, and a probe window now and then runs the other mode (when, below). Jobs repeat (a decode
 // step runs the same ops every layer and every token), so each probe job is compared with the winner's
 // recent time for the same job: its task function and task count. The probe takes over only when it wins by
 // kWinPercent; a probe that loses doubles the back-off, so the winner keeps the machine nearly all the time.
@@ -27,7 +27,7 @@ class PoolGovernor {
   public:
     static constexpr int kProbeJobs = 128;                // compared jobs per probe: ~a 0.5B decode step
     static constexpr int kProbeMaxJobs = 4 * kProbeJobs;  // a probe ends here even if few jobs compared
-    static constexpr int64_t kMinBackoffNs = 1'000'000'000;  // ~60 decode steps: late workers start probes sooner
+    static constexpr int64_t kMinBackoffNs = 1'000'000'000;  // while the caller alone wins: ~60 decode steps
     static constexpr int64_t kMaxBackoffNs = 8'000'000'000; // a losing probe (~7 ms lost when idle) costs < 0.1%
     static constexpr int64_t kWinPercent = 95;            // the probe must take < 95% of the winner's time
     static constexpr int64_t kProbeJobMaxNs = 500'000;    // longer jobs run in the winner's mode, even in a probe
