@@ -430,21 +430,23 @@ def device_matrix_at(fmt, data, offset):
 @cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 3])
-def test_cuda_gemv_and_decode_same_bits_at_any_alignment(fmt, M):
+@pytest.mark.parametrize("N", [37, 8195])
+def test_cuda_gemv_and_decode_same_bits_at_any_alignment(fmt, M, N):
     """The device readers load the 2-byte-aligned formats (Q4_0, Q5_0, Q8_0, Q6_K) in funnel-shifted
-    4-byte words whose shift depends on where a block starts (blocks.cuh): every start the format
-    allows gives the same bits, and the decode stays gguf-py's. Blocks of these formats alternate
-    between the two 4-byte phases within a row."""
-    data = random_blocks(fmt, 37, 512, seed=21)
+    4-byte words whose shift depends on where a block starts (blocks.cuh), and Q4_K/Q5_K in 16-byte
+    words only where the matrix is 16-byte aligned: every start the format allows gives the same bits,
+    and the decode stays gguf-py's. Blocks of the 2-byte formats alternate between the two 4-byte
+    phases within a row. N = 8195 (x 512 >= 4M weights) takes the K-quants' chunked GEMV."""
+    data = random_blocks(fmt, N, 512, seed=21)
     x = llaisys.tensor(np.random.default_rng(22).standard_normal((M, 512)).astype(np.float32), "cuda")
     step = 4 if fmt in ("q4_k", "q5_k") else 2  # the format's alignment (blocks.cuh's kAlign)
     outs, decoded = [], []
     for offset in (0, step, 16 - step):
         w = device_matrix_at(fmt, data, offset)
-        out = poisoned((M, 37), "f32", "cuda")
+        out = poisoned((M, N), "f32", "cuda")
         quant.linear_(out, x, w)
         outs.append(bits(out))
-        dense = poisoned((37, 512), "f32", "cuda")
+        dense = poisoned((N, 512), "f32", "cuda")
         quant.dequantize_(dense, w)
         decoded.append(bits(dense))
     for o, d in zip(outs[1:], decoded[1:]):
@@ -471,10 +473,11 @@ def test_cuda_linear_nan_input_makes_its_row_nan(fmt, M):
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_0", "q6_k", "q8_0"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M", [1, 5, 9])
-@pytest.mark.parametrize("I", [37, 6007])
+@pytest.mark.parametrize("I", [37, 6007, 8209])
 def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M, I):
     """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs the
-    dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last one."""
+    dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last one;
+    I = 8209: enough weights (I x 512 >= 4M) for the K-quants' chunked GEMV."""
     w = matrix(fmt, random_blocks(fmt, 2 * I, 512, seed=8)).to("cuda")
     x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]), "cuda")
     out = poisoned((M, I), dtype, "cuda")

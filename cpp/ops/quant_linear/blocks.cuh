@@ -142,6 +142,140 @@ struct Q6_K {
     }
 };
 
+// ---- Chunks: the K-quant GEMV's unit (quant_gemv_kq_kernel in cuda.cu) ----
+// A 256-weight block is read by 8 lanes, lane c taking chunk c: 16 bytes of its codes, which hold two runs of
+// 16 weights (A and B, kRunGap apart; A starts at run_a(c)). Lanes c of consecutive blocks read consecutive
+// bytes, so a warp's loads of one block are one contiguous span instead of 8 overlapping 32-byte reads per
+// sub-block. Each lane loads the block's scales itself (the 8 lanes' loads of them are one broadcast).
+// load() only issues the loads (Raw holds the words as they came), decode() turns them into the runs' codes
+// and scales, so a lane can have several blocks in flight before it needs any of them.
+struct Chunk {
+    int q[2][4];  // codes of runs A and B, 4 to an int (element order)
+    float d;      // the block's scale
+    int isc[2];   // integer scales of A and B
+    int off;      // offset of the unsigned codes
+    float dm[2];  // subtracted from each weight of A and B after scaling (K-quants' mins)
+};
+
+// 4 words from a 16-byte run at p: one 16-byte load when the run is so aligned (kV16), else four 4-byte ones
+// (the same words, so the same bits).
+template <bool kV16>
+__device__ __forceinline__ void ld_run16(uint32_t (&w)[4], const uint8_t *p) {
+    if constexpr (kV16) {
+        const uint4 v = Ldg::u128(p);
+        w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = Ldg::u32(p + 4 * i);
+    }
+}
+
+// Byte k (0..11) of the 12 scale bytes held in three words.
+__device__ __forceinline__ uint32_t byte12(const uint32_t (&s)[3], int k) {
+    const uint32_t w = k < 4 ? s[0] : k < 8 ? s[1] : s[2];
+    return (w >> (8 * (k & 3))) & 0xFFu;
+}
+// scale_min_k4 (quant/formats.hpp) over the scale bytes in words.
+__device__ __forceinline__ void scale_min_words(const uint32_t (&s)[3], int j, int &sc, int &m) {
+    if (j < 4) {
+        sc = int(byte12(s, j) & 63), m = int(byte12(s, j + 4) & 63);
+    } else {
+        sc = int((byte12(s, j + 4) & 0x0F) | ((byte12(s, j - 4) >> 6) << 4));
+        m = int((byte12(s, j + 4) >> 4) | ((byte12(s, j) >> 6) << 4));
+    }
+}
+
+// Q4_K and Q5_K: chunk c is qs bytes 16c..16c+15, i.e. positions 16 (c % 2)..+15 of sub-blocks 2 (c / 2)
+// (low nibbles, run A) and 2 (c / 2) + 1 (high nibbles, run B); Q5_K's fifth bits are qh at the same
+// positions, bits 2 (c / 2) and + 1. Blocks of 144 and 176 bytes: 16-byte aligned when the matrix is.
+template <bool kFifth>
+struct KChunkQxK {
+    using Block = std::conditional_t<kFifth, quant::BlockQ5_K, quant::BlockQ4_K>;
+    static constexpr int kRunGap = 32;
+    struct Raw {
+        uint32_t head[4]; // d, dmin (f16 each), the 12 scale bytes
+        uint32_t qs[4];
+        uint32_t qh[kFifth ? 4 : 1];
+    };
+    __device__ static int run_a(int c) { return 64 * (c / 2) + 16 * (c % 2); }
+    template <bool kV16>
+    __device__ static void load(Raw &r, const uint8_t *b, int c) {
+        ld_run16<kV16>(r.head, b);
+        ld_run16<kV16>(r.qs, b + offsetof(Block, qs) + 16 * c);
+        if constexpr (kFifth) ld_run16<kV16>(r.qh, b + offsetof(quant::BlockQ5_K, qh) + 16 * (c % 2));
+    }
+    __device__ static Chunk decode(const Raw &r, int c) {
+        const int s0 = 2 * (c / 2);
+        const uint32_t sw[3] = {r.head[1], r.head[2], r.head[3]};
+        int sc0, m0, sc1, m1;
+        scale_min_words(sw, s0, sc0, m0);
+        scale_min_words(sw, s0 + 1, sc1, m1);
+        const float dmin = half_bits(r.head[0] >> 16);
+        Chunk k{{}, half_bits(r.head[0]), {sc0, sc1}, 0, {dmin * float(m0), dmin * float(m1)}};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            k.q[0][i] = int(r.qs[i] & 0x0F0F0F0Fu);
+            k.q[1][i] = int((r.qs[i] >> 4) & 0x0F0F0F0Fu);
+            if constexpr (kFifth) {
+                k.q[0][i] |= int(((r.qh[i] >> s0) & 0x01010101u) << 4);
+                k.q[1][i] |= int(((r.qh[i] >> (s0 + 1)) & 0x01010101u) << 4);
+            }
+        }
+        return k;
+    }
+};
+
+// Q6_K: chunk c is ql bytes 16c..16c+15: in half h = c / 4, positions 16 (c % 4)..+15 (low nibbles, run A)
+// and 64 further (high nibbles, run B); their top 2 bits are qh[32 h + 16 (c % 2) ..] bits 2 ((c % 4) / 2)
+// and + 4; scales sc[8 h + c % 4] and + 4. 210-byte blocks sit 2 bytes apart: runs of words (ld_words).
+struct KChunkQ6_K {
+    using Block = quant::BlockQ6_K;
+    static constexpr int kRunGap = 64;
+    struct Raw {
+        uint32_t ql[5], qh[5]; // the aligned words covering each 16-byte run (joined in decode())
+        uint32_t shift;        // 0 or 16: where the runs start within their first word
+        uint32_t sc;           // the scale bytes of A (bits 0-7) and B (bits 8-15)
+        uint32_t d;
+    };
+    __device__ static int run_a(int c) { return 128 * (c / 4) + 16 * (c % 4); }
+    // Both runs start at the block's 4-byte phase, and the word after each lies inside the block.
+    template <bool kV16>
+    __device__ static void load(Raw &r, const uint8_t *b, int c) {
+        const int h = c / 4;
+        const uintptr_t phase = reinterpret_cast<uintptr_t>(b) & 3;
+        const uint8_t *ql = b - phase + offsetof(Block, ql) + 16 * c, *qh = b - phase + offsetof(Block, qh) + 32 * h + 16 * (c % 2);
+#pragma unroll
+        for (int i = 0; i < 5; ++i) r.ql[i] = Ldg::u32(ql + 4 * i), r.qh[i] = Ldg::u32(qh + 4 * i);
+        r.shift = uint32_t(phase) * 8;
+        const uint8_t *sc = b + offsetof(Block, scales) + 8 * h + c % 4;
+        r.sc = uint32_t(__ldg(sc)) | uint32_t(__ldg(sc + 4)) << 8;
+        r.d = Ldg::u16(b + offsetof(Block, d));
+    }
+    __device__ static Chunk decode(const Raw &r, int c) {
+        const int sh = 2 * ((c % 4) / 2);
+        Chunk k{{}, half_bits(r.d), {int(int8_t(r.sc & 0xFFu)), int(int8_t(r.sc >> 8))}, 32, {0.f, 0.f}};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t ql = __funnelshift_r(r.ql[i], r.ql[i + 1], r.shift);
+            const uint32_t qh = __funnelshift_r(r.qh[i], r.qh[i + 1], r.shift);
+            k.q[0][i] = int((ql & 0x0F0F0F0Fu) | ((qh >> sh) & 0x03030303u) << 4);
+            k.q[1][i] = int(((ql >> 4) & 0x0F0F0F0Fu) | ((qh >> (sh + 4)) & 0x03030303u) << 4);
+        }
+        return k;
+    }
+};
+
+template <class F>
+struct KChunkOf;
+template <bool kFifth>
+struct KChunkOf<QxK<kFifth>> {
+    using type = KChunkQxK<kFifth>;
+};
+template <>
+struct KChunkOf<Q6_K> {
+    using type = KChunkQ6_K;
+};
+
 // Weight j (0..31) of a sub-block, in gguf-py's f32 operations (the _rn intrinsics keep nvcc from
 // fusing them into an FMA).
 template <class F>

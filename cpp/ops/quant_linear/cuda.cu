@@ -4,7 +4,8 @@
 //   W row with them in integer arithmetic (__dp4a), scaling each sub-block's sum in f32. While x is short
 //   (M K <= 4096) each block of the GEMV quantizes it itself (one launch per linear: at batch 1 a
 //   separate quantize kernel cost about as much as a small GEMV); else quantize_x_kernel does it once,
-//   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x.
+//   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x. Large K-quant
+//   matrices (Q4_K, Q5_K, Q6_K) take quant_gemv_kq_kernel, which reads whole blocks in contiguous spans.
 //   M > 8 (prefill, large batches): the whole weight is decoded into a dense [N, K] of x's dtype and the
 //   dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes into a transient tensor
 //   (N * K * sizeof(T) for the call, handed back to the caching allocator after it); a model decodes into
@@ -148,6 +149,49 @@ __device__ __forceinline__ void load_sub(Sub32 (&sub)[R], const uint8_t *w, int6
     for (int r = 0; r < R; ++r) sub[r] = F::sub(w + (n + r * N) * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
 }
 
+// The end of both GEMVs: the G lanes' f32 sums of a row reduced by shuffles (then through shared memory
+// `red` for G > 32, added in warp order), and lane m of the group stores x row m's output. Every thread of
+// the block must call it (the shuffles and the barrier).
+template <typename T, int MR, int R, bool kSwiglu>
+__device__ __forceinline__ void gemv_reduce_store(float (&acc)[MR][R], T *__restrict__ out, const T *__restrict__ bias,
+                                                  float *red, int64_t M, int64_t N, int64_t n, bool live, int G,
+                                                  int gl, int grp) {
+    const int width = G < 32 ? G : 32;
+#pragma unroll
+    for (int m = 0; m < MR; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            for (int o = 1; o < width; o <<= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
+    if (G > 32) { // the group's warps: partial sums through shared memory, added in warp order
+        const int warp = threadIdx.x >> 5, per = G / 32;
+        if ((threadIdx.x & 31) == 0)
+#pragma unroll
+            for (int m = 0; m < MR; ++m)
+#pragma unroll
+                for (int r = 0; r < R; ++r) red[(warp * MR + m) * R + r] = acc[m][r];
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < MR; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float v = 0.f;
+                for (int i = 0; i < per; ++i) v += red[((grp * per + i) * MR + m) * R + r];
+                acc[m][r] = v;
+            }
+    }
+    if (!live) return;
+#pragma unroll
+    for (int m = 0; m < MR; ++m) {
+        if (m >= M || gl != m) continue; // lane m of the group stores row m
+        if constexpr (kSwiglu) { // the swiglu op's formula (ops/swiglu/cuda.cu)
+            const float g = to_f32(from_f32<T>(acc[m][0])), u = to_f32(from_f32<T>(acc[m][1]));
+            out[m * N + n] = from_f32<T>(u * (g / (1.f + expf(-g))));
+        } else {
+            out[m * N + n] = from_f32<T>(acc[m][0] + (bias ? to_f32(bias[n]) : 0.f));
+        }
+    }
+}
+
 // out [M, N] = x @ W^T (+ bias [N]) with W [N, K], or with kSwiglu out = swiglu(x @ W[:N]^T, x @ W[N:]^T)
 // with W [2N, K], g and u rounded to T first as linear + swiglu would. M <= MR.
 // Work: G lanes (gemv_group) per output row, kGemvThreads / G rows per block, one block per such tile.
@@ -194,40 +238,105 @@ __global__ void __launch_bounds__(kGemvThreads)
             if (s < nsub) load_sub<F, R>(a, w, row_bytes, n, N, s);
             if (s + G < nsub) load_sub<F, R>(b, w, row_bytes, n, N, s + G);
         }
-    const int width = G < 32 ? G : 32;
+    gemv_reduce_store<T, MR, R, kSwiglu>(acc, out, bias, red, M, N, n, live, G, gl, grp);
+}
+
+// Adds chunk c of W's block b (one Raw per W row) dotted with the M x rows to acc (see Chunk in
+// blocks.cuh): per run, exact integer sums, then the block's scales, then x's scale for the block.
+template <class C, int MR, int R>
+__device__ __forceinline__ void kq_accumulate(float (&acc)[MR][R], const typename C::Raw (&raw)[R], int c,
+                                              const int8_t *qx, const float *dx, int64_t b, int64_t M, int64_t K) {
+    Chunk k[R];
 #pragma unroll
-    for (int m = 0; m < MR; ++m)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            for (int o = 1; o < width; o <<= 1) acc[m][r] += __shfl_xor_sync(0xffffffffu, acc[m][r], o);
-    if (G > 32) { // the group's warps: partial sums through shared memory, added in warp order
-        const int warp = threadIdx.x >> 5, per = G / 32;
-        if ((threadIdx.x & 31) == 0)
-#pragma unroll
-            for (int m = 0; m < MR; ++m)
-#pragma unroll
-                for (int r = 0; r < R; ++r) red[(warp * MR + m) * R + r] = acc[m][r];
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < MR; ++m)
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                float v = 0.f;
-                for (int i = 0; i < per; ++i) v += red[((grp * per + i) * MR + m) * R + r];
-                acc[m][r] = v;
-            }
-    }
-    if (!live) return;
+    for (int r = 0; r < R; ++r) k[r] = C::decode(raw[r], c);
+    const int64_t nb = K / 256, e = 256 * b + C::run_a(c);
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
-        if (m >= M || gl != m) continue; // lane m of the group stores row m
-        if constexpr (kSwiglu) { // the swiglu op's formula (ops/swiglu/cuda.cu)
-            const float g = to_f32(from_f32<T>(acc[m][0])), u = to_f32(from_f32<T>(acc[m][1]));
-            out[m * N + n] = from_f32<T>(u * (g / (1.f + expf(-g))));
-        } else {
-            out[m * N + n] = from_f32<T>(acc[m][0] + (bias ? to_f32(bias[n]) : 0.f));
+        const int64_t row = m < M ? m : M - 1;
+        const int4 xa = *reinterpret_cast<const int4 *>(qx + row * K + e);
+        const int4 xb = *reinterpret_cast<const int4 *>(qx + row * K + e + C::kRunGap);
+        const int va[4] = {xa.x, xa.y, xa.z, xa.w}, vb[4] = {xb.x, xb.y, xb.z, xb.w};
+        int sa = 0, sb = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sa = __dp4a(va[i], 0x01010101, sa), sb = __dp4a(vb[i], 0x01010101, sb);
+        const float d = dx[row * nb + b];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            int da = 0, db = 0;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) da = __dp4a(k[r].q[0][i], va[i], da), db = __dp4a(k[r].q[1][i], vb[i], db);
+            const int isum = k[r].isc[0] * (da - k[r].off * sa) + k[r].isc[1] * (db - k[r].off * sb);
+            acc[m][r] += d * (k[r].d * float(isum) - (k[r].dm[0] * float(sa) + k[r].dm[1] * float(sb)));
         }
     }
+}
+
+// The K-quants' GEMV (Q4_K, Q5_K, Q6_K; 256-weight blocks): quant_gemv_kernel's work, outputs and
+// reduction, but lane l of a row's G takes chunk l % 8 of blocks l / 8, l / 8 + G / 8, ... (Chunk in
+// blocks.cuh): the 8 lanes of a block read it as one contiguous span. Each lane keeps kDepth blocks'
+// raw words in flight (all loads issued before any is used; the first ones before pdl_wait, W being
+// constant); addresses past the row are clamped to its last block rather than branched around, so the
+// loads stay in one straight run of code.
+constexpr int kKqDepth = 2;
+// Smaller K-quant matrices (N outputs x K, so linear_swiglu's halves choose as linear does) take
+// quant_gemv_kernel: latency-bound, they gain more from its finer split (a lane per 32-weight sub-block)
+// than from whole-block reads. H100, bench_ops, 2026-11-26: 2048 x 1536 Q4_K
+// 2.56 us there against 3.42 here; 8960 x 1536 7.80 against 6.06, 1536 x 8960 6.84 against 6.07.
+constexpr int64_t kKqMinWeights = int64_t(4) << 20;
+// Blocks an SM must hold (__launch_bounds__): at batch 1, 3 (<= 80 registers a thread) where the raw words
+// in flight leave room for it without spilling, so that gate/up's 280 blocks run in one wave on 132 SMs.
+template <class F, int MR, bool kSwiglu>
+constexpr int kq_min_blocks() {
+    constexpr size_t raw = sizeof(typename KChunkOf<F>::type::Raw) * (kSwiglu ? 2 : 1) * kKqDepth;
+    return MR == 1 && raw <= 160 ? 3 : 1;
+}
+template <class F, typename T, int MR, bool kSwiglu, bool kV16>
+__global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
+    quant_gemv_kq_kernel(T *__restrict__ out, const uint8_t *__restrict__ w, int64_t row_bytes,
+                         const T *__restrict__ x, int64_t ldx, QuantX xq, const T *__restrict__ bias, int64_t M,
+                         int64_t N, int64_t K, int G) {
+    using C = typename KChunkOf<F>::type;
+    constexpr int R = kSwiglu ? 2 : 1, D = kKqDepth;
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int64_t nb = K / 256;
+    const int rows = kGemvThreads / G, gl = threadIdx.x % G, grp = threadIdx.x / G, c = gl % 8;
+    const int64_t n = int64_t(blockIdx.x) * rows + grp, step = G / 8, b0 = gl / 8;
+    const bool live = n < N;
+    const uint8_t *wrow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wrow[r] = w + ((live ? n : N - 1) + r * N) * row_bytes;
+    typename C::Raw raw[D][R];
+#pragma unroll
+    for (int i = 0; i < D; ++i)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            C::template load<kV16>(raw[i][r], wrow[r] + std::min(b0 + i * step, nb - 1) * F::kBytes, c);
+    pdl_trigger();
+    pdl_wait();
+    const int8_t *qx = xq.q;
+    const float *dx = xq.d;
+    float *red = reinterpret_cast<float *>(smem); // [warps][MR][R] partial sums, after x's codes if here
+    if (qx == nullptr) {
+        int8_t *sq = reinterpret_cast<int8_t *>(smem);
+        float *sd = reinterpret_cast<float *>(smem + M * K);
+        quantize_x<T, 256>(sq, sd, x, ldx, M, K);
+        __syncthreads();
+        qx = sq, dx = sd, red = sd + M * nb;
+    }
+    float acc[MR][R] = {};
+    if (live)
+        for (int64_t b = b0; b < nb; b += D * step) {
+#pragma unroll
+            for (int i = 0; i < D; ++i) {
+                const int64_t bi = b + i * step;
+                if (bi >= nb) break;
+                kq_accumulate<C, MR, R>(acc, raw[i], c, qx, dx, bi, M, K);
+                const int64_t next = std::min(bi + D * step, nb - 1);
+#pragma unroll
+                for (int r = 0; r < R; ++r) C::template load<kV16>(raw[i][r], wrow[r] + next * F::kBytes, c);
+            }
+        }
+    gemv_reduce_store<T, MR, R, kSwiglu>(acc, out, bias, red, M, N, n, live, G, gl, grp);
 }
 
 // out [n, K] = rows ids[i] of W [V, K] decoded (embedding; an id outside [0, V) sets the device error
@@ -295,9 +404,18 @@ void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const
     }
     // x's codes and scales when fused (< 48 KB: M K <= 4096), then the partial sums of wide groups
     const size_t smem = (fused ? size_t(M * K + M * nb * 4) : 0) + (kGemvThreads / 32) * MR * (kSwiglu ? 2 : 1) * 4;
-    launch_pdl(quant_gemv_kernel<F, D, MR, kSwiglu>, dim3(unsigned(ceil_div(N, int64_t(kGemvThreads / G)))),
-               dim3(kGemvThreads), smem, stream, dev, dptr<T>(out), w.bytes().data_as<uint8_t>(), w.row_bytes(),
-               dptr<T>(x), linear_detail::ld(x), xq, bias.defined() ? dptr<T>(bias) : nullptr, M, N, K, G);
+    const auto kernel = [&] {
+        if constexpr (F::kBK == 256) { // large K-quant matrices: chunked reads, 16-byte loads where aligned
+            const bool v16 = F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(w.bytes().data()) % 16 == 0;
+            if (N * K >= kKqMinWeights)
+                return v16 ? quant_gemv_kq_kernel<F, D, MR, kSwiglu, F::kBytes % 16 == 0>
+                           : quant_gemv_kq_kernel<F, D, MR, kSwiglu, false>;
+        }
+        return quant_gemv_kernel<F, D, MR, kSwiglu>;
+    }();
+    launch_pdl(kernel, dim3(unsigned(ceil_div(N, int64_t(kGemvThreads / G)))), dim3(kGemvThreads), smem, stream, dev,
+               dptr<T>(out), w.bytes().data_as<uint8_t>(), w.row_bytes(), dptr<T>(x), linear_detail::ld(x), xq,
+               bias.defined() ? dptr<T>(bias) : nullptr, M, N, K, G);
 }
 
 template <typename T, bool kSwiglu>
