@@ -240,6 +240,39 @@ def test_cuda_large(qlens, kvlens, block_size, heads, dtype, device):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", [(12, 2, 128), (14, 2, 64), (8, 8, 64)], ids=["1.5B", "0.5B", "g1"])
+def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype):
+    """settled_history=True (a model's step: the decode kernel reads the metadata and the older keys before
+    the kernel ahead of it ends) gives the bits of the default; and each sequence's newest key and value,
+    written by a kernel (index_copy) launched just before the attention, are the ones it reads."""
+    kvlens = [1, 7, 33, 300, 1000, 0, 65]
+    b = Batch([1 if kv else 0 for kv in kvlens], kvlens, 16, heads, dtype, "cuda", seed=12)
+    scale = heads[2] ** -0.5
+    plain = b.run(scale)
+    settled = poisoned(b.shape, dtype, "cuda")
+    llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True)
+    np.testing.assert_array_equal(settled.to("cpu").numpy().view(np.uint8), plain.to("cpu").numpy().view(np.uint8))
+    # new newest rows, through a kernel on the same stream right before the attention
+    live = [i for i, kv in enumerate(kvlens) if kv]
+    j = np.array([kvlens[i] - 1 for i in live])
+    bs = b.ref_k.shape[1]
+    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    nkvh, hd = heads[1], heads[2]
+    rng = np.random.default_rng(13)
+    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
+    rows = b.ref_k.shape[0] * bs
+    idx = llaisys.tensor(slots, "cuda")
+    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
+    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
+    out = poisoned(b.shape, dtype, "cuda")
+    llaisys.ops.paged_attention(out, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True)
+    for ref, new in ((b.ref_k, new_k), (b.ref_v, new_v)):
+        ref.reshape(rows, nkvh, hd)[slots] = new.astype(np.float64).reshape(-1, nkvh, hd)
+    assert_close(out, b.expected(scale), dtype)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("qlens", [[2, 1], [1, 1]], ids=["split-kernel", "decode-kernel"])
 def test_cuda_bad_metadata_raises_at_synchronize(qlens):
     """kv_len < qlen and a block id out of range: the kernels clamp (nothing out of bounds is read) and

@@ -80,10 +80,13 @@ void self_attention_cached(const Tensor &out, const Tensor &q, const Tensor &k_c
 // Requires 0 <= q_start[b] <= q_start[b+1] <= T, qlen_b <= max_q_len, qlen_b <= kv_len[b] <=
 // max_blocks * block_size and the used block ids in [0, num_blocks): violations raise on the CPU; on CUDA
 // the kernels clamp (never reading out of bounds, a bad sequence's rows may be left unwritten) and raise
-// at the next synchronize.
+// at the next synchronize. settled_history: a promise that no kernel still running on the stream writes
+// the metadata or the keys/values before this step's (positions < kv_len[b] - qlen_b), as in a model step
+// (they come from host uploads and earlier steps); the CUDA decode kernel then reads them while the kernel
+// ahead of it still runs, instead of after it (ignored elsewhere; false is always safe).
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len);
+                     int64_t max_q_len, bool settled_history = false);
 // out = up * gate * sigmoid(gate), in f32.
 void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
 // Samples one token per row of logits [B, V] into out_ids [B] (i64). Per-row parameters live on the

@@ -38,8 +38,10 @@ Tensor Qwen2::attention(int l, const Tensor &x, const runtime::StepBatch &b, con
         ops::index_copy(pool.value_rows(l), b.slots, v);
     }
     Tensor attn = Tensor::empty({T, nh, hd}, dtype_, device_);
+    // Settled history: the step's metadata comes from host uploads and the keys before the step's own from
+    // earlier steps, so the decode kernel may read them while rope_qkv_cache still runs.
     ops::paged_attention(attn, q, pool.keys(l), pool.values(l), b.block_tables, b.q_start, b.kv_len,
-                         1.f / std::sqrt(float(hd)), b.max_q_len);
+                         1.f / std::sqrt(float(hd)), b.max_q_len, /*settled_history=*/true);
     return project_out(L, attn, T);
 }
 

@@ -13,6 +13,7 @@
 #include "ops/common/split_kv.cuh"
 
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 namespace llaisys::ops::cuda {
@@ -42,6 +43,7 @@ struct PagedArgs {
     int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
     float scale_log2;
     int granule; // a sequence's key chunks are multiples of it: kTile (split kernel) or kDecTile (decode kernel)
+    int settled; // settled_history (ops.hpp): the decode kernel reads the metadata and older keys before pdl_wait
 };
 
 // One sequence's metadata, clamped into the contract so that nothing out of bounds is read: q rows
@@ -263,22 +265,49 @@ __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int
 //   dot products per key and reduce-scatters them, so lane l ends with row (l >> 2)'s scores; the
 //   online softmax of that row runs in the lane, and P @ V takes each row's probability by a shuffle.
 // The 4 warps' (max, sum, acc) merge through shared memory; the chunk's result goes to out (one split) or
-// to the partials paged_combine_kernel merges (the same layout as the split kernel's).
+// to the partials paged_combine_kernel merges (the same layout as the split kernel's). With settled
+// history (a model's step) the block reads its sequence's metadata, block table and first keys before
+// pdl_wait, so only q and this step's own keys wait for the kernels ahead.
 template <typename T, int DPL>
 __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
     __shared__ float wm[kDecWarps][kDecRows], wl[kDecWarps][kDecRows];
     __shared__ __align__(16) float wacc[kDecWarps][kDecRows][32 * DPL];
     pdl_trigger();
-    pdl_wait();
+    if (!a.settled) pdl_wait();
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
-    if (s.qlen == 0) return;
     const int L = chunk_len(s.kv, a.nsplit, kDecTile), kb = blockIdx.x * L, ke = min(kb + L, s.kv);
-    if (kb >= ke) return;
+    const bool empty = s.qlen == 0 || kb >= ke;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
     const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + lane * DPL;
     const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
+    // Keys [t0, t0 + n) of a step, this warp's: lanes 0..n-1 look up their cache rows, then every load of
+    // the step is in flight at once. Only keys in [lo, hi) are loaded by a call; past the chunk (k >= n):
+    // no read, and V = 0 so that p = 0 adds nothing (not 0 * NaN).
+    Dims<T, DPL> kd[kDecKeys], vd[kDecKeys];
+    int t0 = kb + warp * kDecKeys, n = empty ? 0 : max(0, min(kDecKeys, ke - t0));
+    const auto load_keys = [&](int lo, int hi) {
+        const int slot = lane < n ? cache_row(a, table, t0 + lane) : 0;
+#pragma unroll
+        for (int k = 0; k < kDecKeys; ++k) {
+            const int64_t at = int64_t(__shfl_sync(all, slot, k)) * row_elems + head;
+            if (k < n && t0 + k >= lo && t0 + k < hi) {
+                kd[k].load(a.k + at);
+                vd[k].load(a.v + at);
+            } else if (k >= n) {
+                kd[k].zero();
+                vd[k].zero();
+            }
+        }
+    };
+    // The first step's keys from before this step (kv - qlen of them): with settled history they load
+    // while the kernel ahead (the one that writes this step's keys) still runs.
+    const int settled_end = s.kv - s.qlen;
+    load_keys(INT_MIN, settled_end);
+    if (a.settled) pdl_wait();
+    if (empty) return;
+    load_keys(settled_end, INT_MAX);
     float q[kDecRows][DPL], acc[kDecRows][DPL];
 #pragma unroll
     for (int r = 0; r < kDecRows; ++r) {
@@ -292,21 +321,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
         }
     }
     float m = -INFINITY, l = 0.f; // row own's running max and sum (base 2)
-    for (int t0 = kb + warp * kDecKeys; t0 < ke; t0 += kDecTile) {
-        const int n = min(kDecKeys, ke - t0);
-        const int slot = lane < n ? cache_row(a, table, t0 + lane) : 0;
-        Dims<T, DPL> kd[kDecKeys], vd[kDecKeys];
-#pragma unroll
-        for (int k = 0; k < kDecKeys; ++k) { // every load of the step in flight at once
-            const int64_t at = int64_t(__shfl_sync(all, slot, k)) * row_elems + head;
-            if (k < n) {
-                kd[k].load(a.k + at);
-                vd[k].load(a.v + at);
-            } else { // past the chunk: no read, and V = 0 so that p = 0 adds nothing (not 0 * NaN)
-                kd[k].zero();
-                vd[k].zero();
-            }
-        }
+    while (n > 0) {
         float sc[kDecKeys], mx = -INFINITY;
 #pragma unroll
         for (int k = 0; k < kDecKeys; ++k) {
@@ -344,6 +359,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 #pragma unroll
                 for (int e = 0; e < DPL; ++e) acc[r][e] += pr * vd[k][e];
             }
+        t0 += kDecTile;
+        n = max(0, min(kDecKeys, ke - t0));
+        if (n > 0) load_keys(INT_MIN, INT_MAX);
     }
     if ((lane & 3) == 0) wm[warp][own] = m, wl[warp][own] = l;
 #pragma unroll
@@ -460,7 +478,7 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
 
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len) {
+                     int64_t max_q_len, bool settled_history) {
     constexpr const char *op = "paged_attention";
     const int64_t tokens = q.size(0), nh = q.size(1), hd = q.size(2), nkvh = k_cache.size(2), B = block_tables.size(0);
     const int64_t mq = std::min(max_q_len, tokens); // no sequence has more queries than the step
@@ -491,7 +509,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
-                             scale * 1.4426950408889634f, granule};
+                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
         if (decode && dpl == 1) return launch_decode<D, 1>(a, bi, out.device(), stream);

@@ -65,14 +65,15 @@ void check_paged_args(const char *op, const Tensor &out, const Tensor &q, const 
 // Paged causal GQA attention; see ops.hpp.
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len) {
+                     int64_t max_q_len, bool settled_history) {
     constexpr const char *op = "paged_attention";
     check_paged_args(op, out, q, k_cache, v_cache, block_tables, q_start, kv_len, max_q_len);
     const Tensor qc = q.size(2) <= 1 || q.stride(2) == 1 ? q : q.contiguous();
     LLAISYS_DEVICE_DISPATCH(
         op, out.device(),
         cpu::paged_attention(out, qc, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len),
-        cuda::paged_attention(out, qc, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len));
+        cuda::paged_attention(out, qc, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len,
+                              settled_history));
 }
 
 } // namespace llaisys::ops

@@ -16,7 +16,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
 namespace llaisys::ops::cuda {
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len);
+                     int64_t max_q_len, bool settled_history);
 }
 
 namespace llaisys::ops::paged_detail {
