@@ -23,13 +23,14 @@ every rate and ratio.
 --interleaved ROUNDS measures llaisys alone, in this process, in rounds that switch the pool's mode
 (llaisys_bench/pool_ab.py says why): beside each contender (none, a busy loop, a second engine in its default
 adaptive pool) the adaptive pool against the caller alone ('serial': single-thread speed), idle also against
-the workers always ('parallel') and 'serial' against a 1-thread process; the median tok/s, and per-round
-ratios (median, 25-75% range, rounds below 1).
+the workers always ('parallel') and 'serial' against a 1-thread process, and idle prefill adaptive against
+'parallel'; the median tok/s, and per-round ratios (median, 25-75% range, rounds below 1).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -45,6 +46,12 @@ PROMPT = "def quicksort(arr):"
 def decode_rate(engine, tokens: int) -> float:
     r = engine.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
     return r.timings["decode_tokens_per_s"]
+
+
+def prefill_rate(engine, counter=itertools.count()) -> float:
+    """Prefill tok/s of a ~128-token prompt whose first line differs every call: no prefix-cache hit."""
+    r = engine.generate(f"# {next(counter)}\n" + PROMPT * 24, max_new_tokens=1, temperature=0)
+    return r.timings["prefill_tokens_per_s"]
 
 
 def llaisys_decoder(args):
@@ -165,7 +172,8 @@ def interleaved(args, ap) -> int:
     from llaisys_bench import pool_ab
 
     engine = llaisys.Engine(args.model, device="cpu", dtype=args.dtype, progress=False)
-    return pool_ab.main(args, lambda tokens: decode_rate(engine, tokens), start_contender, PYTHON_DIR, PROMPT)
+    timed = {"decode": lambda tokens: decode_rate(engine, tokens), "prefill": lambda _: prefill_rate(engine)}
+    return pool_ab.main(args, timed, start_contender, PYTHON_DIR, PROMPT)
 
 
 def main() -> int:

@@ -5,6 +5,8 @@ Why: decode speeds measured in separate processes at separate times drift on a s
 the effect looked for (idle alone 46.5-62.3 tok/s in one session). Here one engine decodes in rounds; each
 round runs every compared mode once, back to back, in alternating order (A B, B A, ...), so a drift of the
 machine hits both sides of a round alike, and the per-round ratios A/B show the effect and its spread.
+Decode is timed by the request's decode rate; "prefill" times 128-token prompts that differ from their first
+token on (no prefix-cache hit) by the request's prefill rate.
 
 A mode is `_core.set_pool_mode`'s 'adaptive', 'serial' (the caller alone: one thread) or 'parallel', set
 without restarting the adaptive choice (so 'adaptive' is the pool of a long-running engine), or
@@ -98,37 +100,41 @@ def report(contender: str, result: dict, pairs: list[tuple[str, str]]) -> dict:
     return out
 
 
-# contender: (the modes compared, round by round; the pairs reported)
+# name: (contender or None, what is timed, the modes compared round by round, the pairs reported)
 PLANS = {
-    "idle": (["adaptive", "parallel", "serial", PEER],
+    "idle": (None, "decode", ["adaptive", "parallel", "serial", PEER],
              [("adaptive", "parallel"), ("adaptive", "serial"), ("serial", PEER)]),
-    "busy-loop": (["adaptive", "serial", "parallel"], [("adaptive", "serial"), ("adaptive", "parallel")]),
-    "engine": (["adaptive", "serial", "parallel"], [("adaptive", "serial"), ("adaptive", "parallel")]),
+    "prefill": (None, "prefill", ["adaptive", "parallel"], [("adaptive", "parallel")]),
+    "busy-loop": ("busy-loop", "decode", ["adaptive", "serial", "parallel"],
+                  [("adaptive", "serial"), ("adaptive", "parallel")]),
+    "engine": ("engine", "decode", ["adaptive", "serial", "parallel"],
+               [("adaptive", "serial"), ("adaptive", "parallel")]),
 }
 
 
-def main(args, decode, start_contender, python_dir: str, prompt: str) -> int:
-    """Every contender in turn: start it, warm up, run the rounds, report; --json also writes it all."""
+def main(args, timed: dict, start_contender, python_dir: str, prompt: str) -> int:
+    """Every plan in turn: start its contender, warm up, run the rounds, report; --json also writes it all.
+    timed: {"decode" / "prefill": fn(tokens) -> tok/s} of the engine in this process."""
     peer = OneThreadPeer(args.model, args.dtype, prompt, python_dir)
     results = {}
     try:
         peer.rate(8)  # loads its model before any round
-        for contender, (modes, pairs) in PLANS.items():
-            proc = start_contender(contender, "llaisys", args) if contender != "idle" else None
+        for name, (contender, what, modes, pairs) in PLANS.items():
+            proc = start_contender(contender, "llaisys", args) if contender else None
             try:
                 for mode in modes:  # warm-up: the contender's steady state, each mode's first touches
-                    run_rounds(decode, [mode], 1, 8, peer)
-                r = run_rounds(decode, modes, args.interleaved, args.tokens, peer)
+                    run_rounds(timed[what], [mode], 1, 8, peer)
+                r = run_rounds(timed[what], modes, args.interleaved, args.tokens, peer)
             finally:
                 if proc is not None:
                     proc.kill()
                     proc.wait()
-            results[contender] = dict(r, ratios=report(contender, r, pairs))
+            results[name] = dict(r, ratios=report(name, r, pairs))
     finally:
         peer.close()
     idle = statistics.median(results["idle"]["rates"]["adaptive"])
     print("adaptive x idle adaptive: " + ", ".join(
-        f"{c} {statistics.median(results[c]['rates']['adaptive']) / idle:.2f}" for c in PLANS if c != "idle"))
+        f"{c} {statistics.median(results[c]['rates']['adaptive']) / idle:.2f}" for c in ("busy-loop", "engine")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "dtype": args.dtype, "tokens": args.tokens, "rounds": args.interleaved,
