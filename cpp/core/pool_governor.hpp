@@ -32,7 +32,7 @@ namespace llaisys::detail {
 class PoolGovernor {
   public:
     static constexpr int64_t kWindowNs = 100'000'000;      // timed jobs per window: several scheduler periods
-    static constexpr int64_t kMaxProbeNs = 4 * kWindowNs;   // a probe that compared too few jobs by then loses
+    static constexpr int64_t kMaxProbeNs = 2 * kWindowNs;   // a probe that compared too few jobs by then loses
     static constexpr int kMinJobs = 128;                    // and at least this many jobs: ~a 0.5B decode step
     static constexpr int64_t kMinBackoffNs = 250'000'000;
     static constexpr int64_t kMaxBackoffNs = 8'000'000'000; // probes of the workers while the caller alone wins
@@ -74,9 +74,9 @@ class PoolGovernor {
             if (window_ns_ >= kWindowNs && window_jobs_ >= kMinJobs) start(Phase::probe);
             return;
         }
-        if (on_workers == winner_parallel_) return; // a long job that a probe of the caller alone left alone
+        window_ns_ += wall_ns; // every job: a prefill's long jobs, left on the workers, end the probe in time
+        if (on_workers == winner_parallel_) return;
         s.probe_ns += wall_ns, ++s.probe_jobs;
-        window_ns_ += wall_ns;
         if (s.ref_jobs > 0) {
             ++compared_;
             compared_ns_ += wall_ns, compared_ref_ns_ += s.ref_ns / s.ref_jobs;
