@@ -11,8 +11,8 @@
 // winner's mode and right after it a probe window in the other mode. Jobs repeat (a decode step runs the
 // same ops every layer and every token), so the probe's mean time per job (task function, closure, task
 // count) stands in for what the reference window's jobs would have taken in the probe's mode. The probe
-// takes over only when that is below kWinPercent of the reference (confirmed by a second comparison right
-// after it); a probe that loses doubles the back-off,
+// takes over only when that is below kWinPercent of the reference, in the mean of that comparison and a
+// second one right after it; a probe that loses doubles the back-off,
 // so the winner keeps the machine nearly all the time.
 //
 // Each window times at least kWindowNs of jobs: the scheduler hands out slices of milliseconds, so windows of
@@ -130,18 +130,21 @@ class PoolGovernor {
             }
         phase_ = Phase::steady;
         last_end_ = now_ns;
-        const int64_t percent = winner_parallel_ ? kWinPercent : kWorkersWinPercent;
-        const bool won = compared_ >= kMinJobs && as_probe * 100 < reference * double(percent);
-        wins_ = won ? wins_ + 1 : 0;
-        if (wins_ == 1) { // confirmed by a second comparison at once: one lucky window does not switch
+        const double ratio = compared_ >= kMinJobs && reference > 0 ? as_probe / reference : 2.0; // 2: lost
+        const double limit = double(winner_parallel_ ? kWinPercent : kWorkersWinPercent) / 100;
+        if (!confirming_ && ratio < limit) { // a second comparison at once: one lucky window does not switch
+            confirming_ = true, first_ratio_ = ratio;
             next_probe_ = now_ns;
             return;
         }
+        // the two comparisons' mean decides: windows beside a busy loop ranged 0.57-1.0 (mean ~0.9), and
+        // two wins in a row took seconds to come
+        const bool won = confirming_ && (first_ratio_ + ratio) / 2 < limit;
+        confirming_ = false;
         if (won) {
             winner_parallel_ = !winner_parallel_;
             switches_ += !winner_parallel_;
             backoff_ = kMinBackoffNs;
-            wins_ = 0;
         } else {
             backoff_ = std::min(2 * backoff_, kMaxBackoffNs);
         }
@@ -162,7 +165,8 @@ class PoolGovernor {
     int64_t next_probe_ = kNever, backoff_ = kMinBackoffNs, last_end_ = INT64_MIN / 2;
     int64_t window_ns_ = 0, window_jobs_ = 0, compared_ = 0;  // of the current window
     int64_t compared_ns_ = 0, compared_ref_ns_ = 0;           // the probe's compared jobs, their reference means
-    int wins_ = 0;                                            // probes in a row that won
+    bool confirming_ = false; // the last comparison won: the next one confirms it
+    double first_ratio_ = 0;  // that comparison's probe time / reference time
     int64_t switches_ = 0, probes_ = 0;
 };
 

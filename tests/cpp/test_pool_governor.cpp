@@ -141,6 +141,23 @@ TEST(PoolGovernor, AContenderAfterALongIdleTimeIsSeenWithinASecond) {
     EXPECT_FALSE(s.g.winner_parallel());
 }
 
+TEST(PoolGovernor, TheMeanOfTwoComparisonsDecides) {
+    // the caller alone takes 0.90 of the workers' time in the first comparison and 0.97 in the second (only
+    // the first wins alone): their mean, 0.935, switches
+    PoolGovernor g;
+    int64_t now = 0;
+    g.late_worker(now);
+    while (now < 600'000 * kUs) { // before the back-off's probe of the workers
+        const uint64_t key = 1 + now % 7;
+        const bool p = g.parallel(now, key);
+        const int64_t wall = (p ? 100 : now < 250'000 * kUs ? 90 : 97) * kUs;
+        now += wall;
+        g.record(now, key, p, wall);
+    }
+    EXPECT_EQ(g.probes(), 2);
+    EXPECT_FALSE(g.winner_parallel());
+}
+
 TEST(PoolGovernor, OneLuckyWindowDoesNotSwitch) {
     // idle; for the first 250 ms the caller alone is faster (a contender paused), and a late worker starts a
     // comparison at once: its probe wins, the confirming one (after 250 ms) loses, and the workers stay
