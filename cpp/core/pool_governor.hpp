@@ -32,8 +32,8 @@ namespace llaisys::detail {
 class PoolGovernor {
   public:
     static constexpr int64_t kWindowNs = 100'000'000;      // timed jobs per window: several scheduler periods
-    static constexpr int64_t kMaxProbeNs = 2 * kWindowNs;   // a probe that compared too few jobs by then loses
     static constexpr int kMinJobs = 128;                    // and at least this many jobs: ~a 0.5B decode step
+    static constexpr int64_t kMaxProbeNs = 2 * kWindowNs;   // a probe that compared too few jobs by then loses
     static constexpr int64_t kMinBackoffNs = 250'000'000;
     static constexpr int64_t kMaxBackoffNs = 8'000'000'000; // probes of the workers while the caller alone wins
     static constexpr int64_t kMaxTriggerGapNs = 1'000'000'000; // the longest back-off of late workers' comparisons

@@ -167,8 +167,8 @@ void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
 }
 
 // A caller that waited at the join longer than it worked, and for more than kLateJoinNs, waited for a worker
-// the scheduler had parked with a claimed task (at idle the wait is at most one task's tail): the governor
-// then probes the caller alone soon instead of after its back-off, so an idle machine pays no probes.
+// the scheduler had parked with a claimed task (at idle the wait is at most one task's tail): only then does
+// the governor compare the workers with the caller alone, so an idle machine pays (almost) no probes.
 void Pool::note_join(int64_t start, int64_t joined, int64_t done) {
     if (done - joined > kLateJoinNs && done - joined > joined - start) governor_.late_worker(done);
 }
