@@ -19,11 +19,18 @@ when installed) runs the same GGUF file with the same prompt, token count and th
 n_threads_batch = llaisys' pool size, the cores of this process, unless --threads), greedy, EOS ignored.
 Other work on the machine (compilers, other users) shows up as noise: repeat runs. --json FILE also writes
 every rate and ratio.
+
+--interleaved ROUNDS measures llaisys alone, in this process, in rounds that switch the pool's mode
+(llaisys_bench/pool_ab.py says why): beside each contender (none, a busy loop, a second engine in its default
+adaptive pool) the adaptive pool against the caller alone ('serial': single-thread speed), idle also against
+the workers always ('parallel') and 'serial' against a 1-thread process, and idle prefill adaptive against
+'parallel'; the median tok/s, and per-round ratios (median, 25-75% range, rounds below 1).
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -39,6 +46,12 @@ PROMPT = "def quicksort(arr):"
 def decode_rate(engine, tokens: int) -> float:
     r = engine.generate(PROMPT, max_new_tokens=tokens, temperature=0, ignore_eos=True)
     return r.timings["decode_tokens_per_s"]
+
+
+def prefill_rate(engine, counter=itertools.count()) -> float:
+    """Prefill tok/s of a ~128-token prompt whose first line differs every call: no prefix-cache hit."""
+    r = engine.generate(f"# {next(counter)}\n" + PROMPT * 24, max_new_tokens=1, temperature=0)
+    return r.timings["prefill_tokens_per_s"]
 
 
 def llaisys_decoder(args):
@@ -148,6 +161,21 @@ def same_contender(results: dict) -> dict:
     return {kind: results[own]["median"] / results[one]["median"] for kind, (own, one) in SAME_CONTENDER.items()}
 
 
+def interleaved(args, ap) -> int:
+    if args.interleaved < 2 or args.engines not in (None, ["llaisys"]) or args.threads:
+        ap.error("--interleaved needs ROUNDS >= 2, llaisys alone and the default threads")
+    try:
+        import llaisys
+    except ImportError:  # a checkout without the package installed
+        sys.path.insert(0, PYTHON_DIR)
+        import llaisys
+    from llaisys_bench import pool_ab
+
+    engine = llaisys.Engine(args.model, device="cpu", dtype=args.dtype, progress=False)
+    timed = {"decode": lambda tokens: decode_rate(engine, tokens), "prefill": lambda _: prefill_rate(engine)}
+    return pool_ab.main(args, timed, start_contender, PYTHON_DIR, PROMPT)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -160,6 +188,8 @@ def main() -> int:
     ap.add_argument("--single-thread-env", default="LLAISYS_NUM_THREADS",
                     help="variable set to 1 for llaisys' 1-thread row (OMP_NUM_THREADS for an OpenMP build)")
     ap.add_argument("--json", metavar="FILE", help="also write every rate and ratio to FILE")
+    ap.add_argument("--interleaved", type=int, metavar="ROUNDS",
+                    help="llaisys only: in-process rounds that interleave the pool's modes (see above)")
     ap.add_argument("--role", choices=["measure", "contender"], help=argparse.SUPPRESS)
     ap.add_argument("--engine", default="llaisys", choices=["llaisys", "llama.cpp"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -167,6 +197,8 @@ def main() -> int:
         ap.error("--tokens must be >= 2, --repeats and --threads >= 1")
     if args.role:
         return worker(args)
+    if args.interleaved is not None:
+        return interleaved(args, ap)
     engines = args.engines or ["llaisys"]
     if args.engines is None and importlib.util.find_spec("llama_cpp") is not None:
         engines.append("llama.cpp")

@@ -41,10 +41,10 @@ static nb::dict stats_dict(const std::string &device) {
     return d;
 }
 
-static void set_pool_mode_by_name(const std::string &mode) {
-    if (mode == "adaptive") set_pool_mode(PoolMode::adaptive);
-    else if (mode == "serial") set_pool_mode(PoolMode::serial);
-    else if (mode == "parallel") set_pool_mode(PoolMode::parallel);
+static void set_pool_mode_by_name(const std::string &mode, bool restart) {
+    if (mode == "adaptive") set_pool_mode(PoolMode::adaptive, restart);
+    else if (mode == "serial") set_pool_mode(PoolMode::serial, restart);
+    else if (mode == "parallel") set_pool_mode(PoolMode::parallel, restart);
     else throw nb::value_error(("set_pool_mode: mode must be 'adaptive', 'serial' or 'parallel', not '" + mode + "'").c_str());
 }
 
@@ -54,14 +54,17 @@ static nb::dict pool_stats_dict() {
     d["parallel_jobs"] = s.parallel_jobs;
     d["serial_jobs"] = s.serial_jobs;
     d["switches_to_serial"] = s.switches_to_serial;
+    d["probes"] = s.probes;
     return d;
 }
 
 void bind_runtime(nb::module_ &m) {
     m.def("build_info", &build_info, "What this build of llaisys contains.");
-    m.def("set_pool_mode", &set_pool_mode_by_name, nb::arg("mode"),
-          "Tests and benchmarks only: the CPU pool's 'adaptive' (default), 'serial' or 'parallel' jobs.");
-    m.def("pool_stats", &pool_stats_dict, "The CPU pool's jobs on the workers / on the caller alone, and switches.");
+    m.def("set_pool_mode", &set_pool_mode_by_name, nb::arg("mode"), nb::arg("restart") = true,
+          "Tests and benchmarks only: the CPU pool's 'adaptive' (default), 'serial' or 'parallel' jobs; "
+          "restart=False keeps what the adaptive choice has measured.");
+    m.def("pool_stats", &pool_stats_dict,
+          "The CPU pool's jobs on the workers / on the caller alone, switches to the caller alone, probes.");
     m.def("cuda_device_count", &cuda_device_count);
     m.def("memory_stats", &stats_dict, nb::arg("device"),
           "Bytes allocated, reserved, peak, and the number of device mallocs/frees on `device`.");

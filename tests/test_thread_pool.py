@@ -91,6 +91,18 @@ def test_adaptive_pool_starts_on_the_workers_and_counts_its_jobs(pool_mode):
     assert after["serial_jobs"] == before["serial_jobs"]
 
 
+def test_pool_mode_without_restart_keeps_counting(pool_mode):
+    before = _core.pool_stats()
+    assert set(before) == {"parallel_jobs", "serial_jobs", "switches_to_serial", "probes"}
+    pool_mode("serial", restart=False)  # what cpu_contention.py --interleaved does between rounds
+    x = llaisys.tensor(np.ones((256, 4096), np.float32))
+    llaisys.ops.rms_norm(x, x, llaisys.tensor(np.ones(4096, np.float32)), 1e-6)
+    after = _core.pool_stats()
+    if llaisys.build_info()["cpu_threads"] > 1:
+        assert after["serial_jobs"] == before["serial_jobs"] + 1
+    assert all(after[k] >= before[k] for k in before)
+
+
 def test_bad_pool_mode_raises():
     with pytest.raises(ValueError, match="adaptive"):
         _core.set_pool_mode("fast")

@@ -104,7 +104,7 @@ class Pool {
     }
     PoolStats stats() const {
         return {parallel_jobs_.load(std::memory_order_relaxed), serial_jobs_.load(std::memory_order_relaxed),
-                switches_.load(std::memory_order_relaxed)};
+                switches_.load(std::memory_order_relaxed), probes_.load(std::memory_order_relaxed)};
     }
 
   private:
@@ -124,7 +124,7 @@ class Pool {
     int64_t last_start_ = 0;
     uint64_t last_key_ = 0;
     bool last_on_workers_ = false;
-    std::atomic<int64_t> parallel_jobs_{0}, serial_jobs_{0}, switches_{0};
+    std::atomic<int64_t> parallel_jobs_{0}, serial_jobs_{0}, switches_{0}, probes_{0};
     // The current job, written by its caller before state_ publishes it.
     void (*task_)(void *, int64_t) = nullptr;
     void *ctx_ = nullptr;
@@ -167,8 +167,8 @@ void Pool::run(int64_t n, void (*task)(void *, int64_t), void *ctx) {
 }
 
 // A caller that waited at the join longer than it worked, and for more than kLateJoinNs, waited for a worker
-// the scheduler had parked with a claimed task (at idle the wait is at most one task's tail): the governor
-// then probes the caller alone soon instead of after its back-off, so an idle machine pays no probes.
+// the scheduler had parked with a claimed task (at idle the wait is at most one task's tail): only then does
+// the governor compare the workers with the caller alone, so an idle machine pays (almost) no probes.
 void Pool::note_join(int64_t start, int64_t joined, int64_t done) {
     if (done - joined > kLateJoinNs && done - joined > joined - start) governor_.late_worker(done);
 }
@@ -179,9 +179,10 @@ void Pool::note_join(int64_t start, int64_t joined, int64_t done) {
 // Intervals over kMaxIntervalNs span idle time or a long serial section and are not compared.
 void Pool::record_interval(int64_t start, uint64_t key, bool on_workers) {
     if (last_start_ > 0 && start - last_start_ < kMaxIntervalNs) {
-        const int64_t before = governor_.switches_to_serial();
+        const int64_t switches = governor_.switches_to_serial(), probes = governor_.probes();
         governor_.record(start, last_key_, last_on_workers_, start - last_start_);
-        switches_.fetch_add(governor_.switches_to_serial() - before, std::memory_order_relaxed);
+        switches_.fetch_add(governor_.switches_to_serial() - switches, std::memory_order_relaxed);
+        probes_.fetch_add(governor_.probes() - probes, std::memory_order_relaxed);
     }
     last_start_ = start, last_key_ = key, last_on_workers_ = on_workers;
 }
@@ -279,9 +280,9 @@ int cpu_threads() {
     return threads;
 }
 
-void set_pool_mode(PoolMode mode) {
+void set_pool_mode(PoolMode mode, bool restart) {
     g_mode.store(mode, std::memory_order_relaxed);
-    if (cpu_threads() > 1) pool().restart_governor();
+    if (restart && cpu_threads() > 1) pool().restart_governor();
 }
 
 PoolStats pool_stats() { return cpu_threads() > 1 ? pool().stats() : PoolStats{}; }

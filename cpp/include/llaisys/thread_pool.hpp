@@ -29,15 +29,16 @@ int cpu_threads();
 void parallel_tasks(int64_t n, void (*task)(void *ctx, int64_t i), void *ctx);
 
 // For tests and benchmarks, not a user setting: adaptive (the default) lets the pool choose per job;
-// serial runs every job on its caller; parallel always hands jobs to the workers. Setting a mode
-// restarts the adaptive choice from parallel.
+// serial runs every job on its caller; parallel always hands jobs to the workers. With restart, setting a
+// mode restarts the adaptive choice from parallel; without, adaptive goes on from what it had measured
+// (a benchmark that interleaves the modes measures the adaptive pool of a long-running engine).
 enum class PoolMode { adaptive, serial, parallel };
-void set_pool_mode(PoolMode mode);
+void set_pool_mode(PoolMode mode, bool restart = true);
 
-// Jobs since the process started (or forked) that ran on the workers and on the caller alone because of
-// the adaptive choice, and how often it switched to the caller alone.
+// Jobs since the process started (or forked) that ran on the workers and on the caller alone, how often the
+// adaptive choice switched to the caller alone, and how many probe windows it opened (pool_governor.hpp).
 struct PoolStats {
-    int64_t parallel_jobs = 0, serial_jobs = 0, switches_to_serial = 0;
+    int64_t parallel_jobs = 0, serial_jobs = 0, switches_to_serial = 0, probes = 0;
 };
 PoolStats pool_stats();
 
