@@ -273,15 +273,14 @@ __device__ __forceinline__ void kq_accumulate(float (&acc)[MR][R], const typenam
 
 // The K-quants' GEMV (Q4_K, Q5_K, Q6_K; 256-weight blocks): quant_gemv_kernel's work, outputs and
 // reduction, but lane l of a row's G takes chunk l % 8 of blocks l / 8, l / 8 + G / 8, ... (Chunk in
-// blocks.cuh): the 8 lanes of a block read it as one contiguous span. Each lane keeps kDepth blocks'
+// blocks.cuh): the 8 lanes of a block read it as one contiguous span. Each lane keeps kKqDepth blocks'
 // raw words in flight (all loads issued before any is used; the first ones before pdl_wait, W being
 // constant); addresses past the row are clamped to its last block rather than branched around, so the
 // loads stay in one straight run of code.
 constexpr int kKqDepth = 2;
 // Smaller K-quant matrices (N outputs x K, so linear_swiglu's halves choose as linear does) take
 // quant_gemv_kernel: latency-bound, they gain more from its finer split (a lane per 32-weight sub-block)
-// than from whole-block reads. H100, bench_ops, 2026-11-26: 2048 x 1536 Q4_K
-// 2.56 us there against 3.42 here; 8960 x 1536 7.80 against 6.06, 1536 x 8960 6.84 against 6.07.
+// than from whole-block reads (measured on the H100 both ways: bench/RESULTS.md, session 20).
 constexpr int64_t kKqMinWeights = int64_t(4) << 20;
 // Blocks an SM must hold (__launch_bounds__): at batch 1, 3 (<= 80 registers a thread) where the raw words
 // in flight leave room for it without spilling, so that gate/up's 280 blocks run in one wave on 132 SMs.
