@@ -175,7 +175,8 @@ __device__ __forceinline__ uint32_t byte12(const uint32_t (&s)[3], int k) {
     const uint32_t w = k < 4 ? s[0] : k < 8 ? s[1] : s[2];
     return (w >> (8 * (k & 3))) & 0xFFu;
 }
-// scale_min_k4 (quant/formats.hpp) over the scale bytes in words.
+// scale_min_k4 (quant/formats.hpp) over the scale bytes held in words: j is known only at run time, and a
+// byte pointer into a local array would put that array in local memory.
 __device__ __forceinline__ void scale_min_words(const uint32_t (&s)[3], int j, int &sc, int &m) {
     if (j < 4) {
         sc = int(byte12(s, j) & 63), m = int(byte12(s, j + 4) & 63);

@@ -118,6 +118,25 @@ __device__ __forceinline__ void quantize_x(int8_t *q, float *d, const T *__restr
         quantize_group<T, BK>(q, d, x, ldx, K, g0 + threadIdx.x, g0 + threadIdx.x < total);
 }
 
+// Where both GEMVs find x after pdl_wait: its codes and scales from quantize_x_kernel (xq), or, when xq.q
+// is null, quantized here into shared memory by the whole block; and where the partial sums of wide
+// groups go ([warps][MR][R] floats, after x's codes if those are here). Every thread must call it.
+struct GemvX {
+    const int8_t *q;
+    const float *d;
+    float *red;
+};
+template <typename T, int BK>
+__device__ __forceinline__ GemvX gemv_x(QuantX xq, uint8_t *smem, const T *__restrict__ x, int64_t ldx, int64_t M,
+                                       int64_t K) {
+    if (xq.q != nullptr) return GemvX{xq.q, xq.d, reinterpret_cast<float *>(smem)};
+    int8_t *sq = reinterpret_cast<int8_t *>(smem);
+    float *sd = reinterpret_cast<float *>(smem + M * K);
+    quantize_x<T, BK>(sq, sd, x, ldx, M, K);
+    __syncthreads();
+    return GemvX{sq, sd, sd + M * (K / BK)};
+}
+
 // Adds sub-block s of W's row(s) dotted with the M x rows (codes and scales in shared memory) to acc.
 // Rows past M repeat row M - 1 (computed, never stored). qx/dx: x's codes and scales, in shared or
 // global memory.
@@ -208,7 +227,7 @@ __global__ void __launch_bounds__(kGemvThreads)
                       int64_t ldx, QuantX xq, const T *__restrict__ bias, int64_t M, int64_t N, int64_t K, int G) {
     constexpr int R = kSwiglu ? 2 : 1;
     extern __shared__ __align__(16) uint8_t smem[];
-    const int64_t nb = K / F::kBK, nsub = K / 32;
+    const int64_t nsub = K / 32;
     const int rows = kGemvThreads / G, gl = threadIdx.x % G, grp = threadIdx.x / G;
     const int64_t n = int64_t(blockIdx.x) * rows + grp;
     const bool live = n < N;
@@ -218,16 +237,10 @@ __global__ void __launch_bounds__(kGemvThreads)
     if (live && s + G < nsub) load_sub<F, R>(b, w, row_bytes, n, N, s + G);
     pdl_trigger();
     pdl_wait();
-    const int8_t *qx = xq.q;
-    const float *dx = xq.d;
-    float *red = reinterpret_cast<float *>(smem); // [warps][MR][R] partial sums, after x's codes if here
-    if (qx == nullptr) {
-        int8_t *sq = reinterpret_cast<int8_t *>(smem);
-        float *sd = reinterpret_cast<float *>(smem + M * K);
-        quantize_x<T, F::kBK>(sq, sd, x, ldx, M, K);
-        __syncthreads();
-        qx = sq, dx = sd, red = sd + M * nb;
-    }
+    const GemvX gx = gemv_x<T, F::kBK>(xq, smem, x, ldx, M, K);
+    const int8_t *qx = gx.q;
+    const float *dx = gx.d;
+    float *red = gx.red;
     float acc[MR][R] = {};
     if (live)
         while (s < nsub) {
@@ -312,16 +325,10 @@ __global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
             C::template load<kV16>(raw[i][r], wrow[r] + std::min(b0 + i * step, nb - 1) * F::kBytes, c);
     pdl_trigger();
     pdl_wait();
-    const int8_t *qx = xq.q;
-    const float *dx = xq.d;
-    float *red = reinterpret_cast<float *>(smem); // [warps][MR][R] partial sums, after x's codes if here
-    if (qx == nullptr) {
-        int8_t *sq = reinterpret_cast<int8_t *>(smem);
-        float *sd = reinterpret_cast<float *>(smem + M * K);
-        quantize_x<T, 256>(sq, sd, x, ldx, M, K);
-        __syncthreads();
-        qx = sq, dx = sd, red = sd + M * nb;
-    }
+    const GemvX gx = gemv_x<T, 256>(xq, smem, x, ldx, M, K);
+    const int8_t *qx = gx.q;
+    const float *dx = gx.d;
+    float *red = gx.red;
     float acc[MR][R] = {};
     if (live)
         for (int64_t b = b0; b < nb; b += D * step) {
