@@ -44,7 +44,8 @@ def short(name: str) -> str:
 
 
 def profiled(eng, prompts, new_tokens: int):
-    """(kernel name -> [launches, device µs], wall seconds) of one generate call."""
+    """(kernel name -> [launches, device µs], wall seconds, µs the GPU ran no kernel between the call's first
+    kernel and its last) of one generate call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -56,12 +57,19 @@ def profiled(eng, prompts, new_tokens: int):
         eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
         wall = time.perf_counter() - t0
     per = defaultdict(lambda: [0, 0.0])
+    spans = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 and "Memcpy" not in ev.name:
             k = short(ev.name)
             per[k][0] += 1
             per[k][1] += ev.device_time_total
-    return per, wall
+            spans.append((ev.time_range.start, ev.time_range.end))
+    idle, reach = 0.0, None
+    for start, end in sorted(spans):  # gaps in the union of the kernels' intervals
+        if reach is not None and start > reach:
+            idle += start - reach
+        reach = end if reach is None else max(reach, end)
+    return per, wall, idle
 
 
 def main() -> int:
@@ -91,8 +99,8 @@ def main() -> int:
                  max_num_seqs=max(args.batch, 1))
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)  # graph capture, allocator warm-up
-    base, wall0 = profiled(eng, [[2] + p[1:] for p in prompts], 1)  # new first tokens: no prefix-cache hit
-    full, wall1 = profiled(eng, [[3] + p[1:] for p in prompts], 1 + args.steps)
+    base, wall0, idle0 = profiled(eng, [[2] + p[1:] for p in prompts], 1)  # new first tokens: no prefix-cache hit
+    full, wall1, idle1 = profiled(eng, [[3] + p[1:] for p in prompts], 1 + args.steps)
     rows = []
     for k, (n, us) in full.items():
         n0, us0 = base.get(k, (0, 0.0))
@@ -101,15 +109,17 @@ def main() -> int:
     rows.sort(key=lambda r: -r[2])
     total = sum(r[2] for r in rows)
     wall = (wall1 - wall0) / args.steps * 1e6
+    idle = (idle1 - idle0) / args.steps
     what = f"{args.gguf_types} GGUF ({dtype})" if args.gguf_types else dtype
     print(f"{args.shape}, {what}, batch {args.batch}, context {args.context}: decode step wall {wall:.1f} µs "
-          f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}")
+          f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}, GPU idle {idle:.1f} µs "
+          f"(no kernel running: the host's part of a step)")
     print(f"{'kernel':<44}{'launches':>9}{'µs/step':>10}{'share':>8}{'µs/launch':>11}")
     for k, n, us in rows:
         print(f"{k[:43]:<44}{n:9.1f}{us:10.1f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1e-9):11.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "dtype": what, "batch": args.batch, "wall_us": wall, "kernel_us": total,
+            json.dump({"shape": args.shape, "dtype": what, "batch": args.batch, "wall_us": wall, "kernel_us": total, "idle_us": idle,
                        "kernels": [dict(name=k, launches=n, us=us) for k, n, us in rows]}, f, indent=2)
     eng.close()
     return 0

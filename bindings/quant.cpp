@@ -83,6 +83,16 @@ void bind_quant(nb::module_ &m) {
         ops::quant_linear(out, x, w, bias ? *bias : Tensor());
     }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), G());
     q.def("linear_swiglu", &ops::quant_linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), G());
+    q.def("add_rms_norm_linear", [](const Tensor &out, const Tensor &residual_out, const Tensor &residual,
+                                    const Tensor &delta, const Tensor &norm_weight, float eps, const QuantMatrix &w,
+                                    const Tensor *bias, bool swiglu) {
+        ops::add_rms_norm_quant_linear(out, residual_out, residual, delta, norm_weight, eps, w,
+                                       bias ? *bias : Tensor(), swiglu);
+    }, nb::arg("out"), nb::arg("residual_out"), nb::arg("residual"), nb::arg("delta"), nb::arg("norm_weight"),
+          nb::arg("eps"), nb::arg("weight"), nb::arg("bias") = nb::none(), nb::arg("swiglu") = false, G());
+    q.def("add_rms_norm_linear_fused", [](const std::string &dtype, const std::string &device, int64_t rows, int64_t cols) {
+        return ops::add_rms_norm_quant_linear_fused(dtype_from_name(dtype), Device::parse(device), rows, cols);
+    }, nb::arg("dtype"), nb::arg("device"), nb::arg("rows"), nb::arg("cols"));
     q.def("embedding", &ops::quant_embedding, nb::arg("out"), nb::arg("ids"), nb::arg("weight"), G());
     q.def("dequantize", &ops::quant_dequantize, nb::arg("out"), nb::arg("weight"), G());
 }

@@ -24,6 +24,9 @@ cpu_path_supported = _q.cpu_path_supported
 linear_ = _q.linear  # out-parameter forms
 linear_swiglu_ = _q.linear_swiglu
 embedding_ = _q.embedding
+add_rms_norm_linear_ = _q.add_rms_norm_linear  # (out, residual_out, residual, delta, norm_weight, eps, weight,
+# bias=None, swiglu=False): add_rms_norm then linear (or linear_swiglu), residual out of place (quant.hpp)
+add_rms_norm_linear_fused = _q.add_rms_norm_linear_fused  # (dtype, device, rows, cols): one kernel there?
 dequantize_ = _q.dequantize
 
 
@@ -69,4 +72,4 @@ def dequantize(weight: QuantMatrix, dtype: str = "f32") -> Tensor:
 
 __all__ = ["QuantMatrix", "from_numpy", "row_bytes", "format_info", "format_from_gguf", "set_cpu_path", "cpu_path",
            "cpu_path_supported", "linear", "linear_swiglu", "embedding", "dequantize", "linear_", "linear_swiglu_",
-           "embedding_", "dequantize_"]
+           "embedding_", "dequantize_", "add_rms_norm_linear_", "add_rms_norm_linear_fused"]

@@ -92,6 +92,20 @@ void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &we
 // buffer decoded into over and over can live inside a captured CUDA graph: how a model's multi-row steps on
 // CUDA read a quantized weight (models::linear).
 void quant_dequantize(const Tensor &out, const QuantMatrix &weight);
+// add_rms_norm then quant_linear (swiglu: quant_linear_swiglu, bias undefined) of its output, with the
+// residual out of place: residual_out = residual + delta (rounded to the dtype), x = rms_norm(residual_out) *
+// norm_weight, out = the projection of x. residual, delta, residual_out [M, K], norm_weight [K], out [M, N]
+// (swiglu: [M, rows / 2]); residual_out may not overlap the others. The same bits as copying residual to
+// residual_out, add_rms_norm into x and the projection; x itself is not kept. On CUDA, where
+// add_rms_norm_quant_linear_fused() says so, one launch: the GEMV makes x from the residual in its own
+// prologue (a decode step's layer input: one kernel less per norm); otherwise those ops run.
+void add_rms_norm_quant_linear(const Tensor &out, const Tensor &residual_out, const Tensor &residual,
+                               const Tensor &delta, const Tensor &norm_weight, float eps, const QuantMatrix &weight,
+                               const Tensor &bias = Tensor(), bool swiglu = false);
+// Whether add_rms_norm_quant_linear runs as one kernel for rows x cols of dtype on device (given 16-byte
+// aligned operands, as fresh tensors are): CUDA, a 2-byte dtype, rows <= kQuantGemvMaxRows and a width
+// whose add_rms_norm the GEMV reproduces (cols / 8 in [1, 32] or (64, 256]: every Qwen2 up to 3B).
+bool add_rms_norm_quant_linear_fused(DType dtype, Device device, int64_t rows, int64_t cols);
 } // namespace ops
 
 } // namespace llaisys

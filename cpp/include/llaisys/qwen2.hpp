@@ -96,8 +96,11 @@ private:
     const LinearWeight &lm_head() const { return config_.tie_word_embeddings ? embed_ : lm_head_; }
     std::vector<const LinearWeight *> projections() const; // every weight a step passes to linear()
     Tensor project_out(const Layer &L, const Tensor &attn, int64_t T);
-    Tensor attention(int layer, const Tensor &x, const runtime::StepBatch &batch, const runtime::KVPool &pool);
-    Tensor mlp(int layer, const Tensor &x);
+    struct BlockIn; // the input of an attention or MLP block (models/qwen2/step.cpp)
+    void project_in(const Tensor &out, const BlockIn &in, const LinearWeight &w, const Tensor &bias, bool swiglu);
+    bool norm_in_projections(const Layer &L, int64_t T) const;
+    Tensor attention(int layer, const BlockIn &in, const runtime::StepBatch &batch, const runtime::KVPool &pool);
+    Tensor mlp(int layer, const BlockIn &in);
 
     Qwen2Config config_;
     DType dtype_;

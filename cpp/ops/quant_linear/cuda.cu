@@ -19,6 +19,7 @@
 #include "ops/common/cuda.cuh"
 #include "ops/linear/linear.hpp"
 #include "ops/quant_linear/blocks.cuh"
+#include "ops/rms_norm/rms_norm.cuh"
 
 #include <algorithm>
 
@@ -37,19 +38,17 @@ struct QuantX {
     const float *d;
 };
 
-// Elements [8 (g % (K / 8)), + 8) of x row g / (K / 8) (rows ldx apart) -> q, d, as cpu.cpp's quantize_row
+// v = elements [k0, k0 + 8) of x row m -> q, d (q int8 [M, K], d f32 [M, K / BK]), as cpu.cpp's quantize_row
 // (same f32 operations, so the same bits): the BK / 8 threads of a block of x (<= 32, within one warp)
 // reduce max|x| and finiteness by shuffles, so every lane of the warp must call it; lanes with
 // valid == false take part in the shuffles only. A block holding NaN or Inf gets d = NaN and q = 0.
-template <typename T, int BK>
-__device__ __forceinline__ void quantize_group(int8_t *q, float *d, const T *__restrict__ x, int64_t ldx, int64_t K,
-                                               int64_t g, bool valid) {
-    const int64_t per_row = K / 8, m = valid ? g / per_row : 0, k0 = valid ? g % per_row * 8 : 0;
-    float v[8], amax = 0.f;
+template <int BK>
+__device__ __forceinline__ void quantize_vals(int8_t *q, float *d, const float (&v)[8], int64_t K, int64_t m,
+                                              int64_t k0, bool valid) {
+    float amax = 0.f;
     int bad = 0;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-        v[j] = valid ? to_f32(x[m * ldx + k0 + j]) : 0.f;
         bad |= !isfinite(v[j]);
         amax = fmaxf(amax, fabsf(v[j]));
     }
@@ -70,6 +69,64 @@ __device__ __forceinline__ void quantize_group(int8_t *q, float *d, const T *__r
     if (k0 % BK == 0) d[m * (K / BK) + k0 / BK] = bad ? __int_as_float(0x7fc00000) : dd;
 }
 
+// Elements [8 (g % (K / 8)), + 8) of x row g / (K / 8) (rows ldx apart) -> q, d by quantize_vals (every lane
+// of the warp must call it).
+template <typename T, int BK>
+__device__ __forceinline__ void quantize_group(int8_t *q, float *d, const T *__restrict__ x, int64_t ldx, int64_t K,
+                                               int64_t g, bool valid) {
+    const int64_t per_row = K / 8, m = valid ? g / per_row : 0, k0 = valid ? g % per_row * 8 : 0;
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = valid ? to_f32(x[m * ldx + k0 + j]) : 0.f;
+    quantize_vals<BK>(q, d, v, K, m, k0, valid);
+}
+
+// x given as the add_rms_norm that makes it (add_rms_norm_quant_linear): x = rms_norm(residual + delta) *
+// weight over rows of K elements, rows K apart; residual + delta, rounded, goes to residual_out. Used for
+// 2-byte T, 16-byte aligned rows and K / 8 <= the threads of a block (norm_gemv_fits). residual null: x is
+// given as it is.
+template <typename T>
+struct NormX {
+    const T *residual, *delta, *weight;
+    T *residual_out;
+    float eps;
+};
+
+// Row m of x from nx, quantized into q, d as quantize_vals does; `writer` also stores the row's rounded
+// residual + delta. The same f32 operations as add_rms_norm's block kernel (rms_norm.cuh): thread t holds
+// elements [8t, 8t + 8) (one vector, as that kernel's threads do for rows of up to 1024 vectors), the sum
+// of squares by block_sum (threads past K / 8 add zeros, which changes no bit), so x has that op's bits.
+// Every thread of the block must call it.
+template <typename T, int BK>
+__device__ __forceinline__ void norm_quantize_row(int8_t *q, float *d, const NormX<T> &nx, int64_t m, int64_t K,
+                                                  bool writer) {
+    if constexpr (sizeof(T) != 2) {
+        __trap(); // never launched so (norm_gemv_fits)
+    } else {
+        // the rounded sums wait here for the block's sum of squares (in registers they would stay live
+        // beside the GEMV's weight words in flight, past the register budget of quant_gemv_kq_kernel)
+        __shared__ Vec<T, 8> held[kGemvThreads];
+        __shared__ float scratch[32];
+        const int64_t k0 = 8 * int64_t(threadIdx.x), off = m * K + k0;
+        const bool valid = k0 < K;
+        float ss = 0.f, v[8] = {};
+        if (valid) {
+            const Vec<T, 8> a = add_rounded(load_vec<8>(nx.residual + off), load_vec<8>(nx.delta + off));
+            if (writer) store_vec(nx.residual_out + off, a);
+            held[threadIdx.x] = a;
+            ss += sum_squares(a);
+        }
+        ss = block_sum(ss, scratch);
+        const float scale = rsqrtf(ss / float(K) + nx.eps);
+        if (valid) {
+            const Vec<T, 8> xn = normalized(held[threadIdx.x], load_vec<8>(nx.weight + k0), scale);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = to_f32(xn.v[j]);
+        }
+        quantize_vals<BK>(q, d, v, K, m, valid ? k0 : 0, valid);
+    }
+}
+
 // x [M, K] -> q, d in global memory, one group of 8 elements per thread (whole BK-blocks are in or out
 // of range, and every lane reaches the shuffles). Launch: ceil(M K / 8 / 256) blocks of 256 threads.
 template <typename T, int BK>
@@ -79,6 +136,15 @@ __global__ void quantize_x_kernel(int8_t *__restrict__ q, float *__restrict__ d,
     pdl_wait();
     const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     quantize_group<T, BK>(q, d, x, ldx, K, g, g < M * (K / 8));
+}
+
+// quantize_x_kernel for x given by nx: block m makes row m (and stores its residual_out row). Launch: M
+// blocks of K / 8 threads rounded up to a warp.
+template <typename T, int BK>
+__global__ void norm_quantize_x_kernel(int8_t *__restrict__ q, float *__restrict__ d, NormX<T> nx, int64_t K) {
+    pdl_trigger();
+    pdl_wait();
+    norm_quantize_row<T, BK>(q, d, nx, blockIdx.x, K, true);
 }
 
 // One sub-block of W dotted with 32 x codes, in f32: exact integer sums, then the scales. The codes'
@@ -118,21 +184,24 @@ __device__ __forceinline__ void quantize_x(int8_t *q, float *d, const T *__restr
         quantize_group<T, BK>(q, d, x, ldx, K, g0 + threadIdx.x, g0 + threadIdx.x < total);
 }
 
-// Where both GEMVs find x after pdl_wait: its codes and scales from quantize_x_kernel (xq), or, when xq.q
-// is null, quantized here into shared memory by the whole block; and where the partial sums of wide
-// groups go ([warps][MR][R] floats, after x's codes if those are here). Every thread must call it.
+// Where both GEMVs find x after pdl_wait: its codes and scales from (norm_)quantize_x_kernel (xq), or, when
+// xq.q is null, made here in shared memory by the whole block, from x or (nx.residual set) by the norm
+// that makes x (block 0 then stores residual_out); and where the partial sums of wide groups go
+// ([warps][MR][R] floats, after x's codes if those are here). Every thread must call it.
 struct GemvX {
     const int8_t *q;
     const float *d;
     float *red;
 };
 template <typename T, int BK>
-__device__ __forceinline__ GemvX gemv_x(QuantX xq, uint8_t *smem, const T *__restrict__ x, int64_t ldx, int64_t M,
-                                       int64_t K) {
+__device__ __forceinline__ GemvX gemv_x(QuantX xq, const NormX<T> &nx, uint8_t *smem, const T *__restrict__ x,
+                                       int64_t ldx, int64_t M, int64_t K) {
     if (xq.q != nullptr) return GemvX{xq.q, xq.d, reinterpret_cast<float *>(smem)};
     int8_t *sq = reinterpret_cast<int8_t *>(smem);
     float *sd = reinterpret_cast<float *>(smem + M * K);
-    quantize_x<T, BK>(sq, sd, x, ldx, M, K);
+    if (nx.residual != nullptr)
+        for (int64_t m = 0; m < M; ++m) norm_quantize_row<T, BK>(sq, sd, nx, m, K, blockIdx.x == 0);
+    else quantize_x<T, BK>(sq, sd, x, ldx, M, K);
     __syncthreads();
     return GemvX{sq, sd, sd + M * (K / BK)};
 }
@@ -224,7 +293,8 @@ __device__ __forceinline__ void gemv_reduce_store(float (&acc)[MR][R], T *__rest
 template <class F, typename T, int MR, bool kSwiglu>
 __global__ void __launch_bounds__(kGemvThreads)
     quant_gemv_kernel(T *__restrict__ out, const uint8_t *__restrict__ w, int64_t row_bytes, const T *__restrict__ x,
-                      int64_t ldx, QuantX xq, const T *__restrict__ bias, int64_t M, int64_t N, int64_t K, int G) {
+                      int64_t ldx, QuantX xq, NormX<T> nx, const T *__restrict__ bias, int64_t M, int64_t N, int64_t K,
+                      int G) {
     constexpr int R = kSwiglu ? 2 : 1;
     extern __shared__ __align__(16) uint8_t smem[];
     const int64_t nsub = K / 32;
@@ -237,7 +307,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     if (live && s + G < nsub) load_sub<F, R>(b, w, row_bytes, n, N, s + G);
     pdl_trigger();
     pdl_wait();
-    const GemvX gx = gemv_x<T, F::kBK>(xq, smem, x, ldx, M, K);
+    const GemvX gx = gemv_x<T, F::kBK>(xq, nx, smem, x, ldx, M, K);
     const int8_t *qx = gx.q;
     const float *dx = gx.d;
     float *red = gx.red;
@@ -305,8 +375,8 @@ constexpr int kq_min_blocks() {
 template <class F, typename T, int MR, bool kSwiglu, bool kV16>
 __global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
     quant_gemv_kq_kernel(T *__restrict__ out, const uint8_t *__restrict__ w, int64_t row_bytes,
-                         const T *__restrict__ x, int64_t ldx, QuantX xq, const T *__restrict__ bias, int64_t M,
-                         int64_t N, int64_t K, int G) {
+                         const T *__restrict__ x, int64_t ldx, QuantX xq, NormX<T> nx, const T *__restrict__ bias,
+                         int64_t M, int64_t N, int64_t K, int G) {
     using C = typename KChunkOf<F>::type;
     constexpr int R = kSwiglu ? 2 : 1, D = kKqDepth;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -325,7 +395,7 @@ __global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
             C::template load<kV16>(raw[i][r], wrow[r] + std::min(b0 + i * step, nb - 1) * F::kBytes, c);
     pdl_trigger();
     pdl_wait();
-    const GemvX gx = gemv_x<T, 256>(xq, smem, x, ldx, M, K);
+    const GemvX gx = gemv_x<T, 256>(xq, nx, smem, x, ldx, M, K);
     const int8_t *qx = gx.q;
     const float *dx = gx.d;
     float *red = gx.red;
@@ -389,23 +459,42 @@ void check_aligned(const char *op, const QuantMatrix &w) {
                   "-byte boundary on ", w.device().str());
 }
 
-// Launches the GEMV for N outputs (see quant_gemv_kernel); unless gemv_fused, quantize_x_kernel first
-// turns x into codes and scales in a stream-ordered scratch.
+// The add_rms_norm whose output is the GEMV's x (add_rms_norm_quant_linear): residual [M, K] + delta ->
+// residual_out, x = rms_norm of that * weight [K]; all contiguous, 16-byte aligned, 2-byte dtype.
+struct NormArgs {
+    Tensor residual_out, residual, delta, weight;
+    float eps;
+};
+template <typename T>
+NormX<device_t<T>> norm_x(const NormArgs *n) {
+    if (n == nullptr) return {nullptr, nullptr, nullptr, nullptr, 0.f};
+    return {dptr<T>(n->residual), dptr<T>(n->delta), dptr<T>(n->weight), dptr<T>(n->residual_out), n->eps};
+}
+
+// Launches the GEMV for N outputs (see quant_gemv_kernel); unless gemv_fused, quantize_x_kernel (or with a
+// norm, norm_quantize_x_kernel) first turns x into codes and scales in a stream-ordered scratch. With a
+// norm, x is residual (its shape; the kernels read the norm's operands instead).
 template <class F, typename T, int MR, bool kSwiglu>
-void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int64_t N) {
+void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int64_t N,
+                 const NormArgs *norm) {
     using D = device_t<T>;
     const int64_t M = x.size(0), K = w.cols(), nb = K / F::kBK;
     const int dev = out.device().index, G = gemv_group(N, K);
     const cudaStream_t stream = stream_of(out);
     const bool fused = gemv_fused(M, K);
+    const NormX<D> nx = norm_x<T>(norm);
     QuantX xq{nullptr, nullptr};
     Tensor scratch;
     if (!fused) { // q int8 [M, K], then d f32 [M, nb] (K % 32 == 0 keeps both 16-byte aligned)
         scratch = Tensor::empty({M * K + M * nb * 4}, DType::U8, out.device());
         int8_t *q = reinterpret_cast<int8_t *>(scratch.data());
         float *d = reinterpret_cast<float *>(q + M * K);
-        launch_pdl(quantize_x_kernel<D, F::kBK>, dim3(unsigned(ceil_div(M * K / 8, 256))), dim3(256), 0, stream,
-                   dev, q, d, dptr<T>(x), linear_detail::ld(x), M, K);
+        if (norm != nullptr)
+            launch_pdl(norm_quantize_x_kernel<D, F::kBK>, dim3(unsigned(M)), dim3(unsigned(ceil_div(K / 8, 32) * 32)),
+                       0, stream, dev, q, d, nx, K);
+        else
+            launch_pdl(quantize_x_kernel<D, F::kBK>, dim3(unsigned(ceil_div(M * K / 8, 256))), dim3(256), 0, stream,
+                       dev, q, d, dptr<T>(x), linear_detail::ld(x), M, K);
         xq = QuantX{q, d};
     }
     // x's codes and scales when fused (< 48 KB: M K <= 4096), then the partial sums of wide groups
@@ -420,20 +509,22 @@ void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const
         return quant_gemv_kernel<F, D, MR, kSwiglu>;
     }();
     launch_pdl(kernel, dim3(unsigned(ceil_div(N, int64_t(kGemvThreads / G)))), dim3(kGemvThreads), smem, stream, dev,
-               dptr<T>(out), w.bytes().data_as<uint8_t>(), w.row_bytes(), dptr<T>(x), linear_detail::ld(x), xq,
-               bias.defined() ? dptr<T>(bias) : nullptr, M, N, K, G);
+               dptr<T>(out), w.bytes().data_as<uint8_t>(), w.row_bytes(), dptr<T>(x),
+               norm != nullptr ? K : linear_detail::ld(x), xq, nx, bias.defined() ? dptr<T>(bias) : nullptr, M, N, K,
+               G);
 }
 
 template <typename T, bool kSwiglu>
-void gemv(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias) {
+void gemv(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias,
+          const NormArgs *norm = nullptr) {
     const int64_t M = x.size(0), N = out.size(1);
     dispatch_format(w.format(), [&](auto f) {
         using F = decltype(f);
         check_aligned<F>(op, w);
-        if (M == 1) launch_gemv<F, T, 1, kSwiglu>(out, x, w, bias, N);
-        else if (M == 2) launch_gemv<F, T, 2, kSwiglu>(out, x, w, bias, N);
-        else if (M <= 4) launch_gemv<F, T, 4, kSwiglu>(out, x, w, bias, N);
-        else launch_gemv<F, T, 8, kSwiglu>(out, x, w, bias, N);
+        if (M == 1) launch_gemv<F, T, 1, kSwiglu>(out, x, w, bias, N, norm);
+        else if (M == 2) launch_gemv<F, T, 2, kSwiglu>(out, x, w, bias, N, norm);
+        else if (M <= 4) launch_gemv<F, T, 4, kSwiglu>(out, x, w, bias, N, norm);
+        else launch_gemv<F, T, 8, kSwiglu>(out, x, w, bias, N, norm);
     });
 }
 
@@ -481,6 +572,31 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
             return linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
         gemv<T, true>(op, out, x, w_gate_up, Tensor());
     });
+}
+
+// x = add_rms_norm's output computed inside the GEMV (NormX) when it can have that op's bits: a 2-byte
+// dtype, 16-byte aligned operands, M <= 8, and rows whose add_rms_norm block kernel gives each thread one
+// vector of 8 (64 < K / 8 <= kGemvThreads) or is one warp of one vector each (K / 8 <= 32); 32 < K / 8 <= 64
+// takes a warp with two vectors a lane there, another order of sums.
+bool add_rms_norm_quant_linear(const Tensor &out, const Tensor &residual_out, const Tensor &residual,
+                               const Tensor &delta, const Tensor &norm_weight, float eps, const QuantMatrix &weight,
+                               const Tensor &bias, bool swiglu) {
+    constexpr const char *op = "add_rms_norm_quant_linear";
+    const int64_t M = residual.size(0), K = residual.size(1), nvec = K / 8;
+    const auto aligned = [](const Tensor &t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; };
+    if (dtype_size(residual.dtype()) != 2 || M > kMaxGemvM || K % 8 != 0 || nvec > kGemvThreads ||
+        (nvec > 32 && nvec <= 64) || !aligned(residual_out) || !aligned(residual) || !aligned(delta) ||
+        !aligned(norm_weight))
+        return false;
+    const NormArgs norm{residual_out, residual, delta, norm_weight, eps};
+    detail::dispatch_float(op, residual.dtype(), residual.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        if constexpr (sizeof(T) == 2) {
+            if (swiglu) gemv<T, true>(op, out, residual, weight, Tensor(), &norm);
+            else gemv<T, false>(op, out, residual, weight, bias, &norm);
+        }
+    });
+    return true;
 }
 
 void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight) {

@@ -1,6 +1,8 @@
 #include "ops/quant_linear/quant_linear.hpp"
 
+#include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
+#include "ops/rms_norm/rms_norm.hpp"
 
 #include <algorithm>
 #include <string>
@@ -77,6 +79,64 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
         LLAISYS_DEVICE_DISPATCH(op, o2.device(), cpu::quant_linear_swiglu(o2, x2, w_gate_up),
                                 cuda::quant_linear_swiglu(o2, x2, w_gate_up));
     });
+}
+
+bool add_rms_norm_quant_linear_fused(DType dtype, Device device, int64_t rows, int64_t cols) {
+    const int64_t nvec = cols / 8;
+    return device.is_cuda() && dtype_size(dtype) == 2 && rows >= 1 && rows <= kQuantGemvMaxRows && cols % 8 == 0 &&
+           nvec >= 1 && nvec <= 256 && !(nvec > 32 && nvec <= 64);
+}
+
+void add_rms_norm_quant_linear(const Tensor &out, const Tensor &residual_out, const Tensor &residual,
+                               const Tensor &delta, const Tensor &norm_weight, float eps, const QuantMatrix &weight,
+                               const Tensor &bias, bool swiglu) {
+    constexpr const char *op = "add_rms_norm_quant_linear";
+    detail::check_defined(op, "residual", residual);
+    detail::check_defined(op, "residual_out", residual_out);
+    detail::check_defined(op, "delta", delta);
+    detail::check_defined(op, "out", out);
+    LLAISYS_CHECK(residual.ndim() == 2, std::invalid_argument, op, ": residual must be [M, K], got shape ",
+                  shape_str(residual.shape()));
+    const int64_t M = residual.size(0), K = residual.size(1);
+    detail::check_same_device(op, {&out, &residual_out, &residual, &delta});
+    check_weight(op, "weight", weight, residual.device());
+    detail::check_float(op, "residual", residual);
+    for (const auto &[name, t] : {std::pair<const char *, const Tensor *>{"residual_out", &residual_out},
+                                  {"delta", &delta}, {"out", &out}}) {
+        detail::check_same_dtype(op, name, *t, residual);
+        if (t != &out) detail::check_shape(op, name, *t, {M, K});
+    }
+    detail::check_rms_norm_args(op, residual_out, residual, norm_weight, eps); // norm_weight [K], eps >= 0
+    LLAISYS_CHECK(weight.cols() == K, std::invalid_argument, op, ": weight's cols K = ", weight.cols(),
+                  " must equal residual's width ", K);
+    LLAISYS_CHECK(!swiglu || (weight.rows() % 2 == 0 && !bias.defined()), std::invalid_argument, op,
+                  ": with swiglu the weight must have 2I rows (gate, then up) and there is no bias");
+    detail::check_shape(op, "out", out, {M, swiglu ? weight.rows() / 2 : weight.rows()});
+    detail::check_no_overlap(op, "residual_out", residual_out, "residual", residual);
+    detail::check_no_overlap(op, "residual_out", residual_out, "delta", delta);
+    detail::check_no_overlap(op, "residual_out", residual_out, "out", out);
+    detail::check_no_overlap(op, "out", out, "residual", residual);
+    detail::check_no_overlap(op, "out", out, "delta", delta);
+    if (bias.defined()) {
+        detail::check_same_device(op, {&out, &bias});
+        detail::check_same_dtype(op, "bias", bias, residual);
+        detail::check_shape(op, "bias", bias, {weight.rows()});
+    }
+    if (M == 0) return;
+#ifdef LLAISYS_WITH_CUDA
+    if (add_rms_norm_quant_linear_fused(residual.dtype(), residual.device(), M, K) && residual_out.is_contiguous() &&
+        residual.is_contiguous() && delta.is_contiguous() && out.is_contiguous() && norm_weight.is_contiguous() &&
+        (!bias.defined() || bias.is_contiguous())) {
+        DeviceGuard guard(residual.device());
+        if (cuda::add_rms_norm_quant_linear(out, residual_out, residual, delta, norm_weight, eps, weight, bias, swiglu))
+            return;
+    }
+#endif
+    Tensor(residual_out).copy_(residual);
+    const Tensor x = Tensor::empty({M, K}, residual.dtype(), residual.device());
+    add_rms_norm(x, residual_out, delta, norm_weight, eps);
+    if (swiglu) quant_linear_swiglu(out, x, weight);
+    else quant_linear(out, x, weight, bias);
 }
 
 void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight) {

@@ -17,4 +17,9 @@ void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight,
 void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &w_gate_up);
 void quant_embedding(const Tensor &out, const Tensor &ids, const QuantMatrix &weight);
 void quant_dequantize(const Tensor &out, const QuantMatrix &weight);
+// add_rms_norm_quant_linear as one GEMV that computes the norm itself, when it can reproduce add_rms_norm's
+// bits for these operands (all contiguous [M, K] / [K], out [M, N]); false (nothing launched) otherwise.
+bool add_rms_norm_quant_linear(const Tensor &out, const Tensor &residual_out, const Tensor &residual,
+                               const Tensor &delta, const Tensor &norm_weight, float eps, const QuantMatrix &weight,
+                               const Tensor &bias, bool swiglu);
 } // namespace llaisys::ops::cuda
