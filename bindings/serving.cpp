@@ -19,9 +19,10 @@ std::vector<U> to_vector(const Array<T> &a) {
     return std::vector<U>(a.data(), a.data() + a.shape(0));
 }
 
+using Tables = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
 HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const Array<int64_t> &slots,
-                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len,
-                     const nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> &tables) {
+                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len, const Tables &tables) {
     HostBatch b;
     b.ids = to_vector(ids);
     b.pos = to_vector(pos);
@@ -33,6 +34,38 @@ HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const
     LLAISYS_CHECK(int64_t(tables.shape(0)) == b.num_seqs(), std::invalid_argument,
                   "Runner: block_tables needs one row per sequence");
     return b;
+}
+// One RowSampling per sequence of b from the step's sampling arrays (moved out of the lists).
+std::vector<RowSampling> row_sampling(const HostBatch &b, const Array<float> &temperature, const Array<int32_t> &top_k,
+                                      const Array<float> &top_p, const Array<float> &min_p,
+                                      const Array<float> &repetition_penalty, const Array<uint64_t> &seed,
+                                      const Array<uint64_t> &step, std::vector<std::vector<int64_t>> &penalty_ids,
+                                      std::vector<std::vector<int64_t>> &bias_ids, std::vector<std::vector<float>> &bias) {
+    const size_t B = size_t(b.num_seqs());
+    LLAISYS_CHECK(temperature.shape(0) == B && top_k.shape(0) == B && top_p.shape(0) == B && min_p.shape(0) == B &&
+                      repetition_penalty.shape(0) == B && seed.shape(0) == B && step.shape(0) == B &&
+                      (penalty_ids.empty() || penalty_ids.size() == B) && bias_ids.size() == bias.size() &&
+                      (bias_ids.empty() || bias_ids.size() == B),
+                  std::invalid_argument, "Runner.step: need one sampling value per sequence (", B, ")");
+    std::vector<RowSampling> rows(B);
+    for (size_t i = 0; i < B; ++i) {
+        RowSampling &r = rows[i];
+        r.temperature = temperature.data()[i];
+        r.top_k = top_k.data()[i];
+        r.top_p = top_p.data()[i];
+        r.min_p = min_p.data()[i];
+        r.repetition_penalty = repetition_penalty.data()[i];
+        r.seed = seed.data()[i];
+        r.step = step.data()[i];
+        if (!penalty_ids.empty()) r.penalty_ids = std::move(penalty_ids[i]);
+        if (!bias_ids.empty()) {
+            LLAISYS_CHECK(bias_ids[i].size() == bias[i].size(), std::invalid_argument,
+                          "Runner.step: bias_ids and bias of row ", i, " differ in length");
+            r.bias_ids = std::move(bias_ids[i]);
+            r.bias = std::move(bias[i]);
+        }
+    }
+    return rows;
 }
 } // namespace
 
@@ -66,37 +99,13 @@ void bind_serving(nb::module_ &m) {
         }, nb::arg("model"), nb::arg("pool"), nb::arg("graph_batch_sizes"), nb::arg("max_blocks_per_seq"),
              nb::arg("cuda_graphs"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
         .def("step", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
-                        Array<int32_t> q_start, Array<int32_t> kv_len,
-                        nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
-                        Array<float> temperature, Array<int32_t> top_k, Array<float> top_p, Array<float> min_p,
-                        Array<float> repetition_penalty, Array<uint64_t> seed, Array<uint64_t> step,
-                        std::vector<std::vector<int64_t>> penalty_ids, std::vector<std::vector<int64_t>> bias_ids,
-                        std::vector<std::vector<float>> bias) {
+                        Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
+                        Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
+                        Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
+                        std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
-            const size_t B = size_t(b.num_seqs());
-            LLAISYS_CHECK(temperature.shape(0) == B && top_k.shape(0) == B && top_p.shape(0) == B &&
-                              min_p.shape(0) == B && repetition_penalty.shape(0) == B && seed.shape(0) == B &&
-                              step.shape(0) == B && (penalty_ids.empty() || penalty_ids.size() == B) &&
-                              bias_ids.size() == bias.size() && (bias_ids.empty() || bias_ids.size() == B),
-                          std::invalid_argument, "Runner.step: need one sampling value per sequence (", B, ")");
-            std::vector<RowSampling> rows(B);
-            for (size_t i = 0; i < B; ++i) {
-                RowSampling &r = rows[i];
-                r.temperature = temperature.data()[i];
-                r.top_k = top_k.data()[i];
-                r.top_p = top_p.data()[i];
-                r.min_p = min_p.data()[i];
-                r.repetition_penalty = repetition_penalty.data()[i];
-                r.seed = seed.data()[i];
-                r.step = step.data()[i];
-                if (!penalty_ids.empty()) rows[i].penalty_ids = std::move(penalty_ids[i]);
-                if (!bias_ids.empty()) {
-                    LLAISYS_CHECK(bias_ids[i].size() == bias[i].size(), std::invalid_argument,
-                                  "Runner.step: bias_ids and bias of row ", i, " differ in length");
-                    rows[i].bias_ids = std::move(bias_ids[i]);
-                    rows[i].bias = std::move(bias[i]);
-                }
-            }
+            const std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
+                                                               seed, step, penalty_ids, bias_ids, bias);
             nb::gil_scoped_release release;
             return r.step(b, rows);
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
@@ -104,10 +113,30 @@ void bind_serving(nb::module_ &m) {
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
              nb::arg("bias_ids"), nb::arg("bias"),
              "Runs one step and returns one sampled token id per sequence.")
+        .def("launch", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
+                          Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
+                          Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
+                          Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
+                          std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
+                          bool chain) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+            const std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
+                                                               seed, step, penalty_ids, bias_ids, bias);
+            nb::gil_scoped_release release;
+            r.launch(b, rows, chain);
+        }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
+             nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
+             nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
+             nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"),
+             "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
+             "previous launch's tokens, on the device.")
+        .def("finish", [](Runner &r) {
+            nb::gil_scoped_release release;
+            return r.finish();
+        }, "The tokens of the oldest unfinished launch (waits for them).")
+        .def_prop_ro("launched", &Runner::launched, "Launched steps not finished yet.")
         .def("logits", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
-                          Array<int32_t> q_start, Array<int32_t> kv_len,
-                          nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
-                          bool all_logits) {
+                          Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, bool all_logits) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             nb::gil_scoped_release release;
             return r.logits(b, all_logits);

@@ -40,7 +40,16 @@ Runner::Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config)
     config_.cuda_graphs = config_.cuda_graphs && model.device().is_cuda();
 }
 
-Runner::~Runner() = default;
+// A launched step: its tokens land in `host` (pinned) once `done` has passed on the stream.
+struct Runner::Inflight {
+    Tensor host; // i64 [capacity] pinned
+    std::unique_ptr<Event> done;
+    std::vector<RowSampling> rows; // for the error message of a row without a token
+};
+
+Runner::~Runner() {
+    for (auto &f : inflight_) f->done->synchronize(); // copies into pinned buffers that are about to go
+}
 
 void Runner::check(const HostBatch &b) const {
     const int64_t B = b.num_seqs(), T = int64_t(b.ids.size());
@@ -117,7 +126,8 @@ std::unique_ptr<Runner::Graphed> Runner::capture(const std::vector<int64_t> &h64
 
 // Replays the decode graph of padded size P (capturing it first if needed). With rows it samples them
 // into the graph's ids; without, its sampler is off and ids hold every row's argmax of the raw logits.
-const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::vector<RowSampling> *rows) {
+const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::vector<RowSampling> *rows,
+                                      const Tensor *chained) {
     std::vector<int64_t> h64;
     std::vector<int32_t> h32;
     pack(b, P, config_.max_blocks_per_seq, h64, h32);
@@ -130,6 +140,7 @@ const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::
         staging_->upload_into(it->second->buf32, h32.data(), h32.size() * sizeof(int32_t));
     }
     Graphed &g = *it->second;
+    if (chained != nullptr) chain_ids(g.buf64, *chained);
     const bool on = rows != nullptr && std::any_of(rows->begin(), rows->end(), [](const RowSampling &r) {
         return r.temperature > 0.f; // all greedy: the argmax is the answer, the sampler can stay off
     });
@@ -156,6 +167,8 @@ int64_t Runner::begin(const HostBatch &b, bool all_logits) {
 Tensor Runner::logits(const HostBatch &b, bool all_logits) {
     const int64_t size = begin(b, all_logits);
     DeviceGuard guard(model_.device());
+    LLAISYS_CHECK(size == 0 || inflight_.empty(), std::invalid_argument, "Runner.logits: ", inflight_.size(),
+                  " launched step(s) not finished (call finish() first)");
     if (size > 0) return replay(b, size, nullptr).logits.slice(0, 0, b.num_seqs());
     const StepBatch s = upload(b);
     return model_.forward_step(s, pool_, all_logits);
@@ -229,9 +242,74 @@ static bool samples_in_graph(const std::vector<RowSampling> &rows) {
     });
 }
 
+void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain) {
+    LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
+                  b.num_seqs(), " sequences, got ", rows.size());
+    const int64_t B = b.num_seqs();
+    LLAISYS_CHECK(!chain || (!inflight_.empty() && last_launched_.numel() == B), std::invalid_argument,
+                  "Runner.launch: chain needs the step launched just before it, unfinished, with the same ", B,
+                  " rows (", inflight_.size(), " unfinished, the last with ", last_launched_.numel(), ")");
+    const int64_t size = begin(b, false);
+    DeviceGuard guard(model_.device());
+    Tensor ids;
+    if (size > 0 && samples_in_graph(rows)) {
+        const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr);
+        last_logits_ = g.logits.slice(0, 0, B);
+        ++steps_sampled_in_graph_;
+        ids = g.ids.slice(0, 0, B);
+    } else {
+        if (size > 0) {
+            last_logits_ = replay(b, size, nullptr, chain ? &last_launched_ : nullptr).logits.slice(0, 0, B);
+        } else {
+            const StepBatch s = upload(b);
+            if (chain) chain_ids(s.ids, last_launched_);
+            last_logits_ = model_.forward_step(s, pool_);
+        }
+        ids = Tensor::empty({B}, DType::I64, model_.device());
+        sample(ids, last_logits_, rows);
+    }
+    std::unique_ptr<Inflight> f;
+    if (!spare_.empty()) {
+        f = std::move(spare_.back());
+        spare_.pop_back();
+    } else {
+        f = std::make_unique<Inflight>();
+        f->done = std::make_unique<Event>(model_.device());
+    }
+    if (!f->host.defined() || f->host.numel() < B)
+        f->host = Tensor::empty({std::max<int64_t>(B, 64)}, DType::I64, Device::cpu(), model_.device().is_cuda());
+    runtime::memcpy_async(f->host.data(), Device::cpu(), ids.data(), model_.device(), size_t(B) * sizeof(int64_t));
+    f->done->record(current_stream(model_.device()));
+    f->rows = rows;
+    inflight_.push_back(std::move(f));
+    last_launched_ = ids; // a graph's ids are overwritten only by its next replay, which a chain reads first
+}
+
+// The first from.numel() input ids (dst: a step's ids, or a graph's input buffer, which the ids lead) are the
+// tokens `from` holds on the device: a chained step's, whose tokens the host does not know yet.
+void Runner::chain_ids(const Tensor &dst, const Tensor &from) {
+    runtime::memcpy_async(dst.data(), model_.device(), from.data(), model_.device(),
+                          size_t(from.numel()) * sizeof(int64_t));
+}
+
+std::vector<int64_t> Runner::finish() {
+    LLAISYS_CHECK(!inflight_.empty(), std::invalid_argument, "Runner.finish: no launched step to finish");
+    std::unique_ptr<Inflight> f = std::move(inflight_.front());
+    inflight_.pop_front();
+    f->done->synchronize();
+    const auto *p = f->host.data_as<int64_t>();
+    std::vector<int64_t> ids(p, p + f->rows.size());
+    const std::vector<RowSampling> rows = std::move(f->rows);
+    spare_.push_back(std::move(f));
+    check_ids(ids, rows);
+    return ids;
+}
+
 std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
     LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
                   b.num_seqs(), " sequences, got ", rows.size());
+    LLAISYS_CHECK(inflight_.empty(), std::invalid_argument, "Runner.step: ", inflight_.size(),
+                  " launched step(s) not finished (call finish() first)");
     const int64_t size = begin(b, false), B = b.num_seqs();
     DeviceGuard guard(model_.device());
     if (size > 0 && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
@@ -252,12 +330,16 @@ std::vector<int64_t> Runner::read_ids(const Tensor &out, const std::vector<RowSa
     const int64_t B = int64_t(rows.size());
     std::vector<int64_t> ids(size_t(B), 0);
     runtime::memcpy(ids.data(), Device::cpu(), out.data(), model_.device(), size_t(B) * sizeof(int64_t));
-    for (int64_t i = 0; i < B; ++i) // argmax and sample mark a row without a finite maximum with -1
-        LLAISYS_CHECK(ids[size_t(i)] >= 0, std::runtime_error, "non-finite logits (NaN or Inf) at generation step ",
-                      rows[size_t(i)].step, " of the request in row ", i,
+    check_ids(ids, rows);
+    return ids;
+}
+
+void Runner::check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows) {
+    for (size_t i = 0; i < ids.size(); ++i) // argmax and sample mark a row without a finite maximum with -1
+        LLAISYS_CHECK(ids[i] >= 0, std::runtime_error, "non-finite logits (NaN or Inf) at generation step ",
+                      rows[i].step, " of the request in row ", i,
                       " of the step: the model produced NaN/Inf, no token was sampled (check the weights and the "
                       "dtype)");
-    return ids;
 }
 
 } // namespace llaisys::runtime

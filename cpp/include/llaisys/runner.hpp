@@ -10,6 +10,7 @@
 #include "llaisys/qwen2.hpp"
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <vector>
@@ -58,6 +59,15 @@ public:
     ~Runner();
     // Runs the step and returns one sampled token id per sequence (the only host sync of a step).
     std::vector<int64_t> step(const HostBatch &batch, const std::vector<RowSampling> &rows);
+    // Overlapped steps: the host prepares the next step while the device runs this one. launch() runs a
+    // step as step() would, without waiting for its tokens, which finish() returns later (oldest launch
+    // first). With chain, the step's input ids are the tokens of the step launched just before it, copied
+    // on the device: a decode of the same sequences in the same rows, whose tokens the host does not know
+    // yet (the host's ids are ignored; penalties and biases, applied from host lists, must not need them).
+    // step() and a graphed logits() raise while launched steps are unfinished.
+    void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain);
+    std::vector<int64_t> finish();
+    size_t launched() const { return inflight_.size(); }
     // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
     Tensor logits(const HostBatch &batch, bool all_logits);
     // The logits the last step() sampled from ([B, vocab], after penalties and biases, before
@@ -74,11 +84,16 @@ private:
     void check(const HostBatch &batch) const;
     int64_t begin(const HostBatch &batch, bool all_logits);
     int64_t graph_size_for(const HostBatch &batch) const;
-    const Graphed &replay(const HostBatch &batch, int64_t size, const std::vector<RowSampling> *rows);
+    // chained: device ids that replace the first input ids (chain_ids)
+    const Graphed &replay(const HostBatch &batch, int64_t size, const std::vector<RowSampling> *rows,
+                          const Tensor *chained = nullptr);
+    void chain_ids(const Tensor &dst, const Tensor &from);
     std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
                                      int64_t size);
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
     std::vector<int64_t> read_ids(const Tensor &ids, const std::vector<RowSampling> &rows) const;
+    static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
+    struct Inflight; // a launched step whose tokens are on their way to the host
 
     models::Qwen2 &model_;
     KVPool &pool_;
@@ -88,6 +103,9 @@ private:
     uint64_t graphs_weights_version_ = 0; // the model's weights_version() the graphs were captured with
     Tensor last_logits_;
     uint64_t steps_sampled_in_graph_ = 0;
+    std::deque<std::unique_ptr<Inflight>> inflight_;
+    std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
+    Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
 };
 
 } // namespace llaisys::runtime

@@ -111,9 +111,10 @@ class BlockManager:
     def can_grow(self, seq: Sequence) -> bool:
         return self.blocks_for(len(seq)) <= len(seq.block_table) or self.num_free > 0
 
-    def grow(self, seq: Sequence) -> None:
-        """Adds a block when seq's tokens outgrew its table (before a decode step computes the last one)."""
-        while self.blocks_for(len(seq)) > len(seq.block_table):
+    def grow(self, seq: Sequence, tokens: int | None = None) -> None:
+        """Adds blocks while seq's tokens (or `tokens` of them: a step ahead of what the host knows)
+        outgrew its table (before a decode step computes the last one)."""
+        while self.blocks_for(len(seq) if tokens is None else tokens) > len(seq.block_table):
             seq.block_table.append(self._take())
 
     def register_full(self, seq: Sequence) -> None:

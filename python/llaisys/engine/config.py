@@ -54,6 +54,10 @@ class EngineConfig:
     # CPU fusing copies the checkpoint's memory-mapped weights that are otherwise used in place
     fused_projections: bool | None = field(default_factory=lambda: _env_optional_flag("LLAISYS_FUSED"))
     max_queued_requests: int = 4096       # submit() beyond this raises (a server answers 503)
+    # decode steps overlap: the host schedules step n + 1 (its input tokens chained on the device) while the
+    # device runs step n (engine/core.py); None: on for CUDA only (on the CPU the step runs on the calling
+    # thread, so nothing overlaps: True there is for tests)
+    overlap_steps: bool | None = field(default_factory=lambda: _env_optional_flag("LLAISYS_OVERLAP"))
 
     def __post_init__(self):
         ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "cpu_kv_cache_bytes": 1,
@@ -73,9 +77,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
-        if self.fused_projections is not None and not isinstance(self.fused_projections, bool):
-            raise ValueError(f"EngineConfig.fused_projections must be True, False or None, got "
-                             f"{self.fused_projections!r}")
+        for name in ("fused_projections", "overlap_steps"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be True, False or None, got {getattr(self, name)!r}")
         sizes = self.graph_batch_sizes
         if sizes is not None and (not isinstance(sizes, (tuple, list)) or
                                   not all(isinstance(s, int) and s >= 1 for s in sizes)):
@@ -83,9 +87,9 @@ class EngineConfig:
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:
-        if self.fused_projections is not None and not isinstance(self.fused_projections, bool):
-            raise ValueError(f"EngineConfig.fused_projections must be True, False or None, got "
-                             f"{self.fused_projections!r}")
+        for name in ("fused_projections", "overlap_steps"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be True, False or None, got {getattr(self, name)!r}")
         sizes = self.graph_batch_sizes or default_graph_sizes(self.max_num_seqs)
         return tuple(sorted(s for s in sizes if s <= self.max_num_seqs))
 

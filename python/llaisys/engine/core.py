@@ -13,7 +13,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Step
-from .sequence import Sequence
+from .sequence import Sequence, Status
 
 _DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 _GREEDY = resolve_sampling({}, temperature=0)
@@ -60,9 +60,13 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.pool, config.block_size, math.ceil(max_seq_len / config.block_size),
                                   config.graph_sizes, config.cuda_graphs)
+        overlap = config.overlap_steps
+        self._overlap = device.startswith("cuda") if overlap is None else overlap
+        self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
+        self.overlapped_steps = 0  # steps launched chained behind the step ahead (overlap_steps)
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """ValueError (with the numbers) for a request that could never run."""
@@ -81,20 +85,87 @@ class EngineCore:
         self.scheduler.finish(seq, reason)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[tuple[Sequence, int, dict | None]]:
         """One step. Returns (sequence, new token, its logprobs or None) for each sequence that produced
-        one; sequences that end (EOS, max_new_tokens, max_seq_len) are finished, their blocks freed."""
+        one; sequences that end (EOS, max_new_tokens, max_seq_len) are finished, their blocks freed.
+
+        Overlapped decode (EngineConfig.overlap_steps): a graphed decode step is launched without waiting,
+        and before its tokens are read the next step of the same sequences is launched behind it, its
+        input tokens taken on the device from the step ahead. So the host's scheduling and bookkeeping run
+        while the device computes, instead of between steps. A step launched so for a sequence that then
+        ends (EOS, a stop string, an abort) computes one token nobody reads: its blocks are freed only
+        after, in stream order. Anything else (new requests waiting, prefill, penalties, biases,
+        logprobs, a sequence about to reach its length limit, no free block) runs the plain way."""
         t0 = time.perf_counter()
-        step = self.scheduler.schedule()
-        if not step.seqs:
-            return []
-        t1 = time.perf_counter()
-        tokens = self.runner.step(step)
+        try:
+            if self._inflight is None:
+                step = self.scheduler.schedule()
+                if not step.seqs:
+                    return []
+                t1 = time.perf_counter()
+                if not self._may_overlap(step):
+                    return self._account(step, self.runner.step(step), t0, t1)
+                self.runner.launch(step, chain=False)
+                self._inflight = step
+            t1 = time.perf_counter()
+            step, self._inflight = self._inflight, None
+            self._inflight = self._launch_next(step)
+            tokens = self.runner.finish()
+        except BaseException:
+            self._drain()
+            raise
+        return self._account(step, tokens, t0, t1)
+
+    def _may_overlap(self, step) -> bool:
+        """Whether step may run launched (its tokens read later) with a next step chained behind it."""
+        if not self._overlap:
+            return False
+        for seq, n in zip(step.seqs, step.num_tokens):  # decodes, no penalties or biases, no logprobs
+            p = seq.params
+            if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.seen is not None or
+                    seq.counts is not None or seq.num_output < p.min_tokens):
+                return False
+        return True
+
+    def _launch_next(self, step):
+        """Launches the decode step after `step` (still running) for the same sequences, chained to its
+        tokens; None (nothing launched) where that step is not certain to be wanted as it stands."""
+        if not self._may_overlap(step) or self.scheduler.waiting:
+            return None  # waiting requests: schedule them as soon as this step is read
+        bm, need = self.blocks, 0
+        for seq in step.seqs:
+            if (seq.status is not Status.RUNNING or seq.num_output + 1 >= seq.params.max_new_tokens or
+                    len(seq) + 1 >= self.max_seq_len):
+                return None  # ended, or about to end by length
+            need += max(0, bm.blocks_for(len(seq) + 1) - len(seq.block_table))
+        if need > bm.num_free:
+            return None
+        for seq in step.seqs:
+            bm.grow(seq, len(seq) + 1)
+        nxt = Step(list(step.seqs), [1] * len(step.seqs))
+        self.runner.launch(nxt, chain=True)
+        self.overlapped_steps += 1
+        return nxt
+
+    def _drain(self) -> None:
+        """After a failure: waits out every launched step (their tokens dropped)."""
+        self._inflight = None
+        while self.runner.launched:
+            try:
+                self.runner.finish()
+            except Exception:
+                pass
+
+    def _account(self, step, tokens, t0: float, t1: float) -> list[tuple[Sequence, int, dict | None]]:
+        """Applies a step's tokens: progress, prefix-cache registration, ends; sequences that ended while
+        it ran (an abort, a stop string) are skipped."""
         t2 = time.perf_counter()
         produced = []
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
+            if seq.status is not Status.RUNNING:
+                continue
             seq.num_computed += n
             self.blocks.register_full(seq)
             if seq.num_computed < len(seq):
@@ -130,7 +201,8 @@ class EngineCore:
         b, s = self.blocks, self.scheduler
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": b.num_used,
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
-                "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions}
+                "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
+                "overlapped_steps": self.overlapped_steps}
 
 
 def score_logits(core: EngineCore, ids: list[int]):

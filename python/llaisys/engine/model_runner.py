@@ -15,15 +15,17 @@ class ModelRunner:
         self.runner = _core.Runner(model, pool, list(graph_sizes), max_blocks_per_seq, cuda_graphs)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
 
-    def _arrays(self, step: Step):
+    def _arrays(self, step: Step, ahead: int = 0):
+        """The step's host arrays. ahead = 1: a decode one token past what the host knows (the token it
+        reads is still being sampled on the device; its id here is a placeholder the runner replaces)."""
         bs = self.block_size
         ids, pos, slots, q_start, kv_len = [], [], [], [0], []
         width = max(len(s.block_table) for s in step.seqs)
         tables = np.zeros((len(step.seqs), width), dtype=np.int32)
         for row, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
-            start, table = seq.num_computed, seq.block_table
+            start, table = seq.num_computed + ahead, seq.block_table
             if n == 1:  # a decode: plain ints are several times cheaper than small numpy arrays
-                ids.append(seq.tokens[start])
+                ids.append(0 if ahead else seq.tokens[start])
                 pos.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
@@ -40,7 +42,29 @@ class ModelRunner:
     def step(self, step: Step) -> list[int]:
         """Runs the step; the token of each sequence (meaningful only where its prefill is complete)."""
         t0 = time.perf_counter()
-        arrays = self._arrays(step)
+        arrays, sampling = self._arrays(step), self._sampling(step)
+        self.prepare_s += time.perf_counter() - t0
+        return self.runner.step(*arrays, *sampling)
+
+    def launch(self, step: Step, chain: bool) -> None:
+        """Runs the step without waiting for its tokens (finish() returns them). chain: a decode of the
+        tokens of the step launched just before it (the same sequences in the same rows), not known here
+        yet."""
+        t0 = time.perf_counter()
+        ahead = int(chain)
+        arrays, sampling = self._arrays(step, ahead), self._sampling(step, ahead)
+        self.prepare_s += time.perf_counter() - t0
+        return self.runner.launch(*arrays, *sampling, chain)
+
+    def finish(self) -> list[int]:
+        """The tokens of the oldest launched step not finished yet."""
+        return self.runner.finish()
+
+    @property
+    def launched(self) -> int:
+        return self.runner.launched
+
+    def _sampling(self, step: Step, ahead: int = 0):
         seqs = step.seqs
         params = [s.params for s in seqs]
         penalty = [p.repetition_penalty for p in params]
@@ -56,10 +80,9 @@ class ModelRunner:
             np.asarray([p.min_p for p in params], dtype=np.float32),
             np.asarray(penalty, dtype=np.float32),
             np.asarray([s.seed for s in seqs], dtype=np.uint64),
-            np.asarray([s.num_output for s in seqs], dtype=np.uint64),
+            np.asarray([s.num_output + ahead for s in seqs], dtype=np.uint64),
             penalty_ids, [list(b) for b in biases], [list(b.values()) for b in biases])
-        self.prepare_s += time.perf_counter() - t0
-        return self.runner.step(*arrays, *sampling)
+        return sampling
 
     def last_logits(self):
         """The logits the last step sampled from, [B, vocab] on the device (after penalties)."""
