@@ -136,3 +136,16 @@ def test_prefix_cache_and_a_tiny_pool(tiny, device):
     plain, over, n = run_both(tiny, device, go, block_size=4, num_kv_blocks=64)
     assert over == plain and over[0] == over[1] and over[2]
     assert n > 0
+
+
+def test_setting_and_serve_flag():
+    from llaisys import cli
+    from llaisys.engine.config import EngineConfig
+    from llaisys.server.cli import ENGINE_SETTINGS
+
+    assert EngineConfig().overlap_steps is None and EngineConfig(overlap_steps=False).overlap_steps is False
+    with pytest.raises(ValueError, match="EngineConfig.overlap_steps must be True, False or None"):
+        EngineConfig(overlap_steps="yes")
+    assert "overlap_steps" in ENGINE_SETTINGS
+    assert cli.build_parser().parse_args(["serve", "--no-overlap-steps"]).overlap_steps is False
+    assert cli.build_parser().parse_args(["serve"]).overlap_steps is None

@@ -68,6 +68,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--num-kv-blocks", type=_int_at_least(2), metavar="N", help="a fixed number of KV blocks")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None)
+    g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false", default=None,
+                   help="read each decode step's tokens before launching the next (default: overlapped on CUDA)")
     g.add_argument("--max-queued-requests", type=_int_at_least(1), metavar="N",
                    help="requests in flight before new ones get 503")
     p.set_defaults(func=run_serve)
@@ -76,7 +78,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
                    "cpu_kv_cache_bytes", "num_kv_blocks", "enable_prefix_caching", "cuda_graphs",
-                   "max_queued_requests")
+                   "overlap_steps", "max_queued_requests")
 
 
 def run_serve(args) -> int:
