@@ -107,6 +107,7 @@ def test_requests_arriving_and_aborted_mid_stream(tiny, device):
     ps = prompts(eng.config.vocab_size, [10, 30, 8], seed=5)
     kw = dict(max_new_tokens=60, temperature=0, ignore_eos=True)
     alone = [eng.generate(p, **kw).token_ids for p in ps[:2]]
+    before = overlapped_steps(eng)
     first = eng.submit(ps[0], **kw)
     it = iter(first)
     ids = list(next(it).token_ids)  # decoding (chained) when the others arrive
@@ -119,7 +120,32 @@ def test_requests_arriving_and_aborted_mid_stream(tiny, device):
     assert doomed.result().finish_reason == "abort"
     s = eng.stats()
     assert s["kv_blocks_used"] == 0 and s["running"] == 0
+    assert overlapped_steps(eng) > before
+    eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_logits_mid_decode_name_their_step(tiny, device, tmp_path):
+    """A step whose logits are NaN samples no token (-1), and the step chained behind it has already been
+    launched with that id: the error must still be the NaN step's own, naming its generation step."""
+    from safetensors.torch import load_file, save_file
+
+    eng = engine(tiny, device, True)
+    p = prompts(eng.config.vocab_size, [6], seed=8)[0]
+    ids = eng.generate(p, max_new_tokens=30, temperature=0, ignore_eos=True).token_ids
+    eng.close()
+    k = next(i for i in range(3, 30) if ids[i] not in p and ids[i] not in ids[:i])  # first fed at step k + 1
+    path = make_tiny_qwen2(tmp_path, seed=5, max_position_embeddings=1024)
+    weights = load_file(f"{path}/model.safetensors")
+    weights["model.embed_tokens.weight"][ids[k]] = float("nan")
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    eng = engine(path, device, True)
+    with pytest.raises(RuntimeError, match=rf"non-finite logits \(NaN or Inf\) at generation step {k + 1} "):
+        eng.generate(p, max_new_tokens=30, temperature=0, ignore_eos=True)
     assert overlapped_steps(eng) > 0
+    s = eng.stats()
+    assert s["running"] == 0 and s["kv_blocks_used"] == 0
+    assert len(eng.generate(p, max_new_tokens=2, temperature=0, ignore_eos=True).token_ids) == 2
     eng.close()
 
 

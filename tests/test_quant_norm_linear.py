@@ -58,16 +58,22 @@ def test_equals_add_rms_norm_then_linear(fmt, K, dtype, M, swiglu):
 cuda = pytest.mark.cuda
 
 
-# Widths: K / 8 = 32 and 112..288 vectors. 256, 896, 1536 and 2048 run fused (one vector per thread, as
-# add_rms_norm's kernels hold them); 512 (a warp with two vectors a lane there) and 2304 (more vectors
-# than the GEMV's threads) take the composed path. N = 2800 at 1536: K-quants there take the chunked GEMV.
+# Widths: K / 8 = 4..288 vectors. 32, 128, 256, 896, 1536 and 2048 run fused (one vector per thread, as
+# add_rms_norm's kernels hold them; 32 and 128 fill part of a warp); 512 (a warp with two vectors a lane
+# there) and 2304 (more vectors than the GEMV's threads) take the composed path. N = 2800 at 1536: K-quants
+# there take the chunked GEMV.
+FUSED_WIDTHS = {32, 128, 256, 896, 1536, 2048}
+
+
 @cuda
-@pytest.mark.parametrize("fmt,K", [("q4_k", 256), ("q5_0", 896), ("q8_0", 896), ("q4_k", 1536), ("q6_k", 1536),
-                                   ("q5_k", 512), ("q4_0", 2048), ("q6_k", 2304)])
+@pytest.mark.parametrize("fmt,K", [("q4_0", 32), ("q8_0", 128), ("q4_k", 256), ("q5_0", 896), ("q8_0", 896),
+                                   ("q4_k", 1536), ("q6_k", 1536), ("q5_k", 512), ("q4_0", 2048), ("q6_k", 2304)])
 @pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
 @pytest.mark.parametrize("M", [1, 2, 3, 8, 9])
 @pytest.mark.parametrize("swiglu", [False, True])
 def test_cuda_equals_add_rms_norm_then_linear(fmt, K, dtype, M, swiglu):
+    fused = K in FUSED_WIDTHS and dtype != "f32" and M <= 8
+    assert quant.add_rms_norm_linear_fused(dtype, "cuda", M, K) == fused
     N = 2800 if K == 1536 else 37
     assert_same(*run_both(fmt, K, M, N, dtype, swiglu, "cuda", seed=K + M))
 
@@ -92,7 +98,7 @@ def test_fused_predicate():
     fused = quant.add_rms_norm_linear_fused
     assert not fused("bf16", "cpu", 1, 1536)
     assert fused("bf16", "cuda", 1, 1536) and fused("f16", "cuda", 8, 896) and fused("bf16", "cuda", 2, 2048)
-    assert fused("bf16", "cuda", 1, 256)
+    assert fused("bf16", "cuda", 1, 256) and fused("bf16", "cuda", 1, 32) and fused("bf16", "cuda", 1, 8)
     assert not fused("f32", "cuda", 1, 1536)  # add_rms_norm's f32 vectors are 4 wide
     assert not fused("bf16", "cuda", 9, 1536)  # more rows than the GEMV takes
     assert not fused("bf16", "cuda", 1, 512)  # one warp, two vectors a lane: another order of sums

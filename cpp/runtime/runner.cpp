@@ -48,7 +48,12 @@ struct Runner::Inflight {
 };
 
 Runner::~Runner() {
-    for (auto &f : inflight_) f->done->synchronize(); // copies into pinned buffers that are about to go
+    for (auto &f : inflight_) { // copies into pinned buffers that are about to go
+        try {
+            f->done->synchronize();
+        } catch (...) { // a device error the engine's step has reported (or will never read): the wait is over
+        }
+    }
 }
 
 void Runner::check(const HostBatch &b) const {
@@ -296,8 +301,13 @@ std::vector<int64_t> Runner::finish() {
     LLAISYS_CHECK(!inflight_.empty(), std::invalid_argument, "Runner.finish: no launched step to finish");
     std::unique_ptr<Inflight> f = std::move(inflight_.front());
     inflight_.pop_front();
-    f->done->synchronize();
     const auto *p = f->host.data_as<int64_t>();
+    try {
+        f->done->synchronize();
+    } catch (const std::out_of_range &) { // the device's id check: a chained step may have read this step's
+        check_ids(std::vector<int64_t>(p, p + f->rows.size()), f->rows); // -1 (no token); this error says why
+        throw;
+    }
     std::vector<int64_t> ids(p, p + f->rows.size());
     const std::vector<RowSampling> rows = std::move(f->rows);
     spare_.push_back(std::move(f));

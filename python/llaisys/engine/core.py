@@ -111,7 +111,13 @@ class EngineCore:
                 self._inflight = step
             t1 = time.perf_counter()
             step, self._inflight = self._inflight, None
-            self._inflight = self._launch_next(step)
+            try:
+                self._inflight = self._launch_next(step)
+            except Exception:
+                # a step that could not sample a token (NaN logits) hands the chained one an id of -1: the
+                # step's own error says why, so it goes first
+                self.runner.finish()
+                raise
             tokens = self.runner.finish()
         except BaseException:
             self._drain()
