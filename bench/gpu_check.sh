@@ -38,7 +38,8 @@ fi
 if has test; then
   log "pytest -m cuda"
   # TESTS narrows the files (default: all of tests/)
-  timeout ${T_TEST:-300} python3 -m pytest -q -m cuda ${TESTS:-tests} -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
+  timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda ${TESTS:-tests} -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
+  grep -E "^SKIPPED" "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
   tail -15 "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
 fi
 
