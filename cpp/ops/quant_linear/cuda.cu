@@ -83,8 +83,8 @@ __device__ __forceinline__ void quantize_group(int8_t *q, float *d, const T *__r
 
 // x given as the add_rms_norm that makes it (add_rms_norm_quant_linear): x = rms_norm(residual + delta) *
 // weight over rows of K elements, rows K apart; residual + delta, rounded, goes to residual_out. Used for
-// 2-byte T, 16-byte aligned rows and K / 8 <= the threads of a block (norm_gemv_fits). residual null: x is
-// given as it is.
+// 2-byte T, 16-byte aligned rows and K / 8 <= the threads of a block (ops::add_rms_norm_quant_linear_fused).
+// residual null: x is given as it is.
 template <typename T>
 struct NormX {
     const T *residual, *delta, *weight;
@@ -101,7 +101,7 @@ template <typename T, int BK>
 __device__ __forceinline__ void norm_quantize_row(int8_t *q, float *d, const NormX<T> &nx, int64_t m, int64_t K,
                                                   bool writer) {
     if constexpr (sizeof(T) != 2) {
-        __trap(); // never launched so (norm_gemv_fits)
+        __trap(); // never launched so (ops::add_rms_norm_quant_linear_fused)
     } else {
         // the rounded sums wait here for the block's sum of squares (in registers they would stay live
         // beside the GEMV's weight words in flight, past the register budget of quant_gemv_kq_kernel)
@@ -574,20 +574,17 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     });
 }
 
-// x = add_rms_norm's output computed inside the GEMV (NormX) when it can have that op's bits: a 2-byte
-// dtype, 16-byte aligned operands, M <= 8, and rows whose add_rms_norm block kernel gives each thread one
-// vector of 8 (64 < K / 8 <= kGemvThreads) or is one warp of one vector each (K / 8 <= 32); 32 < K / 8 <= 64
-// takes a warp with two vectors a lane there, another order of sums.
+// x = add_rms_norm's output computed inside the GEMV (NormX). The caller (op.cpp) has checked the shapes
+// for which that gives the op's bits (ops::add_rms_norm_quant_linear_fused: a 2-byte dtype, M <= 8, and rows
+// whose add_rms_norm block kernel gives each thread one vector of 8, 64 < K / 8 <= kGemvThreads, or is one
+// warp of one vector each, K / 8 <= 32); what is left is the 16-byte alignment of the vector loads.
 bool add_rms_norm_quant_linear(const Tensor &out, const Tensor &residual_out, const Tensor &residual,
                                const Tensor &delta, const Tensor &norm_weight, float eps, const QuantMatrix &weight,
                                const Tensor &bias, bool swiglu) {
     constexpr const char *op = "add_rms_norm_quant_linear";
-    const int64_t M = residual.size(0), K = residual.size(1), nvec = K / 8;
+    static_assert(kGemvThreads == 256, "ops::add_rms_norm_quant_linear_fused assumes K / 8 <= 256 threads");
     const auto aligned = [](const Tensor &t) { return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0; };
-    if (dtype_size(residual.dtype()) != 2 || M > kMaxGemvM || K % 8 != 0 || nvec > kGemvThreads ||
-        (nvec > 32 && nvec <= 64) || !aligned(residual_out) || !aligned(residual) || !aligned(delta) ||
-        !aligned(norm_weight))
-        return false;
+    if (!aligned(residual_out) || !aligned(residual) || !aligned(delta) || !aligned(norm_weight)) return false;
     const NormArgs norm{residual_out, residual, delta, norm_weight, eps};
     detail::dispatch_float(op, residual.dtype(), residual.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
