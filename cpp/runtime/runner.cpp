@@ -257,7 +257,7 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
     const int64_t size = begin(b, false);
     DeviceGuard guard(model_.device());
     Tensor ids;
-    if (size > 0 && samples_in_graph(rows)) {
+    if (size > 0 && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
         const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr);
         last_logits_ = g.logits.slice(0, 0, B);
         ++steps_sampled_in_graph_;
@@ -315,35 +315,15 @@ std::vector<int64_t> Runner::finish() {
     return ids;
 }
 
+// launch() and at once finish(): the step's one host sync.
 std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
-    LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
-                  b.num_seqs(), " sequences, got ", rows.size());
     LLAISYS_CHECK(inflight_.empty(), std::invalid_argument, "Runner.step: ", inflight_.size(),
                   " launched step(s) not finished (call finish() first)");
-    const int64_t size = begin(b, false), B = b.num_seqs();
-    DeviceGuard guard(model_.device());
-    if (size > 0 && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
-        const Graphed &g = replay(b, size, &rows);
-        last_logits_ = g.logits.slice(0, 0, B);
-        ++steps_sampled_in_graph_;
-        return read_ids(g.ids, rows);
-    }
-    last_logits_ = size > 0 ? replay(b, size, nullptr).logits.slice(0, 0, B)
-                            : model_.forward_step(upload(b), pool_);
-    Tensor out = Tensor::empty({B}, DType::I64, model_.device());
-    sample(out, last_logits_, rows);
-    return read_ids(out, rows);
+    launch(b, rows, false);
+    return finish();
 }
 
-// Copies the first B ids back (the step's one host sync) and raises on a row that got no token.
-std::vector<int64_t> Runner::read_ids(const Tensor &out, const std::vector<RowSampling> &rows) const {
-    const int64_t B = int64_t(rows.size());
-    std::vector<int64_t> ids(size_t(B), 0);
-    runtime::memcpy(ids.data(), Device::cpu(), out.data(), model_.device(), size_t(B) * sizeof(int64_t));
-    check_ids(ids, rows);
-    return ids;
-}
-
+// Raises on a row that got no token.
 void Runner::check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows) {
     for (size_t i = 0; i < ids.size(); ++i) // argmax and sample mark a row without a finite maximum with -1
         LLAISYS_CHECK(ids[i] >= 0, std::runtime_error, "non-finite logits (NaN or Inf) at generation step ",

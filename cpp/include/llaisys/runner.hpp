@@ -91,7 +91,6 @@ private:
     std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
                                      int64_t size);
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
-    std::vector<int64_t> read_ids(const Tensor &ids, const std::vector<RowSampling> &rows) const;
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
 
