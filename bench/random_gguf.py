@@ -34,9 +34,9 @@ from gguf import GGMLQuantizationType as Q
 
 # this folder is on sys.path (sys.path[0] when run as a script); llaisys_bench finds llaisys' sources when the
 # package is not installed
-from llaisys_bench.shapes import SHAPES, weight_shapes
-# the loader's name tables, and its reader: ~3x faster than gguf.GGUFReader over a 150k-token vocabulary
-from llaisys.loader.gguf import _GLOBAL_NAMES, _LAYER_NAMES, _open
+from llaisys_bench.shapes import SHAPES, gguf_names, weight_shapes
+# the loader's reader: ~3x faster than gguf.GGUFReader over a 150k-token vocabulary
+from llaisys.loader.gguf import _open
 
 # preset -> (format of most 2-D weights, format of ffn_down / output / token_embd)
 PRESETS = {"q4_k_m": (Q.Q4_K, Q.Q6_K), "q8_0": (Q.Q8_0, Q.Q8_0), "q4_0": (Q.Q4_0, Q.Q4_0),
@@ -48,17 +48,6 @@ _FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}
 _MORE_BITS = ("output.weight", "token_embd.weight")  # and every ffn_down
 WEIGHT_STD, EMBEDDING_STD = 0.02, 0.04
 _CHUNK = 1 << 22  # elements drawn and quantized at a time, so a 150k x 1536 table never sits in f32
-
-_HF_TO_GGUF = {hf: g for g, hf in _GLOBAL_NAMES.items()}
-_HF_LAYER_TO_GGUF = {hf: g for g, hf in _LAYER_NAMES.items()}
-
-
-def gguf_name(hf: str) -> str:
-    if hf in _HF_TO_GGUF:
-        return _HF_TO_GGUF[hf]
-    _, _, layer, rest = hf.split(".", 3)  # model.layers.N.<rest>
-    return f"blk.{layer}.{_HF_LAYER_TO_GGUF[rest]}"
-
 
 def _config(shape) -> dict:
     if isinstance(shape, str):
@@ -79,8 +68,9 @@ def plan(shape, types: str) -> tuple[dict[str, tuple[tuple[int, ...], Q]], list[
     c = _config(shape)
     main, more = PRESETS[types]
     out, fell = {}, {}
+    names = gguf_names(c)
     for hf, s in weight_shapes(c).items():
-        name = gguf_name(hf)
+        name = names[hf]
         if len(s) == 1:
             out[name] = (s, Q.F32)
             continue

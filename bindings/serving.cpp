@@ -93,7 +93,7 @@ void bind_serving(nb::module_ &m) {
         .def("values", &KVPool::values, nb::arg("layer"));
 
     nb::class_<Runner>(m, "Runner")
-        .def("__init__", [](Runner *self, models::Qwen2 &model, KVPool &pool, std::vector<int64_t> graph_sizes,
+        .def("__init__", [](Runner *self, models::Model &model, KVPool &pool, std::vector<int64_t> graph_sizes,
                             int64_t max_blocks_per_seq, bool cuda_graphs) {
             new (self) Runner(model, pool, RunnerConfig{std::move(graph_sizes), max_blocks_per_seq, cuda_graphs});
         }, nb::arg("model"), nb::arg("pool"), nb::arg("graph_batch_sizes"), nb::arg("max_blocks_per_seq"),

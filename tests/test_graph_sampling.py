@@ -67,7 +67,7 @@ class _Runner(_Paged):
 
 def _runner(path, dtype, cuda_graphs=True):
     eng = Engine(path, device="cpu", dtype="f32", progress=False)  # for the config and the loader
-    m = _Runner(_core_model(eng, path, "cuda", dtype, None), eng._config_dict(), cuda_graphs)
+    m = _Runner(_core_model(eng, path, "cuda", dtype, None), eng.config.core, cuda_graphs)
     vocab = eng.config.vocab_size
     eng.close()
     return m, vocab

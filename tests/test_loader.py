@@ -185,23 +185,32 @@ def _edit_config(d, **changes):
         json.dump(cfg, f)
 
 
-def test_llama_config_is_rejected(tiny_copy):
+def test_unknown_architecture_is_rejected_naming_the_known_ones(tiny_copy):
+    transformers.GPTJConfig(vocab_size=416, n_embd=64, n_layer=2, n_head=4,
+                            architectures=["GPTJForCausalLM"]).save_pretrained(tiny_copy)
+    with pytest.raises(ValueError, match=r"config\.json: architecture GPTJForCausalLM is not supported \(llaisys "
+                                         r"runs Qwen2ForCausalLM, .*LlamaForCausalLM"):
+        loader.load(tiny_copy, progress=False)
+
+
+def test_llama_checkpoint_under_a_qwen2_weight_list_is_refused(tiny_copy):
+    """A Llama config over Qwen2's tensors (q/k/v biases Llama does not have): strict loading names one."""
     transformers.LlamaConfig(vocab_size=416, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, architectures=["LlamaForCausalLM"]).save_pretrained(tiny_copy)
-    with pytest.raises(ValueError, match=r"config\.json: architecture LlamaForCausalLM is not supported, "
-                                         r"llaisys runs Qwen2-family models"):
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.\d+\.self_attn\.[qkv]_proj\.bias': not "
+                                         r"a weight of a llama model"):
         loader.load(tiny_copy, progress=False)
 
 
 @pytest.mark.parametrize("changes,match", [
     ({"hidden_size": None}, r"config\.json: config is missing 'hidden_size'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, r"config\.json: rope_scaling .* not supported"),
-    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
-     "rope_parameters .* not supported"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     "rope_parameters rope_type 'dynamic' is not supported"),
     ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
     ({"dtype": "int8"}, "dtype 'int8' is not supported"),
-    ({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "architecture MistralForCausalLM"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, "architecture MixtralForCausalLM is not supported"),
 ])
 def test_bad_config_raises(tiny_copy, changes, match):
     _edit_config(tiny_copy, **changes)
@@ -221,7 +230,7 @@ def test_config_from_older_transformers_format():
                                                                                         (151645,))
     assert expected_weight_shapes(c)["model.layers.23.self_attn.k_proj.weight"] == (128, 896)
     assert "lm_head.weight" not in expected_weight_shapes(c)
-    with pytest.raises(ValueError, match="Qwen2Config: hidden_size must be a positive int"):
+    with pytest.raises(ValueError, match="ModelConfig: hidden_size must be a positive int"):
         Qwen2Config.from_hf({**d, "hidden_size": 0, "head_dim": 64}, "config.json")
 
 
@@ -346,8 +355,8 @@ def test_tiny_gguf_equals_transformers_gguf_load(tiny_dirs, tiny_gguf_dir, varia
 
 
 def test_gguf_wrong_architecture(tiny_dirs, tmp_path):
-    path = write_tiny_gguf(tiny_dirs["f32"], tmp_path / "llama.gguf", arch="llama")
-    with pytest.raises(ValueError, match=r"llama\.gguf: architecture llama is not supported, llaisys runs Qwen2"):
+    path = write_tiny_gguf(tiny_dirs["f32"], tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(ValueError, match=r"falcon\.gguf: architecture falcon is not supported \(llaisys runs Qwen2"):
         loader.load(path, progress=False)
 
 

@@ -144,7 +144,7 @@ class _Paged:
 def _core_model(eng, path, device, dtype, fused, skip=()):
     from llaisys import loader
 
-    m = _core.Qwen2(eng._config_dict(), dtype, device if device == "cpu" else "cuda:0", fused=fused)
+    m = _core.create_model(eng.config.core, dtype, device if device == "cpu" else "cuda:0", fused=fused)
     for name, w in loader.load(path, progress=False).weights.items():
         if name not in skip:
             m.load_weight(name, llaisys.tensor(np.array(w)))  # a writable copy of the mapped weight
@@ -154,7 +154,7 @@ def _core_model(eng, path, device, dtype, fused, skip=()):
 @pytest.mark.parametrize("device", DEVICES)
 def test_several_sequences_in_one_step_equal_separate_runs(tiny, device):
     eng = Engine(tiny, device=device, dtype="f32", progress=False)
-    m = _Paged(_core_model(eng, tiny, device, "f32", None), eng._config_dict())
+    m = _Paged(_core_model(eng, tiny, device, "f32", None), eng.config.core)
     a, b = prompt_ids(eng.config.vocab_size, 9, 1), prompt_ids(eng.config.vocab_size, 4, 2)
     both = m.forward([0, 1], [a, b]).to("cpu").numpy()
     m.truncate(0, 0)
@@ -174,11 +174,11 @@ def test_first_step_under_a_graph_capture_raises_and_the_model_stays_usable(tiny
     """The first step after loading synchronizes once (the weights are constant from then on), which a graph
     capture cannot hold: it raises a clear error, and the model then runs as if nothing happened."""
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    m, fresh = (_Paged(_core_model(eng, tiny, "cuda", "f32", True), eng._config_dict()) for _ in range(2))
+    m, fresh = (_Paged(_core_model(eng, tiny, "cuda", "f32", True), eng.config.core) for _ in range(2))
     ids = prompt_ids(eng.config.vocab_size, 5, 3)
     stream = llaisys.current_stream("cuda")
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="Qwen2: the first step after load_weight .* cannot be captured"):
+    with pytest.raises(RuntimeError, match="model: the first step after load_weight .* cannot be captured"):
         with torch.cuda.graph(graph, stream=torch.cuda.ExternalStream(stream.handle)):
             m.forward([0], [ids])
     got = torch.from_dlpack(m.forward([0], [ids])).cpu()
@@ -193,7 +193,7 @@ def test_reloaded_weights_are_not_replayed_from_an_old_graph(tiny):
     from llaisys import loader
 
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    m, fresh = (_Paged(_core_model(eng, tiny, "cuda", "f32", False), eng._config_dict()) for _ in range(2))
+    m, fresh = (_Paged(_core_model(eng, tiny, "cuda", "f32", False), eng.config.core) for _ in range(2))
     ids = prompt_ids(eng.config.vocab_size, 6, 4)
     name = "model.layers.0.mlp.down_proj.weight"
     new = 3 * np.array(loader.load(tiny, progress=False).weights[name])
@@ -217,7 +217,7 @@ def test_fused_projections_equal_unfused(tiny, device, dtype):
     bit on the CPU (same sums in the same order); on CUDA the fused GEMV may split its sums differently,
     so close (f32) and top-1 equal. Covers prefill of two sequences in one step and graphed decode."""
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    fused, plain = (_Paged(_core_model(eng, tiny, device, dtype, f), eng._config_dict()) for f in (True, False))
+    fused, plain = (_Paged(_core_model(eng, tiny, device, dtype, f), eng.config.core) for f in (True, False))
     assert fused.model.fused_projections and not plain.model.fused_projections
     a, b = prompt_ids(eng.config.vocab_size, 9, 1), prompt_ids(eng.config.vocab_size, 4, 2)
     to_np = lambda t: torch.from_dlpack(t).double().cpu().numpy()  # noqa: E731
@@ -245,7 +245,7 @@ def test_fused_model_tracks_missing_slices_and_env_switch(tiny, monkeypatch):
     m = _core_model(eng, tiny, "cpu", "f32", True, skip=(name,))
     assert m.missing_weights() == [name]  # the fused matrix exists, the slice was never filled
     with pytest.raises(ValueError, match="not loaded"):
-        _Paged(m, eng._config_dict()).forward([0], [[1]])
+        _Paged(m, eng.config.core).forward([0], [[1]])
     # EngineConfig.fused_projections decides; LLAISYS_FUSED only supplies its default
     monkeypatch.setenv("LLAISYS_FUSED", "1")
     on = Engine(tiny, device="cpu", dtype="f32", progress=False)
@@ -378,22 +378,22 @@ def test_bad_chat_messages_and_engine_arguments(tiny):
 
 def test_model_weight_errors_name_the_tensor(tiny):
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    m = _core.Qwen2(eng._config_dict(), "f32", "cpu")
+    m = _core.create_model(eng.config.core, "f32", "cpu")
     with pytest.raises(ValueError, match="unexpected weight 'model.layers.99.mlp.up_proj.weight'"):
         m.load_weight("model.layers.99.mlp.up_proj.weight", llaisys.zeros((1,)))
     with pytest.raises(ValueError, match="model.norm.weight' has shape"):
         m.load_weight("model.norm.weight", llaisys.zeros((3,)))
     with pytest.raises(ValueError, match="not loaded"):
-        _Paged(m, eng._config_dict()).forward([0], [[1]])
+        _Paged(m, eng.config.core).forward([0], [[1]])
     with pytest.raises(ValueError, match="not loaded"):
         m.prepare()
     with pytest.raises(TypeError):
-        _core.Qwen2(eng._config_dict(), "f32", "cpu", fused=1)  # a bool or None
+        _core.create_model(eng.config.core, "f32", "cpu", fused=1)  # a bool or None
 
 
 def test_runner_refuses_token_ids_outside_the_vocabulary(tiny):
     eng = Engine(tiny, device="cpu", dtype="f32", progress=False)
-    m = _Paged(_core_model(eng, tiny, "cpu", "f32", None), eng._config_dict())
+    m = _Paged(_core_model(eng, tiny, "cpu", "f32", None), eng.config.core)
     vocab = eng.config.vocab_size
     for bad in (vocab, -1):
         with pytest.raises(IndexError, match=rf"Runner: token id {bad} out of range \[0, {vocab}\)"):
@@ -407,7 +407,7 @@ def _ours_from_hf(hf, shape: str, dtype: str):
     from llaisys_bench.shapes import SHAPES
 
     c = {k: v for k, v in SHAPES[shape].items() if k != "max_position_embeddings"}
-    ours = _core.Qwen2(c, dtype, "cuda:0")
+    ours = _core.create_model(c, dtype, "cuda:0")
     for name, p in hf.state_dict().items():
         ours.load_weight(name, llaisys.from_dlpack(p.detach().contiguous()))
     return _Paged(ours, c, num_seqs=1, max_seq_len=512)
@@ -488,7 +488,7 @@ def test_non_finite_logits_raise_naming_the_step(tmp_path, device, dtype):
     bad = 9
     path = _nan_checkpoint(tmp_path, "model.embed_tokens.weight", rows=bad)
     eng = Engine(path, device="cpu", dtype="f32", progress=False)
-    m = _Paged(_core_model(eng, path, device, dtype, None), eng._config_dict())
+    m = _Paged(_core_model(eng, path, device, dtype, None), eng.config.core)
     prompt = [t for t in prompt_ids(eng.config.vocab_size, 8, 5) if t != bad]
     for temperature in [0.0, 0.8]:
         kw = dict(temperature=temperature, top_k=20, seed=1)

@@ -19,11 +19,24 @@ SHAPES = {
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 
 
-def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    """The HF-named weights of a model with HF config values `c` (the loader's strict table)."""
-    from llaisys.loader.config import Qwen2Config, expected_weight_shapes
+def _model_config(c: dict):
+    from llaisys.loader.config import ModelConfig
 
-    return expected_weight_shapes(Qwen2Config.from_hf({**c, "model_type": "qwen2"}, "bench shape"))
+    return ModelConfig.from_hf({"model_type": "qwen2", **c}, "bench shape")
+
+
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """The HF-named weights of a model with HF config values `c` (the core's weight table)."""
+    from llaisys.loader.config import expected_weight_shapes
+
+    return expected_weight_shapes(_model_config(c))
+
+
+def gguf_names(c: dict) -> dict[str, str]:
+    """{HF name: GGUF name} of the weights of a model with HF config values `c` (the core's weight table)."""
+    from llaisys.loader.config import weight_table
+
+    return {hf: g for hf, g, *_ in weight_table(_model_config(c))}
 
 
 def decode_weight_bytes(c: dict, dtype: str) -> int:
@@ -77,10 +90,10 @@ def random_loaded(c: dict, dtype: str, seed: int = 0, name: str = "random"):
     Engine.from_loaded runs for `llaisys bench --shape`."""
     from tokenizers import Tokenizer as HFTokenizer, models
 
-    from llaisys.loader import LazyWeights, LoadedModel, Qwen2Config
+    from llaisys.loader import LazyWeights, LoadedModel, ModelConfig
     from llaisys.tokenizer import Tokenizer
 
-    config = Qwen2Config.from_hf({**c, "model_type": "qwen2", "dtype": dtype}, f"{name} shape")
+    config = ModelConfig.from_hf({"model_type": "qwen2", **c, "dtype": dtype}, f"{name} shape")
     makers = {n: (lambda n=n, s=s, i=i: _random_or_ones(n, s, dtype, (seed, i)))
               for i, (n, s) in enumerate(weight_shapes(c).items())}
     tokenizer = Tokenizer(HFTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))

@@ -24,15 +24,4 @@ int64_t KVPool::block_bytes(int64_t num_layers, int64_t block_size, int64_t num_
     return 2 * num_layers * block_size * num_kv_heads * head_dim * int64_t(dtype_size(dtype));
 }
 
-Tensor KVPool::keys(int64_t layer) const { return k_.select(0, layer); }
-Tensor KVPool::values(int64_t layer) const { return v_.select(0, layer); }
-
-Tensor KVPool::key_rows(int64_t layer) const {
-    return keys(layer).view({num_blocks() * block_size(), k_.size(3), k_.size(4)});
-}
-
-Tensor KVPool::value_rows(int64_t layer) const {
-    return values(layer).view({num_blocks() * block_size(), v_.size(3), v_.size(4)});
-}
-
 } // namespace llaisys::runtime

@@ -26,7 +26,7 @@ struct Runner::Graphed {
     bool sampler_on = true; // as captured
 };
 
-Runner::Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config)
+Runner::Runner(models::Model &model, KVPool &pool, RunnerConfig config)
     : model_(model), pool_(pool), config_(std::move(config)),
       staging_(std::make_unique<InputStaging>(model.device())) {
     LLAISYS_CHECK(pool.device() == model.device() && pool.dtype() == model.dtype(), std::invalid_argument,
@@ -114,7 +114,7 @@ std::unique_ptr<Runner::Graphed> Runner::capture(const std::vector<int64_t> &h64
         const SamplingFields &f = r.fields;
         ops::sample_rows(r.ids, r.logits, f.temperature, f.top_k, f.top_p, f.min_p, f.seeds, f.steps);
     };
-    auto forward = [&] { r.logits = model_.forward_step(r.batch, pool_); };
+    auto forward = [&] { r.logits = model_.forward_step(r.batch, pool_.view()); };
     auto argmax = [&r] { ops::argmax(r.ids, r.max_val, r.logits); };
     forward();
     r.max_val = Tensor::empty({P}, r.logits.dtype(), model_.device());
@@ -176,7 +176,7 @@ Tensor Runner::logits(const HostBatch &b, bool all_logits) {
                   " launched step(s) not finished (call finish() first)");
     if (size > 0) return replay(b, size, nullptr).logits.slice(0, 0, b.num_seqs());
     const StepBatch s = upload(b);
-    return model_.forward_step(s, pool_, all_logits);
+    return model_.forward_step(s, pool_.view(), all_logits);
 }
 
 std::vector<int64_t> Runner::captured_batch_sizes() const {
@@ -268,7 +268,7 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
         } else {
             const StepBatch s = upload(b);
             if (chain) chain_ids(s.ids, last_launched_);
-            last_logits_ = model_.forward_step(s, pool_);
+            last_logits_ = model_.forward_step(s, pool_.view());
         }
         ids = Tensor::empty({B}, DType::I64, model_.device());
         sample(ids, last_logits_, rows);

@@ -3,11 +3,13 @@
 // out block ids; a step carries them as block tables and a slot mapping). Block 0 is reserved: the
 // padded rows of a batched CUDA graph write their keys/values there, so no kernel needs a "skip" case.
 #pragma once
-#include "llaisys/tensor.hpp"
+#include "llaisys/step_batch.hpp"
 
 #include <cstdint>
 
 namespace llaisys::runtime {
+
+using llaisys::StepBatch;
 
 class KVPool {
 public:
@@ -24,29 +26,13 @@ public:
     Device device() const { return k_.device(); }
     int64_t nbytes() const { return 2 * k_.numel() * int64_t(k_.element_size()); }
 
-    Tensor keys(int64_t layer) const;   // [num_blocks, block_size, nkvh, hd]
-    Tensor values(int64_t layer) const; // [num_blocks, block_size, nkvh, hd]
-    // The same memory as rows: slot s = block * block_size + offset is row s ([num_blocks * block_size, nkvh, hd]).
-    Tensor key_rows(int64_t layer) const;
-    Tensor value_rows(int64_t layer) const;
+    // What a model's step reads and writes (llaisys/step_batch.hpp).
+    KVView view() const { return {k_, v_}; }
+    Tensor keys(int64_t layer) const { return view().keys(layer); }
+    Tensor values(int64_t layer) const { return view().values(layer); }
 
 private:
     Tensor k_, v_; // [layers, num_blocks, block_size, nkvh, hd]
-};
-
-// One step's batch as device tensors: what every kernel of the step reads. B sequences, T tokens in all;
-// sequence b's tokens are rows q_start[b] .. q_start[b+1]-1. Built by the Runner from host arrays.
-struct StepBatch {
-    Tensor ids;          // [T] i64 token ids
-    Tensor pos;          // [T] i64 position of each token in its sequence (RoPE)
-    Tensor slots;        // [T] i64 cache row of each token's key/value (block * block_size + offset)
-    Tensor block_tables; // [B, max_blocks] i32
-    Tensor q_start;      // [B + 1] i32
-    Tensor kv_len;       // [B] i32 context length after this step
-    Tensor last;         // [B] i64 row in [0, T) whose logits each sequence needs (its last token)
-    int64_t max_q_len = 1; // host-side bound of any sequence's token count (sizes attention's grid)
-    int64_t num_seqs() const { return kv_len.size(0); }
-    int64_t num_tokens() const { return ids.size(0); }
 };
 
 } // namespace llaisys::runtime

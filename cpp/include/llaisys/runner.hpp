@@ -7,7 +7,7 @@
 #pragma once
 #include "llaisys/graph.hpp"
 #include "llaisys/kv_pool.hpp"
-#include "llaisys/qwen2.hpp"
+#include "llaisys/model.hpp"
 
 #include <cstdint>
 #include <deque>
@@ -55,7 +55,7 @@ struct RunnerConfig {
 
 class Runner {
 public:
-    Runner(models::Qwen2 &model, KVPool &pool, RunnerConfig config);
+    Runner(models::Model &model, KVPool &pool, RunnerConfig config);
     ~Runner();
     // Runs the step and returns one sampled token id per sequence (the only host sync of a step).
     std::vector<int64_t> step(const HostBatch &batch, const std::vector<RowSampling> &rows);
@@ -94,7 +94,7 @@ private:
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
 
-    models::Qwen2 &model_;
+    models::Model &model_;
     KVPool &pool_;
     RunnerConfig config_;
     std::unique_ptr<InputStaging> staging_;

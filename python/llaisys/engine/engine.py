@@ -1,4 +1,4 @@
-"""The Engine: load a Qwen2-family model and generate, stream or chat with it, many requests at once.
+"""The Engine: load a model (any architecture of the core's tables) and generate, stream or chat with it, many requests at once.
 
     eng = llaisys.Engine("qwen2.5-coder-0.5b-instruct")          # catalog name, HF dir, .gguf or repo id
     print(eng.chat([{"role": "user", "content": "Hi"}]).text)
@@ -104,7 +104,7 @@ class Engine:
         # whether a GGUF file's blocks are kept, and the compute dtype: engine_args.weight_policy says why
         self.quantized, self.dtype = weight_policy(self.dtype, self.device, loaded.weights.quantized, loaded.source)
         # the model is only weights and layer math; the KV pool, graphs and sampling are EngineCore's
-        net = _core.Qwen2(self._config_dict(), self.dtype, self.device, fused=self.engine_config.fused_projections)
+        net = _core.create_model(self.config.core, self.dtype, self.device, fused=self.engine_config.fused_projections)
         self._load_weights(net, loaded.weights, progress)
         net.prepare()  # before the KV pool takes the free device memory
         del loaded
@@ -113,13 +113,6 @@ class Engine:
         self._model = net
         self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
         _OPEN.add(self)
-
-    def _config_dict(self) -> dict:
-        c = self.config
-        return dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                    num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                    num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                    rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
 
     def _load_weights(self, model, weights: dict, progress: bool) -> None:
         from tqdm import tqdm

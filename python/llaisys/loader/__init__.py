@@ -1,4 +1,4 @@
-"""Loading a Qwen2-family model: an HF safetensors directory or a GGUF file -> config, weights, tokenizer.
+"""Loading a model of any architecture in the core's tables (loader/config.py): an HF safetensors directory or a GGUF file -> config, weights, tokenizer.
 
     m = loader.load("/models/Qwen2.5-0.5B-Instruct")         # config.json + *.safetensors + tokenizer.json
     m = loader.load("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
@@ -22,9 +22,9 @@ import ml_dtypes
 import numpy as np
 
 from ..tokenizer import Tokenizer, read_json, read_tokenizer_config
-from .config import Qwen2Config, check_weight_shapes, expected_weight_shapes
+from .config import ModelConfig, Qwen2Config, check_weight_shapes, expected_weight_shapes, weight_table
 
-__all__ = ["LazyWeights", "LoadedModel", "Qwen2Config", "load", "expected_weight_shapes"]
+__all__ = ["LazyWeights", "LoadedModel", "ModelConfig", "Qwen2Config", "load", "expected_weight_shapes", "weight_table"]
 
 _FLOAT_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16"}
 
@@ -99,7 +99,7 @@ class LazyWeights(Mapping):
 
 @dataclass
 class LoadedModel:
-    config: Qwen2Config
+    config: ModelConfig
     weights: LazyWeights  # HF names; lm_head.weight only when untied
     tokenizer: Tokenizer
     chat_template: str | None
@@ -133,7 +133,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{path}: no config.json (expected an HF checkpoint directory or a .gguf file)")
-    config = Qwen2Config.from_hf(read_json(config_file), config_file)
+    config = ModelConfig.from_hf(read_json(config_file), config_file)
     tensors, file_of, spans = read_checkpoint_dir(path)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store a copy; the embedding is the weight

@@ -1,118 +1,185 @@
-"""The model configuration: a frozen, validated view of an HF config.json (or of GGUF metadata)."""
+"""The model configuration: a frozen, validated view of an HF config.json (or of GGUF metadata).
+
+Which fields exist, each family's traits, where each field is read and every weight's name and shape are
+the C++ core's architecture tables (cpp/models/arch/, `_core.architectures()`, `_core.weight_table()`): this
+module reads a file through them and never lists a field or a weight itself.
+"""
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from .. import _core
 
 # config.json "dtype" (transformers >= 4.56) / "torch_dtype" -> our names
 _DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32", "bf16": "bf16", "f16": "f16", "f32": "f32"}
-_ARCH = "Qwen2ForCausalLM"
+_INT_FIELDS_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def architectures() -> list[dict]:
+    """Every architecture the core runs (name, hf_architectures, gguf_arch, defaults, keys)."""
+    return _core.architectures()
+
+
+def find_architecture(name: str | None) -> dict | None:
+    """The architecture named by an HF `architectures` entry, a `model_type` or a GGUF general.architecture."""
+    for a in architectures():
+        if name == a["name"] or name == a["gguf_arch"] or name in a["hf_architectures"]:
+            return a
+    return None
+
+
+def known_architectures() -> str:
+    return ", ".join(a["hf_architectures"][0] for a in architectures())
 
 
 @dataclass(frozen=True)
-class Qwen2Config:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+class ModelConfig:
+    """`core`: every field of the C++ ModelConfig (what `_core.create_model` takes); the rest is what only
+    Python needs. Attribute access reaches the core fields too: `config.hidden_size`."""
+    core: dict
     max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    tie_word_embeddings: bool
     dtype: str  # the stored weights' dtype: "bf16" | "f16" | "f32"
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    gguf_permuted_qk: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
+                     "num_key_value_heads", "head_dim"):
+            value = self.core.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Qwen2Config: {name} must be a positive int, got {value!r}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"Qwen2Config: num_attention_heads ({self.num_attention_heads}) must be a multiple "
-                             f"of num_key_value_heads ({self.num_key_value_heads})")
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ValueError(f"Qwen2Config: rms_norm_eps and rope_theta must be > 0, got {self.rms_norm_eps}, "
-                             f"{self.rope_theta}")
+                raise ValueError(f"ModelConfig: {name} must be a positive int, got {value!r}")
+        m = self.max_position_embeddings
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"ModelConfig: max_position_embeddings must be a positive int, got {m!r}")
         if self.dtype not in ("bf16", "f16", "f32"):
-            raise ValueError(f"Qwen2Config: dtype must be bf16, f16 or f32, got {self.dtype!r}")
+            raise ValueError(f"ModelConfig: dtype must be bf16, f16 or f32, got {self.dtype!r}")
+        _core.check_config(self.core)  # the core's own checks (ValueError naming the field)
+
+    def __getattr__(self, name):  # only called when normal lookup fails: the core's fields
+        core = self.__dict__.get("core")
+        if core is not None and name in core:
+            return core[name]
+        raise AttributeError(f"ModelConfig has no field {name!r}")
+
+    @property
+    def arch(self) -> str:
+        return self.core["arch"]
+
+    @property
+    def rms_norm_eps(self) -> float:  # the name earlier versions used
+        return self.core["norm_eps"]
 
     @classmethod
-    def from_hf(cls, d: dict, source: str) -> "Qwen2Config":
+    def from_hf(cls, d: dict, source: str) -> "ModelConfig":
         """Validate an HF config.json dict. `source` (the file) prefixes every error message."""
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        archs = d.get("architectures") or []
-        if d.get("model_type") != "qwen2" and _ARCH not in archs:
-            arch = ", ".join(archs) if archs else d.get("model_type", "(none given)")
-            raise ValueError(f"{source}: architecture {arch} is not supported, llaisys runs Qwen2-family models")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {d['hidden_act']!r} is not supported (Qwen2 uses silu)")
-        if d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported (full attention only)")
-
-        def need(key):
+        arch = _hf_architecture(d, source)
+        core = dict(arch["defaults"])
+        for fname, key, _ in arch["keys"]:
+            if d.get(key) is not None:
+                core[fname] = _typed(source, key, d[key], core[fname])
+        for fname in _INT_FIELDS_REQUIRED:
+            key = next(k for f, k, _ in arch["keys"] if f == fname)
             if d.get(key) is None:
                 raise ValueError(f"{source}: config is missing {key!r}")
-            return d[key]
-
-        def integer(key, value):  # int() would turn 2.7 into 2 and "64" into 64: refuse both
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
-            return value
-
-        def real(key, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{source}: {key} must be a number, got {value!r}")
-            return float(value)
-
-        def required_int(key):
-            return integer(key, need(key))
-
-        def optional_int(key, default):
-            return default if d.get(key) is None else integer(key, d[key])
-
-        heads, hidden = required_int("num_attention_heads"), required_int("hidden_size")
-        if d.get("head_dim") is None and hidden % heads:
-            raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+        _check_hf_traits(d, arch["name"], source)
+        if d.get("num_key_value_heads") is None:
+            core["num_key_value_heads"] = core["num_attention_heads"]
+        if d.get("head_dim") is None:
+            heads, hidden = core["num_attention_heads"], core["hidden_size"]
+            if hidden % heads:
+                raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+            core["head_dim"] = hidden // heads
+        core.update(_rope(d, source, core["rope_theta"]))
         dtype_name = d.get("dtype") or d.get("torch_dtype") or "float32"  # HF's own default when absent
         if dtype_name not in _DTYPES:
             raise ValueError(f"{source}: dtype {dtype_name!r} is not supported (bfloat16, float16 or float32)")
-        tie = d.get("tie_word_embeddings", False)  # Qwen2Config's default
-        if not isinstance(tie, bool):
-            raise ValueError(f"{source}: tie_word_embeddings must be true or false, got {tie!r}")
-        eos, bos = d.get("eos_token_id"), optional_int("bos_token_id", None)
+        eos, bos = d.get("eos_token_id"), d.get("bos_token_id")
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+            raise ValueError(f"{source}: bos_token_id must be an integer, got {bos!r}")
         try:
             eos_ids = token_ids(eos)
         except ValueError:
             raise ValueError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}") from None
-        return cls(
-            vocab_size=required_int("vocab_size"), hidden_size=hidden,
-            intermediate_size=required_int("intermediate_size"), num_hidden_layers=required_int("num_hidden_layers"),
-            num_attention_heads=heads, num_key_value_heads=optional_int("num_key_value_heads", heads),
-            head_dim=optional_int("head_dim", hidden // heads),
-            max_position_embeddings=required_int("max_position_embeddings"),
-            rms_norm_eps=real("rms_norm_eps", need("rms_norm_eps")),
-            rope_theta=real("rope_theta", _rope_theta(d, source)),
-            tie_word_embeddings=tie, dtype=_DTYPES[dtype_name], bos_token_id=bos, eos_token_ids=eos_ids)
+        max_pos = d.get("max_position_embeddings")
+        if max_pos is None:
+            raise ValueError(f"{source}: config is missing 'max_position_embeddings'")
+        return cls(core=core, max_position_embeddings=_typed(source, "max_position_embeddings", max_pos, 0),
+                   dtype=_DTYPES[dtype_name], bos_token_id=bos, eos_token_ids=eos_ids,
+                   gguf_permuted_qk=arch["gguf_permuted_qk"])
 
 
-def _rope_theta(d: dict, source: str):
-    """Plain RoPE only. transformers 5 writes rope_parameters {rope_theta, rope_type}; older files write
-    rope_theta and rope_scaling (null unless scaled)."""
+def _hf_architecture(d: dict, source: str) -> dict:
+    archs = d.get("architectures") or []
+    for name in [*archs, d.get("model_type")]:
+        arch = find_architecture(name)
+        if arch is not None:
+            return arch
+    given = ", ".join(archs) if archs else d.get("model_type", "(none given)")
+    raise ValueError(f"{source}: architecture {given} is not supported (llaisys runs {known_architectures()})")
+
+
+def _check_hf_traits(d: dict, arch: str, source: str) -> None:
+    """What the config asks for that the table cannot express, refused before any weight is read."""
+    act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported ({arch} runs silu)")
+    if arch == "qwen2" and d.get("use_sliding_window"):
+        raise ValueError(f"{source}: use_sliding_window=true is not supported for Qwen2 (full attention only)")
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if d.get(key):
+            raise ValueError(f"{source}: {key}={d[key]}: mixture-of-experts models are not supported")
+
+
+def _typed(source: str, key: str, value, default):
+    """value checked against the type of the field's default (int() would turn 2.7 into 2: refuse it)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{source}: {key} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{source}: {key} must be a string, got {value!r}")
+    return value
+
+
+def _rope(d: dict, source: str, theta: float) -> dict:
+    """RoPE base and scaling. transformers 5 writes rope_parameters {rope_theta, rope_type, ...}; older files
+    write rope_theta and rope_scaling (null unless scaled)."""
+    out = {}
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        out["rope_theta"] = _typed(source, "rope_parameters.rope_theta", params["rope_theta"], 0.0)
     for key in ("rope_scaling", "rope_parameters"):
-        params = d.get(key)
-        if params is None:
+        p = d.get(key)
+        if p is None:
             continue
-        kind = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else params
-        if kind != "default":
-            raise ValueError(f"{source}: {key} {params!r} is not supported (llaisys implements plain RoPE)")
-    params = d.get("rope_parameters") or {}
-    return params.get("rope_theta", d.get("rope_theta", 10000.0))  # 10000: Qwen2Config's default
+        if not isinstance(p, dict):
+            raise ValueError(f"{source}: {key} must be an object, got {p!r}")
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind == "default":
+            continue
+        if kind not in ("linear", "llama3"):
+            raise ValueError(f"{source}: {key} rope_type {kind!r} is not supported (default, linear, llama3)")
+        out["rope_scaling"] = kind
+        out["rope_factor"] = _typed(source, f"{key}.factor", p.get("factor"), 0.0)
+        if kind == "llama3":
+            for name, hf in (("rope_low_freq_factor", "low_freq_factor"), ("rope_high_freq_factor", "high_freq_factor")):
+                out[name] = _typed(source, f"{key}.{hf}", p.get(hf), 0.0)
+            out["rope_original_max_position_embeddings"] = _typed(
+                source, f"{key}.original_max_position_embeddings", p.get("original_max_position_embeddings"), 0)
+    return out
 
 
 def token_ids(value) -> tuple[int, ...]:
@@ -125,30 +192,17 @@ def token_ids(value) -> tuple[int, ...]:
     return tuple(items)
 
 
-def expected_weight_shapes(config: Qwen2Config) -> dict[str, tuple[int, ...]]:
-    """Every weight a Qwen2 checkpoint with this config must hold (HF names), with its shape."""
-    c = config
-    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes = {"model.embed_tokens.weight": (V, H)}
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (q, H), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, H), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (H, q),
-            p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I),
-        })
-    shapes["model.norm.weight"] = (H,)
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
-    return shapes
+def weight_table(config: ModelConfig) -> list[tuple]:
+    """[(HF name, GGUF name, shape, fusion group, tensor-parallel split dim)] of every weight the model takes."""
+    return _core.weight_table(config.core)
 
 
-def check_weight_shapes(found: dict[str, tuple[int, ...]], config: Qwen2Config, file_of: dict[str, str],
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a checkpoint with this config must hold (HF names), with its shape."""
+    return {hf: tuple(shape) for hf, _, shape, _, _ in weight_table(config)}
+
+
+def check_weight_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, file_of: dict[str, str],
                         gguf_names: dict[str, str] | None = None) -> None:
     """Strict loading: every expected weight present with its exact shape, nothing else. Raises ValueError
     naming the tensor (and its GGUF name when there is one) and the file."""
@@ -160,8 +214,8 @@ def check_weight_shapes(found: dict[str, tuple[int, ...]], config: Qwen2Config, 
 
     for name, shape in found.items():
         if name not in expected:
-            raise ValueError(f"{file_of[name]}: unexpected tensor {label(name)}: not a weight of a Qwen2 model "
-                             f"with this config")
+            raise ValueError(f"{file_of[name]}: unexpected tensor {label(name)}: not a weight of a {config.arch} "
+                             f"model with this config")
         if tuple(shape) != expected[name]:
             raise ValueError(f"{file_of[name]}: tensor {label(name)} has shape {list(shape)}, expected "
                              f"{list(expected[name])} from the config")
@@ -173,3 +227,6 @@ def check_weight_shapes(found: dict[str, tuple[int, ...]], config: Qwen2Config, 
             where = f"{os.path.dirname(files[0])} ({len(files)} files)"
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ValueError(f"{where}: missing tensor {missing[0]!r}{more}")
+
+
+Qwen2Config = ModelConfig  # the name earlier versions exported

@@ -1,15 +1,15 @@
-"""Reading a Qwen2 GGUF file (llama.cpp's format): config from its metadata, weights dequantized to float32
-under their HF names (one tensor at a time, as the consumer asks), and the tokenizer rebuilt from its
-tokenizer.ggml.* metadata.
+"""Reading a GGUF file (llama.cpp's format): config from its metadata, weights dequantized to float32 under
+their HF names (one tensor at a time, as the consumer asks), and the tokenizer rebuilt from its
+tokenizer.ggml.* metadata. Which metadata key is which config field, and which GGUF tensor is which HF
+weight, come from the core's architecture tables (loader/config.py).
 
-Qwen2's q/k projections are stored as in HF (llama.cpp's converter permutes q/k rows only for LLaMA-style
-models; transformers' GGUF loader un-permutes only those), which tests/test_loader.py checks against
-transformers' own GGUF load.
+llama.cpp's converter permutes the rows of q/k for LLaMA-style families (`gguf_permuted_qk` in the table) to
+its interleaved rotary layout; transformers' GGUF loader undoes it and so does this one. Qwen2's are stored
+as in HF, which tests/test_loader.py checks against transformers' own GGUF load.
 """
 from __future__ import annotations
 
 import os
-import re
 
 import gguf
 import numpy as np
@@ -17,31 +17,7 @@ from gguf.quants import dequantize
 
 from ..tokenizer import Tokenizer
 from . import FileSpan, LazyWeights
-from .config import Qwen2Config, check_weight_shapes
-
-# GGUF tensor name -> HF name: whole-model tensors, then the part after "blk.N." / "model.layers.N."
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor name, or None when it is not a Qwen2 weight."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
-    return None
-
+from .config import ModelConfig, _typed, check_weight_shapes, find_architecture, known_architectures, weight_table
 
 # GGUF block formats the core computes with directly (cpp/include/llaisys/quant.hpp)
 QUANT_FORMATS = ("Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
@@ -52,13 +28,14 @@ def load_gguf(path: str):
     {HF name: stored format})."""
     reader = _open(path)
     meta = _Metadata(reader, path)
-    arch = meta.get("general.architecture")
-    if arch != "qwen2":
-        raise ValueError(f"{path}: architecture {arch} is not supported, llaisys runs Qwen2-family models")
-    config = _config(meta, tied=not any(t.name == "output.weight" for t in reader.tensors), source=path)
+    name = meta.get("general.architecture")
+    arch = find_architecture(name) if name else None
+    if arch is None or not arch["gguf_arch"]:
+        raise ValueError(f"{path}: architecture {name} is not supported (llaisys runs {known_architectures()})")
+    config = _config(meta, arch, {t.name for t in reader.tensors}, source=path)
     tokenizer = _tokenizer(meta, path)
     plan = _plan(reader, config, path)
-    weights = _lazy_weights(reader, plan, path)
+    weights = _lazy_weights(reader, plan, path, _qk_row_order(config))
     formats = {name: t.tensor_type.name.lower() for name, _, t in plan}
     # what transformers' GGUF load puts in its generation_config
     ids = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
@@ -128,23 +105,36 @@ def _open(path: str) -> gguf.GGUFReader:
     return reader
 
 
-def _config(meta: _Metadata, tied: bool, source: str) -> Qwen2Config:
-    tokens = meta.need("tokenizer.ggml.tokens")
-    hidden, heads = int(meta.need("qwen2.embedding_length")), int(meta.need("qwen2.attention.head_count"))
-    scaling = meta.get("qwen2.rope.scaling.type")
+def _config(meta: _Metadata, arch: dict, tensors: set[str], source: str) -> ModelConfig:
+    """The config from the metadata keys the architecture's table names; traits a GGUF file states only by
+    its tensors (tied head, biases) are read from which tensors it holds."""
+    prefix = arch["gguf_arch"]
+    core = dict(arch["defaults"])
+    for fname, _, key in arch["keys"]:
+        value = meta.get(key.replace("{arch}", prefix)) if key else None
+        if value is not None:
+            core[fname] = _typed(source, key.replace("{arch}", prefix), value, core[fname])
+    for fname in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        key = next(k for f, _, k in arch["keys"] if f == fname).replace("{arch}", prefix)
+        meta.need(key)
+    core["vocab_size"] = len(meta.need("tokenizer.ggml.tokens"))
+    core["tie_word_embeddings"] = "output.weight" not in tensors
+    core["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    core["o_bias"] = "blk.0.attn_output.bias" in tensors
+    core["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    if meta.get(f"{prefix}.attention.head_count_kv") is None:
+        core["num_key_value_heads"] = core["num_attention_heads"]
+    if meta.get(f"{prefix}.attention.key_length") is None:
+        core["head_dim"] = core["hidden_size"] // core["num_attention_heads"]
+    if meta.get(f"{prefix}.rope.freq_base") is None and prefix == "qwen2":
+        core["rope_theta"] = 1e6  # llama.cpp's Qwen2 default
+    scaling = meta.get(f"{prefix}.rope.scaling.type")
     if scaling not in (None, "none"):
-        raise ValueError(f"{source}: rope scaling {scaling!r} is not supported (llaisys implements plain RoPE)")
-    return Qwen2Config(
-        vocab_size=len(tokens), hidden_size=hidden, intermediate_size=int(meta.need("qwen2.feed_forward_length")),
-        num_hidden_layers=int(meta.need("qwen2.block_count")), num_attention_heads=heads,
-        num_key_value_heads=int(meta.get("qwen2.attention.head_count_kv", heads)),
-        head_dim=int(meta.get("qwen2.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(meta.need("qwen2.context_length")),
-        rms_norm_eps=float(meta.need("qwen2.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get("qwen2.rope.freq_base", 1e6)), tie_word_embeddings=tied,
-        dtype="f32",  # every weight is dequantized to float32
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=_eos_ids(meta))
+        raise ValueError(f"{source}: rope scaling {scaling!r} is not supported in GGUF files yet")
+    return ModelConfig(core=core, max_position_embeddings=int(meta.need(f"{prefix}.context_length")),
+                       dtype="f32",  # every weight is dequantized to float32
+                       bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_ids=_eos_ids(meta),
+                       gguf_permuted_qk=arch["gguf_permuted_qk"])
 
 
 def _eos_ids(meta: _Metadata) -> tuple[int, ...]:
@@ -162,16 +152,18 @@ def _tokenizer(meta: _Metadata, source: str) -> Tokenizer:
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), source=source)
 
 
-def _plan(reader, config: Qwen2Config, path: str) -> list:
+def _plan(reader, config: ModelConfig, path: str) -> list:
     """[(HF name, HF shape, reader tensor)] after checking names, shapes and types against the config,
     before any dequantizing. An untied file's output.weight is lm_head; a tied config never lists it."""
     integer = {gguf.GGMLQuantizationType[n] for n in ("I8", "I16", "I32", "I64")
                if n in gguf.GGMLQuantizationType.__members__}
     found, gguf_names, plan = {}, {}, []
+    hf_of = {g: hf for hf, g, _, _, _ in weight_table(config)}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_of.get(t.name)
         if name is None:
-            raise ValueError(f"{path}: unexpected tensor {t.name} (not a Qwen2 weight)")
+            raise ValueError(f"{path}: unexpected tensor {t.name} (not a weight of a {config.arch} model with this "
+                             f"config)")
         if t.tensor_type in integer:
             raise ValueError(f"{path}: tensor {t.name} has integer type {t.tensor_type.name}, expected a float or "
                              f"quantized type")
@@ -192,12 +184,32 @@ def _dequantize(data: np.ndarray, t, path: str) -> np.ndarray:
                          f"dequantize") from None
 
 
-def _lazy_weights(reader, plan: list, path: str) -> LazyWeights:
+def _qk_row_order(config: ModelConfig) -> dict[str, np.ndarray]:
+    """{HF name: the GGUF row each HF row is} for the q/k weights (and biases) of a family whose q/k rows
+    llama.cpp's converter permuted, which inverts its permute: (heads, 2, hd/2) -> (heads, hd/2, 2)."""
+    if not config.gguf_permuted_qk:
+        return {}
+    order = {}
+    for hf, _, shape, _, _ in weight_table(config):
+        part = hf.rsplit(".", 2)[-2]
+        if part in ("q_proj", "k_proj"):
+            heads = config.num_attention_heads if part == "q_proj" else config.num_key_value_heads
+            rows = np.arange(shape[0]).reshape(heads, 2, shape[0] // heads // 2)
+            order[hf] = np.argsort(rows.swapaxes(1, 2).reshape(-1))
+    return order
+
+
+def _lazy_weights(reader, plan: list, path: str, row_order: dict[str, np.ndarray]) -> LazyWeights:
     """Each tensor dequantized to float32 when asked for (F32 tensors stay views of the file); 2-D tensors
-    in QUANT_FORMATS also as their raw blocks, [rows, row bytes] uint8 views of the file."""
-    makers = {name: (lambda t=t, shape=shape: _dequantize(t.data, t, path).reshape(shape)) for name, shape, t in plan}
+    in QUANT_FORMATS also as their raw blocks, [rows, row bytes] uint8 views of the file (rows reordered,
+    a copy, where row_order has the tensor)."""
+    def reorder(name, a):
+        return a[row_order[name]] if name in row_order else a
+
+    makers = {name: (lambda t=t, shape=shape, name=name: reorder(name, _dequantize(t.data, t, path).reshape(shape)))
+              for name, shape, t in plan}
     spans = {name: FileSpan(reader.mapping, int(t.data_offset), int(t.n_bytes)) for name, _, t in plan}
-    raw = {name: (lambda t=t, shape=shape: (t.tensor_type.name.lower(), shape[0], shape[1],
-                                            t.data.reshape(shape[0], -1)))
+    raw = {name: (lambda t=t, shape=shape, name=name: (t.tensor_type.name.lower(), shape[0], shape[1],
+                                                       reorder(name, t.data.reshape(shape[0], -1))))
            for name, shape, t in plan if len(shape) == 2 and t.tensor_type.name in QUANT_FORMATS}
     return LazyWeights(makers, spans, raw)

@@ -1,0 +1,93 @@
+// The decoder every family composes: embedding -> N x (norm -> attention block -> residual -> norm -> MLP
+// block -> residual) -> final norm -> LM head, with the family's traits (ModelConfig) choosing each block's
+// variant: RMSNorm or LayerNorm, q/k biases and norms, rotary dims and scaling, sliding windows, gated or
+// plain MLP, serial or parallel residual. Which checkpoint tensor goes where comes from the family's weight
+// table (Architecture::weights): every WeightSpec names a role below.
+#pragma once
+#include "llaisys/linear_weight.hpp"
+#include "llaisys/model.hpp"
+
+#include <map>
+#include <set>
+
+namespace llaisys::models {
+
+class Decoder final : public Model {
+public:
+    Decoder(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused);
+
+    void load_weight(const std::string &name, const Tensor &value) override;
+    void load_quant_weight(const std::string &name, const QuantMatrix &value) override;
+    std::vector<std::string> missing_weights() const override;
+    std::vector<std::tuple<std::string, std::string, int64_t>> weight_formats() const override;
+    int64_t weight_bytes() const override;
+    int64_t decode_scratch_bytes() const override;
+    void prepare() override { check_ready(); }
+    uint64_t weights_version() const override { return weights_version_; }
+    Tensor forward_step(const StepBatch &batch, const KVView &kv, bool all_logits) override;
+    bool fused_projections() const override { return fused_; }
+    const ModelConfig &config() const override { return config_; }
+    DType dtype() const override { return dtype_; }
+    Device device() const override { return device_; }
+
+    // One layer's weights on the model device: norms and biases in the model dtype, projections dense or
+    // quantized. Fused (fused_projections()): one [(nh + 2 nkvh) hd, H] q/k/v matrix with its bias and one
+    // [2I, H] gate/up matrix whose row slices the parts are (dense: filled in place as they load; quantized:
+    // stacked once all parts are loaded in one block format). fused_qkv / fused_gate_up: this layer runs fused.
+    struct Layer {
+        Tensor attn_norm, attn_norm_bias, q_norm, k_norm, post_attn_norm, mlp_norm, mlp_norm_bias, post_mlp_norm;
+        LinearWeight wq, wk, wv, wo, w_gate, w_up, w_down;
+        Tensor bq, bk, bv, bo, b_gate, b_up, b_down;
+        LinearWeight wqkv, w_gate_up;
+        Tensor bqkv;
+        bool fused_qkv = false, fused_gate_up = false;
+        std::vector<float> inv_freq; // RoPE's frequencies for this layer's base and rotary dims
+        int64_t window = 0;          // sliding window (0: full attention)
+    };
+
+private:
+    // Where a checkpoint name goes: a tensor or a projection, its shape, its layer and fusion group.
+    struct Slot {
+        Tensor *tensor = nullptr;
+        LinearWeight *linear = nullptr;
+        Shape shape;
+        Layer *layer = nullptr;
+        std::string group; // "qkv" / "gate_up" when the part joins a fused matrix, else ""
+        bool norm = false; // a norm weight (stored as w, used as 1 + w when config.norm_plus_one)
+    };
+    struct BlockIn; // the input of an attention or MLP block (decoder_step.cpp)
+
+    void bind_slots();
+    const Slot &slot(const std::string &name) const;
+    void allocate_fused_biases();
+    void fuse_layer(Layer &layer);
+    std::pair<LinearWeight *, int64_t> fused_home(Layer &layer, const LinearWeight *part) const;
+    void check_ready();
+    const LinearWeight &lm_head() const { return config_.tie_word_embeddings ? embed_ : lm_head_; }
+    std::vector<const LinearWeight *> projections() const;
+
+    void project_in(const Tensor &out, const BlockIn &in, const LinearWeight &w, const Tensor &bias, bool swiglu);
+    bool norm_in_projections(const Layer &L, int64_t T) const;
+    void norm(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &b);
+    Tensor attention(int layer, const BlockIn &in, const StepBatch &batch, const KVView &kv);
+    void qkv_rope_cache(const Layer &L, int layer, const BlockIn &in, const Tensor &q, const StepBatch &b,
+                        const KVView &kv);
+    Tensor mlp(int layer, const BlockIn &in);
+    Tensor logits(const Tensor &x, const StepBatch &b, bool all_logits);
+
+    ModelConfig config_;
+    DType dtype_;
+    Device device_;
+    LinearWeight embed_, lm_head_;
+    Tensor final_norm_, final_norm_bias_;
+    Tensor decode_scratch_; // CUDA, quantized: see decode_scratch_bytes(); made by check_ready
+    std::vector<Layer> layers_;
+    std::vector<WeightSpec> table_;           // the family's weight table for this config
+    std::map<std::string, Slot> slots_;       // HF name -> where it goes
+    bool fused_ = false;
+    std::set<std::string> loaded_;
+    bool ready_ = false;
+    uint64_t weights_version_ = 0;
+};
+
+} // namespace llaisys::models

@@ -1,0 +1,162 @@
+// The decoder's layer math for one step of a batch over the paged KV cache. The step's description (ids,
+// positions, slots, block tables, lengths) lives in device tensors only, so the same code runs eagerly and
+// under CUDA-graph capture. Every op enqueues on the device's current stream; nothing here syncs.
+#include "llaisys/ops.hpp"
+#include "llaisys/stream.hpp"
+#include "models/common/decoder.hpp"
+
+#include <cmath>
+
+namespace llaisys::models {
+
+// The input x of an attention or MLP block: made ahead (norm null), or still to be made by each projection
+// that reads it as x = rms_norm(residual + delta) * norm, which also stores residual + delta to residual_out
+// (ops::add_rms_norm_quant_linear: on CUDA a decode step's GEMV does the norm in its prologue, a launch
+// less per norm).
+struct Decoder::BlockIn {
+    Tensor x;
+    Tensor residual, delta, residual_out;
+    const Tensor *norm = nullptr;
+};
+
+void Decoder::project_in(const Tensor &out, const BlockIn &in, const LinearWeight &w, const Tensor &bias, bool swiglu) {
+    if (in.norm != nullptr)
+        ops::add_rms_norm_quant_linear(out, in.residual_out, in.residual, in.delta, *in.norm, config_.norm_eps,
+                                       w.quant, bias, swiglu);
+    else if (swiglu) linear_swiglu(out, in.x, w, decode_scratch_);
+    else linear(out, in.x, w, decode_scratch_, bias);
+}
+
+// Whether the norms ahead of layer L's attention and MLP blocks run inside their projections for a step of
+// T tokens: RMSNorm blocks whose every projection reads them quantized, and one kernel for it there.
+bool Decoder::norm_in_projections(const Layer &L, int64_t T) const {
+    if (config_.norm != NormKind::rms || config_.sandwich_norm || !config_.gated_mlp || config_.mlp_bias) return false;
+    if (!ops::add_rms_norm_quant_linear_fused(dtype_, device_, T, config_.hidden_size)) return false;
+    const bool qkv = L.fused_qkv ? L.wqkv.quantized() : L.wq.quantized() && L.wk.quantized() && L.wv.quantized();
+    const bool mlp = L.fused_gate_up ? L.w_gate_up.quantized() : L.w_gate.quantized() && L.w_up.quantized();
+    return qkv && mlp;
+}
+
+// out = norm(x) with the family's norm (RMSNorm, or LayerNorm with its bias).
+void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &b) {
+    LLAISYS_CHECK(config_.norm == NormKind::rms, std::invalid_argument, "model: LayerNorm is not built in");
+    (void)b;
+    ops::rms_norm(out, x, w, config_.norm_eps);
+}
+
+// q [T, nh, hd] = rope(q-projection), this step's keys/values to the cache: one fused kernel when q/k/v are
+// one matrix, else three projections, RoPE and two cache writes. q/k norms (Qwen3, Gemma 3) run per head
+// before RoPE.
+void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Tensor &q, const StepBatch &b,
+                             const KVView &kv) {
+    const int64_t T = b.num_tokens(), nh = config_.num_attention_heads, nkvh = config_.num_key_value_heads,
+                  hd = config_.head_dim;
+    const float theta = config_.rope_theta;
+    if (L.fused_qkv) {
+        Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
+        project_in(qkv, in, L.wqkv, L.bqkv, false);
+        if (config_.qk_norm) {
+            const Tensor heads = qkv.view({T, nh + 2 * nkvh, hd});
+            const Tensor qh = heads.slice(1, 0, nh), kh = heads.slice(1, nh, nh + nkvh);
+            ops::rms_norm(qh, qh, L.q_norm, config_.norm_eps);
+            ops::rms_norm(kh, kh, L.k_norm, config_.norm_eps);
+        }
+        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, theta, b.slots);
+        return;
+    }
+    Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
+    project_in(q.view({T, nh * hd}), in, L.wq, L.bq, false);
+    project_in(k.view({T, nkvh * hd}), in, L.wk, L.bk, false);
+    project_in(v.view({T, nkvh * hd}), in, L.wv, L.bv, false);
+    if (config_.qk_norm) {
+        ops::rms_norm(q, q, L.q_norm, config_.norm_eps);
+        ops::rms_norm(k, k, L.k_norm, config_.norm_eps);
+    }
+    ops::rope(q, q, b.pos, theta);
+    ops::rope(k, k, b.pos, theta);
+    ops::index_copy(kv.key_rows(l), b.slots, k);
+    ops::index_copy(kv.value_rows(l), b.slots, v);
+}
+
+// in [T, H] -> attention output projected back to [T, H]; this step's keys/values go to the cache first.
+Tensor Decoder::attention(int l, const BlockIn &in, const StepBatch &b, const KVView &kv) {
+    const Layer &L = layers_[size_t(l)];
+    const int64_t T = b.num_tokens(), nh = config_.num_attention_heads, hd = config_.head_dim;
+    Tensor q = Tensor::empty({T, nh, hd}, dtype_, device_);
+    qkv_rope_cache(L, l, in, q, b, kv);
+    Tensor attn = Tensor::empty({T, nh, hd}, dtype_, device_);
+    const float pre = config_.query_pre_attn_scalar > 0 ? config_.query_pre_attn_scalar : float(hd);
+    // Settled history: the step's metadata comes from host uploads and the keys before the step's own from
+    // earlier steps, so the decode kernel may read them while rope_qkv_cache still runs.
+    ops::paged_attention(attn, q, kv.keys(l), kv.values(l), b.block_tables, b.q_start, b.kv_len,
+                         1.f / std::sqrt(pre), b.max_q_len, /*settled_history=*/true);
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    linear(out, attn.view({T, nh * hd}), L.wo, decode_scratch_, L.bo);
+    return out;
+}
+
+// in [T, H] -> down(act(gate(x)) * up(x)) [T, H]
+Tensor Decoder::mlp(int l, const BlockIn &in) {
+    const Layer &L = layers_[size_t(l)];
+    const int64_t T = in.residual.defined() ? in.residual.size(0) : in.x.size(0), I = config_.intermediate_size;
+    Tensor act = Tensor::empty({T, I}, dtype_, device_);
+    if (L.fused_gate_up) {
+        project_in(act, in, L.w_gate_up, Tensor(), true);
+    } else {
+        Tensor up = Tensor::empty({T, I}, dtype_, device_);
+        project_in(act, in, L.w_gate, L.b_gate, false);
+        project_in(up, in, L.w_up, L.b_up, false);
+        ops::swiglu(act, act, up);
+    }
+    Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
+    linear(out, act, L.w_down, decode_scratch_, L.b_down);
+    return out;
+}
+
+// x [T, H] (final-normed) -> logits of each sequence's last token [B, V], or of every token.
+Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
+    Tensor rows = x;
+    if (!all_logits) { // each sequence's last token: a row gather the graph can replay (embedding by row ids)
+        rows = Tensor::empty({b.num_seqs(), config_.hidden_size}, dtype_, device_);
+        ops::embedding(rows, b.last, x);
+    }
+    Tensor out = Tensor::empty({rows.size(0), config_.vocab_size}, dtype_, device_);
+    linear(out, rows, lm_head(), decode_scratch_);
+    return out;
+}
+
+Tensor Decoder::forward_step(const StepBatch &b, const KVView &kv, bool all_logits) {
+    check_ready();
+    LLAISYS_CHECK(kv.num_layers() == config_.num_hidden_layers && kv.dtype() == dtype_ && kv.device() == device_,
+                  std::invalid_argument, "model: the KV cache does not match the model (layers, dtype or device)");
+    DeviceGuard guard(device_);
+    const int64_t T = b.num_tokens(), H = config_.hidden_size;
+    Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
+    Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
+    Tensor h_next; // where a norm inside the projections writes the residual (it reads h meanwhile)
+    embedding(h, b.ids, embed_);
+    Tensor mlp_out;
+    // x = add_rms_norm(h += delta) ahead of a block, or left to the block's projections; then h is h_next.
+    const auto block_in = [&](const Layer &L, const Tensor &delta, const Tensor &norm) {
+        if (!norm_in_projections(L, T)) {
+            ops::add_rms_norm(x, h, delta, norm, config_.norm_eps);
+            return BlockIn{x, {}, {}, {}, nullptr};
+        }
+        if (!h_next.defined()) h_next = Tensor::empty({T, H}, dtype_, device_);
+        BlockIn in{{}, h, delta, h_next, &norm};
+        std::swap(h, h_next);
+        return in;
+    };
+    for (int l = 0; l < int(layers_.size()); ++l) {
+        const Layer &L = layers_[size_t(l)];
+        BlockIn in{x, {}, {}, {}, nullptr};
+        if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
+        else in = block_in(L, mlp_out, L.attn_norm);
+        const Tensor attn_out = attention(l, in, b, kv);
+        mlp_out = mlp(l, block_in(L, attn_out, L.mlp_norm));
+    }
+    ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.norm_eps);
+    return logits(x, b, all_logits);
+}
+
+} // namespace llaisys::models
