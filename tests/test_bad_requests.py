@@ -95,9 +95,13 @@ def test_the_edges_of_float32_are_accepted_and_run(eng):
 @pytest.fixture
 def poisoned_row(monkeypatch):
     """Steps holding a sequence marked `poison` (once it has 3 output tokens) raise, as a kernel refusing
-    that row's values would: the failure passes validation, so only the step loop's isolation is tested."""
+    that row's values would: the failure passes validation, so only the step loop's isolation is tested.
+    Steps wait until the test sets the returned gate, so every request it submitted shares their steps."""
+    gate = threading.Event()
+
     def wrap(method):
         def run(self, step, *args, **kwargs):
+            assert gate.wait(HANG_GUARD_S), "the test never opened the gate"
             for seq in step.seqs:
                 if getattr(seq, "poison", False) and seq.num_output >= 3:
                     raise RuntimeError(f"injected failure of row {step.seqs.index(seq)}")
@@ -105,6 +109,7 @@ def poisoned_row(monkeypatch):
         return run
     monkeypatch.setattr(ModelRunner, "step", wrap(ModelRunner.step))
     monkeypatch.setattr(ModelRunner, "launch", wrap(ModelRunner.launch))
+    return gate
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -115,6 +120,7 @@ def test_a_failing_row_ends_its_request_and_the_others_keep_their_text(ckpt, sol
         bad = e.submit("The quick brown fox", **KW)
         bad.seq.poison = True
         reqs.append(e.submit(PROMPT, **KW))
+        poisoned_row.set()
         with pytest.raises(RuntimeError, match="injected failure"):
             finishes(bad.result)
         for r in reqs:
@@ -160,6 +166,7 @@ def test_result_after_iterating_and_after_a_partial_read(eng, solo):
 def test_a_failed_request_raises_its_error_every_time(eng, solo, poisoned_row):
     r = eng.submit(PROMPT, **KW)
     r.seq.poison = True
+    poisoned_row.set()
     for _ in range(2):
         with pytest.raises(RuntimeError, match="injected failure"):
             finishes(r.result)
@@ -230,3 +237,51 @@ def test_a_kv_budget_too_small_for_max_seq_len_fails_before_the_upload(ckpt, mon
     monkeypatch.setattr(Engine, "_load_weights", lambda *a: pytest.fail("weights uploaded before the KV check"))
     with pytest.raises(ValueError, match="KV cache budget"):
         Engine(ckpt, device="cpu", progress=False, max_seq_len=512, cpu_kv_cache_bytes=1 << 10)
+
+
+# ---- 1. the server: a 400 naming the field, and a failing row is that request's error alone -----------------
+
+@pytest.fixture
+def http(eng):
+    testclient = pytest.importorskip("fastapi.testclient")
+    from llaisys.server.app import create_app
+
+    with testclient.TestClient(create_app(eng, model_name="tiny")) as client:
+        yield client
+
+
+@pytest.mark.parametrize("name, value", [("temperature", 1e39), ("temperature", 1e-300), ("top_p", 1e-300),
+                                         ("repetition_penalty", 1e308), ("repetition_penalty", 3.5e38)])
+def test_the_server_answers_400_naming_the_field(http, name, value):
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 4, name: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(f"{name} must be"), r.text
+
+
+def test_the_server_fails_only_the_request_whose_row_fails(http, eng, solo, poisoned_row, monkeypatch):
+    submit, submitted = type(eng).submit, []
+
+    def poison_the_bad_one(self, prompt, sink=None, **sampling):
+        req = submit(self, prompt, sink, **sampling)
+        req.seq.poison = sampling.get("seed") == 666
+        submitted.append(req)
+        if len(submitted) == 3:  # all three share the steps from here
+            poisoned_row.set()
+        return req
+    monkeypatch.setattr(type(eng), "submit", poison_the_bad_one)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": KW["max_new_tokens"], "temperature": 1.0,
+            "ignore_eos": True}
+    replies = [None] * 3
+
+    def post(i, seed):
+        replies[i] = http.post("/v1/completions", json={**body, "seed": seed})
+    threads = [threading.Thread(target=post, args=(i, s)) for i, s in enumerate([KW["seed"], 666, KW["seed"]])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_GUARD_S)
+        assert not t.is_alive(), "a request never got its answer"
+    good = [replies[0], replies[2]]
+    assert all(r.status_code == 200 for r in good), [r.text for r in good]
+    assert [r.json()["choices"][0]["text"] for r in good] == [solo.text] * 2
+    assert replies[1].status_code >= 500 and "injected failure" in replies[1].text, replies[1].text
