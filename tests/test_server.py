@@ -283,6 +283,11 @@ BAD_REQUESTS = [  # (path, body, status, words the message must contain)
     ("/v1/chat/completions", {**CHAT_OK, "stream_options": {"include_usage": True}}, 400, "stream"),
     ("/v1/chat/completions", {**CHAT_OK, "seed": 1.5}, 400, "seed"),
     ("/v1/chat/completions", {**CHAT_OK, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
+    # finite in JSON, inf or 0 as the float32 the kernels read (issue 28: they failed every request of the step)
+    ("/v1/chat/completions", {**CHAT_OK, "temperature": 1e39}, 400, "temperature"),
+    ("/v1/chat/completions", {**CHAT_OK, "temperature": 1e-300}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1e-300}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 3.5e38}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": MODEL, "prompt": "x " * (2 * MAX_SEQ_LEN)}, 400, str(MAX_SEQ_LEN)),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "token id"),

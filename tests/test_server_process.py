@@ -123,7 +123,10 @@ def test_concurrent_seeded_streams_each_get_their_own_text(proc, eng):
 
 def test_submit_raises_what_engine_submit_raises(proc, eng):
     cases = [([1, 10**9], {}), ("x", {"temperature": -1}), ("x", {"bogus": 1}), ("x", {"stop_token_ids": [10**9]}),
-             (list(range(1, 300)), {}), ("x", {"max_new_tokens": 0})]
+             (list(range(1, 300)), {}), ("x", {"max_new_tokens": 0}),
+             # finite as Python floats, inf or 0 as the float32 the kernels read (issue 28)
+             ("x", {"temperature": 1e39}), ("x", {"top_p": 1e-300}), ("x", {"repetition_penalty": 1e308}),
+             ("x", {"sink": object()})]
     for prompt, sampling in cases:
         with pytest.raises(Exception) as mine:
             proc.submit(prompt, **sampling)
@@ -131,6 +134,31 @@ def test_submit_raises_what_engine_submit_raises(proc, eng):
             eng.submit(prompt, **sampling)
         assert (type(mine.value), str(mine.value)) == (type(theirs.value), str(theirs.value)), (prompt, sampling)
         assert isinstance(mine.value, (ValueError, TypeError))
+
+
+def test_a_sink_that_raises_ends_its_request_alone(proc, eng):
+    """The receiver thread puts into the server's sinks: one that raises must not end the others."""
+    class Sink:
+        def __init__(self, fail):
+            self.items, self.fail, self.ended = [], fail, threading.Event()
+
+        def put(self, req, item):
+            if self.fail and not isinstance(item, BaseException):
+                raise ValueError("the sink's own bug")
+            self.items.append(item)
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                self.ended.set()
+
+        def flush(self):
+            pass
+    kw = dict(temperature=1.0, seed=3, max_new_tokens=16, ignore_eos=True)
+    good, bad = Sink(False), Sink(True)
+    proc.submit(PROMPTS[1], sink=bad, **kw)
+    proc.submit(PROMPTS[1], sink=good, **kw)
+    assert bad.ended.wait(60) and good.ended.wait(60), "a request never ended"  # a hang guard
+    assert len(bad.items) == 1 and "sink" in str(bad.items[0])
+    assert "".join(c.text for c in good.items) == eng.generate(PROMPTS[1], **kw).text
+    assert not proc.closed and proc.stats()["running"] == 0
 
 
 def test_a_full_queue_is_a_runtime_error_and_abort_frees_blocks(proc):

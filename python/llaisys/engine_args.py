@@ -68,14 +68,18 @@ def resolve_device(device) -> str:
     return f"cuda:{index}"
 
 
-def check_max_seq_len(max_seq_len) -> None:
-    """Type and sign only: the upper bound comes from the model's config."""
+def check_max_seq_len(max_seq_len, limit: int | None = None) -> None:
+    """Type and sign; with `limit` (the model's max_position_embeddings, read from its config alone before
+    any weight: loader.header.context_length), the upper bound too."""
     if max_seq_len is None:
         return
     if not isinstance(max_seq_len, numbers.Integral) or isinstance(max_seq_len, bool):
         raise TypeError(f"max_seq_len must be an int or None, got {type(max_seq_len).__name__} {max_seq_len!r}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    if limit is not None and max_seq_len > limit:
+        raise ValueError(f"max_seq_len must be at most {limit} for this model (its max_position_embeddings), "
+                         f"got {max_seq_len}")
 
 
 def check_model_arg(model) -> str:

@@ -12,11 +12,28 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
+
 DEFAULT_MAX_NEW_TOKENS = 256
 # HF GenerationConfig defaults, used when generation_config.json lacks a key.
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
 _INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top alternatives reported per token, as OpenAI allows
+# The kernels read temperature, top_p, min_p and the penalties as float32: a value that is finite as a Python
+# float may be inf or 0 there (1e39, 1e-300), or a subnormal that flush-to-zero makes 0 on the GPU. The rules
+# below are checked on the float32 value too, so the kernels never see what the policy refused.
+F32_MIN = float(np.finfo(np.float32).tiny)  # the smallest normal float32, ~1.18e-38
+F32_MAX = float(np.finfo(np.float32).max)  # ~3.40e38
+
+
+def as_f32(value: float) -> float:
+    """value as the float32 the kernels read (inf beyond float32's range), back as a Python float."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
+
+
+def _f32_normal(value: float) -> bool:
+    return F32_MIN <= as_f32(value) <= F32_MAX
 
 
 @dataclass(frozen=True)
@@ -57,9 +74,13 @@ def _bad(name: str, value, rule: str, from_config: bool) -> ValueError:
 
 
 def _real(name, value, ok, rule, from_config=False) -> float:
-    if not _is_real(value) or math.isnan(value) or not ok(float(value)):
+    try:
+        f = float(value) if _is_real(value) else math.nan
+    except OverflowError:  # an int beyond a float's range (10**400)
+        f = math.nan
+    if math.isnan(f) or not ok(f):
         raise _bad(name, value, rule, from_config)
-    return float(value)
+    return f
 
 
 def _int(name, value, ok, rule, from_config=False) -> int:
@@ -68,12 +89,16 @@ def _int(name, value, ok, rule, from_config=False) -> int:
     return int(value)
 
 
+_F32_RANGE = "[1.2e-38, 3.4e38] (float32's normal range)"
 _CHECKS = {
-    "temperature": (_real, lambda v: 0.0 <= v < math.inf, "a finite number >= 0 (0 = greedy)"),
+    "temperature": (_real, lambda v: v == 0.0 or (0.0 < v < math.inf and _f32_normal(v)),
+                    f"a finite number >= 0 (0 = greedy): 0 or in {_F32_RANGE}"),
     "top_k": (_int, lambda v: 0 <= v <= _INT32_MAX, "an int >= 0 (0 = off)"),
-    "top_p": (_real, lambda v: 0.0 < v <= 1.0, "in (0, 1] (1 = off)"),
+    "top_p": (_real, lambda v: 0.0 < v <= 1.0 and _f32_normal(v), "in (0, 1] (1 = off) and at least 1.2e-38 "
+              "(float32's smallest normal number)"),
     "min_p": (_real, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 = off)"),
-    "repetition_penalty": (_real, lambda v: 0.0 < v < math.inf, "a finite number > 0 (1 = off)"),
+    "repetition_penalty": (_real, lambda v: 0.0 < v < math.inf and _f32_normal(v),
+                           f"a finite number > 0 (1 = off) in {_F32_RANGE}"),
     "max_new_tokens": (_int, lambda v: v >= 1, "an int >= 1"),
     "presence_penalty": (_real, lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
     "frequency_penalty": (_real, lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),

@@ -87,9 +87,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
-    def step(self) -> list[tuple[Sequence, int, dict | None]]:
-        """One step. Returns (sequence, new token, its logprobs or None) for each sequence that produced
-        one; sequences that end (EOS, max_new_tokens, max_seq_len) are finished, their blocks freed.
+    def step(self) -> tuple[list[tuple[Sequence, int, dict | None]], list[tuple[Sequence, BaseException]]]:
+        """One step. Returns (produced, failed): (sequence, new token, its logprobs or None) for each
+        sequence that produced one, and (sequence, error) for each whose row made the step raise (see
+        _isolate: the other rows are run again without it). Sequences that end (EOS, max_new_tokens,
+        max_seq_len, an error) are finished, their blocks freed.
 
         Overlapped decode (EngineConfig.overlap_steps): a graphed decode step is launched without waiting,
         and before its tokens are read the next step of the same sequences is launched behind it, its
@@ -99,14 +101,15 @@ class EngineCore:
         after, in stream order. Anything else (new requests waiting, prefill, penalties, biases,
         logprobs, a sequence about to reach its length limit, no free block) runs the plain way."""
         t0 = time.perf_counter()
+        step = None  # the step whose tokens this call reads, once known
         try:
             if self._inflight is None:
                 step = self.scheduler.schedule()
                 if not step.seqs:
-                    return []
+                    return [], []
                 t1 = time.perf_counter()
                 if not self._may_overlap(step):
-                    return self._account(step, self.runner.step(step), t0, t1)
+                    return self._account(step, self.runner.step(step), t0, t1), []
                 self.runner.launch(step, chain=False)
                 self._inflight = step
             t1 = time.perf_counter()
@@ -119,10 +122,49 @@ class EngineCore:
                 self.runner.finish()
                 raise
             tokens = self.runner.finish()
+        except Exception as e:
+            self._drain()
+            if step is None:  # scheduling failed: not any one row's doing
+                raise
+            return self._isolate(step, e, t0)
         except BaseException:
             self._drain()
             raise
-        return self._account(step, tokens, t0, t1)
+        return self._account(step, tokens, t0, t1), []
+
+    def _isolate(self, step, error: Exception, t0: float):
+        """A step raised: one row's values (a penalty, say, that the sampler refuses or that makes its
+        logits non-finite) must not end its neighbours. Its rows are run again as plain steps in halves,
+        down to single rows: a row that fails alone ends with its error, every other row gets its token.
+        Sound because a failed step changed nothing the host keeps (tokens, progress, prefix cache): a row
+        run again recomputes the same keys and values into its own slots and draws from its own (seed,
+        step), so its token is the one the full step would have given. With k failing rows of n this costs
+        at most about 2k·log2(n) extra steps, only when a step fails. Rows that ended while the step ran (an
+        abort between overlapped steps) are dropped: their blocks may be reused already."""
+        rows = [(s, n) for s, n in zip(step.seqs, step.num_tokens) if s.status is Status.RUNNING]
+        produced, failed, pending = [], [], [(rows, error)]
+        while pending:
+            part, err = pending.pop()
+            if not part:
+                continue
+            if len(part) == 1:
+                seq = part[0][0]
+                seq.error = err
+                self.finish(seq, "error")
+                failed.append((seq, err))
+                continue
+            half = len(part) // 2
+            for sub in (part[:half], part[half:]):
+                sub_step = Step([s for s, _ in sub], [n for _, n in sub])
+                t1 = time.perf_counter()
+                try:
+                    tokens = self.runner.step(sub_step)
+                except Exception as e:
+                    self._drain()
+                    pending.append((sub, e))
+                    continue
+                produced += self._account(sub_step, tokens, t0, t1)
+        return produced, failed
 
     def _may_overlap(self, step) -> bool:
         """Whether step may run launched (its tokens read later) with a next step chained behind it."""

@@ -21,16 +21,17 @@ from typing import Iterator, Sequence as Seq
 import numpy as np
 
 from .. import _core, catalog, loader, quant
+from ..loader.header import context_length
 from .._tensor import _wrap
 from ..chat import render_chat_template
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
                            token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .config import EngineConfig
-from .core import EngineCore, score_logits
+from .core import EngineCore, kv_blocks_for, score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
-from .request import ChunkSink, GenerationResult, Request, StreamChunk
+from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_sink
 from .sequence import Sequence
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # closed at exit, before the extension is torn down
@@ -61,12 +62,14 @@ class Engine:
                  max_seq_len: int | None = None, progress: bool = True, config: EngineConfig | None = None,
                  **settings):
         self._loop = None  # set last: close() and a failed __init__ leave an engine without one
-        # every argument is checked before any file is read
+        # every argument is checked before any file is read, and max_seq_len against the model's context
+        # from its config alone, before the tokenizer is built or any weight is read
         self._check_arguments(device, dtype, max_seq_len, config, settings)
         model = check_model_arg(model)
+        path = catalog.resolve(model)
+        check_max_seq_len(max_seq_len, context_length(path))
         # no local name for the loaded model: _start drops the last reference once the weights are uploaded
-        self._start(loader.load(catalog.resolve(model), progress=progress), catalog.generation_defaults(model),
-                    max_seq_len, progress)
+        self._start(loader.load(path, progress=progress), catalog.generation_defaults(model), max_seq_len, progress)
 
     @classmethod
     def from_loaded(cls, loaded: loader.LoadedModel, device: str = "auto", dtype: str = "auto",
@@ -97,12 +100,13 @@ class Engine:
         self.generation_config = {**generation_defaults, **loaded.generation_config}
         self.source = loaded.source
         limit = self.config.max_position_embeddings
-        max_seq_len = min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
-        if max_seq_len > limit:
-            raise ValueError(f"max_seq_len must be at most {limit} for this model, got {max_seq_len}")
-        self.max_seq_len = int(max_seq_len)
+        check_max_seq_len(max_seq_len, limit)
+        self.max_seq_len = int(min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len)
         # whether a GGUF file's blocks are kept, and the compute dtype: engine_args.weight_policy says why
         self.quantized, self.dtype = weight_policy(self.dtype, self.device, loaded.weights.quantized, loaded.source)
+        # the KV budget before the upload, where it does not depend on the memory the weights leave free
+        if not self.device.startswith("cuda"):
+            kv_blocks_for(self.engine_config, self.config, self.dtype, self.device, self.max_seq_len)
         # the model is only weights and layer math; the KV pool, graphs and sampling are EngineCore's
         net = _core.create_model(self.config.core, self.dtype, self.device, fused=self.engine_config.fused_projections)
         self._load_weights(net, loaded.weights, progress)
@@ -171,6 +175,7 @@ class Engine:
         handle (from any thread) for its StreamChunks, call result() to wait for all, abort() to stop it.
         With a sink (request.ChunkSink), the chunks go there instead, put and flushed by the step loop
         thread: a server reading many requests wakes once per step, not once per token and request."""
+        check_sink(sink)
         return self._submit_ids(self._encode(prompt), self._params("submit", sampling), sink)
 
     def chat(self, messages, stream: bool = False, add_generation_prompt: bool = True, **sampling):

@@ -1,6 +1,10 @@
 """The step loop: one background thread drives every request of an engine. Any thread may submit,
 read and abort; the loop alone touches the scheduler, the KV pool and the model. Requests with a sink
-(request.ChunkSink) have their chunks put there; each sink that got any is flushed once per round."""
+(request.ChunkSink) have their chunks put there; each sink that got any is flushed once per round.
+
+What one request does wrong ends that request alone: a row that makes a step fail (EngineCore._isolate),
+an exception from its detokenizer, stop strings or sink's put(), and a sink whose flush() raises (its
+requests end) never stop the loop or reach another request."""
 from __future__ import annotations
 
 import logging
@@ -82,11 +86,16 @@ class StepLoop:
 
     def _flush(self) -> None:
         dirty, self.dirty = self.dirty, set()
+        broken = []
         for sink in dirty:
             try:
                 sink.flush()
-            except Exception:  # the consumer's bug must not stop every other request
-                log.exception("a chunk sink failed to flush")
+            except Exception as e:  # the consumer's bug must not stop every other request
+                log.exception("a chunk sink failed to flush: its running requests end")
+                broken.append((sink, e))
+        for sink, e in broken:  # what it was given may be lost: its requests end rather than go on with a gap
+            for req in [r for r in self._live.values() if r.sink is sink]:
+                self._fail(req, RuntimeError(f"this request's sink failed to flush: {e!r}"))
 
     def _run(self) -> None:
         try:
@@ -95,6 +104,7 @@ class StepLoop:
             with self._cv:
                 self._closed = True
                 waiting = self._incoming + list(self._live.values())
+                self._live.clear()
                 calls = self._calls
                 self._incoming, self._calls = [], []
             for req in waiting:
@@ -111,7 +121,7 @@ class StepLoop:
                 self._live[req.seq.seq_id] = req
                 self.core.add(req.seq)
             for req in aborts:
-                self._end(req, "abort")
+                self._deliver(req, self._end, req, "abort")
             for fn, fut in calls:
                 try:
                     fut.set_result(fn())
@@ -134,22 +144,42 @@ class StepLoop:
             self.core.finish(req.seq, reason)
             req.finish(reason)
 
+    def _fail(self, req: Request, error: BaseException) -> None:
+        """Ends req alone with `error` and frees its blocks (req.fail never raises)."""
+        if self._live.pop(req.seq.seq_id, None) is not None:
+            self.core.finish(req.seq, "error")
+        req.fail(error)
+
+    def _deliver(self, req: Request, fn, *args) -> None:
+        """Runs one request's delivery (detokenizer, stop strings, its sink's put): what it raises ends
+        that request, not the loop."""
+        try:
+            fn(*args)
+        except Exception as e:
+            log.exception("request %d failed while its output was delivered", req.seq.seq_id)
+            self._fail(req, e)
+
+    def _token(self, req: Request, seq, token: int, logprobs) -> None:
+        if req.on_token(token, logprobs):
+            self._end(req, "stop")
+        elif seq.finish_reason is not None:
+            self._live.pop(seq.seq_id)
+            req.finish(seq.finish_reason)
+
     def _step(self) -> None:
         try:
-            produced = self.core.step()
-        except Exception as e:  # a failed step fails the requests it held; the engine keeps serving
+            produced, failed = self.core.step()
+        except Exception as e:  # not one row's failure (those come back in `failed`): fail what it held
+            log.exception("a step failed")
             for req in list(self._live.values()):
                 if req.seq in self.core.scheduler.running:
-                    req.fail(e)
-                    self._live.pop(req.seq.seq_id)
-                    self.core.finish(req.seq, "error")
+                    self._fail(req, e)
             return
+        for seq, error in failed:  # the core finished them; the others of the step went on
+            req = self._live.pop(seq.seq_id, None)
+            if req is not None:
+                req.fail(error)
         for seq, token, logprobs in produced:
             req = self._live.get(seq.seq_id)
-            if req is None:
-                continue
-            if req.on_token(token, logprobs):
-                self._end(req, "stop")
-            elif seq.finish_reason is not None:
-                self._live.pop(seq.seq_id)
-                req.finish(seq.finish_reason)
+            if req is not None:
+                self._deliver(req, self._token, req, seq, token, logprobs)

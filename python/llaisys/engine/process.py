@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .core import EngineCore
 from .engine import Engine
-from .request import StreamChunk
+from .request import StreamChunk, check_sink
 
 log = logging.getLogger("llaisys.engine")
 
@@ -144,6 +144,7 @@ class EngineProcess:
     # ---- Engine's interface, as the server uses it ------------------------------------------------
     def submit(self, prompt, sink=None, **sampling) -> RemoteRequest:
         """Engine.submit in the child; the errors Engine.submit raises for this request are raised here."""
+        check_sink(sink)
         ids = self._check_ids(self.tokenize(prompt))
         params = self._params("submit", sampling)
         EngineCore.check_fits(self._limits, len(ids), params.max_new_tokens)
@@ -243,8 +244,7 @@ class EngineProcess:
                         else:  # the exception that ended it
                             req.done = True
                             del live[rid]
-                        req.sink.put(req, item)
-                        dirty.add(req.sink)
+                        self._put(req, item, dirty)
                     self._flush(dirty)
                 elif msg[0] == "reply":
                     _, cid, ok, value = msg
@@ -269,19 +269,47 @@ class EngineProcess:
         dirty = set()
         for req in reqs:
             req.done = True
-            req.sink.put(req, RuntimeError(f"{why}: this request was still running"))
-            dirty.add(req.sink)
+            self._put(req, RuntimeError(f"{why}: this request was still running"), dirty)
         self._flush(dirty)
         for fut in calls_left:
             fut.set_exception(RuntimeError(why))
 
-    @staticmethod
-    def _flush(sinks) -> None:
+    def _put(self, req: RemoteRequest, item, dirty: set) -> None:
+        """One item into its request's sink; a sink that raises ends that request alone (as the step loop
+        does in process), never the receiver."""
+        try:
+            req.sink.put(req, item)
+            dirty.add(req.sink)
+        except Exception as e:
+            log.exception("a chunk sink's put() raised: its request ends")
+            self._end(req, RuntimeError(f"this request's sink raised in put(): {e!r}"), dirty)
+
+    def _end(self, req: RemoteRequest, error: BaseException, dirty: set) -> None:
+        """Ends req in the parent (and in the child, if it runs there yet) and tries to give it `error`."""
+        self._live.pop(req.rid, None)
+        if not req.done:
+            req.done = True
+            self._send(("abort", req.rid), quiet=True)
+        try:
+            req.sink.put(req, error)
+            dirty.add(req.sink)
+        except Exception:
+            log.exception("a chunk sink's put() raised while its request was given its error")
+
+    def _flush(self, sinks) -> None:
+        broken = set()
         for sink in sinks:
             try:
                 sink.flush()
+            except Exception as e:  # what it was given may be lost: its requests end rather than go on with a gap
+                log.exception("a chunk sink failed to flush: its running requests end")
+                for req in [r for r in list(self._live.values()) if r.sink is sink]:
+                    self._end(req, RuntimeError(f"this request's sink failed to flush: {e!r}"), broken)
+        for sink in broken:  # one more try, to hand over the errors
+            try:
+                sink.flush()
             except Exception:
-                log.exception("a chunk sink failed to flush")
+                log.exception("a chunk sink failed to flush again")
 
 
 # ---- the child ------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ many requests (the HTTP server) passes a ChunkSink instead: the step loop hands 
 once per step that a batch is complete, so its readers wake once per step rather than once per token."""
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -39,6 +40,7 @@ class GenerationResult:
 
 
 _END = object()
+log = logging.getLogger("llaisys.engine")
 
 
 class ChunkSink(Protocol):
@@ -53,6 +55,17 @@ class ChunkSink(Protocol):
     def put(self, request: "Request", item: "StreamChunk | BaseException") -> None: ...
 
     def flush(self) -> None: ...
+
+
+def check_sink(sink) -> None:
+    """TypeError, at submit time, for a sink the step loop could not call (rather than an error in its thread)."""
+    if sink is None:
+        return
+    missing = [m for m in ("put", "flush") if not callable(getattr(sink, m, None))]
+    if missing:
+        raise TypeError(f"sink must be a ChunkSink (llaisys.engine.request.ChunkSink): an object with methods "
+                        f"put(request, item) and flush(); {type(sink).__name__} has no callable "
+                        f"{' or '.join(missing)}")
 
 
 def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
@@ -80,6 +93,11 @@ class Request:
         self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        # every item read from _chunks, kept: iterating again, or result() after iterating, replays them
+        # (the queue gives each item once; reading it twice would wait forever)
+        self._read: list = []
+        self._read_lock = threading.Lock()
+        self._result: GenerationResult | None = None
         self.start, self.first = time.perf_counter(), None
         self.done = False
         self._ended = threading.Event()  # set once the last item is queued
@@ -118,9 +136,10 @@ class Request:
         return lp
 
     def finish(self, reason: str) -> None:
+        """Queues the last chunk. If that raises (the detokenizer, or the sink's put), the request is not
+        done: the step loop ends it with fail(error)."""
         if self.done:
             return
-        self.done = True
         tail = self._tail
         if tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())
@@ -128,6 +147,7 @@ class Request:
             if self._stops.hit:
                 reason = "stop"
         self._emit(StreamChunk(tail, self._pending, reason, self.usage(), self.timings(), self._take_lp()))
+        self.done = True
         self._end()
 
     def _end(self) -> None:
@@ -136,9 +156,15 @@ class Request:
         self._ended.set()
 
     def fail(self, error: BaseException) -> None:
-        if not self.done:
-            self.done = True
+        """Ends the request with `error`; never raises (a sink whose put raises cannot be told: logged)."""
+        if self.done:
+            return
+        self.done = True
+        try:
             self._emit(error)
+        except Exception:
+            log.exception("a chunk sink's put() raised while a request was given its error %r", error)
+        finally:
             self._end()
 
     def usage(self) -> dict:
@@ -157,18 +183,33 @@ class Request:
 
     # ---- the caller's side ----------------------------------------------------------------------
     def __iter__(self):
-        """Yields StreamChunks until the last one (with finish_reason); re-raises a step's error."""
+        """Yields StreamChunks until the last one (with finish_reason); re-raises a step's error. Iterating
+        again (or after result()) yields the same chunks again from the start."""
         if self.sink is not None:
             raise RuntimeError("this request's chunks go to the sink it was submitted with")
+        i = 0
         while True:
-            item = self._chunks.get()
+            item = self._item(i)
+            i += 1
             if item is _END:
                 return
             if isinstance(item, BaseException):
                 raise item
             yield item
 
+    def _item(self, i: int):
+        read = self._read
+        if i < len(read):
+            return read[i]
+        with self._read_lock:  # two readers at once wait for the same next item, and both get it
+            while len(read) <= i:
+                read.append(self._chunks.get())
+            return read[i]
+
     def result(self) -> GenerationResult:
+        """The whole output, once the request ended; the same object on every call (or its error again)."""
+        if self._result is not None:
+            return self._result
         # Waits for the end once rather than waking for every chunk: a reader woken per token takes the
         # GIL from the step loop each time (at batch 1 that slowed decode measurably).
         self._ended.wait()
@@ -178,8 +219,9 @@ class Request:
             ids.extend(chunk.token_ids)
             lps.extend(chunk.logprobs or [])
             last = chunk
-        return GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings,
-                                lps if self.seq.params.logprobs is not None else None)
+        self._result = GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings,
+                                        lps if self.seq.params.logprobs is not None else None)
+        return self._result
 
     def abort(self) -> None:
         """Ends the request now (finish_reason "abort"); its blocks are freed before the next step."""
