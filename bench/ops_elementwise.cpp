@@ -81,6 +81,39 @@ ElemJob swiglu_job(int64_t rows, int64_t ffn, Device device) {
     return job;
 }
 
+// LayerNorm of GPT-NeoX (H 2048: pythia-1.4b; 2560: pythia-2.8b), with bias, in three forms: layer_norm
+// alone; add_layer_norm(residual, attn, mlp) - the parallel residual and the next layer's norm in one pass;
+// and the unfused sequence it replaces (add, add, layer_norm). The fused and unfused forms count the same
+// bytes (what the fused op must move: residual, delta and delta2 in, residual and out back), so their GB/s
+// ratio is their speed ratio.
+enum class LnForm { Plain, Fused, Unfused };
+
+ElemJob layer_norm_job(int64_t rows, int64_t H, LnForm form, Device device) {
+    ElemJob job;
+    job.bytes = (form == LnForm::Plain ? 2.0 : 5.0) * double(rows * H) * 2 + 2.0 * double(H) * 2; // + w, b
+    const Tensor w = elem_filled({H}, 1.0, device), b = elem_filled({H}, 0.125, device);
+    for (int64_t s = 0, n = llaisys::bench::cold_sets(job.bytes, device); s < n; ++s) {
+        Tensor x = elem_filled({rows, H}, 0.5, device), out = Tensor::empty({rows, H}, DType::BF16, device);
+        if (form == LnForm::Plain) {
+            job.calls.push_back([=] { ops::layer_norm(out, x, w, b, 1e-5f); });
+            continue;
+        }
+        // x stands for the attention output, d2 for the MLP's; x + d2 = 0 keeps the residual at 0.25 however
+        // many calls run.
+        Tensor res = elem_filled({rows, H}, 0.25, device), d2 = elem_filled({rows, H}, -0.5, device);
+        if (form == LnForm::Fused) {
+            job.calls.push_back([=] { ops::add_layer_norm(out, res, x, d2, w, b, 1e-5f); });
+            continue;
+        }
+        job.calls.push_back([=] {
+            ops::add(res, res, x);
+            ops::add(res, res, d2);
+            ops::layer_norm(out, res, w, b, 1e-5f);
+        });
+    }
+    return job;
+}
+
 // A contiguous copy of the same bytes as rms_norm reads and writes at [rows, D] (rearrange of a
 // contiguous tensor is one cudaMemcpyAsync): what the copy engine path itself reaches at this size,
 // next to the 1 GiB ceiling.
@@ -157,6 +190,19 @@ int register_elementwise_benchmarks() {
                 register_elem("Swiglu/" + dev + r + f, cuda, [=](Device v) { return swiglu_job(R, ffn, v); });
             }
         }
+    }
+    for (bool cuda : {false, true}) { // LayerNorm, fused against unfused (layer_norm_job)
+        const std::string dev = cuda ? "cuda" : "cpu";
+        const std::vector<int64_t> rows = cuda ? std::vector<int64_t>{1, 512, 2048, 8192} : std::vector<int64_t>{1, 64};
+        for (int64_t R : rows)
+            for (int64_t H : {2048, 2560}) {
+                const std::string rh = "/bf16/rows:" + std::to_string(R) + "/H:" + std::to_string(H);
+                register_elem("LayerNorm/" + dev + rh, cuda, [=](Device v) { return layer_norm_job(R, H, LnForm::Plain, v); });
+                register_elem("AddLayerNorm2/fused/" + dev + rh, cuda,
+                              [=](Device v) { return layer_norm_job(R, H, LnForm::Fused, v); });
+                register_elem("AddLayerNorm2/unfused/" + dev + rh, cuda,
+                              [=](Device v) { return layer_norm_job(R, H, LnForm::Unfused, v); });
+            }
     }
     return 0;
 }

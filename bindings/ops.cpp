@@ -46,4 +46,16 @@ void bind_ops(nb::module_ &m) {
           nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("seeds"), nb::arg("steps"), G());
     o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
     o.def("logit_bias", &ops::logit_bias, nb::arg("logits"), nb::arg("ids"), nb::arg("bias"), G());
+    // ---- LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3); bias and delta2 may be None ----
+    o.def("layer_norm", [](const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor *bias, float eps) {
+        ops::layer_norm(out, x, weight, bias ? *bias : Tensor(), eps);
+    }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("eps"), G());
+    o.def("add_layer_norm", [](const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor *delta2,
+                               const Tensor &weight, const Tensor *bias, float eps) {
+        ops::add_layer_norm(out, residual, delta, delta2 ? *delta2 : Tensor(), weight, bias ? *bias : Tensor(), eps);
+    }, nb::arg("out"), nb::arg("residual"), nb::arg("delta"), nb::arg("delta2").none(), nb::arg("weight"),
+          nb::arg("bias").none(), nb::arg("eps"), G());
+    o.def("gelu", &ops::gelu, nb::arg("out"), nb::arg("x"), nb::arg("tanh_approx") = false, G());
+    o.def("geglu", &ops::geglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), nb::arg("tanh_approx") = false, G());
+    // ---- end LayerNorm and GELU ----
 }

@@ -95,6 +95,41 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return out
 
 
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * weight (+ bias) over the last dim, as torch's LayerNorm."""
+    out = _like(x.shape, x)
+    ops.layer_norm(out, x, weight, bias, eps)
+    return out
+
+
+def add_layer_norm(residual: Tensor, delta: Tensor, weight: Tensor, bias: Tensor | None = None, eps: float = 1e-5,
+                   delta2: Tensor | None = None) -> Tensor:
+    """residual += delta (+= delta2) in place, rounded after each add; returns layer_norm(residual)."""
+    out = _like(delta.shape, delta)
+    ops.add_layer_norm(out, residual, delta, delta2, weight, bias, eps)
+    return out
+
+
+def _tanh_approx(op: str, approximate: str) -> bool:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"{op}: approximate must be 'none' or 'tanh' (as torch's), got {approximate!r}")
+    return approximate == "tanh"
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU, exact (erf) or approximate="tanh", as torch.nn.functional.gelu."""
+    out = _like(x.shape, x)
+    ops.gelu(out, x, _tanh_approx("gelu", approximate))
+    return out
+
+
+def geglu(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
+    """gelu(gate) * up (Gemma's gated MLP uses approximate="tanh")."""
+    out = _like(gate.shape, gate)
+    ops.geglu(out, gate, up, _tanh_approx("geglu", approximate))
+    return out
+
+
 def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
            seed: int = 0, offset: int = 0) -> Tensor:
     """One token id per row of logits [B, V], with the same parameters for every row. Out-of-range

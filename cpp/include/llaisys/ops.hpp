@@ -110,4 +110,26 @@ void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);
 // place: OpenAI's presence/frequency penalties and logit_bias, and -inf to ban a token (min_tokens).
 void logit_bias(const Tensor &logits, const Tensor &ids, const Tensor &bias);
 
+// ---- LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3) ----
+// out = (x - mean) / sqrt(var + eps) * weight + bias over the last dim (biased variance, as torch's
+// LayerNorm), in f32; bias may be an undefined Tensor (no bias). x [..., H], weight/bias [H]. out may
+// alias x. The corrected two-pass algorithm (a first mean, then the deviations from it): no E[x^2] - mean^2
+// cancellation, and rows whose mean is large against their spread keep their precision.
+void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, float eps);
+// residual += delta (+ delta2 when defined); out = layer_norm(residual). The residual-add fusion of a
+// LayerNorm decoder; with delta2, GPT-NeoX's parallel residual x + attn(ln1(x)) + mlp(ln2(x)) and the next
+// layer's LayerNorm in one pass. The sum is rounded to the dtype (as a separate add would) before the norm:
+// residual becomes add(add(residual, delta), delta2) bit for bit, rounded after each add. residual, delta,
+// delta2 and out [..., H] (residual is updated in place, any strides; out may alias delta or delta2).
+void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
+                    const Tensor &weight, const Tensor &bias, float eps);
+// out = gelu(x): exact erf form, or the tanh approximation (torch's approximate="tanh"), in f32.
+// x * Phi(x), Phi written with erfc for accuracy in the negative tail; tanh: 0.5 x (1 + tanh(sqrt(2/pi)
+// (x + 0.044715 x^3))). -inf gives NaN, as torch's formulas do. out may alias x.
+void gelu(const Tensor &out, const Tensor &x, bool tanh_approx);
+// out = gelu(gate) * up, in f32 (GeGLU: Gemma's gated MLP, tanh approximation there). gelu(gate) is not
+// rounded before the product. out may alias gate or up.
+void geglu(const Tensor &out, const Tensor &gate, const Tensor &up, bool tanh_approx);
+// ---- end LayerNorm and GELU ----
+
 } // namespace llaisys::ops
