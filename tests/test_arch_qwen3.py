@@ -1,0 +1,25 @@
+"""Qwen3 (q/k RMSNorm per head, no q/k/v bias, head_dim not hidden / heads) against HF transformers'
+Qwen3ForCausalLM, f32 on the CPU: a tiny random checkpoint transformers writes itself, and a GGUF of it."""
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import arch_check  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return arch_check.make_tiny(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=5, head_dim=20)
+
+
+def test_qwen3_logits_equal_hf(tiny):
+    arch_check.check_logits(tiny)
+
+
+def test_qwen3_greedy_equals_hf_batched_and_alone(tiny):
+    arch_check.check_greedy(tiny)
+
+
+def test_qwen3_gguf_greedy_equals_hf(tiny, tmp_path):
+    arch_check.check_gguf_greedy(tiny, tmp_path, "qwen3")
