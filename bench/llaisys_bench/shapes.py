@@ -1,4 +1,4 @@
-"""Real shapes of the Qwen2 family and random weights of them: what `llaisys bench --shape` and the throughput
+"""Real shapes of every family and random weights of them: what `llaisys bench --shape` and the throughput
 protocol run without a download, each weight a buffer of its own real size (aliased weights would let a CPU
 model sit in cache and beat the roofline)."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Iterator
 
 import numpy as np
 
-# Real shapes of the Qwen2 family (HF config values).
+# Real shapes (HF config values; model_type picks the family, qwen2 when absent).
 SHAPES = {
     "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
@@ -15,6 +15,24 @@ SHAPES = {
     "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                        num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
                        rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=32768),
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=40960),
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                         max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+                         max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
 }
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 
