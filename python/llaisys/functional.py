@@ -75,9 +75,14 @@ def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-6)
     return out
 
 
-def rope(x: Tensor, pos_ids: Tensor, theta: float = 10000.0) -> Tensor:
+def rope(x: Tensor, pos_ids: Tensor, theta: float = 10000.0, inv_freq=None) -> Tensor:
+    """RoPE by theta, or by a frequency table inv_freq (floats, r <= head_dim / 2: the first 2r dims of each
+    head turn, the rest pass through; see ``ops.rope_inv_freq``)."""
     out = _like(x.shape, x)
-    ops.rope(out, x, pos_ids, theta)
+    if inv_freq is None:
+        ops.rope(out, x, pos_ids, theta)
+    else:
+        ops.rope(out, x, pos_ids, [float(f) for f in inv_freq])
     return out
 
 
