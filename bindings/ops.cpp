@@ -68,7 +68,7 @@ void bind_ops(nb::module_ &m) {
           nb::arg("v_cache"), nb::arg("kv_len"), nb::arg("scale"), G());
     o.def("paged_attention", &ops::paged_attention, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),
           nb::arg("v_cache"), nb::arg("block_tables"), nb::arg("q_start"), nb::arg("kv_len"), nb::arg("scale"),
-          nb::arg("max_q_len"), nb::arg("settled_history") = false, G());
+          nb::arg("max_q_len"), nb::arg("settled_history") = false, nb::arg("window") = 0, G());
     o.def("swiglu", &ops::swiglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), G());
     o.def("sample", &ops::sample, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"),
           nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());

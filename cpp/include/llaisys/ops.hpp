@@ -112,9 +112,15 @@ void self_attention_cached(const Tensor &out, const Tensor &q, const Tensor &k_c
 // the metadata or the keys/values before this step's (positions < kv_len[b] - qlen_b), as in a model step
 // (they come from host uploads and earlier steps); the CUDA decode kernel then reads them while the kernel
 // ahead of it still runs, instead of after it (ignored elsewhere; false is always safe).
+// window (sliding-window attention, Mistral / Gemma 3): 0 = full causal attention; window > 0: the query at
+// absolute position p = kv_len[b] - qlen_b + i sees key j iff p - window < j <= p, i.e. itself and the
+// window - 1 keys before it (HF masking_utils: sliding_window_causal_mask_function = causal and
+// sliding_window_overlay's kv_idx > q_idx - sliding_window). Table entries of blocks that hold only keys
+// no query of the step sees are not read (any value; such blocks may have been reused). A window >=
+// max_blocks * block_size is full attention, bit for bit; window < 0 raises.
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len, bool settled_history = false);
+                     int64_t max_q_len, bool settled_history = false, int64_t window = 0);
 // out = up * gate * sigmoid(gate), in f32.
 void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
 // Samples one token per row of logits [B, V] into out_ids [B] (i64). Per-row parameters live on the
