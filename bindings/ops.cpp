@@ -4,6 +4,10 @@
 #include "llaisys/ops.hpp"
 
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <string>
+#include <vector>
 
 using namespace llaisys;
 
@@ -26,19 +30,45 @@ void bind_ops(nb::module_ &m) {
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
     o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
           nb::arg("eps"), G());
-    o.def("rope", &ops::rope, nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
+    o.def("rope", nb::overload_cast<const Tensor &, const Tensor &, const Tensor &, float>(&ops::rope), nb::arg("out"),
+          nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
     o.def("rope_qkv_cache", [](const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
                                const Tensor &pos_ids, float theta, const Tensor *slots) {
         ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, theta, slots ? *slots : Tensor());
     }, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("qkv"), nb::arg("pos_ids"), nb::arg("theta"),
           nb::arg("slots") = nb::none(), G());
+    // RoPE from a frequency table (partial rotary, rope scaling): rope / rope_qkv_cache with a list of floats
+    // in place of theta, and the table HF computes (rope_type "default", "linear" or "llama3").
+    o.def("rope", nb::overload_cast<const Tensor &, const Tensor &, const Tensor &, const std::vector<float> &>(&ops::rope),
+          nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("inv_freq"), G());
+    o.def("rope_qkv_cache", [](const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                               const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor *slots) {
+        ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots ? *slots : Tensor());
+    }, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("qkv"), nb::arg("pos_ids"),
+          nb::arg("inv_freq"), nb::arg("slots") = nb::none(), G());
+    o.def("rope_inv_freq", [](float theta, int64_t rotary_dim, const std::string &rope_type, float factor,
+                              float low_freq_factor, float high_freq_factor, int64_t original_max_position_embeddings) {
+        ops::RopeScaling sc;
+        if (rope_type == "default") sc.type = ops::RopeScaling::Type::none;
+        else if (rope_type == "linear") sc.type = ops::RopeScaling::Type::linear;
+        else if (rope_type == "llama3") sc.type = ops::RopeScaling::Type::llama3;
+        else throw std::invalid_argument("rope_inv_freq: rope_type must be 'default', 'linear' or 'llama3', got '" +
+                                         rope_type + "'");
+        sc.factor = factor;
+        sc.low_freq_factor = low_freq_factor;
+        sc.high_freq_factor = high_freq_factor;
+        sc.original_max_position_embeddings = original_max_position_embeddings;
+        return ops::rope_inv_freq(theta, rotary_dim, sc);
+    }, nb::arg("theta"), nb::arg("rotary_dim"), nb::kw_only(), nb::arg("rope_type") = "default",
+          nb::arg("factor") = 1.f, nb::arg("low_freq_factor") = 1.f, nb::arg("high_freq_factor") = 4.f,
+          nb::arg("original_max_position_embeddings") = 8192);
     o.def("self_attention", &ops::self_attention, nb::arg("out"), nb::arg("q"), nb::arg("k"), nb::arg("v"),
           nb::arg("scale"), G());
     o.def("self_attention_cached", &ops::self_attention_cached, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),
           nb::arg("v_cache"), nb::arg("kv_len"), nb::arg("scale"), G());
     o.def("paged_attention", &ops::paged_attention, nb::arg("out"), nb::arg("q"), nb::arg("k_cache"),
           nb::arg("v_cache"), nb::arg("block_tables"), nb::arg("q_start"), nb::arg("kv_len"), nb::arg("scale"),
-          nb::arg("max_q_len"), nb::arg("settled_history") = false, G());
+          nb::arg("max_q_len"), nb::arg("settled_history") = false, nb::arg("window") = 0, G());
     o.def("swiglu", &ops::swiglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), G());
     o.def("sample", &ops::sample, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"), nb::arg("top_k"),
           nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());

@@ -113,6 +113,81 @@ def test_rms_norm_zero_row_with_eps_is_zero():
     assert (to_f64(rms_norm(x, w, 1e-6)) == 0).all()
 
 
+# ---- q/k norm: rms_norm in place on strided 3-D views of a fused QKV output -------------------------------
+
+# (nh, nkvh, hd): Qwen3-0.6B (16 x 8 x 128), Gemma 3 (4 x 1 x 256), odd heads and an odd head dim
+QK_SHAPES = [(16, 8, 128), (4, 1, 256), (3, 1, 19), (5, 2, 64)]
+
+
+def fused_qkv(T, nh, nkvh, hd, dtype, device, layout, seed):
+    """(qkv [T, (nh + 2 nkvh) hd], its float64 copy): dense, or the rows of a wider buffer starting one
+    element in (row stride width + 5: no 16-byte vector fits, the scalar CUDA path)."""
+    width = (nh + 2 * nkvh) * hd
+    if layout == "dense":
+        return rand((T, width), dtype, device, seed=seed)
+    buf, bufr = rand((T, width + 5), dtype, device, seed=seed)
+    return buf.slice(1, 1, width + 1), bufr[:, 1: width + 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nh,nkvh,hd", QK_SHAPES)
+@pytest.mark.parametrize("T", [1, 7, 33])
+@pytest.mark.parametrize("layout", ["dense", "unaligned"])
+def test_rms_norm_in_place_on_qkv_head_views(device, dtype, nh, nkvh, hd, T, layout):
+    """How Qwen3 / Gemma 3 norm q and k: q = qkv.view(T, nh + 2 nkvh, hd).slice(1, 0, nh) (rows of hd with
+    a head stride hd and a token stride of the QKV row), weight [hd], in place. v and the other part stay
+    exactly as they were."""
+    qkv, qkvr = fused_qkv(T, nh, nkvh, hd, dtype, device, layout, seed=T + hd)
+    wq, wqr = rand((hd,), dtype, device, seed=1)
+    wk, wkr = rand((hd,), dtype, device, seed=2)
+    heads = qkv.view(T, nh + 2 * nkvh, hd)
+    q, k = heads.slice(1, 0, nh), heads.slice(1, nh, nh + nkvh)
+    llaisys.reset_peak_memory_stats(device)
+    ops.rms_norm(q, q, wq, 1e-6)
+    ops.rms_norm(k, k, wk, 1e-6)
+    stats = llaisys.memory_stats(device)
+    assert stats["peak"] == stats["allocated"], "worked through a temporary copy"
+    x = qkvr.reshape(T, nh + 2 * nkvh, hd)
+    got = to_f64(qkv).reshape(T, nh + 2 * nkvh, hd)
+    assert_close(got[:, :nh], ref_rms_norm(x[:, :nh], wqr, 1e-6), dtype)
+    assert_close(got[:, nh: nh + nkvh], ref_rms_norm(x[:, nh: nh + nkvh], wkr, 1e-6), dtype)
+    np.testing.assert_array_equal(got[:, nh + nkvh:], x[:, nh + nkvh:])  # v untouched
+    # the same values as rms_norm on a dense copy (CPU: the same row function, bit for bit)
+    dense = llaisys.tensor(x[:, :nh].astype(NP_DTYPE[dtype]), device)
+    want = rms_norm(dense, wq, 1e-6)
+    if device == "cpu":
+        np.testing.assert_array_equal(bits(want), bits(q))
+    else:
+        assert_close(q, to_f64(want), dtype)
+        cpu = llaisys.tensor(x[:, :nh].astype(NP_DTYPE[dtype]))
+        ops.rms_norm(cpu, cpu, wq.to("cpu"), 1e-6)
+        assert_close(q, to_f64(cpu), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_rms_norm_between_strided_views(device, dtype):
+    """x and out both head views of two fused buffers (no shared memory), then an out that overlaps x
+    without being x (heads [1, 4) of the buffer normed from heads [0, 3)): both as from the input."""
+    T, nh, nkvh, hd = 5, 4, 2, 64
+    a, ar = fused_qkv(T, nh, nkvh, hd, dtype, device, "dense", seed=3)
+    b = poisoned((T, (nh + 2 * nkvh) * hd), dtype, device)
+    w, wr = rand((hd,), dtype, device, seed=4)
+    x = a.view(T, nh + 2 * nkvh, hd).slice(1, 0, nh)
+    out = b.view(T, nh + 2 * nkvh, hd).slice(1, nkvh, nkvh + nh)
+    ops.rms_norm(out, x, w, 1e-5)
+    xr = ar.reshape(T, nh + 2 * nkvh, hd)
+    got = to_f64(b).reshape(T, nh + 2 * nkvh, hd)
+    assert_close(got[:, nkvh: nkvh + nh], ref_rms_norm(xr[:, :nh], wr, 1e-5), dtype)
+    assert np.isnan(got[:, :nkvh]).all() and np.isnan(got[:, nkvh + nh:]).all(), "wrote outside the out view"
+    heads = a.view(T, nh + 2 * nkvh, hd)
+    ops.rms_norm(heads.slice(1, 1, 4), heads.slice(1, 0, 3), w, 1e-5)
+    got = to_f64(a).reshape(T, nh + 2 * nkvh, hd)
+    assert_close(got[:, 1:4], ref_rms_norm(xr[:, 0:3], wr, 1e-5), dtype)
+    np.testing.assert_array_equal(got[:, 0], xr[:, 0])
+
+
 # ---- add_rms_norm --------------------------------------------------------------------------------------
 
 

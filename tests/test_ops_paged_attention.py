@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import llaisys
-from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, poisoned, to_f64
+from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, bits, poisoned, to_f64
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)
 
@@ -21,9 +21,23 @@ HEADS = [(14, 2, 64), (12, 2, 128), (4, 4, 19), (4, 2, 32)]
 HEAD_IDS = [f"{nh}x{nkvh}x{hd}" for nh, nkvh, hd in HEADS]
 
 
-def reference(q, kc, vc, tables, q_start, kv_len, scale, out0):
+def visible_mask(qlen, kv, window=0):
+    """[qlen, kv]: query i (at position p = kv - qlen + i) sees key j iff j <= p, and with a window also
+    j > p - window (HF's sliding_window_causal_mask_function; test_window_rule_is_hfs checks the two agree)."""
+    p = np.arange(qlen)[:, None] + (kv - qlen)
+    j = np.arange(kv)[None, :]
+    return (j <= p) & ((j > p - window) if window > 0 else True)
+
+
+def first_seen_key(qlen, kv, window):
+    """The first key any query of a sequence sees (keys before it are read by none)."""
+    return max(0, kv - qlen - window + 1) if window > 0 else 0
+
+
+def reference(q, kc, vc, tables, q_start, kv_len, scale, out0, window=0):
     """float64: q [T, nh, hd], caches [num_blocks, bs, nkvh, hd], out0 [T, nh, hd] the output before the op
-    (rows of no sequence keep it). Key j of sequence b is cache row tables[b, j // bs] * bs + j % bs."""
+    (rows of no sequence keep it). Key j of sequence b is cache row tables[b, j // bs] * bs + j % bs; keys
+    a sequence's queries cannot see are never gathered (their table entries may be garbage)."""
     _, bs, nkvh, hd = kc.shape
     nh = q.shape[1]
     group = nh // nkvh
@@ -34,12 +48,13 @@ def reference(q, kc, vc, tables, q_start, kv_len, scale, out0):
         qlen = qe - qs
         if qlen == 0:
             continue
-        j = np.arange(kv)
+        j0 = first_seen_key(qlen, kv, window)
+        j = np.arange(j0, kv)
         slots = tables[b, j // bs].astype(np.int64) * bs + j % bs
         k = np.repeat(rows_k[slots], group, axis=1)  # head h reads kv head h // group
         v = np.repeat(rows_v[slots], group, axis=1)
         s = np.einsum("qhd,khd->hqk", q[qs:qe], k) * scale
-        visible = j[None, :] <= np.arange(qlen)[:, None] + (kv - qlen)
+        visible = visible_mask(qlen, kv, window)[:, j0:]
         s = np.where(visible[None], s, -np.inf)
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
@@ -49,9 +64,11 @@ def reference(q, kc, vc, tables, q_start, kv_len, scale, out0):
 
 class Batch:
     """A paged batch: random q, caches whose rows no sequence may read are NaN (unused blocks and the tail
-    of each last block), block ids shuffled over the pool, table entries past a sequence's blocks garbage."""
+    of each last block, and with a window the keys before every query's window), block ids shuffled over the
+    pool, table entries past a sequence's blocks (and before its first seen block) garbage."""
 
-    def __init__(self, qlens, kvlens, block_size, heads, dtype, device, seed=0, extra_rows=0, q_layout="dense"):
+    def __init__(self, qlens, kvlens, block_size, heads, dtype, device, seed=0, extra_rows=0, q_layout="dense",
+                 window=0):
         nh, nkvh, hd = heads
         rng = np.random.default_rng(seed)
         B, bs = len(qlens), block_size
@@ -64,8 +81,10 @@ class Batch:
         for b, n in enumerate(need):
             self.tables[b, :n] = ids[at: at + n]
             at += n
-            j = np.arange(kvlens[b])
+            j = np.arange(first_seen_key(qlens[b], kvlens[b], window), kvlens[b])
             used[self.tables[b, j // bs].astype(np.int64) * bs + j % bs] = True
+            if len(j):  # blocks before the first one read: the op must not look them up
+                self.tables[b, : j[0] // bs] = rng.integers(-(10 ** 6), 10 ** 6, j[0] // bs)
         self.q_start = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
         self.kv_len = np.asarray(kvlens, np.int32)
         T = int(self.q_start[-1]) + extra_rows
@@ -88,17 +107,19 @@ class Batch:
         self.k, self.v = llaisys.tensor(kc, device), llaisys.tensor(vc, device)
         self.meta = [llaisys.tensor(a, device) for a in (self.tables, self.q_start, self.kv_len)]
         self.max_q_len = max(list(qlens) + [0])
-        self.shape, self.dtype, self.device = (T, nh, hd), dtype, device
+        self.shape, self.dtype, self.device, self.window = (T, nh, hd), dtype, device, window
 
-    def run(self, scale, max_q_len=None, out=None):
+    def run(self, scale, max_q_len=None, out=None, window=None):
         out = poisoned(self.shape, self.dtype, self.device) if out is None else out
         llaisys.ops.paged_attention(out, self.q, self.k, self.v, *self.meta, scale,
-                                    self.max_q_len if max_q_len is None else max_q_len)
+                                    self.max_q_len if max_q_len is None else max_q_len,
+                                    window=self.window if window is None else window)
         return out
 
     def expected(self, scale, out0=None):
         out0 = np.full(self.shape, np.nan) if out0 is None else out0
-        return reference(self.ref_q, self.ref_k, self.ref_v, self.tables, self.q_start, self.kv_len, scale, out0)
+        return reference(self.ref_q, self.ref_k, self.ref_v, self.tables, self.q_start, self.kv_len, scale, out0,
+                         self.window)
 
 
 def check(batch, scale=None, max_q_len=None):
@@ -218,6 +239,91 @@ def test_nan_in_a_read_key_reaches_its_rows_only(dtype, device):
     out = to_f64(b.run(0.25))
     assert np.isnan(out[2, 2:]).all() and not np.isnan(out[2, :2]).any()  # kv head 1 = heads 2, 3
     assert not np.isnan(out[:2]).any() and not np.isnan(out[3]).any()
+
+
+# ---- sliding window ----
+
+
+def test_window_rule_is_hfs():
+    """The reference's mask is transformers' sliding_window_causal_mask_function (masking_utils) over the
+    absolute positions of the step's queries."""
+    torch = pytest.importorskip("torch")
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    for qlen, kv, w in [(5, 5, 3), (4, 10, 1), (7, 20, 16), (1, 30, 4), (3, 6, 100), (9, 9, 9)]:
+        q_idx, kv_idx = torch.arange(kv - qlen, kv)[:, None], torch.arange(kv)[None, :]
+        hf = sliding_window_causal_mask_function(w)(0, 0, q_idx, kv_idx).numpy()
+        np.testing.assert_array_equal(visible_mask(qlen, kv, w), hf)
+
+
+# (qlens, kvlens): a decode batch of lengths around the windows and blocks; a fresh prefill; a chunked
+# prefill with a prefix hit beside a decode, an idle sequence and a fresh prefill.
+WINDOW_CASES = [([1] * 6, [1, 5, 16, 17, 40, 300]), ([40], [40]), ([7, 1, 0, 20], [60, 33, 9, 20])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", [(14, 2, 64), (4, 4, 19)], ids=["0.5B", "odd-hd"])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("window", [1, 3, 16, 37])  # smaller than a block, one block, over several
+@pytest.mark.parametrize("lens", WINDOW_CASES, ids=["decode", "prefill", "chunked"])
+def test_window_matches_reference(lens, window, block_size, heads, dtype, device):
+    """Keys before a sequence's first window are NaN in the cache and their table entries garbage: a key
+    outside a query's window that reached its sum, or a look-up of such a block, would show."""
+    check(Batch(*lens, block_size, heads, dtype, device, seed=window + block_size, window=window))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("lens", WINDOW_CASES, ids=["decode", "prefill", "chunked"])
+def test_window_at_least_kv_len_is_full_attention(lens, dtype, device):
+    """A window >= every kv_len hides nothing: the full result (within the tolerance; the CUDA split may
+    differ); a window >= max_blocks * block_size takes the full path itself: the same bits."""
+    b = Batch(*lens, 16, (6, 2, 32), dtype, device, seed=21)
+    full = b.run(0.2)
+    assert_close(full, b.expected(0.2), dtype)
+    for w in (max(lens[1]), max(lens[1]) + 7):
+        assert_close(b.run(0.2, window=w), b.expected(0.2), dtype)
+    capacity = b.tables.shape[1] * 16
+    for w in (capacity, capacity + 1, 2 ** 40):
+        np.testing.assert_array_equal(bits(b.run(0.2, window=w)), bits(full))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("qlens,kvlens,block_size,window", [
+    ([1], [8200], 16, 512), ([1, 1, 1], [8200, 3, 1000], 256, 100), ([300, 1], [1000, 4000], 32, 129),
+    ([1] * 64, None, 16, 64)], ids=["long-decode", "decode-bs256", "long-prefill", "batch64"])
+def test_window_long(qlens, kvlens, block_size, window, dtype, device):
+    """Long sequences under a window (CUDA: the split over the window's keys only, with the combine
+    kernel's chunk range; many chunks, a 256-row block table, prefill of many query tiles)."""
+    if kvlens is None:
+        kvlens = np.random.default_rng(8).integers(1, 2049, len(qlens)).tolist()
+    b = Batch(qlens, kvlens, block_size, (14, 2, 64), dtype, device, seed=9, window=window)
+    check(b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_cuda_window_settled_history_same_bits(dtype):
+    kvlens = [1, 7, 33, 300, 1000, 0, 65]
+    b = Batch([1 if kv else 0 for kv in kvlens], kvlens, 16, (8, 2, 64), dtype, "cuda", seed=12, window=40)
+    plain = b.run(0.125)
+    settled = poisoned(b.shape, dtype, "cuda")
+    llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, 0.125, 1, settled_history=True, window=40)
+    np.testing.assert_array_equal(bits(settled), bits(plain))
+    assert_close(plain, b.expected(0.125), dtype)
+
+
+def test_window_errors():
+    args, _ = small()
+    with pytest.raises(ValueError, match="paged_attention: window must be >= 0 \\(0 = full attention\\), got -1"):
+        llaisys.ops.paged_attention(*args, 0.5, 2, window=-1)
+    assert np.isnan(to_f64(args[0])).all()
+    got = llaisys.functional.paged_attention(*args[1:], max_q_len=2, window=3)
+    b = small()[1]
+    b.window = 3
+    assert_close(got, b.expected(8 ** -0.5), "f32")
 
 
 @pytest.mark.parametrize("device", [CUDA])

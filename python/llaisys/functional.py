@@ -75,9 +75,14 @@ def add_rms_norm(residual: Tensor, x: Tensor, weight: Tensor, eps: float = 1e-6)
     return out
 
 
-def rope(x: Tensor, pos_ids: Tensor, theta: float = 10000.0) -> Tensor:
+def rope(x: Tensor, pos_ids: Tensor, theta: float = 10000.0, inv_freq=None) -> Tensor:
+    """RoPE by theta, or by a frequency table inv_freq (floats, r <= head_dim / 2: the first 2r dims of each
+    head turn, the rest pass through; see ``ops.rope_inv_freq``)."""
     out = _like(x.shape, x)
-    ops.rope(out, x, pos_ids, theta)
+    if inv_freq is None:
+        ops.rope(out, x, pos_ids, theta)
+    else:
+        ops.rope(out, x, pos_ids, [float(f) for f in inv_freq])
     return out
 
 
@@ -154,13 +159,14 @@ def sample(logits: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: floa
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, q_start: Tensor,
-                    kv_len: Tensor, max_q_len: int, scale: float | None = None) -> Tensor:
-    """Causal GQA attention of a batch of sequences over a paged KV cache (see ``ops.paged_attention``).
+                    kv_len: Tensor, max_q_len: int, scale: float | None = None, window: int = 0) -> Tensor:
+    """Causal GQA attention of a batch of sequences over a paged KV cache (see ``ops.paged_attention``);
+    window > 0: sliding-window attention (the query at position p sees keys p - window < j <= p).
 
     Rows of the output outside every sequence's query rows are not written (uninitialised).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
     out = _like(q.shape, q)
-    ops.paged_attention(out, q, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len)
+    ops.paged_attention(out, q, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len, window=window)
     return out

@@ -7,6 +7,12 @@ in cpp/include/llaisys/ops.hpp; :mod:`llaisys.functional` has forms that allocat
 ``rope_qkv_cache`` takes an optional ``slots`` (the cache rows of the tokens in a paged cache viewed
 as ``[num_blocks * block_size, nkvh, hd]``; by default the rows are the positions).
 
+``rope`` and ``rope_qkv_cache`` take either ``theta`` or a frequency table ``inv_freq`` (a list of floats,
+r <= head_dim / 2 of them: the first 2r dims of each head turn, the rest pass through, as GPT-NeoX's
+partial rotary). ``rope_inv_freq(theta, rotary_dim, rope_type="default"|"linear"|"llama3", factor=...,
+low_freq_factor=..., high_freq_factor=..., original_max_position_embeddings=...)`` returns the table HF
+computes for those settings.
+
 ``linear`` and ``linear_swiglu`` take ``constant_weight=False``. Pass True only for a weight that
 every kernel that wrote it has finished with (synchronize after writing it) and that none will write
 again, e.g. a loaded model's weights. On CUDA, the M = 1 GEMV may then read the weight while the
@@ -27,6 +33,7 @@ rms_norm = _ops.rms_norm
 add_rms_norm = _ops.add_rms_norm
 rope = _ops.rope
 rope_qkv_cache = _ops.rope_qkv_cache
+rope_inv_freq = _ops.rope_inv_freq
 self_attention = _ops.self_attention
 self_attention_cached = _ops.self_attention_cached
 paged_attention = _ops.paged_attention
@@ -42,6 +49,6 @@ gelu = _ops.gelu  # (out, x, tanh_approx=False)
 geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 
 __all__ = ["add", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
-           "rope_qkv_cache",
+           "rope_qkv_cache", "rope_inv_freq",
            "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "linear_swiglu",
            "layer_norm", "add_layer_norm", "gelu", "geglu"]

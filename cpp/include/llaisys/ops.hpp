@@ -6,6 +6,7 @@
 #include "llaisys/tensor.hpp"
 
 #include <cstdint>
+#include <vector>
 
 namespace llaisys::ops {
 
@@ -58,6 +59,33 @@ void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta
 // nothing for its token and raises (on CUDA at the next synchronize).
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
                     const Tensor &pos_ids, float theta, const Tensor &slots = Tensor());
+// RoPE from an explicit frequency table (partial rotary, scaled frequencies). inv_freq [r] (host floats,
+// 1 <= r <= head_dim / 2, finite): rotates the first rotary_dim = 2r dims of each head as the pairs
+// (i, i + r), i < r, by the f32 angle float(pos) * inv_freq[i] (HF's rotate_half on x[..., :rotary_dim]);
+// dims [rotary_dim, head_dim) pass through unchanged (GPT-NeoX's partial rotary; head_dim may be odd
+// there). The theta overloads equal these with rope_inv_freq(theta, head_dim, {}) bit for bit. On CUDA
+// the table travels as a kernel parameter: no upload, nothing allocated.
+void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, const std::vector<float> &inv_freq);
+// rope_qkv_cache (above) with the table of rope(..., inv_freq): q and k heads turn their first 2r dims, the
+// rest of each q head goes to q_out and of each k head to the cache unchanged.
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots = Tensor());
+// HF config "rope_scaling" / "rope_parameters" (rope_type default, linear or llama3; the fields of the
+// other types are not read).
+struct RopeScaling {
+    enum class Type { none, linear, llama3 } type = Type::none;
+    float factor = 1.f, low_freq_factor = 1.f, high_freq_factor = 4.f;
+    int64_t original_max_position_embeddings = 8192;
+};
+// The table HF computes (transformers.modeling_rope_utils: the model's default, "linear", "llama3") for
+// rotary_dim dims (even, >= 2; HF's int(head_dim * partial_rotary_factor)): rotary_dim / 2 entries,
+// 1 / theta^(2i / rotary_dim) with theta^e rounded correctly to f32 (torch's f32 pow is up to 1 ulp off
+// it), then HF's f32 steps one by one in its order and roundings (x / y as torch evaluates a scalar over a
+// tensor: reciprocal, then a product). Bit-equal to HF's own code fed that pow (tests/test_ops_rope_freqs.py).
+// linear: inv_freq / factor. llama3: wavelen = 2 pi / inv_freq; kept where wavelen < orig / high_freq_factor,
+// divided by factor where wavelen > orig / low_freq_factor, smoothed in between. Raises on a non-positive
+// or non-finite theta/factor, high_freq_factor <= low_freq_factor, or an odd rotary_dim.
+std::vector<float> rope_inv_freq(float theta, int64_t rotary_dim, const RopeScaling &scaling);
 // Causal GQA attention. q [qlen, nh, hd], k/v [kvlen, nkvh, hd] (v may have its own head dim),
 // out [qlen, nh, hd_v]. Query i sees key j iff j <= i + kvlen - qlen.
 void self_attention(const Tensor &out, const Tensor &q, const Tensor &k, const Tensor &v, float scale);
@@ -84,9 +112,15 @@ void self_attention_cached(const Tensor &out, const Tensor &q, const Tensor &k_c
 // the metadata or the keys/values before this step's (positions < kv_len[b] - qlen_b), as in a model step
 // (they come from host uploads and earlier steps); the CUDA decode kernel then reads them while the kernel
 // ahead of it still runs, instead of after it (ignored elsewhere; false is always safe).
+// window (sliding-window attention, Mistral / Gemma 3): 0 = full causal attention; window > 0: the query at
+// absolute position p = kv_len[b] - qlen_b + i sees key j iff p - window < j <= p, i.e. itself and the
+// window - 1 keys before it (HF masking_utils: sliding_window_causal_mask_function = causal and
+// sliding_window_overlay's kv_idx > q_idx - sliding_window). Table entries of blocks that hold only keys
+// no query of the step sees are not read (any value; such blocks may have been reused). A window >=
+// max_blocks * block_size is full attention, bit for bit; window < 0 raises.
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len, bool settled_history = false);
+                     int64_t max_q_len, bool settled_history = false, int64_t window = 0);
 // out = up * gate * sigmoid(gate), in f32.
 void swiglu(const Tensor &out, const Tensor &gate, const Tensor &up);
 // Samples one token per row of logits [B, V] into out_ids [B] (i64). Per-row parameters live on the

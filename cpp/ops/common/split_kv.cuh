@@ -56,10 +56,14 @@ struct Layout {
 };
 
 // Rows [first, first + n) of one kv head's qlen * group rows (of one sequence); row rho is query
-// rho / group of head kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows).
+// rho / group of head kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows);
+// win: a sliding window, row r sees keys j with lim[r] - win < j <= lim[r] (the default: every j <= lim[r]).
 struct Rows {
     int first, n, group, kvh, last_key;
+    int win = 0x7fffffff;
     int lim[kRows];
+    // Row r sees key j (its score and its value count).
+    __device__ __forceinline__ bool sees(int lim_r, int j) const { return j <= lim_r && lim_r - j < win; }
     __device__ int qi(int r) const { return (first + r) / group; }
     __device__ int h(int r) const { return kvh * group + (first + r) % group; }
 };
@@ -122,7 +126,7 @@ __device__ __forceinline__ void softmax_tile(const Layout &lay, const Rows &rows
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
         const int lim = half ? rows.lim[4 + r] : rows.lim[r]; // a select: dynamic indexing would spill to local memory
-        s[r] = key < n && t0 + key <= lim ? s[r] : -INFINITY;
+        s[r] = key < n && rows.sees(lim, t0 + key) ? s[r] : -INFINITY;
         const float mx = warp_max(s[r]); // fmaxf skips NaN scores; exp2f below turns them into NaN
         if (threadIdx.x % 32 == 0) red[warp * 4 + r] = mx;
     }
@@ -159,7 +163,7 @@ __device__ __forceinline__ void pv_tile(const Layout &lay, const Rows &rows, con
         for (int i = 0; i < DPT; ++i) v[i] = d0 + kThreads * i < lay.hd_v ? to_f32(vrow[d0 + kThreads * i]) : 0.f;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            if (t0 + c > rows.lim[r]) continue; // masked keys add nothing, not even 0 * NaN
+            if (!rows.sees(rows.lim[r], t0 + c)) continue; // masked keys add nothing, not even 0 * NaN
             const float p = ps[r * kTile + c];
 #pragma unroll
             for (int i = 0; i < DPT; ++i) st.acc[r][i] += p * v[i];

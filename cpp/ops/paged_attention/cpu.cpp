@@ -22,6 +22,7 @@ struct Paged {
     const T *k, *v;     // [num_blocks, block_size, nkvh, hd], contiguous
     const int32_t *tables, *q_start, *kv_len; // [B, max_blocks], [B + 1], [B]
     int64_t o_s0, o_s1, q_s0, q_s1, max_blocks, block_size, nh, nkvh, hd;
+    int64_t window; // > 0: the query at position p sees keys (p - window, p]; 0: all keys <= p
     float scale;
     int64_t group() const { return nh / nkvh; }
     int64_t qlen(int64_t b) const { return q_start[b + 1] - q_start[b]; }
@@ -32,9 +33,11 @@ struct Paged {
     }
 };
 
-// Every metadata rule of ops.hpp, checked before anything is written.
+// Every metadata rule of ops.hpp, checked before anything is written. With a window, only the table
+// entries of blocks holding a key some query sees.
 void check_batch(const int32_t *tables, const int32_t *q_start, const int32_t *kv_len, int64_t B,
-                 int64_t max_blocks, int64_t num_blocks, int64_t block_size, int64_t tokens, int64_t max_q_len) {
+                 int64_t max_blocks, int64_t num_blocks, int64_t block_size, int64_t tokens, int64_t max_q_len,
+                 int64_t window) {
     constexpr const char *op = "paged_attention";
     for (int64_t b = 0; b < B; ++b) {
         const int64_t qs = q_start[b], qe = q_start[b + 1], qlen = qe - qs, kv = kv_len[b];
@@ -46,7 +49,8 @@ void check_batch(const int32_t *tables, const int32_t *q_start, const int32_t *k
         LLAISYS_CHECK(kv >= qlen && kv <= max_blocks * block_size, std::out_of_range, op, ": kv_len[", b, "] = ", kv,
                       " is out of range [", qlen, ", ", max_blocks * block_size,
                       "] (its query count .. max_blocks * block_size)");
-        for (int64_t j = 0; j * block_size < kv; ++j) {
+        const int64_t first = window > 0 ? std::max<int64_t>(0, kv - qlen - window + 1) : 0; // first key seen
+        for (int64_t j = first / block_size; j * block_size < kv; ++j) {
             const int64_t id = tables[b * max_blocks + j];
             LLAISYS_CHECK(id >= 0 && id < num_blocks, std::out_of_range, op, ": block_tables[", b, ", ", j, "] = ", id,
                           " is out of range [0, ", num_blocks, ")");
@@ -94,12 +98,15 @@ struct Item {
 };
 
 // Runs one item: each tile of the sequence's keys is gathered through the block table and converted
-// once, then folded into every row (query, head) of the item for the keys that row may see.
+// once, then folded into every row (query, head) of the item for the keys that row may see. With a
+// window, the tiles start at the first key the item's first query sees (keys before it are seen by none).
 template <typename T>
 void attend_item(const Paged<T> &p, const Item &it) {
     const int64_t group = p.group(), rows = (it.i1 - it.i0) * group, hd = p.hd;
-    const int64_t off = p.kv_len[it.b] - p.qlen(it.b); // query i sees keys j <= i + off
+    const int64_t off = p.kv_len[it.b] - p.qlen(it.b); // query i sees keys j <= i + off (and j > i + off - window)
     const int64_t kv_end = it.i1 + off, row0 = p.q_start[it.b] + it.i0;
+    // first key query i sees
+    const auto first_key = [&](int64_t i) { return p.window > 0 ? std::max<int64_t>(0, i + off - p.window + 1) : 0; };
     std::vector<float> buf(size_t(2 * rows * hd + 2 * kKeyTile * hd + kKeyTile));
     float *qs = buf.data(), *acc = qs + rows * hd, *kT = acc + rows * hd, *vt = kT + kKeyTile * hd,
           *scores = vt + kKeyTile * hd;
@@ -109,7 +116,7 @@ void attend_item(const Paged<T> &p, const Item &it) {
         for (int64_t d = 0; d < hd; ++d) qs[r * hd + d] = load(src, d) * p.scale;
         st[size_t(r)].acc = acc + r * hd;
     }
-    for (int64_t j0 = 0; j0 < kv_end; j0 += kKeyTile) {
+    for (int64_t j0 = first_key(it.i0); j0 < kv_end; j0 += kKeyTile) {
         const int64_t n = std::min(kKeyTile, kv_end - j0);
         for (int64_t c = 0; c < n; ++c) {
             const int64_t o = p.kv_offset(it.b, j0 + c, it.kvh);
@@ -118,9 +125,11 @@ void attend_item(const Paged<T> &p, const Item &it) {
                 vt[c * hd + d] = load(p.v + o, d);
             }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t visible = std::min(n, it.i0 + r / group + off + 1 - j0);
-            if (visible > 0) fold_tile(st[size_t(r)], qs + r * hd, kT, vt, visible, hd, scores);
+        for (int64_t r = 0; r < rows; ++r) { // the row sees the tile's keys [c0, visible)
+            const int64_t i = it.i0 + r / group, visible = std::min(n, i + off + 1 - j0);
+            const int64_t c0 = std::max<int64_t>(0, first_key(i) - j0);
+            if (visible > c0)
+                fold_tile(st[size_t(r)], qs + r * hd, kT + c0, vt + c0 * hd, visible - c0, hd, scores);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -139,7 +148,8 @@ void paged_kernel(const Paged<T> &p, int64_t B) {
         for (int64_t i0 = 0; i0 < p.qlen(b); i0 += kQueryBlock)
             for (int64_t kvh = 0; kvh < p.nkvh; ++kvh) {
                 items.push_back({b, kvh, i0, std::min(p.qlen(b), i0 + kQueryBlock)});
-                work += (items.back().i1 - i0) * p.group() * p.kv_len[b] * p.hd;
+                const int64_t keys = p.window > 0 ? std::min<int64_t>(p.kv_len[b], p.window + kQueryBlock) : p.kv_len[b];
+                work += (items.back().i1 - i0) * p.group() * keys * p.hd;
             }
     if (items.empty()) return;
     parallel_for(int64_t(items.size()), work / int64_t(items.size()),
@@ -150,16 +160,16 @@ void paged_kernel(const Paged<T> &p, int64_t B) {
 
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len) {
+                     int64_t max_q_len, int64_t window) {
     const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1), block_size = k_cache.size(1);
     const int32_t *tables = block_tables.data_as<int32_t>(), *starts = q_start.data_as<int32_t>(),
                   *lens = kv_len.data_as<int32_t>();
-    check_batch(tables, starts, lens, B, max_blocks, k_cache.size(0), block_size, q.size(0), max_q_len);
+    check_batch(tables, starts, lens, B, max_blocks, k_cache.size(0), block_size, q.size(0), max_q_len, window);
     detail::dispatch_float("paged_attention", q.dtype(), q.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         const Paged<T> p{out.data_as<T>(), q.data_as<T>(), k_cache.data_as<T>(), v_cache.data_as<T>(), tables,
                          starts, lens, out.stride(0), out.stride(1), q.stride(0), q.stride(1), max_blocks,
-                         block_size, q.size(1), k_cache.size(2), q.size(2), scale};
+                         block_size, q.size(1), k_cache.size(2), q.size(2), window, scale};
         paged_kernel(p, B);
     });
 }

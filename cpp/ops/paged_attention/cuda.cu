@@ -44,6 +44,7 @@ struct PagedArgs {
     float scale_log2;
     int granule; // a sequence's key chunks are multiples of it: kTile (split kernel) or kDecTile (decode kernel)
     int settled; // settled_history (ops.hpp): the decode kernel reads the metadata and older keys before pdl_wait
+    int window;  // > 0: the query at position p sees keys (p - window, p]; 0: all keys <= p
 };
 
 // One sequence's metadata, clamped into the contract so that nothing out of bounds is read: q rows
@@ -74,11 +75,18 @@ __device__ __forceinline__ Seq load_seq(const PagedArgs<T> &a, int b) {
     return Seq{q0, q1 - q0, kv};
 }
 
-// Keys of one chunk of a sequence of kv keys: the split is planned per sequence on the device, so short
-// sequences get short chunks (or fewer) and a long one uses every split.
-__device__ __forceinline__ int chunk_len(int kv, int nsplit, int granule) {
-    const int c = (kv + nsplit - 1) / nsplit;
+// Keys of one chunk of a sequence's span of keys: the split is planned per sequence on the device, so
+// short sequences get short chunks (or fewer) and a long one uses every split.
+__device__ __forceinline__ int chunk_len(int span, int nsplit, int granule) {
+    const int c = (span + nsplit - 1) / nsplit;
     return max(granule, (c + granule - 1) / granule * granule);
+}
+
+// The keys a sequence's step may see, [base, kv): with a window, those before its first query's window
+// are seen by none (base = 0 without one). Its chunks split this span: chunk c holds keys
+// [base + c L, base + (c + 1) L), L = chunk_len(kv - base, ...), here and in the combine kernel alike.
+__device__ __forceinline__ int span_base(const Seq &s, int window) {
+    return window > 0 ? max(0, s.kv - s.qlen - window + 1) : 0;
 }
 
 // Shared-memory layout in bytes, shared by host and device code: split_kv's head (q, red, p) | cache rows
@@ -94,8 +102,9 @@ struct Smem : split_kv::Layout { // hd_v = hd
     }
 };
 
-__device__ __forceinline__ split_kv::Rows make_rows(const Seq &s, int group, int kvh, int first) {
+__device__ __forceinline__ split_kv::Rows make_rows(const Seq &s, int group, int kvh, int first, int window) {
     split_kv::Rows rows;
+    if (window > 0) rows.win = window;
     rows.first = first;
     rows.group = group;
     rows.kvh = kvh;
@@ -174,7 +183,7 @@ __device__ __forceinline__ void finish(const PagedArgs<T> &a, const Smem &lay, c
 // stages serves all of them - and walks the keys of its chunk that they may see in tiles of 64: the
 // tile's cache rows are looked up in the block table one tile ahead, K/V rows of tile t + 1 stream in
 // (cp.async) while tile t is scored (thread = key) and multiplied into V (thread = output dim). Blocks
-// past the sequence's rows or keys return at once.
+// past the sequence's rows or keys, or (sliding window) before all of their rows' windows, return at once.
 template <typename T, int DPT, bool VEC>
 __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T> a) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -183,8 +192,12 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
     if (int(blockIdx.x) * kRows >= s.qlen * group) return;
-    const split_kv::Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows);
-    const int L = chunk_len(s.kv, a.nsplit, a.granule), kb = blockIdx.z * L, ke = min(kb + L, rows.last_key + 1);
+    const split_kv::Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows, a.window);
+    const int base = span_base(s, a.window), L = chunk_len(s.kv - base, a.nsplit, a.granule);
+    const int kc = base + blockIdx.z * L, ke = min(kc + L, rows.last_key + 1);
+    // with a window, the chunk's keys before the window of the block's first row (which starts first) are
+    // seen by none of its rows
+    const int kb = a.window > 0 ? max(kc, rows.lim[0] - a.window + 1) : kc;
     if (kb >= ke) return;
     const Smem lay{{a.hd, a.hd, int(sizeof(T))}};
     float *qs = reinterpret_cast<float *>(smem), *red = reinterpret_cast<float *>(smem + lay.red_off()),
@@ -277,7 +290,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     if (!a.settled) pdl_wait();
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
-    const int L = chunk_len(s.kv, a.nsplit, kDecTile), kb = blockIdx.x * L, ke = min(kb + L, s.kv);
+    // one query (at kv - 1): with a window its keys are exactly the span [base, kv), no key needs a mask
+    const int base = span_base(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kDecTile);
+    const int kb = base + blockIdx.x * L, ke = min(kb + L, s.kv);
     const bool empty = s.qlen == 0 || kb >= ke;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
     const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + lane * DPL;
@@ -394,8 +409,8 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 
 // Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
 // row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
-// per-sequence split as the split kernel; later chunks hold nothing for it) are weighted by
-// 2^(m_c - max) and summed per dim.
+// per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
+// and may be unwritten) are weighted by 2^(m_c - max) and summed per dim.
 template <typename T>
 __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const PagedArgs<T> a) {
     __shared__ float wts[kCombineWarps][kMaxSplits], sums[kCombineWarps][kMaxSplits];
@@ -405,18 +420,21 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const Seq s = load_seq(a, blockIdx.y);
     const int i = rho / a.nh, h = rho % a.nh;
     if (i >= s.qlen) return; // whole warps return; only warp-level syncs follow
-    const int lim = i + s.kv - s.qlen, used = lim / chunk_len(s.kv, a.nsplit, a.granule) + 1, t = s.q0 + i;
+    // the chunks holding keys this query sees: [first, used) of the span [base, kv)
+    const int lim = i + s.kv - s.qlen, base = span_base(s, a.window), L = chunk_len(s.kv - base, a.nsplit, a.granule);
+    const int first = a.window > 0 ? (max(base, lim - a.window + 1) - base) / L : 0, used = (lim - base) / L + 1;
+    const int t = s.q0 + i;
     const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
     const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
     float *wt = wts[warp], *lt = sums[warp];
     float m = -INFINITY, l = 0.f;
-    for (int c = lane; c < used; c += 32) { // each chunk's (m, l), read together
+    for (int c = first + lane; c < used; c += 32) { // each chunk's (m, l), read together
         wt[c] = p0[c * stride + a.hd];
         lt[c] = p0[c * stride + a.hd + 1];
         m = fmaxf(m, wt[c]);
     }
     m = warp_max(m);
-    for (int c = lane; c < used; c += 32) {
+    for (int c = first + lane; c < used; c += 32) {
         wt[c] = exp2f(wt[c] - m); // a chunk with nothing visible (m = -inf) weighs 0
         l += wt[c] * lt[c];
     }
@@ -428,7 +446,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
         // (and, unrolled, of several chunks) are in flight together; each dim still sums its chunks in order
         float acc[kCombineDims] = {};
 #pragma unroll 4
-        for (int c = 0; c < used; ++c) {
+        for (int c = first; c < used; ++c) {
             const float w = wt[c], *pc = p0 + c * stride + d0 + lane;
 #pragma unroll
             for (int j = 0; j < kCombineDims; ++j)
@@ -478,7 +496,7 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
 
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len, bool settled_history) {
+                     int64_t max_q_len, bool settled_history, int64_t window) {
     constexpr const char *op = "paged_attention";
     const int64_t tokens = q.size(0), nh = q.size(1), hd = q.size(2), nkvh = k_cache.size(2), B = block_tables.size(0);
     const int64_t mq = std::min(max_q_len, tokens); // no sequence has more queries than the step
@@ -497,7 +515,10 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                         (q.stride(0) * elem) % piece == 0 && (q.stride(1) * elem) % piece == 0;
     const int granule = decode ? kDecTile : kTile;
     const int64_t blocks = decode ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
-    const int nsplit = plan_splits(blocks, capacity, granule, out.device().index);
+    // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
+    // op.cpp turns a larger one into 0)
+    const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
+    const int nsplit = plan_splits(blocks, span, granule, out.device().index);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
     if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
@@ -509,7 +530,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
-                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0};
+                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window)};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
         if (decode && dpl == 1) return launch_decode<D, 1>(a, bi, out.device(), stream);

@@ -65,15 +65,20 @@ void check_paged_args(const char *op, const Tensor &out, const Tensor &q, const 
 // Paged causal GQA attention; see ops.hpp.
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
                      const Tensor &block_tables, const Tensor &q_start, const Tensor &kv_len, float scale,
-                     int64_t max_q_len, bool settled_history) {
+                     int64_t max_q_len, bool settled_history, int64_t window) {
     constexpr const char *op = "paged_attention";
     check_paged_args(op, out, q, k_cache, v_cache, block_tables, q_start, kv_len, max_q_len);
+    LLAISYS_CHECK(window >= 0, std::invalid_argument, op, ": window must be >= 0 (0 = full attention), got ",
+                  std::to_string(window));
+    // A window past every position a sequence can hold (max_blocks * block_size) hides nothing: the kernels
+    // then take the full path (and an int).
+    if (window >= block_tables.size(1) * k_cache.size(1)) window = 0;
     const Tensor qc = q.size(2) <= 1 || q.stride(2) == 1 ? q : q.contiguous();
     LLAISYS_DEVICE_DISPATCH(
         op, out.device(),
-        cpu::paged_attention(out, qc, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len),
+        cpu::paged_attention(out, qc, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len, window),
         cuda::paged_attention(out, qc, k_cache, v_cache, block_tables, q_start, kv_len, scale, max_q_len,
-                              settled_history));
+                              settled_history, window));
 }
 
 } // namespace llaisys::ops

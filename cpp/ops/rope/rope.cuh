@@ -16,7 +16,8 @@ struct RopeFreqs {
     float v[kMaxRopePairs];
 };
 
-// inv_freq [half] as a kernel parameter; half <= kMaxRopePairs (op.cpp checks kRopeMaxCudaHeadDim).
+// inv_freq [half] as a kernel parameter; half <= kMaxRopePairs (op.cpp checks kRopeMaxCudaHeadDim and
+// half <= head_dim / 2).
 inline RopeFreqs rope_freqs(const std::vector<float> &inv_freq, int64_t half) {
     RopeFreqs freqs{};
     std::memcpy(freqs.v, inv_freq.data(), size_t(half) * sizeof(float));
@@ -34,12 +35,13 @@ __device__ __forceinline__ float2 rope_turn(float x1, float x2, float cs, float 
     return make_float2(__fmaf_rn(x1, cs, -__fmul_rn(x2, sn)), __fmaf_rn(x2, cs, __fmul_rn(x1, sn)));
 }
 
-// 16-byte vectors when every row start (base, seq and head strides, the half offset) is aligned to them.
+// 16-byte vectors when every row start (base, seq and head strides), the pair offset `half` (the number of
+// pairs) and the head dim (where the copied dims of a partial rotary end) are aligned to them.
 template <typename T>
 bool rope_rows_aligned(const Tensor &t, int64_t half) {
     const int64_t v = kVec16<T>;
     auto ok = [&](int dim) { return t.size(dim) == 1 || t.stride(dim) % v == 0; };
-    return half % v == 0 && ok(0) && ok(1) && is_aligned(t.data(), 16);
+    return half % v == 0 && t.size(2) % v == 0 && ok(0) && ok(1) && is_aligned(t.data(), 16);
 }
 
 } // namespace llaisys::ops::cuda

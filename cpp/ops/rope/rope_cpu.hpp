@@ -4,10 +4,11 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace llaisys::ops::cpu {
-// cos_sin [2h] = cos | sin of angle_i = p * inv_freq[i], an f32 product.
+// cos_sin [2h] = cos | sin of angle_i = p * inv_freq[i], an f32 product (h = inv_freq's size: the pairs).
 inline void rope_cos_sin(float p, const std::vector<float> &inv_freq, int64_t h, float *cos_sin) {
     for (int64_t i = 0; i < h; ++i) {
         const float angle = p * inv_freq[size_t(i)];
@@ -25,5 +26,10 @@ inline void rope_row(T *out, const T *x, const float *cos_sin, int64_t h) {
         store(out, i, x1 * c - x2 * sn);
         store(out, i + h, x2 * c + x1 * sn);
     }
+}
+// The dims a partial rotary leaves alone: out [from, hd) = x [from, hd); nothing when out is x.
+template <typename T>
+inline void rope_pass(T *out, const T *x, int64_t from, int64_t hd) {
+    if (out != x && hd > from) std::memcpy(out + from, x + from, size_t(hd - from) * sizeof(T));
 }
 } // namespace llaisys::ops::cpu

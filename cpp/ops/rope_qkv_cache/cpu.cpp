@@ -8,14 +8,15 @@
 namespace llaisys::ops::cpu {
 
 // Per token t with position p = pos[t] and cache row r = row[t]: q_out[t] = rope(q heads),
-// k_cache[r] = rope(k heads), v_cache[r] = v heads, with rope's own cos/sin and row rotation
+// k_cache[r] = rope(k heads) (the first 2 * inv_freq.size() dims turned, the rest copied), v_cache[r] = v heads, with rope's own cos/sin and row rotation
 // (rope_cpu.hpp), so the result equals rope + index_copy bit for bit. Every row is checked before anything
 // is written.
 template <typename T, typename I, typename R>
 static void rope_qkv_cache_kernel(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache,
                                   const Tensor &qkv, const I *pos, const R *row_of, const char *row_name,
                                   const std::vector<float> &inv_freq) {
-    const int64_t tokens = qkv.size(0), nh = q_out.size(1), nkvh = k_cache.size(1), hd = q_out.size(2), h = hd / 2;
+    const int64_t tokens = qkv.size(0), nh = q_out.size(1), nkvh = k_cache.size(1), hd = q_out.size(2);
+    const int64_t h = int64_t(inv_freq.size()); // pairs (i, i + h); dims [2h, hd) are copied
     const int64_t capacity = k_cache.size(0);
     for (int64_t t = 0; t < tokens; ++t)
         LLAISYS_CHECK(row_of[t] >= 0 && row_of[t] < capacity, std::out_of_range, "rope_qkv_cache: ", row_name, " ",
@@ -31,10 +32,13 @@ static void rope_qkv_cache_kernel(const Tensor &q_out, const Tensor &k_cache, co
         rope_cos_sin(float(pos[t]), inv_freq, h, cos_sin.data());
         const T *src = x + t * xs;
         const int64_t r = int64_t(row_of[t]);
-        for (int64_t head = 0; head < nh; ++head)
+        for (int64_t head = 0; head < nh; ++head) {
             rope_row(q + t * qs + head * qh, src + head * hd, cos_sin.data(), h);
+            rope_pass(q + t * qs + head * qh, src + head * hd, 2 * h, hd);
+        }
         for (int64_t head = 0; head < nkvh; ++head) {
             rope_row(k + r * ks + head * kh, src + (nh + head) * hd, cos_sin.data(), h);
+            rope_pass(k + r * ks + head * kh, src + (nh + head) * hd, 2 * h, hd);
             std::memcpy(v + r * vs + head * vh, src + (nh + nkvh + head) * hd, size_t(hd) * sizeof(T));
         }
     });

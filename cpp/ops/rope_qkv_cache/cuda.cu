@@ -11,6 +11,8 @@ constexpr int kPositionOutOfRange = 4;
 
 struct RopeQkvDims {
     int nh, nkvh, hd;   // q heads, k/v heads, head_dim
+    int half;           // pairs (i, i + half) that turn: inv_freq's size, <= hd / 2; dims [2 half, hd) are copied
+    int q_pass;         // 0 when q_out is qkv's own q part (its copied dims are already in place), else 1
     int64_t capacity;   // cache rows
     int64_t xs;         // qkv row stride (last dim contiguous)
     int64_t qs, qh;     // q_out strides over tokens and heads
@@ -25,10 +27,12 @@ struct CacheRows {
 };
 
 // One block per token t, p = pos[t], cache row r = slots[t] (or p): the block stages cos/sin of the
-// hd / 2 angles in shared memory (rope's own evaluation, rope.cuh), then its threads stride over (head,
-// VEC pairs) of the q and k heads (q_out[t] and k_cache[r] get the turned pairs) and over (head, VEC
-// elements) of the v heads (copied to v_cache[r]). A thread reads what it writes first, so q_out may be
-// qkv's q part. A row outside [0, capacity) sets the error flag and the block writes nothing.
+// `half` angles in shared memory (rope's own evaluation, rope.cuh), then its threads stride over (head,
+// VEC pairs) of the q and k heads (q_out[t] and k_cache[r] get the turned pairs), over (head, VEC
+// elements) of the dims a partial rotary leaves alone (copied to q_out[t] and k_cache[r]; q's skipped when
+// q_out is qkv's q part) and over (head, VEC elements) of the v heads (copied to v_cache[r]). A thread reads
+// what it writes first, so q_out may be qkv's q part. A row outside [0, capacity) sets the error flag and
+// the block writes nothing.
 template <typename T, typename I, int VEC>
 __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T *qkv, const I *pos,
                                       const CacheRows rows, const RopeFreqs freqs, const RopeQkvDims d, int *error) {
@@ -43,14 +47,20 @@ __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T 
         if (threadIdx.x == 0) *error = kPositionOutOfRange;
         return;
     }
-    const int half = d.hd / 2;
+    const int half = d.half;
     for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(float(pos[t]), freqs.v[i], cos_s[i], sin_s[i]);
     __syncthreads();
     const T *row = qkv + t * d.xs; // [nh + 2 nkvh, hd]: q heads, k heads, v heads
     const int chunks = half / VEC, turns = (d.nh + d.nkvh) * chunks, per_v = d.hd / VEC;
-    const int items = turns + d.nkvh * per_v;
+    const int per_pass = (d.hd - 2 * half) / VEC, pass_heads = d.q_pass ? d.nh + d.nkvh : d.nkvh;
+    const int passes = pass_heads * per_pass, items = turns + passes + d.nkvh * per_v;
     for (int j = threadIdx.x; j < items; j += blockDim.x) {
-        if (j < turns) {
+        if (j >= turns && j < turns + passes) { // a dim a partial rotary leaves alone
+            const int c = j - turns, ph = c / per_pass, e0 = 2 * half + (c - ph * per_pass) * VEC;
+            const int head = d.q_pass ? ph : d.nh + ph; // over q heads then k heads, or k heads alone
+            T *dst = head < d.nh ? q_out + t * d.qs + head * d.qh : k_cache + r * d.ks + (head - d.nh) * d.kh;
+            store_vec(dst + e0, load_vec<VEC>(row + head * d.hd + e0));
+        } else if (j < turns) {
             const int head = j / chunks, i0 = (j - head * chunks) * VEC;
             const T *src = row + head * d.hd; // [2 * half]
             T *dst = head < d.nh ? q_out + t * d.qs + head * d.qh : k_cache + r * d.ks + (head - d.nh) * d.kh;
@@ -65,7 +75,7 @@ __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T 
             store_vec(dst + i0, oa);
             store_vec(dst + i0 + half, ob);
         } else {
-            const int c = j - turns, head = c / per_v, e0 = (c - head * per_v) * VEC;
+            const int c = j - turns - passes, head = c / per_v, e0 = (c - head * per_v) * VEC;
             store_vec(v_cache + r * d.vs + head * d.vh + e0, load_vec<VEC>(row + (d.nh + d.nkvh + head) * d.hd + e0));
         }
     }
@@ -83,11 +93,14 @@ static bool rows_aligned(const Tensor &q_out, const Tensor &k_cache, const Tenso
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
                     const Tensor &pos_ids, const Tensor &slots, const std::vector<float> &inv_freq) {
     constexpr const char *op = "rope_qkv_cache";
-    const int64_t hd = q_out.size(2), half = hd / 2; // hd <= kRopeMaxCudaHeadDim: op.cpp checks it
+    // hd <= kRopeMaxCudaHeadDim and half <= hd / 2: op.cpp checks them
+    const int64_t hd = q_out.size(2), half = int64_t(inv_freq.size());
     const RopeFreqs freqs = rope_freqs(inv_freq, half);
-    const RopeQkvDims d{int(q_out.size(1)), int(k_cache.size(1)), int(hd),   k_cache.size(0),
-                        qkv.stride(0),      q_out.stride(0),      q_out.stride(1), k_cache.stride(0),
-                        k_cache.stride(1),  v_cache.stride(0),    v_cache.stride(1)};
+    const bool q_in_place = q_out.data() == qkv.data() && q_out.stride(0) == qkv.stride(0) && q_out.stride(1) == hd;
+    const RopeQkvDims d{int(q_out.size(1)), int(k_cache.size(1)), int(hd),          int(half),
+                        q_in_place ? 0 : 1, k_cache.size(0),      qkv.stride(0),    q_out.stride(0),
+                        q_out.stride(1),    k_cache.stride(0),    k_cache.stride(1), v_cache.stride(0),
+                        v_cache.stride(1)};
     int *error = runtime::cuda::error_flag(qkv.device());
     const CacheRows rows{slots.defined() ? slots.data() : nullptr, slots.defined() && slots.dtype() == DType::I64};
     detail::dispatch_float(op, qkv.dtype(), qkv.device(), [&](auto tag) {
@@ -98,7 +111,8 @@ void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_
             dispatch_vec<T>(wide, [&](auto vec) {
                 constexpr int V = decltype(vec)::value;
                 // Enough threads for one pass over a token's items (80 for Qwen2-0.5B in bf16), at most 256.
-                const int64_t items = (d.nh + d.nkvh) * (half / V) + d.nkvh * (hd / V);
+                const int64_t passes = (d.q_pass ? d.nh + d.nkvh : d.nkvh) * ((hd - 2 * half) / V);
+                const int64_t items = (d.nh + d.nkvh) * (half / V) + passes + d.nkvh * (hd / V);
                 const int threads = int(std::min<int64_t>(256, std::max<int64_t>(32, ceil_div(items, 32) * 32)));
                 launch_pdl(rope_qkv_cache_kernel<device_t<T>, I, V>, unsigned(qkv.size(0)), threads, 0, stream_of(qkv),
                            qkv.device().index, dptr<T>(q_out), dptr<T>(k_cache), dptr<T>(v_cache), dptr<T>(qkv),

@@ -8,8 +8,10 @@
 
 namespace llaisys::ops {
 
+// The checks both overloads share: every tensor rule of ops.hpp (head_dim and theta/inv_freq are each
+// overload's own).
 static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const Tensor &k_cache,
-                                      const Tensor &v_cache, const Tensor &qkv, const Tensor &pos_ids, float theta,
+                                      const Tensor &v_cache, const Tensor &qkv, const Tensor &pos_ids,
                                       const Tensor &slots) {
     detail::check_operands(op, {{"qkv", qkv}, {"q_out", q_out}, {"k_cache", k_cache}, {"v_cache", v_cache},
                                 {"pos_ids", pos_ids}});
@@ -34,24 +36,18 @@ static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const
     LLAISYS_CHECK(qkv.size(1) == (nh + 2 * nkvh) * hd, std::invalid_argument, op,
                   ": qkv's last dim must be (nh + 2 * nkvh) * head_dim = (", nh, " + 2 * ", nkvh, ") * ", hd, " = ",
                   (nh + 2 * nkvh) * hd, ", got ", qkv.size(1));
-    LLAISYS_CHECK(hd % 2 == 0, std::invalid_argument, op, ": head_dim must be even, got ", hd);
-    LLAISYS_CHECK(theta > 0.f && std::isfinite(theta), std::invalid_argument, op,
-                  ": theta must be finite and > 0, got ", theta);
-    LLAISYS_CHECK(qkv.device().is_cpu() || hd <= kRopeMaxCudaHeadDim, std::invalid_argument, op, ": head_dim ", hd,
-                  " is not supported on CUDA (at most ", kRopeMaxCudaHeadDim, ")");
     // The cache rows are written in place: no temporary can stand in for them.
     LLAISYS_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, std::invalid_argument, op,
                   ": k_cache and v_cache must have a contiguous last dim");
 }
 
-void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, float theta, const Tensor &slots) {
-    constexpr const char *op = "rope_qkv_cache";
-    check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, theta, slots);
+// rope_qkv_cache with a checked table: inv_freq [r], 1 <= r <= head_dim / 2.
+static void rope_qkv_cache_table(const char *op, const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache,
+                                 const Tensor &qkv, const Tensor &pos_ids, const std::vector<float> &inv_freq,
+                                 const Tensor &slots) {
     if (qkv.size(0) == 0) return;
     const Tensor x = qkv.stride(1) == 1 ? qkv : qkv.contiguous();
     const Tensor pc = pos_ids.contiguous(), sc = slots.defined() ? slots.contiguous() : Tensor();
-    const std::vector<float> &inv_freq = detail::rope_inv_freq(theta, q_out.size(2));
     auto run = [&](const Tensor &q) {
         LLAISYS_DEVICE_DISPATCH(op, q.device(), cpu::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq),
                                 cuda::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq));
@@ -60,6 +56,28 @@ void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_
     Tensor tmp = q_out.contiguous(); // holds q_out's values: a token that writes nothing leaves them as they were
     run(tmp);
     Tensor(q_out).copy_(tmp);
+}
+
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, float theta, const Tensor &slots) {
+    constexpr const char *op = "rope_qkv_cache";
+    check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, slots);
+    const int64_t hd = q_out.size(2);
+    LLAISYS_CHECK(hd % 2 == 0, std::invalid_argument, op, ": head_dim must be even, got ", hd);
+    LLAISYS_CHECK(theta > 0.f && std::isfinite(theta), std::invalid_argument, op,
+                  ": theta must be finite and > 0, got ", theta);
+    LLAISYS_CHECK(qkv.device().is_cpu() || hd <= kRopeMaxCudaHeadDim, std::invalid_argument, op, ": head_dim ", hd,
+                  " is not supported on CUDA (at most ", kRopeMaxCudaHeadDim, ")");
+    if (qkv.size(0) == 0) return;
+    rope_qkv_cache_table(op, q_out, k_cache, v_cache, qkv, pos_ids, detail::rope_inv_freq(theta, hd), slots);
+}
+
+void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
+                    const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots) {
+    constexpr const char *op = "rope_qkv_cache";
+    check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, slots);
+    detail::check_inv_freq(op, inv_freq, q_out.size(2), qkv.device());
+    rope_qkv_cache_table(op, q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots);
 }
 
 } // namespace llaisys::ops

@@ -6,8 +6,9 @@
 // Backends receive qkv [T, (nh + 2 * nkvh) * hd] with a contiguous last dim (any row stride), q_out
 // [T, nh, hd] with a contiguous last dim (may be qkv's q part: in place), k_cache/v_cache
 // [capacity, nkvh, hd] with contiguous last dims, pos_ids [T] contiguous i64/i32, slots [T] contiguous
-// i64/i32 or undefined (then the cache rows are pos_ids) and inv_freq [hd / 2]. T > 0. A cache row
-// outside [0, capacity) writes nothing for its token.
+// i64/i32 or undefined (then the cache rows are pos_ids) and inv_freq [r], 1 <= r <= hd / 2 (the pairs
+// (i, i + r) of q and k heads turn, dims [2r, hd) are copied). T > 0. A cache row outside [0, capacity)
+// writes nothing for its token.
 namespace llaisys::ops::cpu {
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
                     const Tensor &pos_ids, const Tensor &slots, const std::vector<float> &inv_freq);
