@@ -16,6 +16,7 @@ void bind_ops(nb::module_ &m) {
     // Kernels run with the GIL released so other Python threads keep going during long CPU ops.
     using G = nb::call_guard<nb::gil_scoped_release>;
     o.def("add", &ops::add, nb::arg("out"), nb::arg("a"), nb::arg("b"), G());
+    o.def("scale", &ops::scale, nb::arg("out"), nb::arg("x"), nb::arg("alpha"), G());
     o.def("cast", &ops::cast, nb::arg("out"), nb::arg("x"), G());
     o.def("rearrange", &ops::rearrange, nb::arg("out"), nb::arg("x"), G());
     o.def("index_copy", &ops::index_copy, nb::arg("out"), nb::arg("index"), nb::arg("src"), G());

@@ -20,6 +20,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", False),
     "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", True),
     "mistral": ("MistralConfig", "MistralForCausalLM", "llama", True),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", "gptneox", False),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", False),
 }
 
 
@@ -33,16 +35,21 @@ def make_tiny(dirpath, family: str, *, seed: int = 0, **overrides) -> str:
     kwargs = dict(vocab_size=vocab, hidden_size=72, intermediate_size=136, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
                   rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=vocab - 1)
+    if family == "gpt_neox":  # no GQA; its own names for eps and RoPE
+        for k in ("num_key_value_heads", "rms_norm_eps", "rope_theta"):
+            kwargs.pop(k)
+        kwargs.update(layer_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                           "partial_rotary_factor": 0.25})
     kwargs.update(overrides)
     config = getattr(transformers, cfg_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # HF initializes norms to 1 and biases to 0: randomize them so loading is tested
         for name, p in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
+            if name.endswith(("q_proj.weight", "k_proj.weight", "query_key_value.weight")):
                 p.mul_(12.0)  # peaked attention: with HF's 0.02 init it is near uniform and blind to RoPE bugs
-            elif name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):  # Gemma stores w of (1 + w): near 0 there
+                p.copy_((0.0 if family == "gemma3" else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(dirpath, safe_serialization=True)
@@ -61,9 +68,13 @@ def prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 @torch.no_grad()
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    """Greedy tokens by HF's full forward over the whole sequence each step (no cache: what the model
+    computes by definition; HF's generate() with Gemma 3's sliding-window cache parted from it after 70
+    tokens in one case here)."""
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
 
 
 def check_logits(path: str, device: str = "cpu") -> None:
@@ -111,16 +122,27 @@ def write_gguf(hf_dir: str, path: str, family: str) -> str:
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
+    if family == "gpt_neox":
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        w.add_parallel_residual(cfg.use_parallel_residual)
+    else:
+        w.add_head_count_kv(cfg.num_key_value_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if family == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     _add_gguf_tokenizer(w, hf_dir, cfg.vocab_size)
     for hf_name, t in model.state_dict().items():
         if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         a = t.numpy().astype(np.float32)
+        if family == "gemma3" and hf_name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's converter stores Gemma's (1 + w)
         if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads
             a = _permute_qk(a, heads)
@@ -137,7 +159,7 @@ def check_gguf_greedy(hf_dir: str, tmp_path, family: str, n: int = 32) -> None:
     path = write_gguf(hf_dir, os.path.join(tmp_path, f"{family}.gguf"), family)
     hf = hf_model(hf_dir)
     with Engine(path, device="cpu", dtype="f32", progress=False) as eng:
-        assert eng.config.arch in (family, "llama")
+        assert eng.config.arch in (family, "llama")  # llama.cpp writes Mistral as llama
         ids = prompt(eng.config.vocab_size, 21, seed=4)
         out = eng.generate(ids, max_new_tokens=n, temperature=0, ignore_eos=True)
         got = eng.score(ids)

@@ -12,6 +12,8 @@ namespace llaisys::ops {
 
 // out = a + b (same shape, dtype and device; out may alias a or b).
 void add(const Tensor &out, const Tensor &a, const Tensor &b);
+// out = x * alpha: the f32 product rounded once to the dtype (Gemma's embedding scale; out may alias x).
+void scale(const Tensor &out, const Tensor &x, float alpha);
 // out = x converted to out's dtype: between f32, f16 and bf16, or from i32/i64 to a float dtype.
 void cast(const Tensor &out, const Tensor &x);
 // x converted to `dtype` (as cast) in a new tensor on x's device; x itself when it has that dtype already.

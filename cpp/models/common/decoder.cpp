@@ -23,12 +23,19 @@ LinearWeight rows_of(const LinearWeight &w, int64_t start, int64_t end) {
     return {w.dense.slice(0, start, end), QuantMatrix()};
 }
 
-std::vector<float> inv_freq_of(const ModelConfig &c, float theta) {
-    const int64_t r = c.rotary_dim();
-    std::vector<float> f(size_t(r / 2));
-    for (int64_t i = 0; i < r / 2; ++i) // as ops' rope computes it today, so Qwen2's bits stay the same
-        f[size_t(i)] = 1.f / float(std::pow(double(theta), double(float(2 * i) / float(r))));
-    return f;
+// RoPE's table of a layer: the global layers' base and scaling, or the windowed layers' own base unscaled
+// (Gemma 3's rope_local_base_freq, as HF computes its local rotary embedding).
+std::vector<float> inv_freq_of(const ModelConfig &c, bool local) {
+    ops::RopeScaling s;
+    if (local && c.rope_local_theta > 0) return ops::rope_inv_freq(c.rope_local_theta, c.rotary_dim(), s);
+    s.type = c.rope_scaling == RopeScalingType::llama3   ? ops::RopeScaling::Type::llama3
+             : c.rope_scaling == RopeScalingType::linear ? ops::RopeScaling::Type::linear
+                                                         : ops::RopeScaling::Type::none;
+    s.factor = c.rope_factor;
+    s.low_freq_factor = c.rope_low_freq_factor;
+    s.high_freq_factor = c.rope_high_freq_factor;
+    s.original_max_position_embeddings = c.rope_original_max_position_embeddings;
+    return ops::rope_inv_freq(c.rope_theta, c.rotary_dim(), s);
 }
 } // namespace
 
@@ -42,14 +49,54 @@ Decoder::Decoder(const ModelConfig &config, DType dtype, Device device, std::opt
         Layer &L = layers_[size_t(l)];
         const bool local = config_.layer_has_window(l);
         L.window = local ? config_.sliding_window : 0;
-        L.inv_freq = inv_freq_of(config_, local && config_.rope_local_theta > 0 ? config_.rope_local_theta
-                                                                               : config_.rope_theta);
+        L.inv_freq = inv_freq_of(config_, local);
     }
     // On the CPU the checkpoint's memory-mapped tensors are used in place, which fusing would copy.
     fused_ = fused.value_or(device.is_cuda());
     table_ = architecture(config_.arch).weights(config_);
     bind_slots();
     if (fused_ && config_.qkv_bias) allocate_fused_biases();
+    if (config_.scale_embeddings) { // HF: embeddings * sqrt(hidden) in the weights' dtype
+        Tensor s = Tensor::empty({1}, DType::F32, Device::cpu()), r = Tensor::empty({1}, dtype_, Device::cpu());
+        *static_cast<float *>(s.data()) = std::sqrt(float(config_.hidden_size));
+        ops::cast(r, s);
+        ops::cast(s, r);
+        embed_scale_ = *static_cast<float *>(s.data());
+    }
+}
+
+// GPT-NeoX stores q/k/v as [heads, 3, head_dim] rows; the fused matrix (and bias) is q | k | v.
+Tensor Decoder::to_qkv_order(const Tensor &value) const {
+    const int64_t nh = config_.num_attention_heads, hd = config_.head_dim;
+    const Tensor src = value.device() == device_ ? value.contiguous() : value.contiguous().to(device_);
+    Tensor src_cast = src;
+    if (src.dtype() != dtype_) {
+        src_cast = Tensor::empty(src.shape(), dtype_, device_);
+        ops::cast(src_cast, src);
+    }
+    Tensor out = Tensor::empty(value.shape(), dtype_, device_);
+    for (int64_t h = 0; h < nh; ++h)
+        for (int64_t p = 0; p < 3; ++p)
+            out.slice(0, p * nh * hd + h * hd, p * nh * hd + (h + 1) * hd)
+                .copy_(src_cast.slice(0, (3 * h + p) * hd, (3 * h + p + 1) * hd));
+    return out;
+}
+
+void Decoder::load_heads(const Slot &s, const Tensor &value) {
+    const int64_t q = config_.num_attention_heads * config_.head_dim, kv = config_.num_key_value_heads * config_.head_dim;
+    Layer &L = *s.layer;
+    const Tensor t = to_qkv_order(value);
+    if (s.linear) {
+        L.wqkv = {t, QuantMatrix()};
+        L.wq = rows_of(L.wqkv, 0, q);
+        L.wk = rows_of(L.wqkv, q, q + kv);
+        L.wv = rows_of(L.wqkv, q + kv, q + 2 * kv);
+    } else {
+        L.bqkv = t;
+        L.bq = t.slice(0, 0, q);
+        L.bk = t.slice(0, q, q + kv);
+        L.bv = t.slice(0, q + kv, q + 2 * kv);
+    }
 }
 
 void Decoder::bind_slots() {
@@ -60,14 +107,15 @@ void Decoder::bind_slots() {
             {"mlp_norm", &Layer::mlp_norm}, {"mlp_norm_bias", &Layer::mlp_norm_bias},
             {"post_mlp_norm", &Layer::post_mlp_norm}, {"q_bias", &Layer::bq}, {"k_bias", &Layer::bk},
             {"v_bias", &Layer::bv}, {"o_bias", &Layer::bo}, {"gate_bias", &Layer::b_gate},
-            {"up_bias", &Layer::b_up}, {"down_bias", &Layer::b_down}};
+            {"up_bias", &Layer::b_up}, {"down_bias", &Layer::b_down}, {"qkv_heads_bias", &Layer::bqkv}};
         static const std::map<std::string, LinearWeight Layer::*> linears = {
             {"q", &Layer::wq}, {"k", &Layer::wk}, {"v", &Layer::wv}, {"o", &Layer::wo},
-            {"gate", &Layer::w_gate}, {"up", &Layer::w_up}, {"down", &Layer::w_down}};
+            {"gate", &Layer::w_gate}, {"up", &Layer::w_up}, {"down", &Layer::w_down}, {"qkv_heads", &Layer::wqkv}};
         Slot s;
         if (auto t = tensors.find(role); t != tensors.end()) s.tensor = &(L.*(t->second));
         else if (auto w = linears.find(role); w != linears.end()) s.linear = &(L.*(w->second));
         s.norm = role.find("norm") != std::string::npos && role.find("bias") == std::string::npos;
+        s.heads = role.rfind("qkv_heads", 0) == 0;
         return s;
     };
     for (const WeightSpec &w : table_) {
@@ -83,7 +131,8 @@ void Decoder::bind_slots() {
                       "' names an unknown role '", w.role, "' (", w.hf_name, ")");
         s.shape = w.shape;
         // fusion groups are what the decoder fuses: q/k/v (with biases) and gate/up (without biases)
-        const bool fusable = w.group == "qkv" || (w.group == "gate_up" && !config_.mlp_bias);
+        const bool fusable = (w.group == "qkv" && !s.heads) ||
+                             (w.group == "gate_up" && !config_.mlp_bias && config_.activation == Activation::silu);
         if (fused_ && fusable) s.group = w.group;
         slots_[w.hf_name] = s;
     }
@@ -130,6 +179,11 @@ void Decoder::load_weight(const std::string &name, const Tensor &value) {
                   shape_str(s.shape));
     LLAISYS_CHECK(is_float(value.dtype()), TypeError, "model: weight '", name, "' has dtype ",
                   dtype_name(value.dtype()), ", expected a float dtype");
+    if (s.heads) {
+        load_heads(s, value);
+        loaded_.insert(name);
+        return;
+    }
     Tensor *dst = s.tensor;
     const bool in_place = !s.group.empty() && (s.linear || config_.qkv_bias);
     if (s.linear) {
@@ -172,6 +226,20 @@ void Decoder::load_quant_weight(const std::string &name, const QuantMatrix &valu
     LLAISYS_CHECK(value.defined() && value.rows() == s.shape[0] && value.cols() == s.shape[1], std::invalid_argument,
                   "model: quantized weight '", name, "' is [", value.rows(), ", ", value.cols(), "], expected ",
                   shape_str(s.shape));
+    if (s.heads) { // whole blocks rows: reorder them by head into q | k | v
+        const int64_t nh = config_.num_attention_heads, hd = config_.head_dim;
+        std::vector<QuantMatrix> rows;
+        for (int64_t p = 0; p < 3; ++p)
+            for (int64_t h = 0; h < nh; ++h) rows.push_back(value.slice_rows((3 * h + p) * hd, (3 * h + p + 1) * hd));
+        Layer &L = *s.layer;
+        const int64_t q = nh * hd, kv = config_.num_key_value_heads * hd;
+        L.wqkv = {Tensor(), QuantMatrix::concat_rows(rows).to(device_)};
+        L.wq = rows_of(L.wqkv, 0, q);
+        L.wk = rows_of(L.wqkv, q, q + kv);
+        L.wv = rows_of(L.wqkv, q + kv, q + 2 * kv);
+        loaded_.insert(name);
+        return;
+    }
     // The part stands alone until fuse_layer stacks it with its siblings; a dense fused matrix it was a slice
     // of stays for its other parts.
     *s.linear = {Tensor(), value.to(device_)};
@@ -202,7 +270,8 @@ void Decoder::fuse_layer(Layer &L) {
         return true;
     };
     L.fused_qkv = fuse(L.wqkv, {&L.wq, &L.wk, &L.wv});
-    if (config_.gated_mlp && !config_.mlp_bias) L.fused_gate_up = fuse(L.w_gate_up, {&L.w_gate, &L.w_up});
+    if (config_.gated_mlp && !config_.mlp_bias && config_.activation == Activation::silu)
+        L.fused_gate_up = fuse(L.w_gate_up, {&L.w_gate, &L.w_up});
 }
 
 std::vector<std::string> Decoder::missing_weights() const {

@@ -54,12 +54,15 @@ private:
         Layer *layer = nullptr;
         std::string group; // "qkv" / "gate_up" when the part joins a fused matrix, else ""
         bool norm = false; // a norm weight (stored as w, used as 1 + w when config.norm_plus_one)
+        bool heads = false; // GPT-NeoX's q/k/v rows interleaved per head: reordered into wqkv's q | k | v
     };
     struct BlockIn; // the input of an attention or MLP block (decoder_step.cpp)
 
     void bind_slots();
     const Slot &slot(const std::string &name) const;
     void allocate_fused_biases();
+    Tensor to_qkv_order(const Tensor &value) const; // per-head interleaved q/k/v rows -> q | k | v
+    void load_heads(const Slot &s, const Tensor &value);
     void fuse_layer(Layer &layer);
     std::pair<LinearWeight *, int64_t> fused_home(Layer &layer, const LinearWeight *part) const;
     void check_ready();
@@ -69,6 +72,11 @@ private:
     void project_in(const Tensor &out, const BlockIn &in, const LinearWeight &w, const Tensor &bias, bool swiglu);
     bool norm_in_projections(const Layer &L, int64_t T) const;
     void norm(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &b);
+    void add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2, const Tensor &w,
+                  const Tensor &b);
+    Tensor normed(const Tensor &x, const Tensor &w); // a sandwich norm of a block's output, in a new tensor
+    void forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv);
+    void forward_parallel(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv);
     Tensor attention(int layer, const BlockIn &in, const StepBatch &batch, const KVView &kv);
     void qkv_rope_cache(const Layer &L, int layer, const BlockIn &in, const Tensor &q, const StepBatch &b,
                         const KVView &kv);
@@ -80,6 +88,7 @@ private:
     Device device_;
     LinearWeight embed_, lm_head_;
     Tensor final_norm_, final_norm_bias_;
+    float embed_scale_ = 1.f; // Gemma: sqrt(hidden) rounded to the compute dtype, as HF multiplies
     Tensor decode_scratch_; // CUDA, quantized: see decode_scratch_bytes(); made by check_ready
     std::vector<Layer> layers_;
     std::vector<WeightSpec> table_;           // the family's weight table for this config

@@ -39,9 +39,22 @@ bool Decoder::norm_in_projections(const Layer &L, int64_t T) const {
 
 // out = norm(x) with the family's norm (RMSNorm, or LayerNorm with its bias).
 void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &b) {
-    LLAISYS_CHECK(config_.norm == NormKind::rms, std::invalid_argument, "model: LayerNorm is not built in");
-    (void)b;
+    if (config_.norm == NormKind::layer) ops::layer_norm(out, x, w, b, config_.norm_eps);
+    else ops::rms_norm(out, x, w, config_.norm_eps);
+}
+
+// h += delta (+ delta2); out = norm(h): one pass.
+void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2,
+                       const Tensor &w, const Tensor &b) {
+    if (config_.norm == NormKind::layer) return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps);
+    ops::add_rms_norm(out, h, delta, w, config_.norm_eps);
+    if (delta2.defined()) ops::add_rms_norm(out, h, delta2, w, config_.norm_eps); // (no family needs this today)
+}
+
+Tensor Decoder::normed(const Tensor &x, const Tensor &w) {
+    Tensor out = Tensor::empty(x.shape(), dtype_, device_);
     ops::rms_norm(out, x, w, config_.norm_eps);
+    return out;
 }
 
 // q [T, nh, hd] = rope(q-projection), this step's keys/values to the cache: one fused kernel when q/k/v are
@@ -51,7 +64,6 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
                              const KVView &kv) {
     const int64_t T = b.num_tokens(), nh = config_.num_attention_heads, nkvh = config_.num_key_value_heads,
                   hd = config_.head_dim;
-    const float theta = config_.rope_theta;
     if (L.fused_qkv) {
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
         project_in(qkv, in, L.wqkv, L.bqkv, false);
@@ -61,7 +73,7 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
             ops::rms_norm(qh, qh, L.q_norm, config_.norm_eps);
             ops::rms_norm(kh, kh, L.k_norm, config_.norm_eps);
         }
-        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, theta, b.slots);
+        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, L.inv_freq, b.slots);
         return;
     }
     Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
@@ -72,8 +84,8 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
         ops::rms_norm(q, q, L.q_norm, config_.norm_eps);
         ops::rms_norm(k, k, L.k_norm, config_.norm_eps);
     }
-    ops::rope(q, q, b.pos, theta);
-    ops::rope(k, k, b.pos, theta);
+    ops::rope(q, q, b.pos, L.inv_freq);
+    ops::rope(k, k, b.pos, L.inv_freq);
     ops::index_copy(kv.key_rows(l), b.slots, k);
     ops::index_copy(kv.value_rows(l), b.slots, v);
 }
@@ -89,24 +101,29 @@ Tensor Decoder::attention(int l, const BlockIn &in, const StepBatch &b, const KV
     // Settled history: the step's metadata comes from host uploads and the keys before the step's own from
     // earlier steps, so the decode kernel may read them while rope_qkv_cache still runs.
     ops::paged_attention(attn, q, kv.keys(l), kv.values(l), b.block_tables, b.q_start, b.kv_len,
-                         1.f / std::sqrt(pre), b.max_q_len, /*settled_history=*/true);
+                         1.f / std::sqrt(pre), b.max_q_len, /*settled_history=*/true, L.window);
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
     linear(out, attn.view({T, nh * hd}), L.wo, decode_scratch_, L.bo);
     return out;
 }
 
-// in [T, H] -> down(act(gate(x)) * up(x)) [T, H]
+// in [T, H] -> down(act(gate(x)) * up(x)) [T, H], or down(act(up(x))) for a plain MLP (GPT-NeoX)
 Tensor Decoder::mlp(int l, const BlockIn &in) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = in.residual.defined() ? in.residual.size(0) : in.x.size(0), I = config_.intermediate_size;
+    const bool tanh = config_.activation == Activation::gelu_tanh;
     Tensor act = Tensor::empty({T, I}, dtype_, device_);
     if (L.fused_gate_up) {
         project_in(act, in, L.w_gate_up, Tensor(), true);
+    } else if (!config_.gated_mlp) {
+        project_in(act, in, L.w_up, L.b_up, false);
+        ops::gelu(act, act, tanh);
     } else {
         Tensor up = Tensor::empty({T, I}, dtype_, device_);
         project_in(act, in, L.w_gate, L.b_gate, false);
         project_in(up, in, L.w_up, L.b_up, false);
-        ops::swiglu(act, act, up);
+        if (config_.activation == Activation::silu) ops::swiglu(act, act, up);
+        else ops::geglu(act, act, up, tanh);
     }
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
     linear(out, act, L.w_down, decode_scratch_, L.b_down);
@@ -125,6 +142,51 @@ Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
     return out;
 }
 
+// Serial residual: h += attn(norm(h)); h += mlp(norm(h)) (Gemma: each block's output normed again first).
+void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv) {
+    const int64_t T = b.num_tokens(), H = config_.hidden_size;
+    Tensor h_next; // where a norm inside the projections writes the residual (it reads h meanwhile)
+    Tensor mlp_out;
+    // x = norm(h += delta) ahead of a block, or left to the block's projections; then h is h_next.
+    const auto block_in = [&](const Layer &L, const Tensor &delta, const Tensor &w, const Tensor &bias) {
+        if (!norm_in_projections(L, T)) {
+            add_norm(x, h, delta, Tensor(), w, bias);
+            return BlockIn{x, {}, {}, {}, nullptr};
+        }
+        if (!h_next.defined()) h_next = Tensor::empty({T, H}, dtype_, device_);
+        BlockIn in{{}, h, delta, h_next, &w};
+        std::swap(h, h_next);
+        return in;
+    };
+    for (int l = 0; l < int(layers_.size()); ++l) {
+        const Layer &L = layers_[size_t(l)];
+        BlockIn in{x, {}, {}, {}, nullptr};
+        if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
+        else in = block_in(L, mlp_out, L.attn_norm, L.attn_norm_bias);
+        Tensor attn_out = attention(l, in, b, kv);
+        if (config_.sandwich_norm) attn_out = normed(attn_out, L.post_attn_norm);
+        mlp_out = mlp(l, block_in(L, attn_out, L.mlp_norm, L.mlp_norm_bias));
+        if (config_.sandwich_norm) mlp_out = normed(mlp_out, L.post_mlp_norm);
+    }
+    add_norm(x, h, mlp_out, Tensor(), final_norm_, final_norm_bias_);
+}
+
+// Parallel residual (GPT-NeoX): h += attn(ln1(h)) + mlp(ln2(h)); the two adds and the next layer's first
+// norm are one pass (add_layer_norm with both deltas).
+void Decoder::forward_parallel(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv) {
+    const int64_t T = b.num_tokens(), H = config_.hidden_size;
+    Tensor x2 = Tensor::empty({T, H}, dtype_, device_), attn_out, mlp_out;
+    for (int l = 0; l < int(layers_.size()); ++l) {
+        const Layer &L = layers_[size_t(l)];
+        if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
+        else add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias);
+        norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        attn_out = attention(l, BlockIn{x, {}, {}, {}, nullptr}, b, kv);
+        mlp_out = mlp(l, BlockIn{x2, {}, {}, {}, nullptr});
+    }
+    add_norm(x, h, attn_out, mlp_out, final_norm_, final_norm_bias_);
+}
+
 Tensor Decoder::forward_step(const StepBatch &b, const KVView &kv, bool all_logits) {
     check_ready();
     LLAISYS_CHECK(kv.num_layers() == config_.num_hidden_layers && kv.dtype() == dtype_ && kv.device() == device_,
@@ -133,29 +195,10 @@ Tensor Decoder::forward_step(const StepBatch &b, const KVView &kv, bool all_logi
     const int64_t T = b.num_tokens(), H = config_.hidden_size;
     Tensor h = Tensor::empty({T, H}, dtype_, device_); // the residual stream
     Tensor x = Tensor::empty({T, H}, dtype_, device_); // its normalised copy, input of each block
-    Tensor h_next; // where a norm inside the projections writes the residual (it reads h meanwhile)
     embedding(h, b.ids, embed_);
-    Tensor mlp_out;
-    // x = add_rms_norm(h += delta) ahead of a block, or left to the block's projections; then h is h_next.
-    const auto block_in = [&](const Layer &L, const Tensor &delta, const Tensor &norm) {
-        if (!norm_in_projections(L, T)) {
-            ops::add_rms_norm(x, h, delta, norm, config_.norm_eps);
-            return BlockIn{x, {}, {}, {}, nullptr};
-        }
-        if (!h_next.defined()) h_next = Tensor::empty({T, H}, dtype_, device_);
-        BlockIn in{{}, h, delta, h_next, &norm};
-        std::swap(h, h_next);
-        return in;
-    };
-    for (int l = 0; l < int(layers_.size()); ++l) {
-        const Layer &L = layers_[size_t(l)];
-        BlockIn in{x, {}, {}, {}, nullptr};
-        if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
-        else in = block_in(L, mlp_out, L.attn_norm);
-        const Tensor attn_out = attention(l, in, b, kv);
-        mlp_out = mlp(l, block_in(L, attn_out, L.mlp_norm));
-    }
-    ops::add_rms_norm(x, h, mlp_out, final_norm_, config_.norm_eps);
+    if (config_.scale_embeddings) ops::scale(h, h, embed_scale_);
+    if (config_.parallel_residual) forward_parallel(h, x, b, kv);
+    else forward_serial(h, x, b, kv);
     return logits(x, b, all_logits);
 }
 

@@ -14,10 +14,13 @@ Architecture qwen2_architecture();
 Architecture qwen3_architecture();
 Architecture llama_architecture();
 Architecture mistral_architecture();
+Architecture gpt_neox_architecture();
+Architecture gemma3_architecture();
 
 const std::vector<Architecture> &architectures() {
     static const std::vector<Architecture> all = {qwen2_architecture(), qwen3_architecture(), llama_architecture(),
-                                                  mistral_architecture()};
+                                                  mistral_architecture(), gpt_neox_architecture(),
+                                                  gemma3_architecture()};
     return all;
 }
 
@@ -171,7 +174,8 @@ ConfigValue get_config_field(const ModelConfig &c, const std::string &name) { re
 void set_config_field(ModelConfig &c, const std::string &name, const ConfigValue &value) { field(name).set(c, value); }
 
 int64_t ModelConfig::rotary_dim() const {
-    return int64_t(std::lround(double(head_dim) * double(partial_rotary_factor)));
+    // HF: int(head_dim * partial_rotary_factor); the factor is held in f32, so a hair of slack before the floor
+    return int64_t(std::floor(double(head_dim) * double(partial_rotary_factor) + 1e-4));
 }
 
 bool ModelConfig::layer_has_window(int64_t layer) const {
@@ -208,15 +212,9 @@ void ModelConfig::validate() const {
     auto unsupported = [](bool bad, const char *what) {
         LLAISYS_CHECK(!bad, std::invalid_argument, "ModelConfig: ", what, " is not supported yet");
     };
-    unsupported(norm != NormKind::rms, "norm 'layer' (LayerNorm)");
-    unsupported(activation != Activation::silu, "an activation other than silu");
-    unsupported(!gated_mlp, "a plain (ungated) MLP");
-    unsupported(parallel_residual, "parallel_residual");
-    unsupported(sandwich_norm, "sandwich_norm");
-    unsupported(sliding_window > 0, "sliding_window (a sliding-window attention)");
-    unsupported(r != head_dim, "partial rotary embeddings");
-    unsupported(rope_scaling != RopeScalingType::none, "rope scaling");
-    unsupported(scale_embeddings, "scale_embeddings");
+    unsupported(parallel_residual && norm != NormKind::layer, "parallel_residual with RMSNorm");
+    unsupported(sandwich_norm && norm != NormKind::rms, "sandwich_norm with LayerNorm");
+    unsupported(norm == NormKind::layer && norm_plus_one, "norm_plus_one with LayerNorm");
 }
 
 std::unique_ptr<Model> create_model(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused) {

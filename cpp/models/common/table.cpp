@@ -14,6 +14,7 @@ int64_t size_of(const ModelConfig &c, Dim d) {
     case Dim::KV: return c.num_key_value_heads * c.head_dim;
     case Dim::D: return c.head_dim;
     case Dim::V: return c.vocab_size;
+    case Dim::QKV: return (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim;
     case Dim::none: break;
     }
     return 0;

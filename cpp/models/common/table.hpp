@@ -1,6 +1,6 @@
 // Writing a family's weight table once: whole-model entries and per-layer entries with their shapes in
 // terms of the config (H hidden, I intermediate, Q = heads * head_dim, KV = kv heads * head_dim, D head_dim,
-// V vocab) and the trait they depend on; expand() turns them into the WeightSpecs of a concrete config.
+// V vocab, QKV = Q + 2 KV) and the trait they depend on; expand() turns them into the WeightSpecs of a concrete config.
 #pragma once
 #include "llaisys/model.hpp"
 
@@ -8,7 +8,7 @@
 
 namespace llaisys::models::table {
 
-enum class Dim { none, H, I, Q, KV, D, V };
+enum class Dim { none, H, I, Q, KV, D, V, QKV }; // QKV: (heads + 2 kv heads) * head_dim
 enum class When { always, untied, qkv_bias, o_bias, mlp_bias, qk_norm, layer_norm, gated, sandwich };
 
 struct Entry {

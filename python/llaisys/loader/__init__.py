@@ -148,7 +148,7 @@ def _load_hf_dir(path: str) -> LoadedModel:
     # views cost nothing until read; the consumer converts (or wraps) them one at a time
     weights = LazyWeights({n: (lambda a=tensors[n]: a) for n in names}, {n: spans[n] for n in names})
     # the config's dtype describes the weights as stored (config.json's "dtype" is sometimes stale)
-    config = replace(config, dtype=_FLOAT_DTYPES[tensors["model.embed_tokens.weight"].dtype])
+    config = replace(config, dtype=_FLOAT_DTYPES[tensors[names[0]].dtype])  # the table lists the embedding first
     tokenizer = Tokenizer.from_hf_dir(path)
     chat_template = read_tokenizer_config(path).get("chat_template")
     gen = read_json(os.path.join(path, "generation_config.json")) or {}

@@ -86,7 +86,7 @@ class ModelConfig:
             key = next(k for f, k, _ in arch["keys"] if f == fname)
             if d.get(key) is None:
                 raise ValueError(f"{source}: config is missing {key!r}")
-        _check_hf_traits(d, arch["name"], source)
+        _check_hf_traits(d, arch, source)
         if d.get("num_key_value_heads") is None:
             core["num_key_value_heads"] = core["num_attention_heads"]
         if d.get("head_dim") is None:
@@ -95,6 +95,7 @@ class ModelConfig:
                 raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
             core["head_dim"] = hidden // heads
         core.update(_rope(d, source, core["rope_theta"]))
+        core.update(_layer_types(d, source, core))
         dtype_name = d.get("dtype") or d.get("torch_dtype") or "float32"  # HF's own default when absent
         if dtype_name not in _DTYPES:
             raise ValueError(f"{source}: dtype {dtype_name!r} is not supported (bfloat16, float16 or float32)")
@@ -123,12 +124,22 @@ def _hf_architecture(d: dict, source: str) -> dict:
     raise ValueError(f"{source}: architecture {given} is not supported (llaisys runs {known_architectures()})")
 
 
-def _check_hf_traits(d: dict, arch: str, source: str) -> None:
+# HF activation names -> the core's (transformers.activations: "gelu" is the erf form)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+                "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def _check_hf_traits(d: dict, arch: dict, source: str) -> None:
     """What the config asks for that the table cannot express, refused before any weight is read."""
-    act = d.get("hidden_act", d.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ValueError(f"{source}: hidden_act {act!r} is not supported ({arch} runs silu)")
-    if arch == "qwen2" and d.get("use_sliding_window"):
+    key = "hidden_act" if "hidden_act" in d else "hidden_activation"
+    act = d.get(key)
+    if act is not None and _ACTIVATIONS.get(act) != arch["defaults"]["activation"]:
+        raise ValueError(f"{source}: {key} {act!r} is not supported ({arch['name']} runs "
+                         f"{arch['defaults']['activation']})")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ValueError(f"{source}: {key}={d[key]} is not supported (logit soft-capping)")
+    if arch["name"] == "qwen2" and d.get("use_sliding_window"):
         raise ValueError(f"{source}: use_sliding_window=true is not supported for Qwen2 (full attention only)")
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         if d.get(key):
@@ -159,8 +170,20 @@ def _rope(d: dict, source: str, theta: float) -> dict:
     write rope_theta and rope_scaling (null unless scaled)."""
     out = {}
     params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (Gemma 3 in transformers 5)
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_theta") is not None:
+            out["rope_local_theta"] = _typed(source, "rope_parameters.sliding_attention.rope_theta",
+                                             local["rope_theta"], 0.0)
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"{source}: a scaled RoPE on sliding-window layers is not supported")
+        d = {**d, "rope_parameters": params["full_attention"]}
+        params = d["rope_parameters"]
     if isinstance(params, dict) and params.get("rope_theta") is not None:
         out["rope_theta"] = _typed(source, "rope_parameters.rope_theta", params["rope_theta"], 0.0)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        out["partial_rotary_factor"] = _typed(source, "rope_parameters.partial_rotary_factor",
+                                              params["partial_rotary_factor"], 0.0)
     for key in ("rope_scaling", "rope_parameters"):
         p = d.get(key)
         if p is None:
@@ -180,6 +203,24 @@ def _rope(d: dict, source: str, theta: float) -> dict:
             out["rope_original_max_position_embeddings"] = _typed(
                 source, f"{key}.original_max_position_embeddings", p.get("original_max_position_embeddings"), 0)
     return out
+
+
+def _layer_types(d: dict, source: str, core: dict) -> dict:
+    """transformers 5's layer_types (sliding_attention / full_attention per layer) as the core's window pattern:
+    every Nth layer global. A layout the pattern cannot express is refused."""
+    types = d.get("layer_types")
+    if types is None:
+        return {}
+    n = core["num_hidden_layers"]
+    if not isinstance(types, list) or len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"{source}: layer_types must list sliding_attention/full_attention for each of {n} layers")
+    if "sliding_attention" not in types:
+        return {"sliding_window": 0}
+    pattern = types.index("full_attention") + 1 if "full_attention" in types else 0
+    expected = ["full_attention" if pattern and (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    if types != expected:
+        raise ValueError(f"{source}: layer_types {types} is not 'every Nth layer global', which llaisys runs")
+    return {"sliding_window_pattern": pattern}
 
 
 def token_ids(value) -> tuple[int, ...]:

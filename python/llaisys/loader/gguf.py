@@ -119,7 +119,7 @@ def _config(meta: _Metadata, arch: dict, tensors: set[str], source: str) -> Mode
         meta.need(key)
     core["vocab_size"] = len(meta.need("tokenizer.ggml.tokens"))
     core["tie_word_embeddings"] = "output.weight" not in tensors
-    core["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    core["qkv_bias"] = "blk.0.attn_q.bias" in tensors or "blk.0.attn_qkv.bias" in tensors
     core["o_bias"] = "blk.0.attn_output.bias" in tensors
     core["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
     if meta.get(f"{prefix}.attention.head_count_kv") is None:
@@ -128,6 +128,11 @@ def _config(meta: _Metadata, arch: dict, tensors: set[str], source: str) -> Mode
         core["head_dim"] = core["hidden_size"] // core["num_attention_heads"]
     if meta.get(f"{prefix}.rope.freq_base") is None and prefix == "qwen2":
         core["rope_theta"] = 1e6  # llama.cpp's Qwen2 default
+    rotary = meta.get(f"{prefix}.rope.dimension_count")
+    if rotary is not None:
+        core["partial_rotary_factor"] = int(rotary) / core["head_dim"]
+    # llama.cpp's converter stores Gemma's norm weights as 1 + w already
+    core["norm_plus_one"] = False
     scaling = meta.get(f"{prefix}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"{source}: rope scaling {scaling!r} is not supported in GGUF files yet")
