@@ -1,12 +1,19 @@
 """`llaisys serve`: the OpenAI-compatible server on uvicorn. llaisys/cli.py adds the subcommand with
 add_serve_parser(sub) and the command runs run_serve(args). FastAPI and uvicorn are imported only when
-the server starts (pip install 'llaisys[serve]')."""
+the server starts (pip install 'llaisys[serve]').
+
+Every argument is checked, and the listening socket bound, before the model is read: a wrong value exits 2
+and a port in use (or a host that cannot be bound) exits 3, uvicorn's startup-failure code, in about a
+second instead of after the load. The bound socket is handed to uvicorn, so no other process can take the
+port while the model loads; until uvicorn starts, connections to it are refused."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import re
+import socket
 import sys
 
 SERVE_EPILOG = """\
@@ -19,6 +26,7 @@ The API key defaults to $LLAISYS_API_KEY; /health and /metrics need none."""
 
 
 ENGINE_PROCESS = True  # the default of --engine-process (docs/ARCHITECTURE.md, "Serving over HTTP", has why)
+EXIT_STARTUP_FAILURE = 3  # uvicorn's code for a server that could not start (e.g. the port is in use)
 
 
 def _int_at_least(low: int):
@@ -85,32 +93,72 @@ def run_serve(args) -> int:
     try:
         import uvicorn
 
-        from .app import create_app
+        from .app import check_api_key, create_app
     except ImportError as e:
         raise RuntimeError(f"the server needs FastAPI and uvicorn ({e}): pip install 'llaisys[serve]'") from None
     from .. import catalog
+    from ..engine.config import EngineConfig
+    from ..engine_args import check_max_seq_len, check_model_arg, resolve_dtype
     from .backend import Engine, EngineProcess
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    model = args.model or catalog.DEFAULT_MODEL
+    model = check_model_arg(args.model or catalog.DEFAULT_MODEL)
     settings = {k: getattr(args, k) for k in ENGINE_SETTINGS if getattr(args, k) is not None}
-    make = EngineProcess if args.engine_process else Engine
-    engine = make(model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len, **settings)
-    if args.engine_process:
-        logging.getLogger("llaisys.server").info("the engine runs in process %d", engine.pid)
+    # Engine()'s checks that need no device (this process calls nothing of _core when the engine has its own
+    # process; --device's syntax is the parser's, whether it exists the engine's), before the socket is bound
+    resolve_dtype(args.dtype)
+    check_max_seq_len(args.max_seq_len)
+    EngineConfig(**settings)
+    check_api_key(args.api_key)
     try:
-        app = create_app(engine, args.served_model_name or model, args.api_key)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-        _serve(config, app.state.llaisys)
+        sockets = bind_sockets(args.host, args.port)
+    except OSError as e:
+        hint = " (another server is listening there: choose another --port)" if e.errno == errno.EADDRINUSE else ""
+        print(f"llaisys: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}{hint}", file=sys.stderr)
+        return EXIT_STARTUP_FAILURE
+    try:
+        make = EngineProcess if args.engine_process else Engine
+        engine = make(model, device=args.device, dtype=args.dtype, max_seq_len=args.max_seq_len, **settings)
+        if args.engine_process:
+            logging.getLogger("llaisys.server").info("the engine runs in process %d", engine.pid)
+        try:
+            app = create_app(engine, args.served_model_name or model, args.api_key)
+            config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+            _serve(config, app.state.llaisys, sockets)
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        for sock in sockets:
+            sock.close()
     return 0
 
 
-def _serve(config, state) -> None:
-    """uvicorn's Server, except that SIGINT/SIGTERM first ends the running requests (streams get an error
-    chunk): uvicorn's graceful shutdown waits for open responses, which must not wait for generations."""
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address of host (as asyncio's create_server binds them: SO_REUSEADDR, IPv6
+    sockets IPv6-only), not listening yet. Raises OSError (socket.gaierror for a host that does not
+    resolve) when any cannot be bound."""
+    infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)  # not inheritable (Python's default): the engine process must not hold the port
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _serve(config, state, sockets: list[socket.socket]) -> None:
+    """uvicorn's Server on the bound sockets, except that SIGINT/SIGTERM first ends the running requests
+    (streams get an error chunk): uvicorn's graceful shutdown waits for open responses, which must not wait
+    for generations."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -118,4 +166,13 @@ def _serve(config, state) -> None:
             state.request_shutdown()
             super().handle_exit(sig, frame)
 
-    Server(config).run()
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:  # uvicorn logs where it listens only for sockets it bound itself
+                for sock in sockets or ():
+                    host, port = sock.getsockname()[:2]
+                    where = f"[{host}]" if sock.family == socket.AF_INET6 else host
+                    logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                            where, port)
+
+    Server(config).run(sockets=sockets)

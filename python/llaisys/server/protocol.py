@@ -3,6 +3,8 @@
 Models are strict (a string is not a number, 1 is not true) and forbid unknown fields: a field we do not
 support (tools, response_format, logit_bias, ...) is refused with a 400 that names it, never ignored.
 Ranges OpenAI documents are checked here; the engine checks the rest (and its own limits) on submit.
+Text the model would read or match (message content, prompts, stop strings) must be valid Unicode: JSON's
+\\uXXXX escapes can spell a lone surrogate, which is refused with a 400 naming the field.
 """
 from __future__ import annotations
 
@@ -23,11 +25,29 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
+        # a client's text quoted back (a field name, say) may hold lone surrogates, which UTF-8 cannot encode
+        message, param = _printable(message), None if param is None else _printable(param)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
+
+
+def _printable(text: str) -> str:
+    """text with any lone surrogate written as its escape (\\udc80), so the answer encodes to UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_unicode(text: str, what: str | None = None) -> str:
+    """text, if it encodes to UTF-8; else ValueError naming the first lone surrogate (and `what`: which item
+    of a list)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = f"{what} is not" if what else "not"
+        raise ValueError(f"{where} valid Unicode: lone surrogate {text[e.start]!r} at position {e.start}") from None
+    return text
 
 
 class _Strict(BaseModel):
@@ -50,6 +70,15 @@ class Message(_Strict):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
                 raise ValueError(f"content part of type {kind!r} is not supported (only 'text' parts)")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, value):
+        if isinstance(value, str):
+            return check_unicode(value)
+        for i, part in enumerate(value):
+            check_unicode(part.text, f"content part {i}")
         return value
 
     def text(self) -> str:
@@ -82,6 +111,16 @@ class _Sampling(_Strict):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = False
     min_tokens: Optional[int] = Field(None, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_unicode(cls, value):
+        if isinstance(value, list):
+            for i, text in enumerate(value):
+                check_unicode(text, f"stop string {i}")
+        elif value is not None:
+            check_unicode(value)
+        return value
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -161,6 +200,9 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"prompt must be {shape} (not empty)")
         if any(not p for p in items):
             raise ValueError("prompt is empty (give text or token ids)")
+        for i, p in enumerate(items):
+            if isinstance(p, str):
+                check_unicode(p, f"prompt {i}" if len(items) > 1 else None)
         return value
 
     @model_validator(mode="after")
@@ -199,6 +241,9 @@ def validation_error(errors) -> APIError:
     if err.get("type") == "extra_forbidden":
         return APIError(400, f"unsupported field {param!r}: this server does not support it", param,
                         "unsupported_field")
+    if err.get("type") == "string_unicode":  # a key with a lone surrogate (pydantic checks keys as it reads them)
+        what = f"{param}: a key" if param else "a field name"
+        return APIError(400, f"{what} is not valid Unicode (a lone surrogate)", param or None, "invalid_value")
     if err.get("type") == "json_invalid":
         return APIError(400, f"the body is not valid JSON: {err.get('msg')}", None, "invalid_json")
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
