@@ -56,3 +56,12 @@ def test_gemma3_chunked_prefill_and_prefix_hits_equal_hf(tiny):
 
 def test_gemma3_gguf_greedy_equals_hf(tiny, tmp_path):
     arch_check.check_gguf_greedy(tiny, tmp_path, "gemma3")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_close_to_hf_f32(tiny):
+    arch_check.check_half(tiny, "cuda")
+
+
+def test_cpu_bf16_close_to_hf_f32(tiny):
+    arch_check.check_half(tiny, "cpu")

@@ -25,3 +25,12 @@ def test_llama_greedy_equals_hf_batched_and_alone(tiny):
 
 def test_llama_gguf_greedy_equals_hf(tiny, tmp_path):
     arch_check.check_gguf_greedy(tiny, tmp_path, "llama")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_close_to_hf_f32(tiny):
+    arch_check.check_half(tiny, "cuda")
+
+
+def test_cpu_bf16_close_to_hf_f32(tiny):
+    arch_check.check_half(tiny, "cpu")

@@ -23,3 +23,12 @@ def test_qwen3_greedy_equals_hf_batched_and_alone(tiny):
 
 def test_qwen3_gguf_greedy_equals_hf(tiny, tmp_path):
     arch_check.check_gguf_greedy(tiny, tmp_path, "qwen3")
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_close_to_hf_f32(tiny):
+    arch_check.check_half(tiny, "cuda")
+
+
+def test_cpu_bf16_close_to_hf_f32(tiny):
+    arch_check.check_half(tiny, "cpu")
