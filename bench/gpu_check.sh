@@ -71,6 +71,11 @@ if has model; then
     timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 --peers \
       --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -6 | tee -a "$OUT/summary.txt"
   done
+  for shape in ${FAMILY_SHAPES:-qwen3-0.6b llama-3.2-1b}; do # the other families' real shapes (no peer builds them)
+    log "llaisys bench --shape $shape"
+    timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \
+      --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+  done
   log "llaisys bench --shape qwen2-1.5b --prompt-len 1024 (TTFT of a 1024-token prompt)"
   timeout 120 python3 -m llaisys bench --shape qwen2-1.5b --device cuda --prompt-len 1024 --new-tokens 16 2>&1 |
     grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
