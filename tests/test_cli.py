@@ -116,7 +116,7 @@ def run(capsys, argv, stdin=None, monkeypatch=None):
 # ---- help and argument errors ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, expected", [
-    ([], ["generate", "chat", "download", "models", "info", "bench", "examples:", "Qwen2 family"]),
+    ([], ["generate", "chat", "download", "models", "info", "bench", "examples:", "Qwen2, Qwen3, Llama, Mistral, GPT-NeoX"]),
     (["generate"], ["PROMPT", "--raw", "--system", "--stop", "--temperature", "--top-k", "--top-p", "--min-p",
                     "--repetition-penalty", "--presence-penalty", "--frequency-penalty", "--min-tokens", "--seed", "--max-new-tokens", "--device", "--dtype", "--model",
                     "from stdin", "examples:", "generation_config.json"]),

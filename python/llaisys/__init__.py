@@ -1,4 +1,4 @@
-"""llaisys: an LLM inference engine for the Qwen2 family.
+"""llaisys: an LLM inference engine (Qwen2, Qwen3, Llama, Mistral, GPT-NeoX, Gemma 3).
 
 Tensors, memory and streams come from the C++ core (``llaisys._core``); the engine, loaders,
 tokenizer, chat templates, sampling policy and CLI live here in Python.

@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="llaisys", formatter_class=fmt, epilog=MAIN_EPILOG,
-        description="llaisys: an LLM inference engine for the Qwen2 family (Qwen2, Qwen2.5, Qwen2.5-Coder, "
-                    "DeepSeek-R1-Distill-Qwen) on CPU or NVIDIA GPUs.")
+        description="llaisys: an LLM inference engine for Qwen2, Qwen3, Llama, Mistral, GPT-NeoX (Pythia) and "
+                    "Gemma 3 models (HF safetensors or GGUF) on CPU or NVIDIA GPUs.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     model, sampling, debug = _model_parent(), _sampling_parent(), _debug_parent()
