@@ -100,9 +100,11 @@ def engine_weight_bytes(eng, c: dict) -> int:
     formats = getattr(eng._model, "weight_formats", None)
     if formats is None:
         return decode_weight_bytes(c, eng.dtype)
-    sizes = {name: int(nbytes) for name, _, nbytes in formats()}
-    embed = sizes.pop("model.embed_tokens.weight", 0)
-    return sum(sizes.values()) + (embed if c["tie_word_embeddings"] else 0)  # a tied table is the LM head
+    rows = formats()
+    sizes = {name: int(nbytes) for name, _, nbytes in rows}
+    embed = sizes.pop(rows[0][0], 0)  # the weight table lists the embedding first
+    tied = eng.config.tie_word_embeddings
+    return sum(sizes.values()) + (embed if tied else 0)  # a tied table is the LM head
 
 
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",

@@ -33,6 +33,15 @@ SHAPES = {
                          max_position_embeddings=131072,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "pythia-1.4b": dict(model_type="gpt_neox", vocab_size=50304, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=24, num_attention_heads=16, rotary_pct=0.25, rotary_emb_base=10000,
+                        layer_norm_eps=1e-5, use_parallel_residual=True, tie_word_embeddings=False,
+                        max_position_embeddings=2048),
+    "gemma-3-1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1e6,
+                       rope_local_base_freq=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                       max_position_embeddings=32768),
 }
 BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 
@@ -59,8 +68,10 @@ def gguf_names(c: dict) -> dict[str, str]:
 
 def decode_weight_bytes(c: dict, dtype: str) -> int:
     """Bytes one decode step must read: every weight except the embedding table (one row is read)."""
-    n = sum(int(np.prod(s)) for name, s in weight_shapes(c).items() if name != "model.embed_tokens.weight")
-    if c["tie_word_embeddings"]:
+    shapes = weight_shapes(c)
+    embed = next(iter(shapes))  # the weight table lists the embedding first
+    n = sum(int(np.prod(s)) for name, s in shapes.items() if name != embed)
+    if c.get("tie_word_embeddings", False):
         n += c["vocab_size"] * c["hidden_size"]  # the LM head reads the whole table
     return n * BYTES[dtype]
 
