@@ -406,7 +406,9 @@ def test_runner_refuses_token_ids_outside_the_vocabulary(tiny):
 def _ours_from_hf(hf, shape: str, dtype: str):
     from llaisys_bench.shapes import SHAPES
 
-    c = {k: v for k, v in SHAPES[shape].items() if k != "max_position_embeddings"}
+    from llaisys.loader.config import ModelConfig
+
+    c = ModelConfig.from_hf({"model_type": "qwen2", **SHAPES[shape]}, f"{shape} shape").core
     ours = _core.create_model(c, dtype, "cuda:0")
     for name, p in hf.state_dict().items():
         ours.load_weight(name, llaisys.from_dlpack(p.detach().contiguous()))
