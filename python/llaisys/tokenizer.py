@@ -1,8 +1,9 @@
 """The tokenizer: a tokenizers.Tokenizer plus the special tokens the engine and chat templates need.
 
-Built from an HF directory (tokenizer.json + tokenizer_config.json) or from GGUF metadata (vocabulary,
-merges and token types, rebuilt the way transformers and llama.cpp read a Qwen2 GGUF: byte-level BPE with
-Qwen2's split regex).
+Built from an HF directory (tokenizer.json + tokenizer_config.json) or from GGUF metadata, rebuilt the way
+transformers reads the file (transformers/integrations/gguf/gguf_tokenizer_mapping.py): byte-level BPE with
+Qwen2's split regex (`tokenizer.ggml.model = gpt2`), or Gemma's SentencePiece-style BPE with byte fallback
+(`llama` in a Gemma file).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import os
 from typing import Iterable, Sequence
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 # Qwen2's pre-tokenizer split (tokenizer.json of every Qwen2/2.5 model; llama.cpp's "qwen2" pre-type).
@@ -20,6 +21,8 @@ QWEN2_SPLIT_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{
 _QWEN2_PRE_TYPES = ("qwen2", "deepseek-r1-qwen")
 # llama.cpp token types (tokenizer.ggml.token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+# architectures whose 'llama' (SentencePiece) vocabulary transformers builds as Gemma's tokenizer
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
 
 
 # From this many characters on, encode() goes through encode_batch, which releases the GIL while it works
@@ -94,22 +97,32 @@ class Tokenizer:
                    add_bos_token=bool(config.get("add_bos_token", False)))
 
     @classmethod
-    def from_gguf_metadata(cls, tokens: Sequence[str], token_types: Sequence[int] | None, merges: Sequence[str],
-                           *, model: str = "gpt2", pre: str | None = "qwen2", bos_token_id: int | None = None,
+    def from_gguf_metadata(cls, tokens: Sequence[str], token_types: Sequence[int] | None,
+                           merges: Sequence[str] | None, *, model: str = "gpt2", pre: str | None = "qwen2",
+                           architecture: str | None = None, bos_token_id: int | None = None,
                            eos_token_ids: Sequence[int] = (), add_bos_token: bool = False,
                            source: str = "GGUF") -> "Tokenizer":
-        """The tokenizer.ggml.* metadata -> a byte-level BPE tokenizer equal to transformers' reading of it."""
-        if model != "gpt2":
-            raise ValueError(f"{source}: tokenizer.ggml.model {model!r} is not supported (Qwen2 uses byte-level "
-                             f"BPE, 'gpt2')")
-        inner, vocab = _byte_level_bpe(tokens, merges, source)
-        inner.pre_tokenizer = _gguf_pre_tokenizer(pre, source)
-        inner.decoder = decoders.ByteLevel()
+        """The tokenizer.ggml.* metadata -> a tokenizer equal to transformers' reading of it."""
         types = list(token_types or [])
-        # CONTROL tokens are special (skipped when decoding); a CONTROL token outside the byte alphabet is a
-        # converter's mislabel and left out, like transformers does. USER_DEFINED ones match whole but are text.
-        inner.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-                                  if ty == _CONTROL and set(t) <= _ALPHABET])
+        if model == "gpt2":
+            if merges is None:
+                raise ValueError(f"{source}: GGUF metadata is missing tokenizer.ggml.merges (needed by a 'gpt2' "
+                                 f"tokenizer)")
+            inner, vocab = _byte_level_bpe(tokens, merges, source)
+            inner.pre_tokenizer = _gguf_pre_tokenizer(pre, source)
+            inner.decoder = decoders.ByteLevel()
+            # a CONTROL token outside the byte alphabet is a converter's mislabel and left out, like transformers
+            control = [t for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= _ALPHABET]
+        elif model == "llama" and architecture in _GEMMA_ARCHS:
+            inner, vocab = _gemma_bpe(tokens)
+            control = [t for t, ty in zip(tokens, types) if ty == _CONTROL]
+        else:
+            raise ValueError(f"{source}: tokenizer.ggml.model {model!r} of architecture {architecture!r} is not "
+                             f"supported (byte-level BPE 'gpt2', or 'llama' in a Gemma file)")
+        # CONTROL tokens are special (matched whole, skipped when decoding); USER_DEFINED ones match whole but
+        # are text
+        inner.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+        vocab = inner.get_vocab(with_added_tokens=True)
         inner.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
                           if ty == _USER_DEFINED and t in vocab])
 
@@ -122,6 +135,35 @@ class Tokenizer:
 
         return cls(inner, bos_token=name(bos_token_id), eos_tokens=[name(i) for i in eos_token_ids],
                    add_bos_token=add_bos_token)
+
+
+def _gemma_bpe(tokens: Sequence[str]) -> tuple[_HFTokenizer, dict]:
+    """Gemma's tokenizer as transformers builds it from a GGUF (`gemma_tokenizer` + GemmaTokenizer): spaces
+    become "▁" before a BPE with byte fallback, over the whole text (no pre-tokenizer split)."""
+    # The file stores tokens of 2+ spaces as spaces, but text reaches the BPE as "▁"s: respell them.
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    bpe = models.BPE(vocab=vocab, merges=_merges_in_file_order(vocab), dropout=None, fuse_unk=True,
+                     unk_token="<unk>" if "<unk>" in vocab else None, byte_fallback=True)
+    inner = _HFTokenizer(bpe)
+    inner.normalizer = normalizers.Replace(" ", "\u2581")
+    # GemmaTokenizer's Split(" ") sees no spaces after the normalizer: it changes nothing and is left out
+    inner.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return inner, vocab
+
+
+def _merges_in_file_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges a Gemma file implies (it stores none): every split of a token into two tokens, ranked by
+    the token's position in the file (Gemma's scores do not follow its merge order), the longer left part
+    first. This is transformers' generate_merges(vocab, {token: -position}), whose sort keys never tie, so
+    it is written here without the sort: 262k tokens in well under a second."""
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
 
 
 def _byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], source: str) -> tuple[_HFTokenizer, dict]:

@@ -10,6 +10,7 @@ as in HF, which tests/test_loader.py checks against transformers' own GGUF load.
 from __future__ import annotations
 
 import os
+import sys
 
 import gguf
 import numpy as np
@@ -18,6 +19,7 @@ from gguf.quants import dequantize
 from ..tokenizer import Tokenizer
 from . import FileSpan, LazyWeights
 from .config import ModelConfig, _typed, check_weight_shapes, find_architecture, known_architectures, weight_table
+from .gguf_fields import FieldParser
 
 # GGUF block formats the core computes with directly (cpp/include/llaisys/quant.hpp)
 QUANT_FORMATS = ("Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K", "Q8_0")
@@ -83,13 +85,20 @@ def _field_value(field):
 
 
 class _Reader(gguf.GGUFReader):
-    # GGUFReader slices its np.memmap once per metadata string (~600k for a 150k vocabulary); on a plain
-    # ndarray view of the same mapping each slice is ~3x cheaper. Both stay zero-copy views of the file.
-    # The memmap's mmap (all of the file, from offset 0) is kept to release tensors' pages after use.
+    # GGUFReader's metadata parse slices its np.memmap several times per element of every array (~800k for
+    # a 262k SentencePiece vocabulary with scores and types); gguf_fields.FieldParser reads the same fields
+    # from a plain ndarray view of the mapping, one slice per string and one view per numeric array. Both
+    # stay zero-copy views of the file. The memmap's mmap (all of the file, from offset 0) is kept to
+    # release tensors' pages after use.
     def _build_fields(self, offs, count):
         self.mapping = self.data._mmap
         self.data = self.data.view(np.ndarray)
-        return super()._build_fields(offs, count)
+        swapped = ">" if sys.byteorder == "little" else "<"
+        parser = FieldParser(self.data, "=" if self.byte_order == "I" else swapped)
+        for _ in range(int(count)):
+            field, offs = parser.field(offs)
+            self._push_field(field, skip_sum=True)
+        return offs
 
 
 def _open(path: str) -> gguf.GGUFReader:
@@ -151,8 +160,8 @@ def _eos_ids(meta: _Metadata) -> tuple[int, ...]:
 def _tokenizer(meta: _Metadata, source: str) -> Tokenizer:
     return Tokenizer.from_gguf_metadata(
         meta.need("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.token_type"),
-        meta.need("tokenizer.ggml.merges"), model=meta.need("tokenizer.ggml.model"),
-        pre=meta.get("tokenizer.ggml.pre"), bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        meta.get("tokenizer.ggml.merges"), model=meta.need("tokenizer.ggml.model"),
+        pre=meta.get("tokenizer.ggml.pre"), architecture=meta.get("general.architecture"), bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(meta),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)), source=source)
 
