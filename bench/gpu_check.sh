@@ -3,7 +3,8 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [ab] [breakdown] [bench] [sanitize]   (default: all but ab, in this order:
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [families] [ab] [breakdown] [bench] [sanitize]
+#   (default: all but ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
@@ -44,7 +45,7 @@ if has test; then
 fi
 
 if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol
-  for shape in qwen2-0.5b qwen2-1.5b; do
+  for shape in ${SERVE_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
     log "batched engine, one request, $shape (compare: llaisys bench --shape $shape in 'model')"
     timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
       grep -E "^(llaisys|one)" | tee -a "$OUT/summary.txt"
@@ -82,6 +83,13 @@ if has model; then
   log "llaisys bench --shape qwen2-0.5b, LLAISYS_FUSED=0 (A/B of the fused projections)"
   LLAISYS_FUSED=0 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape qwen2-0.5b --device cuda --prompt-len 128 \
     --new-tokens 256 --json "$OUT/bench_unfused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has families; then # batch-1 decode of every family's real shape, random bf16 weights (share of copy roofline)
+  for shape in ${FAMILY_SHAPES:-qwen2-0.5b qwen2-1.5b qwen3-0.6b llama-3.2-1b pythia-1.4b gemma-3-1b}; do
+    log "llaisys bench --shape $shape"
+    timeout ${T_MODEL:-150} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \
+      --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+  done
 fi
 if has ab; then # A/B of the switches, no peers: default, LLAISYS_PDL=0, LLAISYS_FUSED=0
   for shape in qwen2-0.5b qwen2-1.5b; do
