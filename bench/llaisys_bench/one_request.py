@@ -131,7 +131,7 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
         name = shape
     with eng:
         load_s = time.perf_counter() - t
-        c = dict(eng._config_dict(), max_position_embeddings=eng.config.max_position_embeddings)
+        c = dict(eng.config.core, max_position_embeddings=eng.config.max_position_embeddings)
         result = run_engine(eng, prompt_len, new_tokens)
         weight_bytes = engine_weight_bytes(eng, c)
         # describe() needs a core that lists its weights (older builds don't)
