@@ -507,10 +507,12 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     const auto aligned = [&](const Tensor &t, int64_t bytes) { return reinterpret_cast<uintptr_t>(t.data()) % bytes == 0; };
     // K/V rows in 16-byte pieces (the split kernel's cp.async)
     const bool vec = (hd * elem) % 16 == 0 && aligned(k_cache, 16) && aligned(v_cache, 16);
-    // Decode (one query per sequence): the decode kernel where its lanes cover the head (hd = 32 x 1, 2 or
-    // 4 dims) and q's rows can be read in the lanes' pieces; prefill and chunked steps: the split kernel.
+    // Decode (one query per sequence): the decode kernel where its lanes cover the head (hd = 32 x 1, 2, 4
+    // or, in 16-bit types, 8 dims: a lane's piece is at most 16 bytes) and q's rows can be read in the
+    // lanes' pieces; prefill and chunked steps: the split kernel.
     const int dpl = int(hd / 32), piece = dpl * int(elem);
-    const bool decode = mq == 1 && hd % 32 == 0 && (dpl == 1 || dpl == 2 || dpl == 4) && nh / nkvh <= kDecRows &&
+    const bool decode = mq == 1 && hd % 32 == 0 && (dpl == 1 || dpl == 2 || dpl == 4 || (dpl == 8 && elem == 2)) &&
+                        nh / nkvh <= kDecRows &&
                         aligned(q, piece) && aligned(k_cache, piece) && aligned(v_cache, piece) &&
                         (q.stride(0) * elem) % piece == 0 && (q.stride(1) * elem) % piece == 0;
     const int granule = decode ? kDecTile : kTile;
@@ -535,7 +537,9 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
         const int bi = int(B);
         if (decode && dpl == 1) return launch_decode<D, 1>(a, bi, out.device(), stream);
         if (decode && dpl == 2) return launch_decode<D, 2>(a, bi, out.device(), stream);
-        if (decode) return launch_decode<D, 4>(a, bi, out.device(), stream);
+        if (decode && dpl == 4) return launch_decode<D, 4>(a, bi, out.device(), stream);
+        if constexpr (sizeof(D) == 2) // head dim 256 (Gemma 3): 8 dims of 2 bytes a lane
+            if (decode) return launch_decode<D, 8>(a, bi, out.device(), stream);
         if (vec && hd <= kThreads) return launch<D, 1, true>(a, bi, out.device(), stream);
         if (vec) return launch<D, 2, true>(a, bi, out.device(), stream);
         if (hd <= kThreads) return launch<D, 1, false>(a, bi, out.device(), stream);
