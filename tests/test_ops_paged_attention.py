@@ -4,8 +4,10 @@ float64 reference that gathers each sequence's keys through its block table and 
 Covers block sizes 1, 5, 16, 32 (and 256 on CUDA), partial last blocks, shuffled block ids, table
 entries past a sequence's length holding garbage, prefix hits and chunked prefill (kv_len > qlen > 1),
 pure decode batches of mixed lengths, sequences without queries, rows outside every sequence (left as
-they were), GQA ratios 1, 2, 6 and 7, head dims 19, 32, 64 and 128, strided q and out, NaN in every
-cache row no sequence may read, NaN-poisoned outputs and the argument checks. On CUDA the same cases plus
+they were), GQA ratios 1, 2, 6 and 7, head dims 19, 32, 64, 128 and 256, strided q and out, NaN in every
+cache row no sequence may read, NaN-poisoned outputs and the argument checks; sliding windows (decode,
+prefill, chunked prefill, windows smaller and larger than a block, keys and table entries before every
+window unread). On CUDA the same cases plus
 long split-KV decodes, large batches, an over-sized max_q_len and the device-side error flag.
 """
 import numpy as np
@@ -239,6 +241,39 @@ def test_nan_in_a_read_key_reaches_its_rows_only(dtype, device):
     out = to_f64(b.run(0.25))
     assert np.isnan(out[2, 2:]).all() and not np.isnan(out[2, :2]).any()  # kv head 1 = heads 2, 3
     assert not np.isnan(out[:2]).any() and not np.isnan(out[3]).any()
+
+
+# ---- head dim 256 (Gemma 3) ----
+
+# Gemma-3-270M / 1B (4 query heads, 1 kv head) and Gemma-3-4B (8 / 4) in 16-bit types: the CUDA decode
+# kernel with 8 dims a lane, the split kernel with 2 dims a thread; f32 rows of 1 KiB are CPU-only.
+HD256 = [(4, 1, 256), (8, 4, 256)]
+DEVICE_DTYPES_256 = [("cpu", "f32")] + [p for t in ("f16", "bf16")
+                                        for p in (("cpu", t), pytest.param("cuda", t, marks=pytest.mark.cuda))]
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES_256)
+@pytest.mark.parametrize("heads", HD256, ids=["g4", "g2"])
+@pytest.mark.parametrize("qlens,kvlens,block_size", [
+    ([3, 1, 0, 7], [40, 17, 9, 7], 16), ([1] * 11, [1, 7, 8, 9, 31, 32, 33, 64, 65, 1000, 5], 16),
+    ([1], [3000], 16), ([37, 64, 1], [300, 64, 250], 32)], ids=["mixed", "decode", "long-decode", "prefill+chunks"])
+@pytest.mark.parametrize("window", [0, 512, 20])
+def test_head_dim_256(qlens, kvlens, block_size, heads, window, dtype, device):
+    """Gemma 3's head dim, with its 512-key window (and a short one), through every path: decode steps
+    (lengths around the decode kernel's 8- and 32-key steps, split over many chunks), prefill, chunks."""
+    check(Batch(qlens, kvlens, block_size, heads, dtype, device, seed=len(qlens) + window, window=window))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_cuda_head_dim_256_settled_history_same_bits(dtype):
+    kvlens = [1, 7, 33, 300, 1000, 0, 65]
+    b = Batch([1 if kv else 0 for kv in kvlens], kvlens, 16, (4, 1, 256), dtype, "cuda", seed=12)
+    plain = b.run(0.0625)
+    settled = poisoned(b.shape, dtype, "cuda")
+    llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, 0.0625, 1, settled_history=True)
+    np.testing.assert_array_equal(bits(settled), bits(plain))
+    assert_close(plain, b.expected(0.0625), dtype)
 
 
 # ---- sliding window ----
@@ -484,3 +519,8 @@ def test_cuda_device_mismatch_and_head_dim_limit():
     kc = llaisys.tensor(np.zeros((6, 4, 2, 160), np.float32), "cuda")
     with pytest.raises(ValueError, match="paged_attention: head dim 160 in f32 is not supported on CUDA"):
         call([poisoned((3, 4, 160), "f32", "cuda"), q, kc, kc, *args[4:]])
+    for hd, dtype in [(256, "f32"), (288, "bf16")]:  # rows over 512 bytes
+        q = poisoned((3, 4, hd), dtype, "cuda")
+        kc = poisoned((6, 4, 2, hd), dtype, "cuda")
+        with pytest.raises(ValueError, match=f"paged_attention: head dim {hd} in {dtype} is not supported on CUDA"):
+            call([poisoned((3, 4, hd), dtype, "cuda"), q, kc, kc, *args[4:]])

@@ -7,7 +7,8 @@ import llaisys
 from llaisys import ops
 from utils import DEVICES, FLOAT_DTYPES, NP_DTYPE, assert_close, bits, poisoned, rand, to_f64
 
-SHAPES = [(14, 2, 64), (12, 2, 128), (3, 1, 2)]  # (nh, nkvh, hd): Qwen2-0.5B, Qwen2-1.5B, odd heads and one pair
+# (nh, nkvh, hd): Qwen2-0.5B, Qwen2-1.5B, Gemma 3 (head dim 256), odd heads and one pair
+SHAPES = [(14, 2, 64), (12, 2, 128), (4, 1, 256), (3, 1, 2)]
 
 
 def inv_freq_f32(theta, hd):

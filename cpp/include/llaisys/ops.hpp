@@ -44,7 +44,10 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
 // equals linear + linear + swiglu bit for bit when the sums run in the same order (CPU; CUDA for M <= 8).
 // constant_weight as for linear (it picks the same GEMV summation order as linear with that flag).
 void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight = false);
-// out = x / sqrt(mean(x^2) + eps) * weight over the last dim.
+// out = x / sqrt(mean(x^2) + eps) * weight over the last dim. out may be x. Rows of strided views (a unit
+// last stride, leading dims that collapse into two) are read and written where they lie, in place too:
+// q/k norm as rms_norm(q, q, w, eps) on q = qkv.view({T, nh + 2 * nkvh, hd}).slice(1, 0, nh), w [hd]
+// (Qwen3, Gemma 3), with no copies; other layouts go through dense copies.
 void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps);
 // residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs.
 void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps);

@@ -56,14 +56,10 @@ struct Layout {
 };
 
 // Rows [first, first + n) of one kv head's qlen * group rows (of one sequence); row rho is query
-// rho / group of head kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows);
-// win: a sliding window, row r sees keys j with lim[r] - win < j <= lim[r] (the default: every j <= lim[r]).
+// rho / group of head kvh * group + rho % group. lim[r]: the last key row r sees (-1 for padding rows).
 struct Rows {
     int first, n, group, kvh, last_key;
-    int win = 0x7fffffff;
     int lim[kRows];
-    // Row r sees key j (its score and its value count).
-    __device__ __forceinline__ bool sees(int lim_r, int j) const { return j <= lim_r && lim_r - j < win; }
     __device__ int qi(int r) const { return (first + r) / group; }
     __device__ int h(int r) const { return kvh * group + (first + r) % group; }
 };
@@ -115,18 +111,19 @@ __device__ __forceinline__ void dot4(const float *q, const T *krow, int hd, floa
 
 // Softmax step of one tile of n keys from key t0 (K rows in ks). Thread t scores key t % 64 for rows
 // 4 * (t / 64) + 0..3; the block max of each row goes through red; the probabilities land in ps [8][64];
-// the state is rescaled to the new max.
-template <typename T, int DPT, bool VEC>
+// the state is rescaled to the new max. A row sees key j <= its lim; with WINDOW (a sliding window of win
+// keys) also j > lim - win (without, win is not read).
+template <typename T, int DPT, bool VEC, bool WINDOW = false>
 __device__ __forceinline__ void softmax_tile(const Layout &lay, const Rows &rows, const float *qs,
                                              const unsigned char *ks, float *red, float *ps, int t0, int n,
-                                             State<DPT> &st) {
+                                             State<DPT> &st, int win = 0) {
     const int key = threadIdx.x % kTile, half = threadIdx.x / kTile, warp = threadIdx.x / 32;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     if (key < n) dot4<T, VEC>(qs + half * 4 * lay.hd, reinterpret_cast<const T *>(ks + key * lay.k_pitch()), lay.hd, s);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
         const int lim = half ? rows.lim[4 + r] : rows.lim[r]; // a select: dynamic indexing would spill to local memory
-        s[r] = key < n && rows.sees(lim, t0 + key) ? s[r] : -INFINITY;
+        s[r] = key < n && t0 + key <= lim && (!WINDOW || lim - (t0 + key) < win) ? s[r] : -INFINITY;
         const float mx = warp_max(s[r]); // fmaxf skips NaN scores; exp2f below turns them into NaN
         if (threadIdx.x % 32 == 0) red[warp * 4 + r] = mx;
     }
@@ -151,10 +148,11 @@ __device__ __forceinline__ void softmax_tile(const Layout &lay, const Rows &rows
     __syncthreads();
 }
 
-// acc[r][i] += sum over the tile's keys of this thread's key group of P[r][key] * V[key][dim i] (V rows in vs).
-template <typename T, int DPT>
+// acc[r][i] += sum over the tile's keys of this thread's key group of P[r][key] * V[key][dim i] (V rows in vs),
+// over the keys each row sees (as softmax_tile).
+template <typename T, int DPT, bool WINDOW = false>
 __device__ __forceinline__ void pv_tile(const Layout &lay, const Rows &rows, const unsigned char *vs, const float *ps,
-                                        int t0, int n, State<DPT> &st) {
+                                        int t0, int n, State<DPT> &st, int win = 0) {
     const int dpad = lay.dpad(), groups = kThreads / dpad, d0 = threadIdx.x % dpad;
     for (int c = threadIdx.x / dpad; c < n; c += groups) {
         const T *vrow = reinterpret_cast<const T *>(vs + c * lay.v_pitch());
@@ -163,7 +161,8 @@ __device__ __forceinline__ void pv_tile(const Layout &lay, const Rows &rows, con
         for (int i = 0; i < DPT; ++i) v[i] = d0 + kThreads * i < lay.hd_v ? to_f32(vrow[d0 + kThreads * i]) : 0.f;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            if (!rows.sees(rows.lim[r], t0 + c)) continue; // masked keys add nothing, not even 0 * NaN
+            if (t0 + c > rows.lim[r]) continue; // masked keys add nothing, not even 0 * NaN
+            if (WINDOW && rows.lim[r] - (t0 + c) >= win) continue;
             const float p = ps[r * kTile + c];
 #pragma unroll
             for (int i = 0; i < DPT; ++i) st.acc[r][i] += p * v[i];

@@ -85,8 +85,12 @@ __device__ __forceinline__ int chunk_len(int span, int nsplit, int granule) {
 // The keys a sequence's step may see, [base, kv): with a window, those before its first query's window
 // are seen by none (base = 0 without one). Its chunks split this span: chunk c holds keys
 // [base + c L, base + (c + 1) L), L = chunk_len(kv - base, ...), here and in the combine kernel alike.
+// Every kernel takes WINDOW as a template argument: without a window (window == 0) its code is the full
+// attention's, with nothing of the window's bounds and masks in it.
+template <bool WINDOW>
 __device__ __forceinline__ int span_base(const Seq &s, int window) {
-    return window > 0 ? max(0, s.kv - s.qlen - window + 1) : 0;
+    if constexpr (WINDOW) return max(0, s.kv - s.qlen - window + 1);
+    else return 0;
 }
 
 // Shared-memory layout in bytes, shared by host and device code: split_kv's head (q, red, p) | cache rows
@@ -102,9 +106,8 @@ struct Smem : split_kv::Layout { // hd_v = hd
     }
 };
 
-__device__ __forceinline__ split_kv::Rows make_rows(const Seq &s, int group, int kvh, int first, int window) {
+__device__ __forceinline__ split_kv::Rows make_rows(const Seq &s, int group, int kvh, int first) {
     split_kv::Rows rows;
-    if (window > 0) rows.win = window;
     rows.first = first;
     rows.group = group;
     rows.kvh = kvh;
@@ -184,7 +187,7 @@ __device__ __forceinline__ void finish(const PagedArgs<T> &a, const Smem &lay, c
 // tile's cache rows are looked up in the block table one tile ahead, K/V rows of tile t + 1 stream in
 // (cp.async) while tile t is scored (thread = key) and multiplied into V (thread = output dim). Blocks
 // past the sequence's rows or keys, or (sliding window) before all of their rows' windows, return at once.
-template <typename T, int DPT, bool VEC>
+template <typename T, int DPT, bool VEC, bool WINDOW>
 __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T> a) {
     extern __shared__ __align__(16) unsigned char smem[];
     pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
@@ -192,12 +195,12 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
     if (int(blockIdx.x) * kRows >= s.qlen * group) return;
-    const split_kv::Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows, a.window);
-    const int base = span_base(s, a.window), L = chunk_len(s.kv - base, a.nsplit, a.granule);
+    const split_kv::Rows rows = make_rows(s, group, kvh, blockIdx.x * kRows);
+    const int base = span_base<WINDOW>(s, a.window), L = chunk_len(s.kv - base, a.nsplit, a.granule);
     const int kc = base + blockIdx.z * L, ke = min(kc + L, rows.last_key + 1);
     // with a window, the chunk's keys before the window of the block's first row (which starts first) are
     // seen by none of its rows
-    const int kb = a.window > 0 ? max(kc, rows.lim[0] - a.window + 1) : kc;
+    const int kb = WINDOW ? max(kc, rows.lim[0] - a.window + 1) : kc;
     if (kb >= ke) return;
     const Smem lay{{a.hd, a.hd, int(sizeof(T))}};
     float *qs = reinterpret_cast<float *>(smem), *red = reinterpret_cast<float *>(smem + lay.red_off()),
@@ -230,8 +233,8 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
             cp_async_wait<0>();
         }
         __syncthreads(); // tile t (and, the first time, qs) is in smem for every thread
-        split_kv::softmax_tile<T, DPT, VEC>(lay, rows, qs, smem + lay.k_off(cur), red, ps, t0, n, st);
-        split_kv::pv_tile<T, DPT>(lay, rows, smem + lay.v_off(cur), ps, t0, n, st);
+        split_kv::softmax_tile<T, DPT, VEC, WINDOW>(lay, rows, qs, smem + lay.k_off(cur), red, ps, t0, n, st, a.window);
+        split_kv::pv_tile<T, DPT, WINDOW>(lay, rows, smem + lay.v_off(cur), ps, t0, n, st, a.window);
     }
     __syncthreads(); // the accumulators' merge reuses the tiles
     finish<T, DPT>(a, lay, rows, s, smem, st);
@@ -281,7 +284,7 @@ __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int
 // to the partials paged_combine_kernel merges (the same layout as the split kernel's). With settled
 // history (a model's step) the block reads its sequence's metadata, block table and first keys before
 // pdl_wait, so only q and this step's own keys wait for the kernels ahead.
-template <typename T, int DPL>
+template <typename T, int DPL, bool WINDOW>
 __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
     __shared__ float wm[kDecWarps][kDecRows], wl[kDecWarps][kDecRows];
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
     const Seq s = load_seq(a, b);
     // one query (at kv - 1): with a window its keys are exactly the span [base, kv), no key needs a mask
-    const int base = span_base(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kDecTile);
+    const int base = span_base<WINDOW>(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kDecTile);
     const int kb = base + blockIdx.x * L, ke = min(kb + L, s.kv);
     const bool empty = s.qlen == 0 || kb >= ke;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 // row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
 // and may be unwritten) are weighted by 2^(m_c - max) and summed per dim.
-template <typename T>
+template <typename T, bool WINDOW>
 __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const PagedArgs<T> a) {
     __shared__ float wts[kCombineWarps][kMaxSplits], sums[kCombineWarps][kMaxSplits];
     pdl_trigger();
@@ -421,8 +424,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const int i = rho / a.nh, h = rho % a.nh;
     if (i >= s.qlen) return; // whole warps return; only warp-level syncs follow
     // the chunks holding keys this query sees: [first, used) of the span [base, kv)
-    const int lim = i + s.kv - s.qlen, base = span_base(s, a.window), L = chunk_len(s.kv - base, a.nsplit, a.granule);
-    const int first = a.window > 0 ? (max(base, lim - a.window + 1) - base) / L : 0, used = (lim - base) / L + 1;
+    const int lim = i + s.kv - s.qlen, base = span_base<WINDOW>(s, a.window);
+    const int L = chunk_len(s.kv - base, a.nsplit, a.granule), used = (lim - base) / L + 1;
+    const int first = WINDOW ? (max(base, lim - a.window + 1) - base) / L : 0;
     const int t = s.q0 + i;
     const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
     const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
@@ -466,30 +470,30 @@ int plan_splits(int64_t blocks, int64_t capacity, int granule, int device) {
     return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, granule)})));
 }
 
-template <typename T>
+template <typename T, bool WINDOW>
 void launch_combine(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     if (a.nsplit == 1) return;
     const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));
-    launch_pdl(paged_combine_kernel<T>, grid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
+    launch_pdl(paged_combine_kernel<T, WINDOW>, grid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
 }
 
-template <typename T, int DPT, bool VEC>
+template <typename T, int DPT, bool VEC, bool WINDOW>
 void launch(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     const int elem = int(sizeof(T)), group = a.nh / a.nkvh;
-    opt_in_smem<paged_split_kernel<T, DPT, VEC>>(
+    opt_in_smem<paged_split_kernel<T, DPT, VEC, WINDOW>>(
         size_t(Smem{{int(paged_detail::kCudaMaxRowBytes) / elem, int(paged_detail::kCudaMaxRowBytes) / elem, elem}}.bytes()),
         device.index);
     const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * group, kRows)), unsigned(B * a.nkvh), unsigned(a.nsplit));
-    launch_pdl(paged_split_kernel<T, DPT, VEC>, grid, dim3(kThreads), size_t(Smem{{a.hd, a.hd, elem}}.bytes()), stream,
+    launch_pdl(paged_split_kernel<T, DPT, VEC, WINDOW>, grid, dim3(kThreads), size_t(Smem{{a.hd, a.hd, elem}}.bytes()), stream,
                device.index, a);
-    launch_combine(a, B, device, stream);
+    launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-template <typename T, int DPL>
+template <typename T, int DPL, bool WINDOW>
 void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    launch_pdl(paged_decode_kernel<T, DPL>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kDecWarps * 32), 0,
+    launch_pdl(paged_decode_kernel<T, DPL, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kDecWarps * 32), 0,
                stream, device.index, a);
-    launch_combine(a, B, device, stream);
+    launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
 } // namespace
@@ -507,10 +511,12 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     const auto aligned = [&](const Tensor &t, int64_t bytes) { return reinterpret_cast<uintptr_t>(t.data()) % bytes == 0; };
     // K/V rows in 16-byte pieces (the split kernel's cp.async)
     const bool vec = (hd * elem) % 16 == 0 && aligned(k_cache, 16) && aligned(v_cache, 16);
-    // Decode (one query per sequence): the decode kernel where its lanes cover the head (hd = 32 x 1, 2 or
-    // 4 dims) and q's rows can be read in the lanes' pieces; prefill and chunked steps: the split kernel.
+    // Decode (one query per sequence): the decode kernel where its lanes cover the head (hd = 32 x 1, 2, 4
+    // or, in 16-bit types, 8 dims: a lane's piece is at most 16 bytes) and q's rows can be read in the
+    // lanes' pieces; prefill and chunked steps: the split kernel.
     const int dpl = int(hd / 32), piece = dpl * int(elem);
-    const bool decode = mq == 1 && hd % 32 == 0 && (dpl == 1 || dpl == 2 || dpl == 4) && nh / nkvh <= kDecRows &&
+    const bool decode = mq == 1 && hd % 32 == 0 && (dpl == 1 || dpl == 2 || dpl == 4 || (dpl == 8 && elem == 2)) &&
+                        nh / nkvh <= kDecRows &&
                         aligned(q, piece) && aligned(k_cache, piece) && aligned(v_cache, piece) &&
                         (q.stride(0) * elem) % piece == 0 && (q.stride(1) * elem) % piece == 0;
     const int granule = decode ? kDecTile : kTile;
@@ -533,13 +539,20 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window)};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
-        if (decode && dpl == 1) return launch_decode<D, 1>(a, bi, out.device(), stream);
-        if (decode && dpl == 2) return launch_decode<D, 2>(a, bi, out.device(), stream);
-        if (decode) return launch_decode<D, 4>(a, bi, out.device(), stream);
-        if (vec && hd <= kThreads) return launch<D, 1, true>(a, bi, out.device(), stream);
-        if (vec) return launch<D, 2, true>(a, bi, out.device(), stream);
-        if (hd <= kThreads) return launch<D, 1, false>(a, bi, out.device(), stream);
-        launch<D, 2, false>(a, bi, out.device(), stream);
+        const auto go = [&](auto window) {
+            constexpr bool W = decltype(window)::value;
+            if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
+            if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
+            if (decode && dpl == 4) return launch_decode<D, 4, W>(a, bi, out.device(), stream);
+            if constexpr (sizeof(D) == 2) // head dim 256 (Gemma 3): 8 dims of 2 bytes a lane
+                if (decode) return launch_decode<D, 8, W>(a, bi, out.device(), stream);
+            if (vec && hd <= kThreads) return launch<D, 1, true, W>(a, bi, out.device(), stream);
+            if (vec) return launch<D, 2, true, W>(a, bi, out.device(), stream);
+            if (hd <= kThreads) return launch<D, 1, false, W>(a, bi, out.device(), stream);
+            launch<D, 2, false, W>(a, bi, out.device(), stream);
+        };
+        if (window > 0) go(std::true_type{});
+        else go(std::false_type{});
     });
 }
 

@@ -8,11 +8,16 @@
 
 namespace llaisys::ops::cuda {
 
-// Where row r of x or out starts: r * D for dense rows; through the RowMap (rms_norm.hpp) when STRIDED.
+// Where row r of x or out starts: r * D for dense rows; through the RowMap (rms_norm.hpp) when STRIDED,
+// with a 32-bit division (rows < 2^31: launch_rms_norm checks it).
 template <bool STRIDED>
 __device__ __forceinline__ int64_t row_start(int64_t r, int D, const RowMap &m) {
-    if constexpr (STRIDED) return r / m.inner * m.s_outer + r % m.inner * m.s_inner;
-    else return r * D;
+    if constexpr (STRIDED) {
+        const uint32_t inner = uint32_t(m.inner), o = uint32_t(r) / inner, i = uint32_t(r) - o * inner;
+        return int64_t(o) * m.s_outer + int64_t(i) * m.s_inner;
+    } else {
+        return r * D;
+    }
 }
 
 // x + residual on one vector, rounded to T: the new residual, which the norm reads.
