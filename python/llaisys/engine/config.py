@@ -8,7 +8,7 @@ projections off or on; unset: on for CUDA only).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -37,12 +37,30 @@ def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+# Defaults that depend on the device (EngineConfig.for_device).
+# CPU, measured with bench/hol_latency.py (bench/RESULTS.md; 2-core AMD EPYC, AVX2, Qwen2.5-Coder-0.5B
+# Q4_K_M): a prompt token costs about the same in chunks of 16 to 256 tokens a step (a 3,001-token prompt in
+# one step was slower), so a step's time is its token count. Chunks of 32 keep a stream's tokens ~1 s apart
+# beside a long prompt, and a short request's first token ~1.5 s away, where one 3,001-token step stalled
+# both for minutes. 256 tokens a step: no less than max_num_seqs, so every running decode fits in a step.
+# CUDA, not measured (chosen without a GPU): 4096 a step as before, within vLLM's and SGLang's defaults
+# (2048-8192), where such a step takes milliseconds and large steps make prefill efficient; no prompt more
+# than half of it, so short requests always fit beside a long one.
+_PER_DEVICE = {
+    "max_num_batched_tokens": {"cpu": 256, "cuda": 4096},
+    "max_prefill_chunk": {"cpu": 32, "cuda": 2048},
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of the batched engine. Pass one to Engine(config=...) or its fields as keywords."""
 
     max_num_seqs: int = 256               # sequences in one step (decode batch size)
-    max_num_batched_tokens: int = 4096    # tokens in one step: prefill is chunked to fit beside decodes
+    # tokens in one step, and prompt tokens of one sequence in one step: a long prompt is computed in chunks
+    # beside the running streams and the short prompts (scheduler.py). None: the device's default (_PER_DEVICE)
+    max_num_batched_tokens: int | None = None
+    max_prefill_chunk: int | None = None
     block_size: int = 16                  # positions per KV block (the prefix cache's granularity)
     gpu_memory_utilization: float = 0.9   # CUDA: fraction of the device the engine may fill (KV pool sized to it)
     cpu_kv_cache_bytes: int = 1 << 30     # CPU: bytes for the KV pool
@@ -60,12 +78,15 @@ class EngineConfig:
     overlap_steps: bool | None = field(default_factory=lambda: _env_optional_flag("LLAISYS_OVERLAP"))
 
     def __post_init__(self):
-        ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "block_size": 1, "cpu_kv_cache_bytes": 1,
-                "max_queued_requests": 1}
+        ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_prefill_chunk": 1, "block_size": 1,
+                "cpu_kv_cache_bytes": 1, "max_queued_requests": 1}
         for name, low in ints.items():
             value = getattr(self, name)
+            if value is None and name in _PER_DEVICE:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
+                raise ValueError(f"EngineConfig.{name} must be an int >= {low}{' or None' * (name in _PER_DEVICE)}, "
+                                 f"got {value!r}")
         if self.block_size > 1024:
             raise ValueError(f"EngineConfig.block_size must be at most 1024, got {self.block_size}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
@@ -84,6 +105,12 @@ class EngineConfig:
         if sizes is not None and (not isinstance(sizes, (tuple, list)) or
                                   not all(isinstance(s, int) and s >= 1 for s in sizes)):
             raise ValueError(f"EngineConfig.graph_batch_sizes must be a tuple of ints >= 1, got {sizes!r}")
+
+    def for_device(self, device: str) -> "EngineConfig":
+        """This config with each setting left as None given the device's default (_PER_DEVICE)."""
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        return replace(self, **{name: defaults[kind] for name, defaults in _PER_DEVICE.items()
+                                if getattr(self, name) is None})
 
     @property
     def graph_sizes(self) -> tuple[int, ...]:

@@ -52,12 +52,14 @@ def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len
 
 class EngineCore:
     def __init__(self, model, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int):
+        config = config.for_device(device)
         self.config, self.max_seq_len = config, max_seq_len
         num_blocks = kv_blocks_for(config, mc, dtype, device, max_seq_len)
         self.pool = _core.KVPool(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
                                  mc.head_dim, dtype, device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_prefill_chunk)
         self.runner = ModelRunner(model, self.pool, config.block_size, math.ceil(max_seq_len / config.block_size),
                                   config.graph_sizes, config.cuda_graphs)
         overlap = config.overlap_steps

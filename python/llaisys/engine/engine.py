@@ -89,7 +89,7 @@ class Engine:
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
         check_max_seq_len(max_seq_len)
-        self.engine_config = _engine_config(config, settings)
+        self.engine_config = _engine_config(config, settings).for_device(self.device)
 
     def _start(self, loaded: loader.LoadedModel, generation_defaults: dict, max_seq_len: int | None,
                progress: bool) -> None:
@@ -122,7 +122,9 @@ class Engine:
         from tqdm import tqdm
 
         names = list(weights)
-        for name in tqdm(names, desc=f"uploading to {self.device}", unit="tensor", disable=not progress,
+        # a terminal gets a bar, erased when done; a log gets one line at the end instead of the bar's redraws
+        bar = progress and getattr(sys.stderr, "isatty", lambda: False)()
+        for name in tqdm(names, desc=f"uploading to {self.device}", unit="tensor", disable=not bar,
                          file=sys.stderr, leave=False):
             raw = weights.pop_raw(name) if self.quantized else None
             if raw is not None:  # GGUF blocks as stored: a view of the mapped file (on CUDA, copied over)
@@ -132,6 +134,8 @@ class Engine:
         missing = model.missing_weights()
         if missing:
             raise ValueError(f"{self.source}: missing weights, e.g. {missing[:3]}")
+        if progress and not bar:
+            print(f"llaisys: uploaded {len(names)} tensors to {self.device}", file=sys.stderr, flush=True)
 
     # ---- public API ---------------------------------------------------------------------------
 

@@ -1,16 +1,31 @@
 """Which sequences run in the next step, and how many tokens each computes.
 
-A step has at most max_num_seqs sequences and max_num_batched_tokens tokens. Running sequences come
-first, decodes (one token) before prefills, so a long prompt is chunked beside running streams instead
-of stalling them. Waiting sequences are admitted in arrival order while their blocks fit. When a running
-sequence needs a block and none is free, the newest running sequence not yet in this step is preempted:
-its blocks are freed and it goes back to the front of the queue, to be recomputed (mostly from the
-prefix cache). A request too large for the whole pool is refused at submission, so nothing deadlocks.
+A step has at most max_num_seqs sequences and max_num_batched_tokens tokens, and no sequence computes more
+than max_prefill_chunk prompt tokens in it: a step's time is bounded, and a long prompt cannot hold up the
+others, it is computed in chunks beside them. A step takes, in this order:
+
+1. the running decodes (one token each): a stream never waits for a prompt;
+2. one chunk of the oldest long prefill (more than max_prefill_chunk tokens to go), running or new: the
+   long prompts progress in arrival order, whatever else comes;
+3. the short prefills (what is left of the prompt fits in one chunk): running ones, then new requests
+   admitted in arrival order while their blocks fit. A short request is admitted beside the chunks of a long
+   prompt and ahead of the other long prompts: its first token comes a step or two after it arrives;
+4. the other long prefills, running then new, with what is left of the budget.
+
+max_prefill_chunk None is the scheduling of before the cap: running prefills in order, then new requests
+in arrival order, each taking all the budget that the ones before it left.
+
+When a running sequence needs a block and none is free, the newest running sequence not yet in this step is
+preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed (mostly from
+the prefix cache). A request too large for the whole pool is refused at submission, so nothing deadlocks.
+A new request whose blocks do not fit stops admission: nothing behind it jumps ahead for want of blocks
+(a long one passed over in 3. is checked only in 4.).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -27,9 +42,11 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_chunk: int | None = None):
         self.blocks = blocks
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_chunk = max_prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -69,27 +86,64 @@ class Scheduler:
         self.blocks.grow(seq)
         return True
 
+    def _is_long(self, seq: Sequence) -> bool:
+        """More prompt to compute than one chunk (a new request counts its whole prompt: its prefix-cache
+        hits are known only once it is admitted)."""
+        return self.max_chunk is not None and seq.remaining > self.max_chunk
+
     def schedule(self) -> Step:
         step, budget = Step(), self.max_tokens
-        decodes = [s for s in self.running if s.remaining == 1]
-        prefills = [s for s in self.running if s.remaining > 1]
-        for seq in decodes + prefills:
-            if budget == 0 or len(step.seqs) == self.max_num_seqs:
-                break
-            if seq.status is not Status.RUNNING or not self._make_room(seq, step):
-                continue  # preempted while making room for an earlier one, or for itself
-            n = min(seq.remaining, budget)
+        cap = self.max_tokens if self.max_chunk is None else self.max_chunk
+
+        def room() -> bool:
+            return budget > 0 and len(step.seqs) < self.max_num_seqs
+
+        def add(seq: Sequence) -> None:
+            nonlocal budget
+            n = min(seq.remaining, budget, cap)
             step.add(seq, n)
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self.blocks.can_admit(seq):
-                break
-            self.waiting.popleft()
+
+        def run(seq: Sequence) -> None:  # a running sequence, unless preempted for an earlier one or itself
+            if seq.status is Status.RUNNING and self._make_room(seq, step):
+                add(seq)
+
+        def admit(seq: Sequence) -> None:
+            self.waiting.remove(seq)
             self.blocks.admit(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.remaining, budget)
-            step.add(seq, n)
-            budget -= n
+            add(seq)
+
+        decodes = [s for s in self.running if s.remaining == 1]
+        prefills = [s for s in self.running if s.remaining > 1]
+        long_prefills = [s for s in prefills if self._is_long(s)]
+        short_prefills = [s for s in prefills if not self._is_long(s)]
+        for seq in decodes + long_prefills[:1] + short_prefills:
+            if not room():
+                break
+            run(seq)
+        # new requests in arrival order; a long one is passed over while a long prefill runs, and comes after
+        passed: list[Sequence] = []
+        for seq in list(islice(self.waiting, 2 * self.max_num_seqs)):  # at most max_num_seqs passed, as many admitted
+            if not room() or len(self.running) >= self.max_num_seqs:
+                break
+            if self._is_long(seq) and long_prefills:
+                if len(passed) >= self.max_num_seqs:
+                    break  # no more could run in this step: the scan of a long queue stops here
+                passed.append(seq)
+                continue
+            if not self.blocks.can_admit(seq):
+                break
+            admit(seq)
+            if self._is_long(seq):
+                long_prefills.append(seq)
+        for seq in long_prefills[1:]:
+            if not room():
+                break
+            run(seq)
+        for seq in passed:
+            if not room() or len(self.running) >= self.max_num_seqs or not self.blocks.can_admit(seq):
+                break
+            admit(seq)
         return step

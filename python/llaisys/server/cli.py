@@ -70,6 +70,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("engine settings (EngineConfig; left out: its defaults)")
     g.add_argument("--max-num-seqs", type=_int_at_least(1), metavar="N", help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=_int_at_least(1), metavar="N", help="tokens per step")
+    g.add_argument("--max-prefill-chunk", type=_int_at_least(1), metavar="N",
+                   help="prompt tokens of one request per step")
     g.add_argument("--block-size", type=_int_at_least(1), metavar="N", help="positions per KV block")
     g.add_argument("--gpu-memory-utilization", type=float, metavar="F", help="CUDA: share of the device to fill")
     g.add_argument("--cpu-kv-cache-bytes", type=_int_at_least(1), metavar="B", help="CPU: bytes of KV cache")
@@ -84,9 +86,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
-                   "cpu_kv_cache_bytes", "num_kv_blocks", "enable_prefix_caching", "cuda_graphs",
-                   "overlap_steps", "max_queued_requests")
+ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "block_size",
+                   "gpu_memory_utilization", "cpu_kv_cache_bytes", "num_kv_blocks", "enable_prefix_caching",
+                   "cuda_graphs", "overlap_steps", "max_queued_requests")
 
 
 def run_serve(args) -> int:
