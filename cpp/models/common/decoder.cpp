@@ -185,7 +185,9 @@ void Decoder::load_weight(const std::string &name, const Tensor &value) {
         return;
     }
     Tensor *dst = s.tensor;
-    const bool in_place = !s.group.empty() && (s.linear || config_.qkv_bias);
+    // a slot has a group only when fused: a q/k/v or gate/up part, or a q/k/v bias (which exists only with
+    // qkv_bias, when allocate_fused_biases made the fused bias it is a slice of)
+    const bool in_place = !s.group.empty();
     if (s.linear) {
         s.linear->quant = QuantMatrix(); // a quantized weight loaded before is replaced
         if (in_place) { // a dense part of a fused matrix: its row slice, filled in place
