@@ -161,7 +161,8 @@ def main() -> int:
     p.add_argument("--fits-bytes", type=int, default=None, help="size of the 400-fits body (default: 1 KiB "
                    "under the limit the server states in its 413 answer)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
-    p.add_argument("--tree", default=None, help="the checkout whose python/ runs the server (default: this one)")
+    p.add_argument("--tree", default=None, help="the checkout whose python/ runs the server (default: the llaisys "
+                   "this Python imports)")
     p.add_argument("--server-arg", action="append", default=[], help="more llaisys serve arguments")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     args = p.parse_args()
@@ -171,9 +172,13 @@ def main() -> int:
         p.error(f"unknown phase(s) {bad}; choose from {PHASES}")
 
     port = free_port()
-    tree = os.path.abspath(args.tree or os.path.join(HERE, ".."))
-    paths = [os.path.join(tree, "python")] + [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    # Without --tree the server is the llaisys this Python imports (the installed package, or whatever
+    # PYTHONPATH/LLAISYS_BUILD_DIR already name): a source tree's python/ has no compiled _core of its own.
+    tree = os.path.abspath(args.tree) if args.tree else None
+    env = dict(os.environ)
+    if tree:
+        paths = [os.path.join(tree, "python")] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     cmd = [sys.executable, "-m", "llaisys.server", "--device", args.device, "--port", str(port),
            "--served-model-name", "m", *args.server_arg]
     if args.model:
