@@ -50,6 +50,14 @@ class IncrementalDetokenizer:
             return text
         return ""
 
+    def decode_all(self, token_ids) -> str:
+        """The text that step() of each id and then flush() would return together, in one decode: for
+        output that nobody reads piece by piece (no stream, no stop strings)."""
+        if self._pending:
+            raise RuntimeError("decode_all() after step(): flush() first")
+        self._pending = [int(t) for t in token_ids]
+        return self.flush()
+
     def flush(self) -> str:
         """At the end of generation: the text of ids still pending (an incomplete character decodes to
         U+FFFD, as in tokenizer.decode), so all pieces together equal decode(all ids). Resets the stream."""

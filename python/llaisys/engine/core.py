@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from itertools import repeat
 
 import numpy as np
 
@@ -172,6 +173,8 @@ class EngineCore:
         """Whether step may run launched (its tokens read later) with a next step chained behind it."""
         if not self._overlap:
             return False
+        if step.batch is not None:
+            return True  # the batch holds only such rows (batch.eligible)
         for seq, n in zip(step.seqs, step.num_tokens):  # decodes, no penalties or biases, no logprobs
             p = seq.params
             if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.seen is not None or
@@ -184,6 +187,8 @@ class EngineCore:
         tokens; None (nothing launched) where that step is not certain to be wanted as it stands."""
         if not self._may_overlap(step) or self.scheduler.waiting:
             return None  # waiting requests: schedule them as soon as this step is read
+        if step.batch is not None:
+            return self._launch_next_batch(step)
         bm, need = self.blocks, 0
         for seq in step.seqs:
             if (seq.status is not Status.RUNNING or seq.num_output + 1 >= seq.params.max_new_tokens or
@@ -199,8 +204,24 @@ class EngineCore:
         self.overlapped_steps += 1
         return nxt
 
+    def _launch_next_batch(self, step):
+        """_launch_next for a step of the persistent batch: the same checks on its arrays."""
+        b = step.batch
+        if (b is not self.scheduler.batch or step.version != b.version or
+                not all(s.status is Status.RUNNING for s in b.seqs)):
+            return None
+        if (b.num_output + 1 >= b.max_new).any() or (b.pos + 2 >= self.max_seq_len).any():
+            return None  # about to end by length
+        if not b.grow(self.blocks, 1):
+            return None
+        nxt = Step(b.seqs, step.num_tokens, b, b.step_made())
+        self.runner.launch(nxt, chain=True)
+        self.overlapped_steps += 1
+        return nxt
+
     def _drain(self) -> None:
         """After a failure: waits out every launched step (their tokens dropped)."""
+        self.scheduler.batch = None  # rebuilt from the sequences, which a failed step left as they were
         self._inflight = None
         while self.runner.launched:
             try:
@@ -212,6 +233,10 @@ class EngineCore:
         """Applies a step's tokens: progress, prefix-cache registration, ends; sequences that ended while
         it ran (an abort, a stop string) are skipped."""
         t2 = time.perf_counter()
+        if step.batch is not None:
+            if step.batch is self.scheduler.batch and step.version == step.batch.version:
+                return self._account_batch(step.batch, tokens, t0, t1, t2)
+            self.scheduler.batch = None  # its arrays would miss what the general accounting does below
         produced = []
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             if seq.status is not Status.RUNNING:
@@ -227,13 +252,35 @@ class EngineCore:
                 self.finish(seq, "stop")
             elif seq.num_output >= seq.params.max_new_tokens or len(seq) >= self.max_seq_len:
                 self.finish(seq, "length")
+        self._time(step.num_tokens, t0, t1, t2)
+        return produced
+
+    def _account_batch(self, b, tokens, t0: float, t1: float, t2: float):
+        """_account for a step of the persistent batch: the same effects, vectorised over its rows."""
+        live = [s.status is Status.RUNNING for s in b.seqs]
+        if not all(live):  # ended while the step ran (an abort, a stop string): their tokens are dropped
+            tokens = [t for t, keep in zip(tokens, live) if keep]
+            b.condense(np.array(live, bool))
+        eos, length = b.advance(tokens, self.max_seq_len)
+        seqs, bs = b.seqs, self.blocks.block_size
+        if self.blocks.caching:
+            for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
+                self.blocks.register_full(seqs[row])
+        produced = list(zip(seqs, tokens, repeat(None)))
+        for row in np.flatnonzero(eos).tolist():
+            self.finish(seqs[row], "stop")
+        for row in np.flatnonzero(length).tolist():
+            self.finish(seqs[row], "length")
+        self._time(repeat(1, len(seqs)), t0, t1, t2)
+        return produced
+
+    def _time(self, num_tokens, t0: float, t1: float, t2: float) -> None:
         t = self.timing
         t["steps"] += 1
-        t["tokens"] += sum(step.num_tokens)
+        t["tokens"] += sum(num_tokens)
         t["schedule_s"] += t1 - t0
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
-        return produced
 
     def _logprobs(self, row: int, token: int, params) -> dict:
         """Log-softmax of the row's logits after the temperature (1 for greedy), before top-k/top-p: the
@@ -252,7 +299,7 @@ class EngineCore:
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": b.num_used,
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
-                "overlapped_steps": self.overlapped_steps}
+                "overlapped_steps": self.overlapped_steps, "decode_batch_steps": s.batch_steps}
 
 
 def score_logits(core: EngineCore, ids: list[int]):

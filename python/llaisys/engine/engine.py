@@ -163,9 +163,10 @@ class Engine:
             per = split_sampling("generate", sampling, len(prompt))
             for s in per:
                 check_sampling_names("generate", s)
-            reqs = self._submit_all([(self._encode(p), self._params("generate", s)) for p, s in zip(prompt, per)])
+            reqs = self._submit_all([(self._encode(p), self._params("generate", s)) for p, s in zip(prompt, per)],
+                                    incremental=False)
             return self._results(reqs)
-        req = self._submit_ids(self._encode(prompt), self._params("generate", sampling))
+        req = self._submit_ids(self._encode(prompt), self._params("generate", sampling), incremental=False)
         return self._results([req])[0]
 
     def stream(self, prompt, **sampling) -> Iterator[StreamChunk]:
@@ -195,7 +196,7 @@ class Engine:
         convs = list(messages) if batch else [messages]
         ids = [self._check_ids(self.render_chat(m, add_generation_prompt)) for m in convs]
         per = split_sampling("chat", sampling, len(convs)) if batch else [sampling]
-        reqs = self._submit_all([(i, self._params("chat", s)) for i, s in zip(ids, per)])
+        reqs = self._submit_all([(i, self._params("chat", s)) for i, s in zip(ids, per)], incremental=stream)
         if stream:
             return self._chunks(reqs[0])
         results = self._results(reqs)
@@ -304,20 +305,23 @@ class Engine:
                              f"{self.config.max_position_embeddings} for this model)")
         return [int(t) for t in ids]
 
-    def _request(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None) -> Request:
+    def _request(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,
+                 incremental: bool = True) -> Request:
+        """incremental False: the caller reads only the result (see Request)."""
         self._core.check_fits(len(ids), params.max_new_tokens)
         eos = params.stop_token_ids if params.ignore_eos else eos_union(
             self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos))
-        return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink)
+        return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink, incremental)
 
-    def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None) -> Request:
-        return self._open().submit(self._request(ids, params, sink))
+    def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,
+                    incremental: bool = True) -> Request:
+        return self._open().submit(self._request(ids, params, sink, incremental))
 
-    def _submit_all(self, items) -> list[Request]:
+    def _submit_all(self, items, incremental: bool = True) -> list[Request]:
         """Every request is built (and checked) before any is queued: one bad item fails the whole call."""
-        reqs = [self._request(ids, params) for ids, params in items]
+        reqs = [self._request(ids, params, incremental=incremental) for ids, params in items]
         loop, queued = self._open(), []
         try:
             for r in reqs:

@@ -42,17 +42,21 @@ class ModelRunner:
     def step(self, step: Step) -> list[int]:
         """Runs the step; the token of each sequence (meaningful only where its prefill is complete)."""
         t0 = time.perf_counter()
-        arrays, sampling = self._arrays(step), self._sampling(step)
+        arrays, sampling = self._inputs(step, 0)
         self.prepare_s += time.perf_counter() - t0
         return self.runner.step(*arrays, *sampling)
+
+    def _inputs(self, step: Step, ahead: int):
+        if step.batch is not None:  # the persistent decode batch keeps its arrays
+            return step.batch.arrays(ahead), step.batch.sampling(ahead)
+        return self._arrays(step, ahead), self._sampling(step, ahead)
 
     def launch(self, step: Step, chain: bool) -> None:
         """Runs the step without waiting for its tokens (finish() returns them). chain: a decode of the
         tokens of the step launched just before it (the same sequences in the same rows), not known here
         yet."""
         t0 = time.perf_counter()
-        ahead = int(chain)
-        arrays, sampling = self._arrays(step, ahead), self._sampling(step, ahead)
+        arrays, sampling = self._inputs(step, int(chain))
         self.prepare_s += time.perf_counter() - t0
         return self.runner.launch(*arrays, *sampling, chain)
 

@@ -85,8 +85,13 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
 class Request:
     """Owned by the step loop after submit(): on_token/finish run there; the caller only reads chunks."""
 
-    def __init__(self, seq: Sequence, tokenizer_inner, stops: tuple[str, ...], loop, sink: ChunkSink | None = None):
+    def __init__(self, seq: Sequence, tokenizer_inner, stops: tuple[str, ...], loop, sink: ChunkSink | None = None,
+                 incremental: bool = True):
         self.seq, self._loop, self.sink = seq, loop, sink
+        # incremental False: nobody reads the chunks before the end (generate(), chat() without a stream) and
+        # no stop string needs the text as it grows, so the ids are kept and decoded once when the request
+        # ends: the step loop's work per token is an append (issue 33: host work per sequence and step)
+        self._lazy = not incremental and not stops
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
@@ -110,7 +115,7 @@ class Request:
         self._pending.append(token)  # ids travel with the next chunk that carries text
         if self._pending_lp is not None:
             self._pending_lp.append(logprobs)
-        if token in self.seq.eos:
+        if self._lazy or token in self.seq.eos:
             return False
         text, hit = self._stops.feed(self._detok.step(token))
         if hit:
@@ -141,7 +146,10 @@ class Request:
         if self.done:
             return
         tail = self._tail
-        if tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
+        if self._lazy:  # one decode of every id but EOS (which never reaches the text, as in on_token)
+            eos = self.seq.eos
+            tail = self._detok.decode_all([t for t in self._pending if t not in eos])
+        elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())
             tail += "" if hit else self._stops.flush()
             if self._stops.hit:

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
+from .batch import DecodeBatch, eligible
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
@@ -35,6 +36,8 @@ from .sequence import Sequence, Status
 class Step:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes in this step
+    batch: DecodeBatch | None = None  # every running sequence decodes, from these arrays (batch.py)
+    version: int = 0  # the batch's version when the step was made
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -50,6 +53,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.batch: DecodeBatch | None = None  # the running decodes as arrays, while nothing else runs
+        self.batch_steps = 0  # steps made from it (stats: decode_batch_steps)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -91,7 +96,31 @@ class Scheduler:
         hits are known only once it is admitted)."""
         return self.max_chunk is not None and seq.remaining > self.max_chunk
 
+    def decode_step(self) -> Step | None:
+        """The step where every running sequence decodes one token and none waits: made from the
+        persistent batch (built when the running set last changed) without a pass over the sequences.
+        None where the general schedule must decide (admissions, prefills, rows the batch cannot serve,
+        a block to preempt for)."""
+        running = self.running
+        if self.waiting or not running or len(running) > min(self.max_tokens, self.max_num_seqs):
+            return None
+        b = self.batch
+        if b is None or not b.matches(running):
+            if not all(eligible(s) for s in running):
+                self.batch = None
+                return None
+            b = self.batch = DecodeBatch(running, self.blocks.block_size)
+        if not b.grow(self.blocks, 0):
+            self.batch = None
+            return None
+        self.batch_steps += 1
+        return Step(b.seqs, [1] * len(b), b, b.step_made())
+
     def schedule(self) -> Step:
+        fast = self.decode_step()
+        if fast is not None:
+            return fast
+        self.batch = None
         step, budget = Step(), self.max_tokens
         cap = self.max_tokens if self.max_chunk is None else self.max_chunk
 

@@ -1,0 +1,114 @@
+"""Host cost of a decode step as the batch grows (issue 33): a tiny random Qwen2 (vocab 512, one layer of
+width 32) whose kernels cost next to nothing, so a step's wall time is the engine's own work: scheduling,
+the step's arrays, accounting, EOS/length checks, detokenizing, stop strings and chunk delivery.
+
+For each batch B, B requests of --prompt token ids decode 1 token, then 1 + --new tokens, through
+Engine.generate (greedy, EOS ignored); the step time is (t(1+new) - t(1)) / new, and the cost of one more
+sequence per step is the slope between the smallest and the largest batch. The engine's own split of a
+step (EngineCore.timing: schedule / run / postprocess, the rest being the loop's delivery) is printed too.
+
+    LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/host_cost.py            # 1, 64, 256
+    python bench/host_cost.py --batches 1 256 --new 64 --repeat 3 --json /tmp/h.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TINY = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+            tie_word_embeddings=True)
+
+
+def tiny_loaded():
+    """The shape above with random weights and a word-level tokenizer in which every id is a word "w<id>"
+    (so detokenizing costs what it costs for real text)."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from llaisys.tokenizer import Tokenizer
+    from llaisys_bench import shapes
+
+    loaded = shapes.random_loaded(TINY, "f32", name="tiny-host")
+    vocab = {f"w{i}": i for i in range(TINY["vocab_size"])}
+    hf = HFTokenizer(models.WordLevel(vocab, unk_token="w0"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    loaded.tokenizer = Tokenizer(hf)
+    return loaded
+
+
+KEYS = ("schedule_s", "prepare_s", "run_s", "postprocess_s")
+
+
+def _clock(eng) -> dict:
+    return dict(eng._core.timing, prepare_s=eng._core.runner.prepare_s, wall_s=time.perf_counter())
+
+
+def _run(eng, prompts, new: int) -> dict:
+    """What generating 1 + new tokens for every prompt cost, per component (seconds)."""
+    t0 = _clock(eng)
+    out = eng.generate(prompts, max_new_tokens=1 + new, temperature=0, ignore_eos=True)
+    t1 = _clock(eng)
+    assert all(len(r.token_ids) == 1 + new for r in out), "a request ended early"
+    return {k: t1[k] - t0[k] for k in (*KEYS, "wall_s")}
+
+
+def step_ms(eng, batch: int, prompt: int, new: int, repeat: int) -> dict:
+    """Per decode step (ms): the difference between generating 1 + new and 1 tokens, over new; the best
+    of `repeat` by wall time. kernels: the C++ step (model, sampling, the one sync) = run - prepare."""
+    prompts = [[(7 * b + i) % 500 + 1 for i in range(prompt)] for b in range(batch)]
+    best = None
+    for _ in range(repeat):
+        one, many = _run(eng, prompts, 0), _run(eng, prompts, new)
+        d = {k: (many[k] - one[k]) / new * 1e3 for k in many}
+        if best is None or d["wall_s"] < best["wall_s"]:
+            best = d
+    best["kernels_s"] = best["run_s"] - best["prepare_s"]
+    best["host_s"] = best["wall_s"] - best["kernels_s"]
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args()
+    import llaisys
+
+    eng = llaisys.Engine.from_loaded(tiny_loaded(), device="cpu", dtype="f32", max_seq_len=1024,
+                                     max_num_seqs=max(args.batches), progress=False,
+                                     # every prompt in one step: t(1) is one prefill step, the rest decodes
+                                     max_num_batched_tokens=max(args.batches) * args.prompt,
+                                     max_prefill_chunk=args.prompt)
+    eng.generate([[1, 2, 3]] * 4, max_new_tokens=4, temperature=0, ignore_eos=True)  # warm-up
+    rows = []
+    for b in args.batches:
+        d = step_ms(eng, b, args.prompt, args.new, args.repeat)
+        rows.append(dict(batch=b, **{k.replace("_s", "_ms"): round(v, 4) for k, v in d.items()}))
+        print(f"batch {b:4d}: {d['wall_s']:7.3f} ms a step = C++ step {d['kernels_s']:.3f} + host {d['host_s']:.3f} "
+              f"(schedule {d['schedule_s']:.3f}, arrays {d['prepare_s']:.3f}, postprocess {d['postprocess_s']:.3f}, "
+              f"delivery and the rest {d['host_s'] - d['schedule_s'] - d['prepare_s'] - d['postprocess_s']:.3f})",
+              flush=True)
+    lo, hi = rows[0], rows[-1]
+    if hi["batch"] > lo["batch"]:
+        per = {k: (hi[k] - lo[k]) / (hi["batch"] - lo["batch"]) * 1e3 for k in ("wall_ms", "host_ms", "kernels_ms")}
+        print(f"per extra sequence per step (batch {lo['batch']} -> {hi['batch']}): {per['wall_ms']:.2f} us wall = "
+              f"{per['kernels_ms']:.2f} us in the C++ step + {per['host_ms']:.2f} us of host work")
+        rows.append({f"per_extra_seq_{k.replace('_ms', '_us')}": round(v, 3) for k, v in per.items()})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

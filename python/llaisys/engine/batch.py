@@ -1,0 +1,135 @@
+"""The persistent decode batch (issue 33): while every running sequence decodes one token a step, the
+step's host arrays live here as NumPy arrays that advance in place, so the host's work per step is a few
+vectorised operations plus one short Python loop (a token appended to each sequence), not a pass of
+attribute lookups, list building and checks per sequence in the scheduler, the runner and the accounting.
+
+The Sequence objects stay the truth (the block manager, the prefix cache, preemption and the slow path
+read them); the arrays are a cache of them that EngineCore keeps in step and drops whenever something else
+changes the batch (a request admitted, a prefill, a preemption, a failed step). Rows that end leave by
+`condense`. A batch exists only for rows the fast path serves exactly: decodes without penalties, biases or
+logprobs, past their min_tokens (those run the general path, as they do for overlapped steps)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .sequence import Sequence, Status
+
+
+def eligible(seq: Sequence) -> bool:
+    """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
+    host state (penalty ids, biases, logprobs, the min_tokens ban)."""
+    p = seq.params
+    return (len(seq) - seq.num_computed == 1 and p.logprobs is None and seq.seen is None and
+            seq.counts is None and seq.num_output >= p.min_tokens)
+
+
+class DecodeBatch:
+    def __init__(self, seqs: list[Sequence], block_size: int):
+        self.seqs = list(seqs)
+        self.block_size = block_size
+        self.version = 0  # bumped when rows leave: a step made before then is accounted the general way
+        self.issued = 0  # steps made from the arrays and not advanced yet: at a new schedule, 0 unless stale
+        n = len(self.seqs)
+        self.pos = np.fromiter((s.num_computed for s in self.seqs), np.int64, n)  # position computed next
+        self.last = np.fromiter((s.tokens[-1] for s in self.seqs), np.int64, n)  # the token fed next
+        self.num_output = np.fromiter((s.num_output for s in self.seqs), np.int64, n)
+        self.max_new = np.fromiter((s.params.max_new_tokens for s in self.seqs), np.int64, n)
+        self.nblk = np.fromiter((len(s.block_table) for s in self.seqs), np.int64, n)
+        self.tables = np.zeros((n, max(1, int(self.nblk.max(initial=1)))), np.int32)
+        for row, s in enumerate(self.seqs):
+            self.tables[row, :len(s.block_table)] = s.block_table
+        params = [s.params for s in self.seqs]
+        self.temperature = np.array([p.temperature for p in params], np.float32)
+        self.top_k = np.array([p.top_k for p in params], np.int32)
+        self.top_p = np.array([p.top_p for p in params], np.float32)
+        self.min_p = np.array([p.min_p for p in params], np.float32)
+        self.penalty = np.ones(n, np.float32)
+        self.seeds = np.array([s.seed for s in self.seqs], np.uint64)
+        eos = {s.eos for s in self.seqs}
+        # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
+        self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def matches(self, running: list[Sequence]) -> bool:
+        """Whether the rows are exactly `running` (after dropping the rows that ended since: condense), and
+        every step made from the arrays was advanced (else the sequences moved without them)."""
+        if self.issued:
+            return False
+        if running == self.seqs:
+            return True
+        keep = [s.status is Status.RUNNING for s in self.seqs]
+        if sum(keep) != len(running):
+            return False
+        self.condense(np.array(keep, bool))
+        return running == self.seqs
+
+    def condense(self, keep: np.ndarray) -> None:
+        self.seqs = [s for s, k in zip(self.seqs, keep) if k]
+        for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
+                     "min_p", "penalty", "seeds"):
+            setattr(self, name, getattr(self, name)[keep])
+        self.version += 1
+
+    def grow(self, blocks, ahead: int) -> bool:
+        """Gives every row the blocks that a decode `ahead` steps past the host's knowledge needs; False
+        (nothing taken) when the pool has too few free: the general path then preempts."""
+        need = -(-(self.pos + ahead + 1) // self.block_size) - self.nblk
+        rows = np.flatnonzero(need > 0)
+        if rows.size == 0:
+            return True
+        if int(need[rows].sum()) > blocks.num_free:
+            return False
+        width = int((self.nblk + np.maximum(need, 0)).max())
+        if width > self.tables.shape[1]:
+            grown = np.zeros((len(self), max(width, 2 * self.tables.shape[1])), np.int32)
+            grown[:, :self.tables.shape[1]] = self.tables
+            self.tables = grown
+        for row in rows.tolist():
+            seq = self.seqs[row]
+            blocks.grow(seq, int(self.pos[row]) + ahead + 1)
+            n = len(seq.block_table)
+            self.tables[row, :n] = seq.block_table
+            self.nblk[row] = n
+        return True
+
+    def arrays(self, ahead: int = 0):
+        """The runner's host arrays (ids, pos, slots, q_start, kv_len, tables), as ModelRunner._arrays
+        builds them for one-token rows. ahead 1: the step after the one still running (ids are placeholders
+        the runner takes from that step's tokens on the device)."""
+        n, bs = len(self), self.block_size
+        pos = self.pos + ahead
+        rows = np.arange(n)
+        slots = self.tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        ids = np.zeros(n, np.int64) if ahead else self.last
+        tables = np.ascontiguousarray(self.tables[:, :int(self.nblk.max())])
+        return (ids, pos, slots, np.arange(n + 1, dtype=np.int32), (pos + 1).astype(np.int32), tables)
+
+    def step_made(self) -> int:
+        """Counts a step made from the arrays (advance() counts it back); its version."""
+        self.issued += 1
+        return self.version
+
+    def sampling(self, ahead: int = 0):
+        return (self.temperature, self.top_k, self.top_p, self.min_p, self.penalty, self.seeds,
+                (self.num_output + ahead).astype(np.uint64), [], [], [])
+
+    def advance(self, tokens, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Applies a step's tokens (one per row, every row running): the sequences get them, the arrays
+        move one position. Returns the (EOS, length) end masks; the caller finishes those rows."""
+        self.issued -= 1
+        tok = np.asarray(tokens, np.int64)
+        tokens = tok.tolist()  # plain ints in the sequences (the prefix cache hashes them)
+        for seq, t in zip(self.seqs, tokens):
+            seq.num_computed += 1
+            seq.tokens.append(t)
+        self.pos += 1
+        self.num_output += 1
+        self.last = tok
+        if self.eos is not None:
+            eos = np.isin(tok, self.eos)
+        else:
+            eos = np.array([t in s.eos for s, t in zip(self.seqs, tokens)], bool)
+        length = ~eos & ((self.num_output >= self.max_new) | (self.pos + 1 >= max_seq_len))
+        return eos, length

@@ -1,0 +1,178 @@
+"""The persistent decode batch (engine/batch.py, issue 33): while every running sequence decodes, a step's
+arrays advance in place instead of being rebuilt from the sequences. The reference is the general path
+(Scheduler.schedule's pass over the sequences, ModelRunner._arrays/_sampling, EngineCore._account), which
+the rest of the suite checks against HF: with the batch switched off, every token, text, finish reason,
+block count and prefix-cache hit must be the same. Also: generate()'s one decode at the end equals the
+streamed text piece by piece."""
+import numpy as np
+import pytest
+
+from llaisys.engine import scheduler as scheduler_mod
+from llaisys.engine.batch import DecodeBatch
+from llaisys.engine.block_manager import BlockManager
+from llaisys.engine.engine import Engine
+from llaisys.engine.model_runner import ModelRunner
+from llaisys.engine.scheduler import Step
+from llaisys.engine.sequence import Sequence, Status
+from llaisys.sampling import resolve_sampling
+from tiny_model import make_tiny_qwen2
+from utils import DEVICES
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_qwen2(tmp_path_factory.mktemp("batch"), seed=11, max_position_embeddings=1024)
+
+
+def engine(path, device, overlap, **kw):
+    kw.setdefault("num_kv_blocks", 512)
+    return Engine(path, device=device, dtype="f32", progress=False, max_seq_len=kw.pop("max_seq_len", 400),
+                  overlap_steps=overlap, **kw)
+
+
+def prompts(vocab, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+def both_ways(tiny, device, monkeypatch, fn, overlap=False, **kw):
+    """fn(engine) with the batch on, then off (the general path); the batch must have made steps."""
+    eng = engine(tiny, device, overlap, **kw)
+    fast = fn(eng)
+    n = eng.stats()["decode_batch_steps"]
+    eng.close()
+    with monkeypatch.context() as m:
+        m.setattr(scheduler_mod.Scheduler, "decode_step", lambda self: None)
+        eng = engine(tiny, device, overlap, **kw)
+        general = fn(eng)
+        assert eng.stats()["decode_batch_steps"] == 0
+        eng.close()
+    assert n > 0
+    return fast, general
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_tokens_texts_and_ends_equal_the_general_path(tiny, device, overlap, monkeypatch):
+    def go(eng):
+        ps = prompts(eng.config.vocab_size, [3, 17, 40, 90, 7], seed=1)
+        greedy = eng.generate(ps, max_new_tokens=[30, 5, 47, 1, 60], temperature=0, ignore_eos=True)
+        seeded = eng.generate(ps, max_new_tokens=25, temperature=0.9, top_p=0.9, top_k=50, seed=[7, 8, 9, 10, 11],
+                              ignore_eos=True)
+        stop_at = greedy[4].token_ids[12]  # a token the greedy run samples: EOS ends that row early
+        eos = eng.generate(ps, max_new_tokens=40, temperature=0, stop_token_ids=[stop_at])
+        text = greedy[4].text
+        stopped = eng.generate(ps[4], max_new_tokens=60, temperature=0, ignore_eos=True,
+                               stop=[text[len(text) // 2:len(text) // 2 + 2]])
+        mixed = eng.generate(ps, max_new_tokens=20, temperature=0, ignore_eos=True,
+                             repetition_penalty=[1.0, 1.0, 1.3, 1.0, 1.0])  # one row the batch can't serve
+        return [(r.token_ids, r.text, r.finish_reason) for r in greedy + seeded + eos + [stopped] + mixed]
+    fast, general = both_ways(tiny, device, monkeypatch, go, overlap)
+    assert fast == general
+    assert any(f == "stop" for _, _, f in fast[10:15])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_cache_preemption_and_the_context_end(tiny, device, monkeypatch):
+    """A pool so small that decodes preempt each other, shared prefixes, and a row reaching max_seq_len:
+    the same tokens, the same hits, and every block back."""
+    def go(eng):
+        sys = prompts(eng.config.vocab_size, [48], seed=6)[0]
+        ps = [sys + q for q in prompts(eng.config.vocab_size, [5, 9, 3, 30], seed=7)]
+        first = [r.token_ids for r in eng.generate(ps, max_new_tokens=70, temperature=0, ignore_eos=True)]
+        again = [r.token_ids for r in eng.generate(ps, max_new_tokens=70, temperature=0, ignore_eos=True)]
+        long = eng.generate(prompts(eng.config.vocab_size, [180], seed=8)[0], max_new_tokens=100, temperature=0,
+                            ignore_eos=True)
+        s = eng.stats()
+        return first, again, (long.token_ids, long.finish_reason), s["prefix_cache_hit_rate"], s["preemptions"] > 0, \
+            s["kv_blocks_used"]
+    fast, general = both_ways(tiny, device, monkeypatch, go, block_size=4, num_kv_blocks=64, max_seq_len=200)
+    assert fast == general
+    assert fast[0] == fast[1] and fast[3] > 0 and fast[4] and fast[5] == 0
+    assert len(fast[2][0]) == 20 and fast[2][1] == "length"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborts_and_late_arrivals_mid_batch(tiny, overlap):
+    """Rows leave the batch (an abort) and join it (a late request) while it runs: the others keep exactly
+    the tokens they get alone, and the pool ends empty."""
+    eng = engine(tiny, "cpu", overlap)
+    ps = prompts(eng.config.vocab_size, [10, 30, 8, 12], seed=5)
+    kw = dict(max_new_tokens=50, temperature=0, ignore_eos=True)
+    alone = [eng.generate(p, **kw).token_ids for p in ps]
+    before = eng.stats()["decode_batch_steps"]
+    reqs = [eng.submit(p, **kw) for p in ps[:3]]
+    it = iter(reqs[0])
+    ids = list(next(it).token_ids)
+    doomed = reqs[2]
+    next(iter(doomed))
+    doomed.abort()
+    late = eng.submit(ps[3], **kw)
+    for chunk in it:
+        ids += chunk.token_ids
+    assert ids == alone[0] and reqs[1].result().token_ids == alone[1] and late.result().token_ids == alone[3]
+    assert doomed.result().finish_reason == "abort"
+    s = eng.stats()
+    assert s["kv_blocks_used"] == 0 and s["running"] == 0 and s["decode_batch_steps"] > before
+    eng.close()
+
+
+def test_generate_decodes_once_what_stream_decodes_piece_by_piece(tiny):
+    """generate() keeps ids and decodes at the end; stream() decodes token by token (multi-token characters
+    included): the texts are equal."""
+    eng = engine(tiny, "cpu", False)
+    vocab = eng.config.vocab_size
+    for p in prompts(vocab, [4, 9, 15], seed=9):
+        for kw in (dict(temperature=0), dict(temperature=1.0, top_k=0, seed=3)):
+            whole = eng.generate(p, max_new_tokens=40, ignore_eos=True, **kw)
+            pieces = list(eng.stream(p, max_new_tokens=40, ignore_eos=True, **kw))
+            assert whole.token_ids == [t for c in pieces for t in c.token_ids]
+            assert whole.text == "".join(c.text for c in pieces) and whole.text
+    eng.close()
+
+
+def _random_seqs(rng, n, block_size, bm):
+    params = resolve_sampling({}, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=500)
+    seqs = []
+    for i in range(n):
+        s = Sequence([int(t) for t in rng.integers(0, 100, int(rng.integers(1, 40)))], params, seed=i, eos=frozenset())
+        bm.admit(s)
+        s.status = Status.RUNNING
+        s.num_computed = len(s) - 1
+        for _ in range(int(rng.integers(0, 5))):  # some generated tokens
+            s.tokens.append(int(rng.integers(0, 100)))
+            bm.grow(s)
+            s.num_computed = len(s) - 1
+        seqs.append(s)
+    return seqs
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_batch_arrays_equal_the_runners_arrays(ahead):
+    """DecodeBatch.arrays/sampling equal what ModelRunner builds from the sequences, as the batch advances,
+    grows blocks (one step ahead too) and loses rows."""
+    rng = np.random.default_rng(0)
+    bm = BlockManager(4000, 4, enable_prefix_caching=False)
+    seqs = _random_seqs(rng, 37, 4, bm)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 4
+    b = DecodeBatch(seqs, 4)
+    for it in range(12):
+        assert b.grow(bm, ahead)
+        step = Step(b.seqs, [1] * len(b))
+        mine, theirs = b.arrays(ahead), runner._arrays(step, ahead)
+        for x, y in zip(mine, theirs):
+            np.testing.assert_array_equal(x, y)
+        s_mine, s_theirs = b.sampling(ahead), runner._sampling(step, ahead)
+        for x, y in zip(s_mine[:7], s_theirs[:7]):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        assert b.step_made() == b.version
+        if ahead:
+            b.grow(bm, 0)
+        b.advance([int(t) for t in rng.integers(0, 100, len(b))], max_seq_len=10_000)
+        if it % 4 == 3:  # a few rows leave
+            keep = rng.random(len(b)) > 0.2
+            for s, k in zip(b.seqs, keep):
+                if not k:
+                    s.status = Status.FINISHED
+            assert b.matches([s for s in b.seqs if s.status is Status.RUNNING])
