@@ -179,7 +179,12 @@ class StepLoop:
             req = self._live.pop(seq.seq_id, None)
             if req is not None:
                 req.fail(error)
+        live = self._live
         for seq, token, logprobs in produced:
-            req = self._live.get(seq.seq_id)
-            if req is not None:
+            req = live.get(seq.seq_id)
+            if req is None:
+                continue
+            if req.keeps_ids and logprobs is None and seq.finish_reason is None and req.first is not None:
+                req.ids_kept.append(token)  # a request read only at its end, mid-way: all there is to do
+            else:
                 self._deliver(req, self._token, req, seq, token, logprobs)

@@ -91,10 +91,11 @@ class Request:
         # incremental False: nobody reads the chunks before the end (generate(), chat() without a stream) and
         # no stop string needs the text as it grows, so the ids are kept and decoded once when the request
         # ends: the step loop's work per token is an append (issue 33: host work per sequence and step)
-        self._lazy = not incremental and not stops
+        self._lazy = self.keeps_ids = not incremental and not stops
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
+        self.ids_kept = self._pending  # the step loop appends a keeps_ids request's ids here directly
         self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
