@@ -78,10 +78,11 @@ void bind_model(nb::module_ &m) {
         for (const WeightSpec &w : architecture(c.arch).weights(c)) {
             nb::tuple shape = nb::steal<nb::tuple>(PyTuple_New(Py_ssize_t(w.shape.size())));
             for (size_t i = 0; i < w.shape.size(); ++i) PyTuple_SET_ITEM(shape.ptr(), i, PyLong_FromLongLong(w.shape[i]));
-            out.append(nb::make_tuple(w.hf_name, w.gguf_name, shape, w.group, w.split_dim));
+            out.append(nb::make_tuple(w.hf_name, w.gguf_name, shape, w.group, w.split_dim, w.role, w.layer));
         }
         return out;
-    }, nb::arg("config"), "[(HF name, GGUF name, shape, fusion group, tensor-parallel split dim)] of a config.");
+    }, nb::arg("config"), "[(HF name, GGUF name, shape, fusion group, tensor-parallel split dim, decoder role, "
+                          "layer or -1)] of a config.");
 
     nb::class_<Model>(m, "Model")
         .def("load_weight", &Model::load_weight, nb::arg("name"), nb::arg("value"), G())

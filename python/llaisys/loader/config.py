@@ -234,13 +234,14 @@ def token_ids(value) -> tuple[int, ...]:
 
 
 def weight_table(config: ModelConfig) -> list[tuple]:
-    """[(HF name, GGUF name, shape, fusion group, tensor-parallel split dim)] of every weight the model takes."""
+    """[(HF name, GGUF name, shape, fusion group, tensor-parallel split dim, decoder role, layer or -1)] of
+    every weight the model takes."""
     return _core.weight_table(config.core)
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every weight a checkpoint with this config must hold (HF names), with its shape."""
-    return {hf: tuple(shape) for hf, _, shape, _, _ in weight_table(config)}
+    return {hf: tuple(shape) for hf, _, shape, *_ in weight_table(config)}
 
 
 def check_weight_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, file_of: dict[str, str],

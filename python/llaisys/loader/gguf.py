@@ -172,7 +172,7 @@ def _plan(reader, config: ModelConfig, path: str) -> list:
     integer = {gguf.GGMLQuantizationType[n] for n in ("I8", "I16", "I32", "I64")
                if n in gguf.GGMLQuantizationType.__members__}
     found, gguf_names, plan = {}, {}, []
-    hf_of = {g: hf for hf, g, _, _, _ in weight_table(config)}
+    hf_of = {g: hf for hf, g, *_ in weight_table(config)}
     for t in reader.tensors:
         name = hf_of.get(t.name)
         if name is None:
@@ -204,7 +204,7 @@ def _qk_row_order(config: ModelConfig) -> dict[str, np.ndarray]:
     if not config.gguf_permuted_qk:
         return {}
     order = {}
-    for hf, _, shape, _, _ in weight_table(config):
+    for hf, _, shape, *_ in weight_table(config):
         part = hf.rsplit(".", 2)[-2]
         if part in ("q_proj", "k_proj"):
             heads = config.num_attention_heads if part == "q_proj" else config.num_key_value_heads
