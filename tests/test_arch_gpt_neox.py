@@ -35,3 +35,16 @@ def test_cuda_bf16_close_to_hf_f32(tiny):
 
 def test_cpu_bf16_close_to_hf_f32(tiny):
     arch_check.check_half(tiny, "cpu")
+
+
+def test_a_neox_config_with_num_key_value_heads_loads():
+    """GPT-NeoX's table reads no num_key_value_heads (every head has its own K/V): a config.json that states
+    it anyway (some converters write it) gets the query head count, and other families still refuse 0."""
+    from llaisys.loader.config import ModelConfig
+
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=64)
+    cfg = ModelConfig.from_hf(dict(base, model_type="gpt_neox", num_key_value_heads=4), "config.json")
+    assert cfg.num_key_value_heads == 4
+    with pytest.raises(ValueError, match="num_key_value_heads must be a positive int, got 0"):
+        ModelConfig.from_hf(dict(base, model_type="qwen2", num_key_value_heads=0), "config.json")

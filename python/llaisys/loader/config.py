@@ -87,7 +87,8 @@ class ModelConfig:
             if d.get(key) is None:
                 raise ValueError(f"{source}: config is missing {key!r}")
         _check_hf_traits(d, arch, source)
-        if d.get("num_key_value_heads") is None:
+        reads_kv = any(f == "num_key_value_heads" for f, _, _ in arch["keys"])  # GPT-NeoX's table does not
+        if d.get("num_key_value_heads") is None or not reads_kv:
             core["num_key_value_heads"] = core["num_attention_heads"]
         if d.get("head_dim") is None:
             heads, hidden = core["num_attention_heads"], core["hidden_size"]
