@@ -6,7 +6,9 @@ bf16 safetensors or a random GGUF kept in its block formats).
 Runs `Engine.generate` (CUDA graphs on, the real path) for `--batch` requests of `--context` prompt tokens
 under torch.profiler, which records every kernel of the process through CUPTI, including those replayed
 from the Runner's graphs: once with 1 new token (prefill and the first sample) and once with 1 + steps.
-The difference, divided by steps, is what one decode step costs: per kernel name, launches and device µs
+Both runs use the same prompts, put in the prefix cache by a warm-up run first, so each prefills only the
+last few tokens of every prompt in one step (with fresh prompts, a long prefill's chunks ran beside the
+first decodes and were counted as decode). The difference, divided by steps, is what one decode step costs: per kernel name, launches and device µs
 per step; then kernel time against the step's wall time (the rest is gaps between kernels and the
 host's work). With PDL on (the default), CUPTI counts a kernel's wait for its predecessor as its own
 time: set LLAISYS_PDL=0 for durations that add up.
@@ -98,9 +100,10 @@ def main() -> int:
     eng = Engine(path, device="cuda", dtype=dtype, progress=False, max_seq_len=args.context + args.steps + 64,
                  max_num_seqs=max(args.batch, 1))
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
-    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)  # graph capture, allocator warm-up
-    base, wall0, idle0 = profiled(eng, [[2] + p[1:] for p in prompts], 1)  # new first tokens: no prefix-cache hit
-    full, wall1, idle1 = profiled(eng, [[3] + p[1:] for p in prompts], 1 + args.steps)
+    # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
+    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)
+    base, wall0, idle0 = profiled(eng, prompts, 1)
+    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps)
     rows = []
     for k, (n, us) in full.items():
         n0, us0 = base.get(k, (0, 0.0))
