@@ -1,5 +1,6 @@
 // The llaisys._core extension: error translation, build info, memory, streams and events.
 #include "bindings/common.hpp"
+#include "llaisys/comm.hpp"
 #include "llaisys/common.hpp"
 #include "llaisys/memory.hpp"
 #include "llaisys/stream.hpp"
@@ -24,6 +25,10 @@ static nb::dict build_info() {
     d["cuda_version"] = nb::none();
     d["cuda_archs"] = nb::none();
 #endif
+    if (nccl_available()) // tensor parallelism over GPUs (llaisys/comm.hpp)
+        d["nccl"] = nccl_version();
+    else
+        d["nccl"] = nb::none();
     d["compiler"] = LLAISYS_CXX_COMPILER;
     d["cpu_flags"] = LLAISYS_CPU_FLAGS;
     d["cpu_threads"] = cpu_threads();

@@ -1,8 +1,10 @@
 // llaisys._core.ops: every operator in its out-parameter form. Arguments are documented in
 // cpp/include/llaisys/ops.hpp; llaisys.functional has the allocating forms.
 #include "bindings/common.hpp"
+#include "llaisys/comm.hpp"
 #include "llaisys/ops.hpp"
 
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -89,4 +91,22 @@ void bind_ops(nb::module_ &m) {
     o.def("gelu", &ops::gelu, nb::arg("out"), nb::arg("x"), nb::arg("tanh_approx") = false, G());
     o.def("geglu", &ops::geglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), nb::arg("tanh_approx") = false, G());
     // ---- end LayerNorm and GELU ----
+    // ---- tensor-parallel collectives (llaisys/comm.hpp) ----
+    nb::class_<Communicator>(m, "Communicator", "One rank of a tensor-parallel group (local_group makes them).")
+        .def_prop_ro("rank", &Communicator::rank)
+        .def_prop_ro("world", &Communicator::world)
+        .def_prop_ro("device", [](const Communicator &c) { return c.device().str(); })
+        .def_prop_ro("backend", &Communicator::backend);
+    m.def("local_group", [](const std::string &device, int world, double timeout_s) {
+        LLAISYS_CHECK(world >= 1, std::invalid_argument, "local_group: world must be >= 1, got ", world);
+        const Device d = Device::parse(device);
+        std::vector<int> devices(size_t(world), 0);
+        if (d.type == DeviceType::CUDA)
+            for (int r = 0; r < world; ++r) devices[size_t(r)] = d.index + r;
+        return local_group(d.type, devices, timeout_s);
+    }, nb::arg("device"), nb::arg("world"), nb::arg("timeout_s") = 300.0,
+       "The `world` ranks of one group: on 'cpu' threads of this process, on 'cuda[:i]' GPUs i .. i + world - 1 "
+       "(NCCL).");
+    o.def("all_reduce", &ops::all_reduce, nb::arg("x"), nb::arg("comm"), G());
+    o.def("all_gather", &ops::all_gather, nb::arg("out"), nb::arg("x"), nb::arg("comm"), G());
 }

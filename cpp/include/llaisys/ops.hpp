@@ -8,6 +8,10 @@
 #include <cstdint>
 #include <vector>
 
+namespace llaisys {
+class Communicator;
+}
+
 namespace llaisys::ops {
 
 // out = a + b (same shape, dtype and device; out may alias a or b).
@@ -170,5 +174,11 @@ void gelu(const Tensor &out, const Tensor &x, bool tanh_approx);
 // rounded before the product. out may alias gate or up.
 void geglu(const Tensor &out, const Tensor &gate, const Tensor &up, bool tanh_approx);
 // ---- end LayerNorm and GELU ----
+
+// ---- collectives of a tensor-parallel group (llaisys/comm.hpp; every rank calls, each with its own tensor) ----
+// x = the sum of every rank's x, in place (contiguous, f32/f16/bf16, on the communicator's device).
+void all_reduce(const Tensor &x, Communicator &comm);
+// out [world * n] = every rank's x [n] in rank order (contiguous, one dtype, on the communicator's device).
+void all_gather(const Tensor &out, const Tensor &x, Communicator &comm);
 
 } // namespace llaisys::ops

@@ -1,0 +1,95 @@
+// NCCL communicators for the CUDA ranks of one process (issue 30). Compiled only where CMake found NCCL
+// (LLAISYS_HAVE_NCCL); see llaisys/comm.hpp for the contract. Each collective is enqueued on the current
+// stream of the rank's device, so it orders with the rank's other kernels and is captured into a CUDA
+// graph like them.
+#ifdef LLAISYS_HAVE_NCCL
+#include "llaisys/comm.hpp"
+
+#include "core/cuda/check.hpp"
+#include "llaisys/stream.hpp"
+
+#include <nccl.h>
+
+namespace llaisys {
+
+#define LLAISYS_NCCL_CHECK(expr)                                                                       \
+    do {                                                                                               \
+        ncclResult_t r_ = (expr);                                                                      \
+        if (r_ != ncclSuccess)                                                                         \
+            throw std::runtime_error(::llaisys::detail::concat("NCCL error: ", ncclGetErrorString(r_), \
+                                                               " (", #expr, ")"));                     \
+    } while (0)
+
+namespace {
+
+ncclDataType_t nccl_type(DType d, const char *what) {
+    switch (d) {
+    case DType::F32: return ncclFloat32;
+    case DType::F16: return ncclFloat16;
+    case DType::BF16: return ncclBfloat16;
+    case DType::I32: return ncclInt32;
+    case DType::I64: return ncclInt64;
+    default: throw TypeError(detail::concat(what, ": NCCL takes no ", dtype_name(d)));
+    }
+}
+
+class NcclCommunicator final : public Communicator {
+public:
+    NcclCommunicator(int rank, int world, int device, ncclComm_t comm)
+        : Communicator(rank, world, Device::cuda(device)), comm_(comm) {}
+    ~NcclCommunicator() override { ncclCommDestroy(comm_); }
+
+    std::string backend() const override { return "nccl " + nccl_version(); }
+
+    void all_reduce_sum(const Tensor &x) override {
+        DeviceGuard guard(device());
+        LLAISYS_NCCL_CHECK(ncclAllReduce(x.data(), x.data(), size_t(x.numel()), nccl_type(x.dtype(), "all_reduce"),
+                                         ncclSum, comm_, stream()));
+    }
+
+    void all_gather(const Tensor &out, const Tensor &in) override {
+        DeviceGuard guard(device());
+        LLAISYS_NCCL_CHECK(ncclAllGather(in.data(), out.data(), size_t(in.numel()), nccl_type(in.dtype(), "all_gather"),
+                                         comm_, stream()));
+    }
+
+private:
+    cudaStream_t stream() const { return static_cast<cudaStream_t>(current_stream(device()).handle()); }
+    ncclComm_t comm_;
+};
+
+} // namespace
+
+std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &devices) {
+    int count = 0;
+    LLAISYS_CUDA_CHECK(cudaGetDeviceCount(&count));
+    for (int d : devices)
+        LLAISYS_CHECK(d >= 0 && d < count, std::invalid_argument, "local_group: no CUDA device ", d, " (this machine has ",
+                      count, ")");
+    std::vector<ncclComm_t> comms(devices.size());
+    LLAISYS_NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
+    std::vector<std::shared_ptr<Communicator>> out;
+    for (size_t r = 0; r < devices.size(); ++r)
+        out.push_back(std::make_shared<NcclCommunicator>(int(r), int(devices.size()), devices[r], comms[r]));
+    return out;
+}
+
+std::string nccl_version_string() {
+    int v = 0;
+    LLAISYS_NCCL_CHECK(ncclGetVersion(&v));
+    return detail::concat(v / 10000, ".", (v / 100) % 100, ".", v % 100);
+}
+
+void nccl_group_calls(const std::function<void()> &fn) {
+    LLAISYS_NCCL_CHECK(ncclGroupStart());
+    try {
+        fn();
+    } catch (...) {
+        ncclGroupEnd();
+        throw;
+    }
+    LLAISYS_NCCL_CHECK(ncclGroupEnd());
+}
+
+} // namespace llaisys
+#endif
