@@ -16,7 +16,7 @@ from llaisys.engine.scheduler import Step
 from llaisys.engine.sequence import Sequence, Status
 from llaisys.sampling import resolve_sampling
 from tiny_model import make_tiny_qwen2
-from utils import DEVICES
+from utils import DEVICES, f32_engine, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +24,7 @@ def tiny(tmp_path_factory):
     return make_tiny_qwen2(tmp_path_factory.mktemp("batch"), seed=11, max_position_embeddings=1024)
 
 
-def engine(path, device, overlap, **kw):
-    kw.setdefault("num_kv_blocks", 512)
-    return Engine(path, device=device, dtype="f32", progress=False, max_seq_len=kw.pop("max_seq_len", 400),
-                  overlap_steps=overlap, **kw)
-
-
-def prompts(vocab, lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+engine, prompts = f32_engine, token_prompts
 
 
 def both_ways(tiny, device, monkeypatch, fn, overlap=False, **kw):

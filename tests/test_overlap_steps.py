@@ -9,7 +9,7 @@ import pytest
 
 from llaisys.engine.engine import Engine
 from tiny_model import make_tiny_qwen2
-from utils import DEVICES
+from utils import DEVICES, f32_engine, token_prompts
 
 
 @pytest.fixture(scope="module")
@@ -17,15 +17,7 @@ def tiny(tmp_path_factory):
     return make_tiny_qwen2(tmp_path_factory.mktemp("overlap"), seed=5, max_position_embeddings=1024)
 
 
-def engine(path, device, overlap, **kw):
-    kw.setdefault("num_kv_blocks", 512)
-    return Engine(path, device=device, dtype="f32", progress=False, max_seq_len=kw.pop("max_seq_len", 400),
-                  overlap_steps=overlap, **kw)
-
-
-def prompts(vocab, lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+engine, prompts = f32_engine, token_prompts
 
 
 def overlapped_steps(eng):

@@ -70,3 +70,18 @@ def assert_close(out, ref, dtype, atol=None, rtol=None):
     assert got.shape == ref.shape, f"shape {got.shape} != reference {ref.shape}"
     assert not np.isnan(got).any() or np.isnan(ref).any(), "output has NaN (an element was not written?)"
     np.testing.assert_allclose(got, ref, **tol)
+
+
+def token_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    """Random prompts of token ids, one per length (engine tests)."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+def f32_engine(path, device, overlap, **kw):
+    """An f32 Engine with a fixed pool (512 blocks unless given) and max_seq_len 400 unless given."""
+    from llaisys.engine.engine import Engine
+
+    kw.setdefault("num_kv_blocks", 512)
+    return Engine(path, device=device, dtype="f32", progress=False, max_seq_len=kw.pop("max_seq_len", 400),
+                  overlap_steps=overlap, **kw)
