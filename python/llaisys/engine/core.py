@@ -70,8 +70,27 @@ class EngineCore:
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
         self.overlapped_steps = 0  # steps launched chained behind the step ahead (overlap_steps)
 
-    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
-        """ValueError (with the numbers) for a request that could never run."""
+    def check_window(self, kv_window: int, sink_tokens: int) -> None:
+        """ValueError for a window whose blocks (sinks + window + one) a step's block table cannot hold."""
+        bs = self.config.block_size
+        blocks = -(-sink_tokens // bs) + -(-kv_window // bs) + 1
+        if blocks > math.ceil(self.max_seq_len / bs):
+            raise ValueError(f"kv_window {kv_window} + sink_tokens {sink_tokens} take {blocks} blocks of {bs} "
+                             f"tokens (with one being filled) but a sequence holds at most "
+                             f"{math.ceil(self.max_seq_len / bs)} (max_seq_len {self.max_seq_len}): lower kv_window "
+                             f"or raise max_seq_len")
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int, kv_window: int = 0, sink_tokens: int = 0) -> None:
+        """ValueError (with the numbers) for a request that could never run. A windowed one (kv_window > 0)
+        has no length limit: it holds at most its window's blocks."""
+        if kv_window:
+            self.check_window(kv_window, sink_tokens)
+            bs = self.config.block_size
+            need = min(n_prompt + max_new_tokens, (-(-sink_tokens // bs) + -(-kv_window // bs) + 1) * bs)
+            if need > self.blocks.capacity_tokens:
+                raise ValueError(f"the request's window needs up to {need} tokens of KV cache but the whole pool "
+                                 f"holds {self.blocks.capacity_tokens}")
+            return
         if n_prompt >= self.max_seq_len:
             raise ValueError(f"prompt has {n_prompt} tokens but the context holds {self.max_seq_len} "
                              f"(max_seq_len)")
@@ -187,14 +206,19 @@ class EngineCore:
         bm, need = self.blocks, 0
         for seq in step.seqs:
             if (seq.status is not Status.RUNNING or seq.num_output + 1 >= seq.params.max_new_tokens or
-                    len(seq) + 1 >= self.max_seq_len):
+                    (not seq.kv_window and len(seq) + 1 >= self.max_seq_len)):
                 return None  # ended, or about to end by length
-            need += max(0, bm.blocks_for(len(seq) + 1) - len(seq.block_table))
+            # a windowed one: its eviction before the token after this one (its keys written by the step ahead)
+            need += bm.need(seq, 1, ahead=1) if seq.kv_window else max(
+                0, bm.blocks_for(len(seq) + 1) - len(seq.block_table))
         if need > bm.num_free:
             return None
-        for seq in step.seqs:
-            bm.grow(seq, len(seq) + 1)
         nxt = Step(list(step.seqs), [1] * len(step.seqs))
+        for seq in step.seqs:
+            if not seq.kv_window:
+                bm.grow(seq, len(seq) + 1)
+            elif (shift := bm.slide(seq, 1, ahead=1)) is not None:
+                nxt.shifts.append(shift)
         self.runner.launch(nxt, chain=True)
         self.overlapped_steps += 1
         return nxt
@@ -225,7 +249,7 @@ class EngineCore:
             produced.append((seq, int(token), lp))
             if token in seq.eos:
                 self.finish(seq, "stop")
-            elif seq.num_output >= seq.params.max_new_tokens or len(seq) >= self.max_seq_len:
+            elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
                 self.finish(seq, "length")
         t = self.timing
         t["steps"] += 1
@@ -252,21 +276,44 @@ class EngineCore:
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": b.num_used,
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
+                "kv_blocks_evicted": b.evicted_blocks,
                 "overlapped_steps": self.overlapped_steps}
 
 
-def score_logits(core: EngineCore, ids: list[int]):
-    """Teacher-forced logits of every position of ids, [len, vocab] (a tensor on the model's device).
-    Runs on the loop thread between steps, in blocks of its own (no prefix hits: every position's
-    logits are computed) that are freed at once."""
+def score_logits(core: EngineCore, ids: list[int], kv_window: int = 0, sink_tokens: int = 0):
+    """Teacher-forced logits of every position of ids, [len, vocab] (a tensor on the model's device; with a
+    window, a float32 numpy array). Runs on the loop thread between steps, in blocks of its own (no prefix
+    hits: every position's logits are computed) that are freed at once. With kv_window, through the same
+    rolling cache a windowed generation uses, in chunks of one block: each position sees what it would see
+    when decoded (the sinks and kv_window to kv_window + block_size - 1 tokens before it, when both are
+    multiples of the block size)."""
     bm = core.blocks
-    seq = Sequence(ids, _GREEDY, seed=0, eos=frozenset())
-    need = bm.blocks_for(len(ids))
+    seq = Sequence(ids, _GREEDY, seed=0, eos=frozenset(), kv_window=kv_window, sink_tokens=sink_tokens)
+    if not kv_window:
+        need = bm.blocks_for(len(ids))
+        if need > bm.num_free:
+            raise ValueError(f"score(): {len(ids)} tokens need {need} KV blocks but only {bm.num_free} are free")
+        bm.admit_private(seq)
+        try:
+            return core.runner.logits(Step([seq], [len(ids)]), all_logits=True)
+        finally:
+            bm.free(seq)
+    core.check_window(kv_window, sink_tokens)
+    need = bm.window_blocks(seq)
     if need > bm.num_free:
-        raise ValueError(f"score(): {len(ids)} tokens need {need} KV blocks but only {bm.num_free} are free")
-    bm.admit_private(seq)
+        raise ValueError(f"score(): a window of {kv_window} + {sink_tokens} tokens needs {need} KV blocks but only "
+                         f"{bm.num_free} are free")
+    out = []
     try:
-        return core.runner.logits(Step([seq], [len(ids)]), all_logits=True)
+        while seq.num_computed < len(ids):
+            n = min(len(ids) - seq.num_computed, bm.block_size, bm.chunk_limit(seq))
+            step = Step([seq], [n])
+            shift = bm.slide(seq, n)  # never short of blocks: private ones, fewer than window_blocks
+            if shift is not None:
+                step.shifts.append(shift)
+            logits = core.runner.logits(step, all_logits=True)  # the model's buffer, reused by the next step
+            out.append(np.array(logits.to("cpu").to("f32").numpy(), dtype=np.float32))
+            seq.num_computed += n
     finally:
         bm.free(seq)
-
+    return np.concatenate(out)
