@@ -207,3 +207,30 @@ def test_engine_default_window(tiny):
     assert len(eng.generate(prompt(5), max_new_tokens=200, temperature=0, ignore_eos=True, kv_window=0).token_ids) == 59
     check_books(eng)
     eng.close()
+
+
+def test_server_window_extras_and_metrics(tiny):
+    """kv_window / sink_tokens as request extras (past the context), bad values an OpenAI-shaped 400, and
+    /metrics counting evicted blocks."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from llaisys.server.app import create_app
+
+    eng = engine(tiny)
+    with TestClient(create_app(eng, "tiny")) as client:
+        body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+        r = client.post("/v1/completions", json={**body, "kv_window": 16, "sink_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 150
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        for bad, word in (({"kv_window": -1}, "kv_window"), ({"kv_window": 10_000}, "kv_window"),
+                          ({"kv_window": 16, "sink_tokens": "x"}, "sink_tokens")):
+            r = client.post("/v1/completions", json={**body, **bad})
+            assert r.status_code == 400, r.text
+            assert word in r.json()["error"]["message"] and r.json()["error"]["type"]
+        metrics = client.get("/metrics").text
+        evicted = [line for line in metrics.splitlines() if line.startswith("llaisys_kv_blocks_evicted_total ")]
+        assert evicted and float(evicted[0].split()[1]) > 10
+    eng.close()

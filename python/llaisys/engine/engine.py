@@ -233,6 +233,15 @@ class Engine:
             return np.asarray(logits.to("cpu").to("f32").numpy(), dtype=np.float32).copy()
         return self._open().call(run)
 
+    def check_window(self, kv_window, sink_tokens=None) -> None:
+        """ValueError for a kv_window / sink_tokens a request of this engine could not use (a CLI checks its
+        flags with it before the first turn)."""
+        params = resolve_sampling({}, kv_window=kv_window, sink_tokens=sink_tokens)
+        window, sinks = self._window(params)
+        if window:
+            self._open()
+            self._core.check_window(window, sinks)
+
     def stats(self) -> dict:
         """Running and waiting requests, KV blocks used/free, prefix-cache hit rate, preemptions."""
         return self._open().stats()

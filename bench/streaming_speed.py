@@ -1,0 +1,84 @@
+"""StreamingLLM's speed target (issue 32): one sequence's decode tok/s after G generated tokens with a
+rolling window W vs its speed at W tokens of dense context (target >= 0.95x: the cost stays flat), and the
+eviction's cost per evicted block (the K-shift launches, timed with a synchronize on CUDA, and the host's
+bookkeeping in BlockManager.slide).
+
+    python bench/streaming_speed.py --device cuda --window 4096 --generated 32768    # the issue's H100 target
+    python bench/streaming_speed.py --device cpu --window 256 --generated 1024       # a CPU-sized run
+
+Both runs measure the decode rate of the last `--measure` tokens: the dense one from a prompt of W tokens
+(it decodes at W..W+measure context), the windowed one after G generated tokens (sinks + W..W+block_size).
+The timing wrappers add a synchronize per eviction on CUDA (one every block_size tokens): the ratio is
+measured with them on, so it is a lower bound.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+
+def decode_rate(eng, prompt: list[int], before: int, measure: int, **window) -> float:
+    """tok/s of the last `measure` tokens of a greedy run that first generates `before` tokens."""
+    stamps = [time.perf_counter() for _ in eng.stream(prompt, max_new_tokens=before + measure, temperature=0,
+                                                      ignore_eos=True, **window)]
+    tail = stamps[-measure - 1:]
+    return (len(tail) - 1) / (tail[-1] - tail[0])
+
+
+def time_evictions(eng) -> dict:
+    """Wraps the engine's block manager and model runner: seconds in slide (host) and in the K-shift."""
+    bm, runner = eng._core.blocks, eng._core.runner
+    acc = {"host": 0.0, "shift": 0.0, "blocks": 0}
+    slide, shift = bm.slide, runner.shift
+
+    def timed_slide(seq, n, ahead=0):
+        t0, before = time.perf_counter(), bm.evicted_blocks
+        out = slide(seq, n, ahead)
+        acc["host"] += time.perf_counter() - t0
+        acc["blocks"] += bm.evicted_blocks - before
+        return out
+
+    def timed_shift(shifts):
+        t0 = time.perf_counter()
+        shift(shifts)
+        if shifts and eng.device.startswith("cuda"):
+            from llaisys import synchronize
+            synchronize(eng.device)
+        acc["shift"] += time.perf_counter() - t0
+
+    bm.slide, runner.shift = timed_slide, timed_shift
+    return acc
+
+
+def main() -> None:
+    import llaisys
+    from llaisys import catalog
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=catalog.DEFAULT_MODEL)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--generated", type=int, default=1024)
+    ap.add_argument("--measure", type=int, default=64)
+    a = ap.parse_args()
+    eng = llaisys.Engine(a.model, device=a.device, progress=False, max_seq_len=a.window + a.measure + 64)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 20000, a.window)]
+    dense = decode_rate(eng, prompt, 0, a.measure)
+    acc = time_evictions(eng)
+    windowed = decode_rate(eng, prompt[:16], a.generated, a.measure, kv_window=a.window, sink_tokens=a.sinks)
+    blocks = max(acc["blocks"], 1)
+    print(f"{a.model} on {eng.device}: window {a.window} + {a.sinks} sinks, block size "
+          f"{eng.engine_config.block_size}")
+    print(f"| dense at {a.window} context | windowed after {a.generated} generated | ratio | evicted blocks | "
+          f"K-shift ms/block | host ms/block |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {dense:.2f} tok/s | {windowed:.2f} tok/s | **{windowed / dense:.3f}** | {acc['blocks']} | "
+          f"{1e3 * acc['shift'] / blocks:.3f} | {1e3 * acc['host'] / blocks:.3f} |")
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()
