@@ -163,23 +163,50 @@ def test_pool_accounting_exact_after_thousands_of_evictions(tiny):
 
 
 def test_prefix_hits_never_find_evicted_or_turned_blocks(tiny):
-    """A windowed request shares a cached prompt, evicts and turns its blocks; requests after it that hit
-    the same prefix (dense and windowed) get exactly the tokens of a fresh engine without any cache."""
-    p = prompt(60, seed=7)
+    """A windowed request shares a cached prompt, evicts and turns its blocks (copies of those others hold);
+    requests after it that hit the same prefix (dense and windowed) get exactly the tokens of a fresh
+    engine without any cache."""
+    p = prompt(30, seed=7)  # 3 full blocks shared, within the window's cap (1 + 2 + 1 blocks of 8)
     kw = dict(temperature=0, ignore_eos=True)
     fresh = engine(tiny, enable_prefix_caching=False)
     want_dense = fresh.generate(p, max_new_tokens=3, **kw).token_ids
     want_win = fresh.generate(p, max_new_tokens=80, kv_window=16, sink_tokens=4, **kw).token_ids
     fresh.close()
     eng = engine(tiny)
+    bm, copies = eng._core.blocks, []
+    slide = bm.slide
+
+    def recording(seq, n, ahead=0):
+        shift = slide(seq, n, ahead)
+        copies.append(shift is not None and shift[0] != shift[1])
+        return shift
+    bm.slide = recording
     assert eng.generate(p, max_new_tokens=3, **kw).token_ids == want_dense  # registers the prompt's blocks
     for _ in range(2):
         assert eng.generate(p, max_new_tokens=80, kv_window=16, sink_tokens=4, **kw).token_ids == want_win
         assert eng.generate(p, max_new_tokens=3, **kw).token_ids == want_dense
-    # while a windowed request that shares them runs, others hit the same blocks
+    # two windowed requests and a dense one on the same cached blocks at once: the first to evict copies them
     both = eng.generate([p, p, p], max_new_tokens=[80, 3, 80], kv_window=[16, 0, 16], sink_tokens=4, **kw)
     assert [r.token_ids for r in both] == [want_win, want_dense, want_win]
+    assert any(copies)
     assert eng.stats()["prefix_cache_hit_rate"] > 0.5
+    check_books(eng)
+    eng.close()
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+def test_a_prompt_longer_than_the_window_computes_its_sinks_and_last_window(tiny, sinks):
+    """Admitted with more tokens than its cap (a long prompt, a chat past the context, a recompute after
+    preemption), a windowed request computes its sink blocks and its last window only: its tokens until its
+    first eviction are exactly a dense run of that shortened prompt."""
+    eng = engine(tiny)
+    p = prompt(300, seed=2)  # 5x the context
+    sink_end = -(-sinks // BS) * BS
+    short = p[:sink_end] + p[-24:]  # window 20 -> 3 blocks of 8
+    kw = dict(temperature=0, ignore_eos=True)
+    win = eng.generate(p, max_new_tokens=BS, kv_window=20, sink_tokens=sinks, **kw)
+    assert win.token_ids == eng.generate(short, max_new_tokens=BS, kv_window=0, **kw).token_ids
+    assert win.usage["prompt_tokens"] == 300
     check_books(eng)
     eng.close()
 

@@ -94,12 +94,31 @@ class BlockManager:
 
     def _admitted(self, seq: Sequence) -> tuple[list[int], int]:
         """The prefix hits and the blocks seq is admitted with: all its tokens', a windowed one's at most
-        window_blocks (and hits that leave a block to fill)."""
+        window_blocks (and hits that leave a block to fill; only the sinks' when it skips, see skip_ahead)."""
         hits, tokens = self._hits(seq), len(seq)
         if seq.kv_window:
-            hits = hits[:self.window_blocks(seq) - 1]
+            hits = hits[:self.blocks_for(seq.sink_tokens) if self._skip(seq) else self.window_blocks(seq) - 1]
             tokens = min(tokens, self.window_blocks(seq) * self.block_size)
         return hits, self.blocks_for(tokens)
+
+    def _skip(self, seq: Sequence) -> int:
+        """Tokens after the sinks a windowed sequence admitted with more tokens than its cap leaves out: it
+        computes its sink blocks and its last window (whole blocks of it), as if the rest had been evicted.
+        A long prompt (a chat that outgrew the context) or a recompute after preemption then costs one
+        window, not its whole length; its kept keys are computed without the context that left (the
+        recomputing window's view, not the rolling cache's; score() computes every token instead)."""
+        sink_end, bs = self.blocks_for(seq.sink_tokens) * self.block_size, self.block_size
+        if len(seq) <= self.window_blocks(seq) * bs:
+            return 0
+        return len(seq) - sink_end - self.blocks_for(seq.kv_window) * bs
+
+    def skip_ahead(self, seq: Sequence) -> None:
+        """Once windowed seq's sinks are computed, jumps over the tokens its admission skips (they count as
+        evicted: the ones after them take the cache indices and positions right after the sinks)."""
+        if seq.skip and seq.num_computed - seq.evicted == self.blocks_for(seq.sink_tokens) * self.block_size:
+            seq.num_computed += seq.skip
+            seq.evicted += seq.skip
+            seq.skip = 0
 
     def can_admit(self, seq: Sequence) -> bool:
         hits, blocks = self._admitted(seq)
@@ -116,6 +135,7 @@ class BlockManager:
                 self.free_cached.pop(b, None)
             self.ref[b] += 1
         seq.block_table = hits + [self._take() for _ in range(blocks - len(hits))]
+        seq.skip = self._skip(seq) if seq.kv_window else 0
         seq.num_computed = len(hits) * self.block_size
         seq.registered, seq.chain = len(hits), (self.key[hits[-1]][0] if hits else None)
         self.queried_tokens += seq.num_prompt
@@ -156,7 +176,7 @@ class BlockManager:
         for b in reversed(seq.block_table):
             self._release(b)
         seq.block_table = []
-        seq.num_computed = seq.registered = seq.evicted = 0
+        seq.num_computed = seq.registered = seq.evicted = seq.skip = 0
         seq.chain = None
 
     def _release(self, b: int) -> None:
@@ -179,6 +199,8 @@ class BlockManager:
             return None
         bs, sink_end = self.block_size, self.blocks_for(seq.sink_tokens) * self.block_size
         cached = seq.num_computed + ahead - seq.evicted
+        if seq.skip:  # no chunk past the sinks' end: the tokens after it are skipped
+            return sink_end - cached
         floor = cached if cached <= sink_end else sink_end + (cached - sink_end) % bs
         return self.window_blocks(seq) * bs - floor
 

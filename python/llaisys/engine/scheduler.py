@@ -107,6 +107,7 @@ class Scheduler:
             return budget > 0 and len(step.seqs) < self.max_num_seqs
 
         def tokens(seq: Sequence) -> int:
+            self.blocks.skip_ahead(seq)
             limit = self.blocks.chunk_limit(seq)
             return min(seq.remaining, budget, cap, limit if limit is not None else budget)
 
@@ -130,7 +131,7 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
             # a windowed one evicts nothing in its first step: its admission counted no copies of shared blocks
-            add(seq, self.blocks.window_blocks(seq) * self.blocks.block_size - seq.num_computed
+            add(seq, self.blocks.window_blocks(seq) * self.blocks.block_size - (seq.num_computed - seq.evicted)
                 if seq.kv_window else None)
 
         decodes = [s for s in self.running if s.remaining == 1]

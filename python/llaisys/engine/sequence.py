@@ -34,6 +34,7 @@ class Sequence:
         # kv_window tokens after them; `evicted` tokens after the sinks have left its cache, so token t >= the
         # sinks' end sits at cache index t - evicted, which is also its RoPE position. kv_window 0: dense.
         self.kv_window, self.sink_tokens, self.evicted = kv_window, sink_tokens, 0
+        self.skip = 0  # tokens after the sinks a long admission leaves uncomputed (BlockManager.skip_ahead)
         self.registered, self.chain = 0, None  # full blocks registered in the prefix cache, last one's hash
         self.num_cached_prompt = 0  # prompt tokens found in the prefix cache (reported in usage)
         self.finish_reason: str | None = None
