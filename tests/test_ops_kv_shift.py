@@ -115,3 +115,13 @@ def test_kv_shift_errors():
         ops.kv_shift(k, llaisys.zeros([8, 2, 16], "f16"), one, one, -1, inv)
     with pytest.raises(ValueError, match="kv_shift"):
         ops.kv_shift(k, v, one, llaisys.tensor(np.array([1, 2])), -1, inv)
+
+
+@pytest.mark.cuda
+def test_kv_shift_bad_row_on_cuda_raises_at_synchronize():
+    k, _, v, _ = cache(8, 2, 16, "f32", "cuda", seed=2)
+    one = llaisys.tensor(np.array([1]), "cuda")
+    ops.kv_shift(k, v, llaisys.tensor(np.array([9]), "cuda"), one, -1, table("full", 16).tolist())
+    with pytest.raises(IndexError, match="kv_shift: a row is out of range of the KV cache"):
+        llaisys.synchronize("cuda")
+    llaisys.synchronize("cuda")  # the flag was cleared: the device stays usable

@@ -57,6 +57,11 @@ def test_windowed_equals_dense_until_the_first_eviction(tiny, device):
     eng.close()
 
 
+GEMMA3 = dict(head_dim=32, num_attention_heads=4, num_key_value_heads=1, sliding_window=16, tie_word_embeddings=True,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+
+
 def window_context(ids, t, sinks, window):
     """The tokens a windowed cache holds when it computes token t (the policy, written out): the sink
     blocks, then what is left after evicting whole blocks while more than (sink + window + 1) blocks."""
@@ -71,6 +76,8 @@ def window_context(ids, t, sinks, window):
     ("gpt_neox", {"hidden_size": 96}),  # partial rotary 0.25 of head_dim 16: 2 of 8 pairs turn
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+    ("gemma3", GEMMA3),  # a windowed layer (window 16) with its local base
+    ("gemma3", {**GEMMA3, "layer_types": ["full_attention"]}),  # a global one with its own base
 ])
 @pytest.mark.parametrize("sinks", [4, 0])
 def test_one_layer_window_equals_a_dense_forward_of_what_it_holds(tmp_path, family, overrides, sinks):

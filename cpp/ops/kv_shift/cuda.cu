@@ -7,7 +7,7 @@
 namespace llaisys::ops::cuda {
 
 // Error code written into runtime::cuda::error_flag (synchronize raises IndexError naming the op).
-constexpr int kRowOutOfRange = 4;
+constexpr int kRowOutOfRange = 6;
 
 struct KvShiftDims {
     int nkvh, hd;
