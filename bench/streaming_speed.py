@@ -20,13 +20,24 @@ import numpy as np
 
 
 def decode_rate(eng, prompt: list[int], before: int, measure: int, **window) -> float:
-    """tok/s of (about) the last `measure` tokens of a greedy run that first generates `before` tokens."""
-    stamps, n = [], 0  # (time, tokens so far) per chunk: a chunk may carry several tokens, or none
-    for chunk in eng.stream(prompt, max_new_tokens=before + measure, temperature=0, ignore_eos=True, **window):
-        n += len(chunk.token_ids)
-        stamps.append((time.perf_counter(), n))
-    t0, n0 = next((t, k) for t, k in stamps if k >= n - measure)
-    return (n - n0) / (stamps[-1][0] - t0)
+    """tok/s of (about) the last `measure` tokens of a greedy run that first generates `before` tokens, from
+    the time each engine step's tokens were accounted (a stream's chunks may merge tokens: a random shape's
+    tokenizer knows no text)."""
+    core, stamps = eng._core, []
+    account = core._account
+
+    def stamped(step, tokens, t0, t1):
+        produced = account(step, tokens, t0, t1)
+        stamps.append((time.perf_counter(), len(produced)))
+        return produced
+    core._account = stamped
+    try:
+        eng.generate(prompt, max_new_tokens=before + measure, temperature=0, ignore_eos=True, **window)
+    finally:
+        core._account = account
+    counts = np.cumsum([k for _, k in stamps])
+    n, i = int(counts[-1]), int(np.searchsorted(counts, counts[-1] - measure))
+    return (n - int(counts[i])) / (stamps[-1][0] - stamps[i][0])
 
 
 def time_evictions(eng) -> dict:
