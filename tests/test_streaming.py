@@ -80,12 +80,13 @@ def window_context(ids, t, sinks, window):
     ("gemma3", {**GEMMA3, "layer_types": ["full_attention"]}),  # a global one with its own base
 ])
 @pytest.mark.parametrize("sinks", [4, 0])
-def test_one_layer_window_equals_a_dense_forward_of_what_it_holds(tmp_path, family, overrides, sinks):
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_layer_window_equals_a_dense_forward_of_what_it_holds(tmp_path, family, overrides, sinks, device):
     """One layer: a key is RoPE(W_k x_token) at its position, so a cache whose keys were turned back as
     blocks left it must equal the keys a fresh dense forward of the held tokens computes at positions
     0..n-1. Checked at every position through score(kv_window=...), whose chunks decode's window equals."""
     path = arch_check.make_tiny(tmp_path, family, seed=3, num_hidden_layers=1, **overrides)
-    eng = engine(path, max_seq_len=128)
+    eng = engine(path, device, max_seq_len=128)
     vocab = eng.config.vocab_size
     ids = prompt(150, seed=1, vocab=vocab)
     got = eng.score(ids, kv_window=24, sink_tokens=sinks)
