@@ -8,7 +8,6 @@ import time
 import numpy as np
 
 from .. import _core
-from ..sampling import resolve_sampling
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -16,7 +15,6 @@ from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
 
 _DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-_GREEDY = resolve_sampling({}, temperature=0)
 
 
 def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len: int) -> int:
@@ -278,42 +276,3 @@ class EngineCore:
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
                 "kv_blocks_evicted": b.evicted_blocks,
                 "overlapped_steps": self.overlapped_steps}
-
-
-def score_logits(core: EngineCore, ids: list[int], kv_window: int = 0, sink_tokens: int = 0):
-    """Teacher-forced logits of every position of ids, [len, vocab] (a tensor on the model's device; with a
-    window, a float32 numpy array). Runs on the loop thread between steps, in blocks of its own (no prefix
-    hits: every position's logits are computed) that are freed at once. With kv_window, through the same
-    rolling cache a windowed generation uses, in chunks of one block: each position sees what it would see
-    when decoded (the sinks and kv_window to kv_window + block_size - 1 tokens before it, when both are
-    multiples of the block size)."""
-    bm = core.blocks
-    seq = Sequence(ids, _GREEDY, seed=0, eos=frozenset(), kv_window=kv_window, sink_tokens=sink_tokens)
-    if not kv_window:
-        need = bm.blocks_for(len(ids))
-        if need > bm.num_free:
-            raise ValueError(f"score(): {len(ids)} tokens need {need} KV blocks but only {bm.num_free} are free")
-        bm.admit_private(seq)
-        try:
-            return core.runner.logits(Step([seq], [len(ids)]), all_logits=True)
-        finally:
-            bm.free(seq)
-    core.check_window(kv_window, sink_tokens)
-    need = bm.window_blocks(seq)
-    if need > bm.num_free:
-        raise ValueError(f"score(): a window of {kv_window} + {sink_tokens} tokens needs {need} KV blocks but only "
-                         f"{bm.num_free} are free")
-    out = []
-    try:
-        while seq.num_computed < len(ids):
-            n = min(len(ids) - seq.num_computed, bm.block_size, bm.chunk_limit(seq))
-            step = Step([seq], [n])
-            shift = bm.slide(seq, n)  # never short of blocks: private ones, fewer than window_blocks
-            if shift is not None:
-                step.shifts.append(shift)
-            logits = core.runner.logits(step, all_logits=True)  # the model's buffer, reused by the next step
-            out.append(np.array(logits.to("cpu").to("f32").numpy(), dtype=np.float32))
-            seq.num_computed += n
-    finally:
-        bm.free(seq)
-    return np.concatenate(out)

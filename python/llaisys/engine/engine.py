@@ -28,7 +28,8 @@ from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resol
                            token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .config import EngineConfig
-from .core import EngineCore, kv_blocks_for, score_logits
+from .core import EngineCore, kv_blocks_for
+from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
 from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_sink
