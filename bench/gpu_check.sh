@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [families] [ab] [breakdown] [bench] [sanitize]
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [stream] [families] [ab] [breakdown] [bench] [sanitize]
 #   (default: all but ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-steps=${*:-build test quant serving model breakdown bench sanitize}
+steps=${*:-build test quant serving model stream breakdown bench sanitize}
 export PYTHONUNBUFFERED=1
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
@@ -83,6 +83,11 @@ if has model; then
   log "llaisys bench --shape qwen2-0.5b, LLAISYS_FUSED=0 (A/B of the fused projections)"
   LLAISYS_FUSED=0 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape qwen2-0.5b --device cuda --prompt-len 128 \
     --new-tokens 256 --json "$OUT/bench_unfused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k window vs at 4k context (>= 0.95x)
+  log "bench/streaming_speed.py --shape qwen2-0.5b --window 4096 --generated 32768"
+  timeout ${T_STREAM:-400} python3 bench/streaming_speed.py --shape qwen2-0.5b --device cuda --window 4096 \
+    --generated 32768 --measure 256 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
 fi
 if has families; then # batch-1 decode of every family's real shape, random bf16 weights (share of copy roofline)
   for shape in ${FAMILY_SHAPES:-qwen2-0.5b qwen2-1.5b qwen3-0.6b llama-3.2-1b pythia-1.4b gemma-3-1b}; do

@@ -49,6 +49,8 @@ void bind_ops(nb::module_ &m) {
         ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots ? *slots : Tensor());
     }, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("qkv"), nb::arg("pos_ids"),
           nb::arg("inv_freq"), nb::arg("slots") = nb::none(), G());
+    o.def("kv_shift", &ops::kv_shift, nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("src"), nb::arg("dst"),
+          nb::arg("delta"), nb::arg("inv_freq"), G());
     o.def("rope_inv_freq", [](float theta, int64_t rotary_dim, const std::string &rope_type, float factor,
                               float low_freq_factor, float high_freq_factor, int64_t original_max_position_embeddings) {
         ops::RopeScaling sc;

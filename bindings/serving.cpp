@@ -145,6 +145,9 @@ void bind_serving(nb::module_ &m) {
              "The step's logits [B, vocab] (or [T, vocab] with all_logits), not synchronized.")
         .def("last_logits", &Runner::last_logits,
              "The logits the last step sampled from [B, vocab] (after penalties, before temperature).")
+        .def("shift_kv", &Runner::shift_kv, nb::arg("src"), nb::arg("dst"), nb::arg("delta"), G(),
+             "StreamingLLM's K-shift before the next step: cache rows src -> dst, keys turned by delta positions "
+             "with each layer's RoPE table (stream-ordered behind every launched step).")
         .def_prop_ro("captured_batch_sizes", &Runner::captured_batch_sizes)
         .def_prop_ro("steps_sampled_in_graph", &Runner::steps_sampled_in_graph,
                      "Steps whose tokens were sampled inside a CUDA graph (no penalty or bias in any row).");

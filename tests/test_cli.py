@@ -47,6 +47,10 @@ class FakeEngine:
         self.calls.append(("stream", prompt, sampling))
         return self._reply()
 
+    def check_window(self, kv_window, sink_tokens=None):
+        if kv_window < 0:
+            raise ValueError(f"kv_window must be None or an int >= 0, got {kv_window}")
+
     def chat(self, messages, stream=False, **sampling):
         assert stream is True
         self.calls.append(("chat", copy.deepcopy(messages), sampling))
@@ -313,6 +317,16 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch, fake):
     assert all(c[0] == "chat" and c[2] == {"temperature": 0.7} for c in engine().calls)
     assert out.count(">>> ") == 4 and "Bonjour !\n" in out and "Ça va bien.\n" in out
     assert "/reset" in err and err.count("finish: length") == 2
+
+
+def test_chat_kv_window_goes_with_every_turn_and_is_checked_first(capsys, monkeypatch, fake):
+    FakeEngine.script = [["A"], ["B"]]
+    code, out, err = chat(capsys, monkeypatch, ["one", "two"], argv=["--kv-window", "64"])
+    assert code == 0
+    assert [c[2] for c in engine().calls] == [{"kv_window": 64}] * 2
+    FakeEngine.instances.clear()
+    code, out, err = chat(capsys, monkeypatch, ["one"], argv=["--kv-window", "-3"])
+    assert code == 2 and "kv_window must be None or an int >= 0" in err and not engine().calls
 
 
 def test_chat_reset_exit_and_commands(capsys, monkeypatch, fake):

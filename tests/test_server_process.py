@@ -126,7 +126,9 @@ def test_submit_raises_what_engine_submit_raises(proc, eng):
              (list(range(1, 300)), {}), ("x", {"max_new_tokens": 0}),
              # finite as Python floats, inf or 0 as the float32 the kernels read (issue 28)
              ("x", {"temperature": 1e39}), ("x", {"top_p": 1e-300}), ("x", {"repetition_penalty": 1e308}),
-             ("x", {"sink": object()})]
+             ("x", {"sink": object()}),
+             # StreamingLLM: bad values, and a window the context cannot hold (issue 32)
+             ("x", {"kv_window": -1}), ("x", {"kv_window": 4096}), ("x", {"kv_window": 16, "sink_tokens": 1.5})]
     for prompt, sampling in cases:
         with pytest.raises(Exception) as mine:
             proc.submit(prompt, **sampling)
@@ -181,6 +183,17 @@ def test_a_full_queue_is_a_runtime_error_and_abort_frees_blocks(proc):
 def test_score_equals_the_engines(proc, eng):
     ids = eng.tokenize(PROMPTS[1])
     np.testing.assert_array_equal(proc.score(ids), eng.score(ids))
+
+
+def test_windowed_requests_and_score_equal_the_engines(proc, eng):
+    """A windowed request past the context (prompt 300 > max_seq_len 256, 400 new tokens) and a windowed score,
+    through the child, equal the in-process engine's."""
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 300, 300)]
+    kw = dict(max_new_tokens=400, temperature=0, ignore_eos=True, kv_window=32, sink_tokens=4)
+    want = eng.generate(ids, **kw).token_ids
+    assert len(want) == 400
+    assert [t for c in proc.submit(ids, **kw) for t in c.token_ids] == want
+    np.testing.assert_array_equal(proc.score(ids, kv_window=32, sink_tokens=4), eng.score(ids, kv_window=32, sink_tokens=4))
 
 
 def test_a_model_that_fails_to_load_raises_its_error_here(ckpt):

@@ -179,6 +179,14 @@ Tensor Runner::logits(const HostBatch &b, bool all_logits) {
     return model_.forward_step(s, pool_.view(), all_logits);
 }
 
+void Runner::shift_kv(const std::vector<int64_t> &src, const std::vector<int64_t> &dst, int64_t delta) {
+    LLAISYS_CHECK(src.size() == dst.size(), std::invalid_argument, "Runner.shift_kv: src has ", src.size(),
+                  " rows but dst ", dst.size());
+    if (src.empty()) return;
+    DeviceGuard guard(model_.device());
+    model_.shift_kv(pool_.view(), staging_->upload(src, DType::I64), staging_->upload(dst, DType::I64), delta);
+}
+
 std::vector<int64_t> Runner::captured_batch_sizes() const {
     std::vector<int64_t> out;
     for (const auto &[size, g] : graphs_) out.push_back(size);

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="interactive multi-turn chat", description="Chat with a model in the terminal; "
                        "replies stream as they are generated and the conversation is kept between turns.")
     c.add_argument("--system", metavar="TEXT", help="a system message that starts the conversation")
+    c.add_argument("--kv-window", type=int, metavar="N",
+                   help="keep the first tokens and the last N in the KV cache (StreamingLLM): the conversation "
+                        "never runs out of context (older turns fade from the model's view)")
     c.set_defaults(func=cmd_chat)
 
     d = sub.add_parser("download", parents=[debug], help="fetch a catalog model into the cache",
@@ -262,7 +265,11 @@ def cmd_generate(args) -> int:
 def cmd_chat(args) -> int:
     eng = make_engine(args)
     require_chat_template(eng, "it cannot chat; use `llaisys generate --raw`")
-    return ChatSession(eng, conversation(args.system), sampling_kwargs(args)).run()
+    sampling = sampling_kwargs(args)
+    if args.kv_window is not None:
+        sampling["kv_window"] = args.kv_window  # checked by the engine with the first turn's other values
+        eng.check_window(args.kv_window)
+    return ChatSession(eng, conversation(args.system), sampling).run()
 
 
 def cmd_download(args) -> int:

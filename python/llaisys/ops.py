@@ -34,6 +34,7 @@ add_rms_norm = _ops.add_rms_norm
 rope = _ops.rope
 rope_qkv_cache = _ops.rope_qkv_cache
 rope_inv_freq = _ops.rope_inv_freq
+kv_shift = _ops.kv_shift
 self_attention = _ops.self_attention
 self_attention_cached = _ops.self_attention_cached
 paged_attention = _ops.paged_attention
@@ -50,6 +51,6 @@ gelu = _ops.gelu  # (out, x, tanh_approx=False)
 geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 
 __all__ = ["add", "scale", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
-           "rope_qkv_cache", "rope_inv_freq",
+           "rope_qkv_cache", "rope_inv_freq", "kv_shift",
            "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "linear_swiglu",
            "layer_norm", "add_layer_norm", "gelu", "geglu"]

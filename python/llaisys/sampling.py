@@ -54,6 +54,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence of a token already generated
     min_tokens: int = 0             # EOS and stop_token_ids are banned until this many tokens are generated
     logprobs: int | None = None     # None = off; k = the chosen token's logprob and the k most likely
+    # StreamingLLM (not sampling, but per request like it): None = the engine's default (EngineConfig)
+    kv_window: int | None = None    # tokens kept besides the sinks; 0 = dense (no window)
+    sink_tokens: int | None = None  # first tokens always kept (attention sinks)
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +107,8 @@ _CHECKS = {
     "frequency_penalty": (_real, lambda v: -2.0 <= v <= 2.0, "in [-2, 2] (0 = off)"),
     "min_tokens": (_int, lambda v: v >= 0, "an int >= 0"),
     "logprobs": (_int, lambda v: 0 <= v <= MAX_LOGPROBS, f"None or an int in [0, {MAX_LOGPROBS}]"),
+    "kv_window": (_int, lambda v: v >= 0, "None or an int >= 0 (0 = no window)"),
+    "sink_tokens": (_int, lambda v: v >= 0, "None or an int >= 0"),
 }
 
 
@@ -161,13 +166,14 @@ def _temperature(gc: dict, temperature) -> float:
 def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, temperature=None, top_k=None,
                      top_p=None, min_p=None, repetition_penalty=None, stop=None, stop_token_ids=None, seed=None,
                      ignore_eos=False, presence_penalty=None, frequency_penalty=None, min_tokens=None,
-                     logprobs=None) -> SamplingParams:
+                     logprobs=None, kv_window=None, sink_tokens=None) -> SamplingParams:
     """Sampling settings for one request: each argument left as None comes from `generation_config`
     (the model's generation_config.json as a dict), else from HF's defaults. Raises ValueError naming the
     parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine.
     presence/frequency penalties, min_tokens and logprobs have no generation_config counterpart (0 / off).
     logprobs are the log-softmax of the logits the token was drawn from: after the penalties and the
-    temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1."""
+    temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1. kv_window and
+    sink_tokens (StreamingLLM's rolling KV window) are left None for the engine's defaults."""
     gc = dict(generation_config or {})
 
     def pick(name, value):
@@ -191,6 +197,8 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
         frequency_penalty=0.0 if frequency_penalty is None else _check("frequency_penalty", frequency_penalty),
         min_tokens=0 if min_tokens is None else _check("min_tokens", min_tokens),
         logprobs=None if logprobs is None else _check("logprobs", logprobs),
+        kv_window=None if kv_window is None else _check("kv_window", kv_window),
+        sink_tokens=None if sink_tokens is None else _check("sink_tokens", sink_tokens),
     )
 
 

@@ -51,6 +51,8 @@ void check_error_flag(Device device) {
                                            device.str() + " at synchronize)");
     if (code == 5) throw std::out_of_range("paged_attention: q_start, kv_len or a block id out of range (found on " +
                                            device.str() + " at synchronize)");
+    if (code == 6) throw std::out_of_range("kv_shift: a row is out of range of the KV cache (found on " +
+                                           device.str() + " at synchronize)");
     throw std::runtime_error("a CUDA kernel reported error code " + std::to_string(code));
 }
 } // namespace

@@ -129,6 +129,10 @@ public:
     // logits of the rows batch.last [B, vocab] (all_logits: of every token, [T, vocab]), in the model dtype,
     // not synchronized. Every input is a device tensor, so a CUDA graph can capture it.
     virtual Tensor forward_step(const StepBatch &batch, const KVView &kv, bool all_logits = false) = 0;
+    // StreamingLLM's K-shift: in every layer, the keys at cache rows src turned by delta positions with that
+    // layer's own RoPE table (ops::kv_shift), written with their values to rows dst [n] (device i64).
+    // Stream-ordered, not synchronized; never inside a captured step.
+    virtual void shift_kv(const KVView &kv, const Tensor &src, const Tensor &dst, int64_t delta) = 0;
     virtual bool fused_projections() const = 0;
     virtual const ModelConfig &config() const = 0;
     virtual DType dtype() const = 0;

@@ -79,6 +79,14 @@ void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, const std::
 // rest of each q head goes to q_out and of each k head to the cache unchanged.
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
                     const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots = Tensor());
+// StreamingLLM's K-shift on a paged cache viewed as rows [capacity, nkvh, hd] (contiguous last dims): for
+// each i, k_cache[dst[i]] = k_cache[src[i]] turned by the f32 angles float(delta) * inv_freq (rope's own
+// rotation of the first 2r dims; the rest copied), v_cache[dst[i]] = v_cache[src[i]]. RoPE is a pure
+// rotation, so a key cached at position p becomes the key at p + delta. src == dst turns a row in place;
+// otherwise no dst may be another entry's src. src/dst [n] i64/i32 on the device; |delta| < 2^24. A row
+// outside [0, capacity) raises (on CUDA at the next synchronize).
+void kv_shift(const Tensor &k_cache, const Tensor &v_cache, const Tensor &src, const Tensor &dst, int64_t delta,
+              const std::vector<float> &inv_freq);
 // HF config "rope_scaling" / "rope_parameters" (rope_type default, linear or llama3; the fields of the
 // other types are not read).
 struct RopeScaling {

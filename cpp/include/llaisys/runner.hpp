@@ -73,6 +73,9 @@ public:
     // The logits the last step() sampled from ([B, vocab], after penalties and biases, before
     // temperature), valid until the next step: what logprobs are computed from.
     const Tensor &last_logits() const { return last_logits_; }
+    // StreamingLLM's K-shift before the next step (model.shift_kv over the pool), stream-ordered behind
+    // every step launched so far: cache rows src -> dst, keys turned by delta positions.
+    void shift_kv(const std::vector<int64_t> &src, const std::vector<int64_t> &dst, int64_t delta);
     // Graphs captured so far, by padded batch size.
     std::vector<int64_t> captured_batch_sizes() const;
     // Steps whose tokens were sampled inside a CUDA graph (no sampling launch of their own), so far.

@@ -27,6 +27,7 @@ public:
     Tensor forward_step(const StepBatch &batch, const KVView &kv, bool all_logits) override;
     bool fused_projections() const override { return fused_; }
     const ModelConfig &config() const override { return config_; }
+    void shift_kv(const KVView &kv, const Tensor &src, const Tensor &dst, int64_t delta) override;
     DType dtype() const override { return dtype_; }
     Device device() const override { return device_; }
 

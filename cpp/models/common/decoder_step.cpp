@@ -202,4 +202,11 @@ Tensor Decoder::forward_step(const StepBatch &b, const KVView &kv, bool all_logi
     return logits(x, b, all_logits);
 }
 
+// Each layer turns its own keys: its RoPE table (base, scaling, partial rotary, Gemma 3's local base) is
+// what wrote them.
+void Decoder::shift_kv(const KVView &kv, const Tensor &src, const Tensor &dst, int64_t delta) {
+    for (int64_t l = 0; l < int64_t(layers_.size()); ++l)
+        ops::kv_shift(kv.key_rows(l), kv.value_rows(l), src, dst, delta, layers_[size_t(l)].inv_freq);
+}
+
 } // namespace llaisys::models

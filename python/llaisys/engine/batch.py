@@ -17,10 +17,11 @@ from .sequence import Sequence, Status
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
-    host state (penalty ids, biases, logprobs, the min_tokens ban)."""
+    host state (penalty ids, biases, logprobs, the min_tokens ban) and whose cache does not slide (a
+    windowed sequence's positions and blocks move with its evictions: block_manager.slide)."""
     p = seq.params
     return (len(seq) - seq.num_computed == 1 and p.logprobs is None and seq.seen is None and
-            seq.counts is None and seq.num_output >= p.min_tokens)
+            seq.counts is None and seq.num_output >= p.min_tokens and not seq.kv_window)
 
 
 class DecodeBatch:

@@ -6,6 +6,14 @@ map to the same blocks, which are shared with reference counts. A block whose co
 its contents and its hash: it is free, but a later request with the same prefix can take it back.
 Free blocks are reused unhashed ones first, then the least recently freed cached one (LRU eviction).
 Block 0 is never handed out: the runner points padded rows of a CUDA graph at it.
+
+A windowed sequence (StreamingLLM: Sequence.kv_window, sink_tokens) holds at most window_blocks of them:
+its first blocks (the attention sinks), its window and one being filled. Before a step that would pass that,
+slide() evicts its oldest whole non-sink blocks and turns the keys it keeps back by the tokens evicted
+(llama.cpp's K-shift, ops.kv_shift), so RoPE positions stay those within the cache. A kept block that
+others share is copied first (they keep their keys); one this sequence alone holds loses its prefix-cache
+entry (its keys no longer match its chain's positions); and a sequence registers no block once it has
+evicted. So every block the prefix cache finds holds keys at the positions its chain says.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ class BlockManager:
         self.free_plain = list(range(num_blocks - 1, 0, -1))  # a stack; block 0 reserved
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.queried_tokens = self.hit_tokens = 0  # prefix-cache statistics over admitted prompts
+        self.evicted_blocks = 0  # blocks windowed sequences evicted (slide)
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -83,20 +92,50 @@ class BlockManager:
             prev = self.key[b][0]
         return hits
 
+    def _admitted(self, seq: Sequence) -> tuple[list[int], int]:
+        """The prefix hits and the blocks seq is admitted with: all its tokens', a windowed one's at most
+        window_blocks (and hits that leave a block to fill; only the sinks' when it skips, see skip_ahead)."""
+        hits, tokens = self._hits(seq), len(seq)
+        if seq.kv_window:
+            hits = hits[:self.blocks_for(seq.sink_tokens) if self._skip(seq) else self.window_blocks(seq) - 1]
+            tokens = min(tokens, self.window_blocks(seq) * self.block_size)
+        return hits, self.blocks_for(tokens)
+
+    def _skip(self, seq: Sequence) -> int:
+        """Tokens after the sinks a windowed sequence admitted with more tokens than its cap leaves out: it
+        computes its sink blocks and its last window (whole blocks of it), as if the rest had been evicted.
+        A long prompt (a chat that outgrew the context) or a recompute after preemption then costs one
+        window, not its whole length; its kept keys are computed without the context that left (the
+        recomputing window's view, not the rolling cache's; score() computes every token instead)."""
+        sink_end, bs = self.blocks_for(seq.sink_tokens) * self.block_size, self.block_size
+        if len(seq) <= self.window_blocks(seq) * bs:
+            return 0
+        return len(seq) - sink_end - self.blocks_for(seq.kv_window) * bs
+
+    def skip_ahead(self, seq: Sequence) -> None:
+        """Once windowed seq's sinks are computed, jumps over the tokens its admission skips (they count as
+        evicted: the ones after them take the cache indices and positions right after the sinks)."""
+        if seq.skip and seq.num_computed - seq.evicted == self.blocks_for(seq.sink_tokens) * self.block_size:
+            seq.num_computed += seq.skip
+            seq.evicted += seq.skip
+            seq.skip = 0
+
     def can_admit(self, seq: Sequence) -> bool:
-        hits = self._hits(seq)
+        hits, blocks = self._admitted(seq)
         revived = sum(1 for b in hits if self.ref[b] == 0)  # free cached blocks the hits take back
-        return self.blocks_for(len(seq)) - len(hits) <= self.num_free - revived
+        return blocks - len(hits) <= self.num_free - revived
 
     def admit(self, seq: Sequence) -> None:
-        """Gives seq blocks for all its current tokens, reusing cached prefix blocks."""
+        """Gives seq blocks for all its current tokens (a windowed one: up to its cap), reusing cached prefix
+        blocks."""
         assert not seq.block_table
-        hits = self._hits(seq)
+        hits, blocks = self._admitted(seq)
         for b in hits:
             if self.ref[b] == 0:
                 self.free_cached.pop(b, None)
             self.ref[b] += 1
-        seq.block_table = hits + [self._take() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        seq.block_table = hits + [self._take() for _ in range(blocks - len(hits))]
+        seq.skip = self._skip(seq) if seq.kv_window else 0
         seq.num_computed = len(hits) * self.block_size
         seq.registered, seq.chain = len(hits), (self.key[hits[-1]][0] if hits else None)
         self.queried_tokens += seq.num_prompt
@@ -118,8 +157,9 @@ class BlockManager:
             seq.block_table.append(self._take())
 
     def register_full(self, seq: Sequence) -> None:
-        """After a step: blocks completely computed become findable by their token chain."""
-        if not self.caching:
+        """After a step: blocks completely computed become findable by their token chain (not once seq has
+        evicted: its keys sit at positions within its cache, not at those of its chain)."""
+        if not self.caching or seq.evicted:
             return
         bs = self.block_size
         for i in range(seq.registered, seq.num_computed // bs):
@@ -134,15 +174,79 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks (last first, so a later eviction takes a chain's tail before its head)."""
         for b in reversed(seq.block_table):
-            self.ref[b] -= 1
-            if self.ref[b] == 0:
-                if self.key[b] is not None:
-                    self.free_cached[b] = None
-                else:
-                    self.free_plain.append(b)
+            self._release(b)
         seq.block_table = []
-        seq.num_computed = seq.registered = 0
+        seq.num_computed = seq.registered = seq.evicted = seq.skip = 0
         seq.chain = None
+
+    def _release(self, b: int) -> None:
+        self.ref[b] -= 1
+        if self.ref[b] == 0:
+            if self.key[b] is not None:
+                self.free_cached[b] = None
+            else:
+                self.free_plain.append(b)
+
+    # ---- StreamingLLM: sinks and a rolling window -------------------------------------------------
+    def window_blocks(self, seq: Sequence) -> int:
+        """The most blocks windowed seq holds: its sink blocks, its window's and one being filled."""
+        return self.blocks_for(seq.sink_tokens) + self.blocks_for(seq.kv_window) + 1
+
+    def chunk_limit(self, seq: Sequence, ahead: int = 0) -> int | None:
+        """The most tokens windowed seq may compute in one step (None: any): what its cap holds once every
+        whole non-sink block is evicted. ahead: tokens launched whose step the host has not read yet."""
+        if not seq.kv_window:
+            return None
+        bs, sink_end = self.block_size, self.blocks_for(seq.sink_tokens) * self.block_size
+        cached = seq.num_computed + ahead - seq.evicted
+        if seq.skip:  # no chunk past the sinks' end: the tokens after it are skipped
+            return sink_end - cached
+        floor = cached if cached <= sink_end else sink_end + (cached - sink_end) % bs
+        return self.window_blocks(seq) * bs - floor
+
+    def _plan(self, seq: Sequence, n: int, ahead: int) -> tuple[int, int, int]:
+        """(tokens cached, blocks to evict, first sink-free table index) before n more tokens of seq."""
+        cached = seq.num_computed + ahead - seq.evicted
+        over = cached + n - self.window_blocks(seq) * self.block_size
+        return cached, max(0, -(-over // self.block_size)), self.blocks_for(seq.sink_tokens)
+
+    def need(self, seq: Sequence, n: int, ahead: int = 0) -> int:
+        """Free blocks windowed seq needs (may be < 0: it frees some) before a step computes n more of its
+        tokens: copies of shared blocks whose keys turn and new blocks, less the blocks it evicts."""
+        cached, evict, sb = self._plan(seq, n, ahead)
+        table = seq.block_table
+        freed = sum(1 for b in table[sb:sb + evict] if self.ref[b] == 1)
+        copies = sum(1 for b in table[sb + evict:self.blocks_for(cached)] if self.ref[b] > 1) if evict else 0
+        grow = max(0, self.blocks_for(cached - evict * self.block_size + n) - (len(table) - evict))
+        return copies + grow - freed
+
+    def slide(self, seq: Sequence, n: int, ahead: int = 0) -> tuple[list[int], list[int], int] | None:
+        """Readies windowed seq's table for a step that computes n more of its tokens (n <= chunk_limit;
+        need() free blocks): evicts its oldest whole non-sink blocks beyond its cap and adds blocks. Returns
+        the K-shift the step needs first, (cache rows src, rows dst, delta positions), or None."""
+        bs, table = self.block_size, seq.block_table
+        cached, evict, sb = self._plan(seq, n, ahead)
+        shift = None
+        if evict:
+            for b in table[sb:sb + evict]:
+                self._release(b)
+            src, dst = [], []
+            for i in range(sb + evict, self.blocks_for(cached)):  # kept blocks that hold keys
+                b, rows = table[i], min(bs, cached - i * bs)
+                if self.ref[b] > 1:  # shared (a prefix hit, or hit by another): turn a copy of it
+                    self.ref[b] -= 1
+                    table[i] = self._take()
+                else:
+                    self._unregister(b)
+                src += range(b * bs, b * bs + rows)
+                dst += range(table[i] * bs, table[i] * bs + rows)
+            del table[sb:sb + evict]
+            seq.evicted += evict * bs
+            self.evicted_blocks += evict
+            shift = (src, dst, -evict * bs)
+        while self.blocks_for(cached - evict * bs + n) > len(table):
+            table.append(self._take())
+        return shift
 
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

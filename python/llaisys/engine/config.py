@@ -76,10 +76,14 @@ class EngineConfig:
     # device runs step n (engine/core.py); None: on for CUDA only (on the CPU the step runs on the calling
     # thread, so nothing overlaps: True there is for tests)
     overlap_steps: bool | None = field(default_factory=lambda: _env_optional_flag("LLAISYS_OVERLAP"))
+    # StreamingLLM, the default of requests that do not choose: keep the first sink_tokens tokens and about
+    # kv_window after them, evicting the oldest blocks between (block_manager.py); 0 = dense (no window)
+    kv_window: int = 0
+    sink_tokens: int = 4
 
     def __post_init__(self):
         ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_prefill_chunk": 1, "block_size": 1,
-                "cpu_kv_cache_bytes": 1, "max_queued_requests": 1}
+                "cpu_kv_cache_bytes": 1, "max_queued_requests": 1, "kv_window": 0, "sink_tokens": 0}
         for name, low in ints.items():
             value = getattr(self, name)
             if value is None and name in _PER_DEVICE:

@@ -9,7 +9,6 @@ from itertools import repeat
 import numpy as np
 
 from .. import _core
-from ..sampling import resolve_sampling
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -17,7 +16,6 @@ from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
 
 _DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-_GREEDY = resolve_sampling({}, temperature=0)
 
 
 def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len: int) -> int:
@@ -71,8 +69,27 @@ class EngineCore:
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
         self.overlapped_steps = 0  # steps launched chained behind the step ahead (overlap_steps)
 
-    def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
-        """ValueError (with the numbers) for a request that could never run."""
+    def check_window(self, kv_window: int, sink_tokens: int) -> None:
+        """ValueError for a window whose blocks (sinks + window + one) a step's block table cannot hold."""
+        bs = self.config.block_size
+        blocks = -(-sink_tokens // bs) + -(-kv_window // bs) + 1
+        if blocks > math.ceil(self.max_seq_len / bs):
+            raise ValueError(f"kv_window {kv_window} + sink_tokens {sink_tokens} take {blocks} blocks of {bs} "
+                             f"tokens (with one being filled) but a sequence holds at most "
+                             f"{math.ceil(self.max_seq_len / bs)} (max_seq_len {self.max_seq_len}): lower kv_window "
+                             f"or raise max_seq_len")
+
+    def check_fits(self, n_prompt: int, max_new_tokens: int, kv_window: int = 0, sink_tokens: int = 0) -> None:
+        """ValueError (with the numbers) for a request that could never run. A windowed one (kv_window > 0)
+        has no length limit: it holds at most its window's blocks."""
+        if kv_window:
+            self.check_window(kv_window, sink_tokens)
+            bs = self.config.block_size
+            need = min(n_prompt + max_new_tokens, (-(-sink_tokens // bs) + -(-kv_window // bs) + 1) * bs)
+            if need > self.blocks.capacity_tokens:
+                raise ValueError(f"the request's window needs up to {need} tokens of KV cache but the whole pool "
+                                 f"holds {self.blocks.capacity_tokens}")
+            return
         if n_prompt >= self.max_seq_len:
             raise ValueError(f"prompt has {n_prompt} tokens but the context holds {self.max_seq_len} "
                              f"(max_seq_len)")
@@ -192,14 +209,19 @@ class EngineCore:
         bm, need = self.blocks, 0
         for seq in step.seqs:
             if (seq.status is not Status.RUNNING or seq.num_output + 1 >= seq.params.max_new_tokens or
-                    len(seq) + 1 >= self.max_seq_len):
+                    (not seq.kv_window and len(seq) + 1 >= self.max_seq_len)):
                 return None  # ended, or about to end by length
-            need += max(0, bm.blocks_for(len(seq) + 1) - len(seq.block_table))
+            # a windowed one: its eviction before the token after this one (its keys written by the step ahead)
+            need += bm.need(seq, 1, ahead=1) if seq.kv_window else max(
+                0, bm.blocks_for(len(seq) + 1) - len(seq.block_table))
         if need > bm.num_free:
             return None
-        for seq in step.seqs:
-            bm.grow(seq, len(seq) + 1)
         nxt = Step(list(step.seqs), [1] * len(step.seqs))
+        for seq in step.seqs:
+            if not seq.kv_window:
+                bm.grow(seq, len(seq) + 1)
+            elif (shift := bm.slide(seq, 1, ahead=1)) is not None:
+                nxt.shifts.append(shift)
         self.runner.launch(nxt, chain=True)
         self.overlapped_steps += 1
         return nxt
@@ -214,7 +236,7 @@ class EngineCore:
             return None  # about to end by length
         if not b.grow(self.blocks, 1):
             return None
-        nxt = Step(b.seqs, step.num_tokens, b, b.step_made())
+        nxt = Step(b.seqs, step.num_tokens, batch=b, version=b.step_made())
         self.runner.launch(nxt, chain=True)
         self.overlapped_steps += 1
         return nxt
@@ -250,7 +272,7 @@ class EngineCore:
             produced.append((seq, int(token), lp))
             if token in seq.eos:
                 self.finish(seq, "stop")
-            elif seq.num_output >= seq.params.max_new_tokens or len(seq) >= self.max_seq_len:
+            elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
                 self.finish(seq, "length")
         self._time(step.num_tokens, t0, t1, t2)
         return produced
@@ -299,21 +321,5 @@ class EngineCore:
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": b.num_used,
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
-                "overlapped_steps": self.overlapped_steps, "decode_batch_steps": s.batch_steps}
-
-
-def score_logits(core: EngineCore, ids: list[int]):
-    """Teacher-forced logits of every position of ids, [len, vocab] (a tensor on the model's device).
-    Runs on the loop thread between steps, in blocks of its own (no prefix hits: every position's
-    logits are computed) that are freed at once."""
-    bm = core.blocks
-    seq = Sequence(ids, _GREEDY, seed=0, eos=frozenset())
-    need = bm.blocks_for(len(ids))
-    if need > bm.num_free:
-        raise ValueError(f"score(): {len(ids)} tokens need {need} KV blocks but only {bm.num_free} are free")
-    bm.admit_private(seq)
-    try:
-        return core.runner.logits(Step([seq], [len(ids)]), all_logits=True)
-    finally:
-        bm.free(seq)
-
+                "kv_blocks_evicted": b.evicted_blocks, "overlapped_steps": self.overlapped_steps,
+                "decode_batch_steps": s.batch_steps}

@@ -28,7 +28,8 @@ from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resol
                            token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .config import EngineConfig
-from .core import EngineCore, kv_blocks_for, score_logits
+from .core import EngineCore, kv_blocks_for
+from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
 from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_sink
@@ -194,7 +195,7 @@ class Engine:
         if batch and stream:
             raise ValueError("chat(): stream=True takes one conversation, not a list of them")
         convs = list(messages) if batch else [messages]
-        ids = [self._check_ids(self.render_chat(m, add_generation_prompt)) for m in convs]
+        ids = [self._check_ids(self.render_chat(m, add_generation_prompt), limit=False) for m in convs]
         per = split_sampling("chat", sampling, len(convs)) if batch else [sampling]
         reqs = self._submit_all([(i, self._params("chat", s)) for i, s in zip(ids, per)], incremental=stream)
         if stream:
@@ -220,14 +221,28 @@ class Engine:
                                     bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def score(self, token_ids: Seq[int]) -> np.ndarray:
-        """Logits for every position of token_ids, [len, vocab] float32 (teacher forcing)."""
-        ids = self._check_ids(token_sequence("token_ids", token_ids))
+    def score(self, token_ids: Seq[int], kv_window: int | None = None, sink_tokens: int | None = None) -> np.ndarray:
+        """Logits for every position of token_ids, [len, vocab] float32 (teacher forcing). kv_window /
+        sink_tokens (None: the engine's defaults, EngineConfig): through the rolling cache a windowed
+        generation uses (StreamingLLM), in chunks of one block; then token_ids may be longer than the context."""
+        window, sinks = self._window(resolve_sampling({}, kv_window=kv_window, sink_tokens=sink_tokens))
+        ids = self._check_ids(token_sequence("token_ids", token_ids), limit=not window)
 
         def run():
-            logits = score_logits(self._core, ids)
+            logits = score_logits(self._core, ids, window, sinks)
+            if isinstance(logits, np.ndarray):
+                return logits
             return np.asarray(logits.to("cpu").to("f32").numpy(), dtype=np.float32).copy()
         return self._open().call(run)
+
+    def check_window(self, kv_window, sink_tokens=None) -> None:
+        """ValueError for a kv_window / sink_tokens a request of this engine could not use (a CLI checks its
+        flags with it before the first turn)."""
+        params = resolve_sampling({}, kv_window=kv_window, sink_tokens=sink_tokens)
+        window, sinks = self._window(params)
+        if window:
+            self._open()
+            self._core.check_window(window, sinks)
 
     def stats(self) -> dict:
         """Running and waiting requests, KV blocks used/free, prefix-cache hit rate, preemptions."""
@@ -290,16 +305,24 @@ class Engine:
         return params
 
     def _encode(self, prompt) -> list[int]:
-        return self._check_ids(self.tokenize(prompt))
+        return self._check_ids(self.tokenize(prompt), limit=False)  # the length: _request, by the window
 
-    def _check_ids(self, ids: list) -> list[int]:
+    def _window(self, params: SamplingParams) -> tuple[int, int]:
+        """(kv_window, sink_tokens) of a request: its own, else the engine's; no sinks without a window."""
+        cfg = self.engine_config
+        window = cfg.kv_window if params.kv_window is None else params.kv_window
+        sinks = cfg.sink_tokens if params.sink_tokens is None else params.sink_tokens
+        return window, sinks if window else 0
+
+    def _check_ids(self, ids: list, limit: bool = True) -> list[int]:
+        """ids as ints of the vocabulary; limit: fewer than max_seq_len (a windowed request has no limit)."""
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         vocab = self.config.vocab_size
         for i, t in enumerate(ids):
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id at position {i} is {t!r}, not an int in [0, {vocab})")
-        if len(ids) >= self.max_seq_len:
+        if limit and len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len} "
                              f"(raise max_seq_len: Engine(max_seq_len=N) or `--max-seq-len N` in the CLI, up to "
                              f"{self.config.max_position_embeddings} for this model)")
@@ -308,11 +331,14 @@ class Engine:
     def _request(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,
                  incremental: bool = True) -> Request:
         """incremental False: the caller reads only the result (see Request)."""
-        self._core.check_fits(len(ids), params.max_new_tokens)
+        window, sinks = self._window(params)
+        if not window:
+            self._check_ids(ids)  # the context's limit
+        self._core.check_fits(len(ids), params.max_new_tokens, window, sinks)
         eos = params.stop_token_ids if params.ignore_eos else eos_union(
             self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(ids, params, seed, frozenset(eos))
+        seq = Sequence(ids, params, seed, frozenset(eos), kv_window=window, sink_tokens=sinks)
         return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink, incremental)
 
     def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,

@@ -24,23 +24,30 @@ class ModelRunner:
         tables = np.zeros((len(step.seqs), width), dtype=np.int32)
         for row, (seq, n) in enumerate(zip(step.seqs, step.num_tokens)):
             start, table = seq.num_computed + ahead, seq.block_table
+            c = start - seq.evicted  # its index in the cache, and its RoPE position (StreamingLLM)
             if n == 1:  # a decode: plain ints are several times cheaper than small numpy arrays
                 ids.append(0 if ahead else seq.tokens[start])
-                pos.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                pos.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
             else:
                 ids += seq.tokens[start:start + n]
-                p = np.arange(start, start + n, dtype=np.int64)
+                p = np.arange(c, c + n, dtype=np.int64)
                 pos += p.tolist()
                 slots += (np.asarray(table, dtype=np.int64)[p // bs] * bs + p % bs).tolist()
             q_start.append(q_start[-1] + n)
-            kv_len.append(start + n)
+            kv_len.append(c + n)
             tables[row, :len(table)] = table
         return (np.asarray(ids, dtype=np.int64), np.asarray(pos, dtype=np.int64), np.asarray(slots, dtype=np.int64),
                 np.asarray(q_start, dtype=np.int32), np.asarray(kv_len, dtype=np.int32), tables)
 
+    def shift(self, shifts) -> None:
+        """Windowed evictions' K-shifts (Step.shifts), stream-ordered before the next step."""
+        for src, dst, delta in shifts:
+            self.runner.shift_kv(src, dst, delta)
+
     def step(self, step: Step) -> list[int]:
         """Runs the step; the token of each sequence (meaningful only where its prefill is complete)."""
+        self.shift(step.shifts)
         t0 = time.perf_counter()
         arrays, sampling = self._inputs(step, 0)
         self.prepare_s += time.perf_counter() - t0
@@ -55,6 +62,7 @@ class ModelRunner:
         """Runs the step without waiting for its tokens (finish() returns them). chain: a decode of the
         tokens of the step launched just before it (the same sequences in the same rows), not known here
         yet."""
+        self.shift(step.shifts)
         t0 = time.perf_counter()
         arrays, sampling = self._inputs(step, int(chain))
         self.prepare_s += time.perf_counter() - t0
@@ -93,4 +101,5 @@ class ModelRunner:
         return self.runner.last_logits()
 
     def logits(self, step: Step, all_logits: bool):
+        self.shift(step.shifts)
         return self.runner.logits(*self._arrays(step), all_logits)

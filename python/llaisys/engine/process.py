@@ -45,9 +45,12 @@ CLOSE_TIMEOUT_S = 30.0  # how long close() waits for the child to close its engi
 class _Limits:
     """What EngineCore.check_fits reads, sent by the child once."""
 
-    def __init__(self, max_seq_len: int, capacity_tokens: int):
+    check_window = EngineCore.check_window
+
+    def __init__(self, max_seq_len: int, capacity_tokens: int, block_size: int):
         self.max_seq_len = max_seq_len
         self.blocks = type("Blocks", (), {"capacity_tokens": capacity_tokens})()
+        self.config = type("Config", (), {"block_size": block_size})()
 
 
 class RemoteRequest:
@@ -96,6 +99,7 @@ class EngineProcess:
     render_chat = Engine.render_chat
     _params = Engine._params
     _check_ids = Engine._check_ids
+    _window = Engine._window
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", max_seq_len: int | None = None,
                  progress: bool = True, **settings):
@@ -127,7 +131,7 @@ class EngineProcess:
         if kind == "failed":
             self._proc.join()
             raise info
-        self._limits = _Limits(info["max_seq_len"], info.pop("capacity_tokens"))
+        self._limits = _Limits(info["max_seq_len"], info.pop("capacity_tokens"), info["engine_config"].block_size)
         for k, v in info.items():
             setattr(self, k, v)
         self._receiver = threading.Thread(target=self._receive, name="llaisys-engine-receiver", daemon=True)
@@ -145,9 +149,12 @@ class EngineProcess:
     def submit(self, prompt, sink=None, **sampling) -> RemoteRequest:
         """Engine.submit in the child; the errors Engine.submit raises for this request are raised here."""
         check_sink(sink)
-        ids = self._check_ids(self.tokenize(prompt))
+        ids = self._check_ids(self.tokenize(prompt), limit=False)
         params = self._params("submit", sampling)
-        EngineCore.check_fits(self._limits, len(ids), params.max_new_tokens)
+        window, sinks = self._window(params)
+        if not window:
+            self._check_ids(ids)  # the context's limit
+        EngineCore.check_fits(self._limits, len(ids), params.max_new_tokens, window, sinks)
         with self._send_lock:  # the queue check and the send, as one: the limit holds under concurrency
             if self.closed:
                 raise RuntimeError("the engine is closed")
@@ -163,8 +170,8 @@ class EngineProcess:
                 raise RuntimeError("the engine process is not running") from None
         return req
 
-    def score(self, token_ids):
-        return self._call("score", list(token_ids))
+    def score(self, token_ids, kv_window=None, sink_tokens=None):
+        return self._call("score", list(token_ids), kv_window, sink_tokens)
 
     def stats(self) -> dict:
         return self._call("stats")

@@ -20,6 +20,10 @@ preempted: its blocks are freed and it goes back to the front of the queue, to b
 the prefix cache). A request too large for the whole pool is refused at submission, so nothing deadlocks.
 A new request whose blocks do not fit stops admission: nothing behind it jumps ahead for want of blocks
 (a long one passed over in 3. is checked only in 4.).
+
+A windowed sequence (StreamingLLM) computes at most what its window's cap holds in a step; its blocks are
+readied by BlockManager.slide, and the K-shift that eviction needs rides on the step (Step.shifts), to be
+run before it.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ class Step:
     num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes in this step
     batch: DecodeBatch | None = None  # every running sequence decodes, from these arrays (batch.py)
     version: int = 0  # the batch's version when the step was made
+    # K-shifts to run before the step (cache rows src, rows dst, delta positions): windowed evictions
+    shifts: list[tuple[list[int], list[int], int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -80,15 +86,17 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _make_room(self, seq: Sequence, step: Step) -> bool:
-        """Frees blocks until seq can grow; False when seq itself had to be preempted."""
-        while not self.blocks.can_grow(seq):
+    def _make_room(self, seq: Sequence, step: Step, n: int = 1) -> bool:
+        """Frees blocks until seq can grow by n tokens; False when seq itself had to be preempted."""
+        bm = self.blocks
+        while not (bm.need(seq, n) <= bm.num_free if seq.kv_window else bm.can_grow(seq)):
             victims = [s for s in self.running if s is not seq and s not in step.seqs]
             victim = victims[-1] if victims else seq
             self._preempt(victim)
             if victim is seq:
                 return False
-        self.blocks.grow(seq)
+        if not seq.kv_window:
+            bm.grow(seq)
         return True
 
     def _is_long(self, seq: Sequence) -> bool:
@@ -114,7 +122,7 @@ class Scheduler:
             self.batch = None
             return None
         self.batch_steps += 1
-        return Step(b.seqs, [1] * len(b), b, b.step_made())
+        return Step(b.seqs, [1] * len(b), batch=b, version=b.step_made())
 
     def schedule(self) -> Step:
         fast = self.decode_step()
@@ -127,14 +135,23 @@ class Scheduler:
         def room() -> bool:
             return budget > 0 and len(step.seqs) < self.max_num_seqs
 
-        def add(seq: Sequence) -> None:
+        def tokens(seq: Sequence) -> int:
+            self.blocks.skip_ahead(seq)
+            limit = self.blocks.chunk_limit(seq)
+            return min(seq.remaining, budget, cap, limit if limit is not None else budget)
+
+        def add(seq: Sequence, most: int | None = None) -> None:
             nonlocal budget
-            n = min(seq.remaining, budget, cap)
+            n = tokens(seq) if most is None else min(tokens(seq), most)
+            if seq.kv_window:
+                shift = self.blocks.slide(seq, n)
+                if shift is not None:
+                    step.shifts.append(shift)
             step.add(seq, n)
             budget -= n
 
         def run(seq: Sequence) -> None:  # a running sequence, unless preempted for an earlier one or itself
-            if seq.status is Status.RUNNING and self._make_room(seq, step):
+            if seq.status is Status.RUNNING and self._make_room(seq, step, tokens(seq)):
                 add(seq)
 
         def admit(seq: Sequence) -> None:
@@ -142,7 +159,9 @@ class Scheduler:
             self.blocks.admit(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            add(seq)
+            # a windowed one evicts nothing in its first step: its admission counted no copies of shared blocks
+            add(seq, self.blocks.window_blocks(seq) * self.blocks.block_size - (seq.num_computed - seq.evicted)
+                if seq.kv_window else None)
 
         decodes = [s for s in self.running if s.remaining == 1]
         prefills = [s for s in self.running if s.remaining > 1]

@@ -19,7 +19,8 @@ class Sequence:
     """prompt + generated tokens. num_computed tokens have their keys/values in the blocks of
     block_table; a step computes the next ones (a prefill chunk, or the one new token of a decode)."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, seed: int, eos: frozenset[int]):
+    def __init__(self, prompt: list[int], params: SamplingParams, seed: int, eos: frozenset[int],
+                 kv_window: int = 0, sink_tokens: int = 0):
         self.seq_id = next(_ids)
         self.tokens = list(prompt)
         self.num_prompt = len(prompt)
@@ -29,6 +30,11 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_computed = 0
+        # StreamingLLM (block_manager.py, slide): a windowed sequence keeps its first sink blocks and about
+        # kv_window tokens after them; `evicted` tokens after the sinks have left its cache, so token t >= the
+        # sinks' end sits at cache index t - evicted, which is also its RoPE position. kv_window 0: dense.
+        self.kv_window, self.sink_tokens, self.evicted = kv_window, sink_tokens, 0
+        self.skip = 0  # tokens after the sinks a long admission leaves uncomputed (BlockManager.skip_ahead)
         self.registered, self.chain = 0, None  # full blocks registered in the prefix cache, last one's hash
         self.num_cached_prompt = 0  # prompt tokens found in the prefix cache (reported in usage)
         self.finish_reason: str | None = None

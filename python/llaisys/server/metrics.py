@@ -76,6 +76,8 @@ class Metrics:
             ("llaisys_prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens),
             ("llaisys_generation_tokens_total", "Generated tokens of finished requests.", self.generation_tokens),
             ("llaisys_preemptions_total", "Sequences preempted for lack of KV blocks.", stats["preemptions"]),
+            ("llaisys_kv_blocks_evicted_total", "KV blocks windowed sequences evicted (kv_window, StreamingLLM).",
+             stats.get("kv_blocks_evicted", 0)),
         ]
         lines = []
         for name, help_text, value in gauges:

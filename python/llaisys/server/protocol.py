@@ -111,6 +111,9 @@ class _Sampling(_Strict):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = False
     min_tokens: Optional[int] = Field(None, ge=0)
+    # llaisys's extras: StreamingLLM's rolling KV window (None: the server's defaults; kv_window 0 = dense)
+    kv_window: Optional[int] = Field(None, ge=0)
+    sink_tokens: Optional[int] = Field(None, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -144,7 +147,8 @@ class _Sampling(_Strict):
                # OpenAI takes any int64 seed; the engine's seeds are unsigned 64-bit
                "seed": None if self.seed is None else self.seed % 2**64}
         optional = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                    "min_tokens": self.min_tokens or None, "logprobs": self.num_logprobs()}
+                    "min_tokens": self.min_tokens or None, "logprobs": self.num_logprobs(),
+                    "kv_window": self.kv_window, "sink_tokens": self.sink_tokens}
         out.update({k: v for k, v in optional.items() if v is not None})
         return out
 
