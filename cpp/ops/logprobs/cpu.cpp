@@ -3,45 +3,124 @@
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace llaisys::ops::cpu {
 
 using namespace logprobs_rule;
 
+namespace {
+
+// Independent accumulators per loop, so the compiler vectorizes reductions without reassociating them.
+constexpr int kLanes = 16;
+// Elements the top-k scan tests against its floor at once.
+constexpr int64_t kBlock = 64;
+// Elements summed in float before the partial sums go into the double total.
+constexpr int64_t kChunk = 1024;
+
+// e^d for d <= 0 (a logit minus its row's max, scaled): Cephes' expf (range reduction by ln 2, a degree-6
+// polynomial, 2^n from the exponent bits), ~1 ulp; 0 below -87 (e^-87 ~ 1.6e-38, and -inf); NaN stays NaN.
+// Plain arithmetic, so the loops below vectorize (std::exp is a scalar libm call); CMake builds this file
+// with -fno-trapping-math, without which GCC keeps the float selects here and in row_max as branches.
+inline float exp_nonpositive(float d) {
+    const float x = d < -87.f ? -87.f : d;
+    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.f;
+    const int32_t bits = (int32_t(n) + 127) << 23; // n >= -126: a normal power of two
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return d < -87.f ? 0.f : y * scale;
+}
+
+// Max of row x [V] over its non-NaN values (-inf if none), and whether it holds a NaN.
+template <typename T>
+float row_max(const T *x, int64_t V, bool &any_nan) {
+    float mx[kLanes];
+    int nan[kLanes] = {};
+    std::fill(mx, mx + kLanes, -INFINITY);
+    auto step = [&](int j, float v) {
+        nan[j] |= int(v != v);
+        mx[j] = v > mx[j] ? v : mx[j];
+    };
+    int64_t i = 0;
+    for (; i + kLanes <= V; i += kLanes)
+        for (int j = 0; j < kLanes; ++j) step(j, load(x, i + j));
+    for (int j = 0; i + j < V; ++j) step(j, load(x, i + j));
+    any_nan = std::any_of(nan, nan + kLanes, [](int b) { return b != 0; });
+    return *std::max_element(mx, mx + kLanes);
+}
+
+// sum_i e^((x_i - m) * inv_t) over row x [V] (m its max), in float per chunk and lane, in double across.
+template <typename T>
+double row_sum_exp(const T *x, int64_t V, float m, float inv_t) {
+    double total = 0;
+    for (int64_t c = 0; c < V; c += kChunk) {
+        const int64_t end = std::min(V, c + kChunk);
+        float acc[kLanes] = {};
+        int64_t i = c;
+        for (; i + kLanes <= end; i += kLanes)
+            for (int j = 0; j < kLanes; ++j) acc[j] += exp_nonpositive((load(x, i + j) - m) * inv_t);
+        for (int j = 0; i + j < end; ++j) acc[j] += exp_nonpositive((load(x, i + j) - m) * inv_t);
+        for (float a : acc) total += double(a);
+    }
+    return total;
+}
+
+// The k largest keys of row x [V] into top (sorted, highest first); returns how many (min(k, V)).
+template <typename T>
+int row_top_keys(const T *x, int64_t V, int k, uint64_t *top) {
+    int n = 0;
+    float floor_v = -INFINITY; // the k-th value once n == k: a value below it (or equal: a higher index) loses
+    for (int64_t c = 0; c < V; c += kBlock) {
+        const int64_t end = std::min(V, c + kBlock);
+        if (n == k && end - c == kBlock) { // skip a whole block below the floor (a vectorized test)
+            int above = 0;
+            for (int64_t i = c; i < end; ++i) above |= int(!(load(x, i) < floor_v)); // NaN counts as above
+            if (!above) continue;
+        }
+        for (int64_t i = c; i < end; ++i) {
+            const float v = load(x, i);
+            if (n == k && v < floor_v) continue;
+            insert_key(top, n, k, order_key(v, i));
+            if (n == k) floor_v = load(x, key_index(top[k - 1]));
+        }
+    }
+    return n;
+}
+
 // Output row r reads logits row b = rows[r] (x [V]): lp_i = (x_i - m) / t - log(sum_j exp((x_j - m) / t))
 // with m the row's max; chosen_lp[r] = lp at chosen[b], and the k largest (value, then lower index) with
-// their lp, highest first. Two passes: the max, then the sum (in double) and the top-k keys. A row
-// without a finite max (a NaN, a +inf, only -inf) gets NaN logprobs, as NumPy's formula does; slots past
-// V (k > V) get id -1 and -inf.
+// their lp, highest first. A row without a finite max (a NaN, a +inf, only -inf) gets NaN logprobs, as
+// NumPy's formula does; slots past V (k > V) get id -1 and -inf.
 template <typename T>
-static void logprobs_row(float *chosen_lp, int64_t *top_ids, float *top_lp, const T *x, int64_t V, float inv_t,
-                         int64_t chosen, int k) {
-    float m = -INFINITY;
+void logprobs_row(float *chosen_lp, int64_t *top_ids, float *top_lp, const T *x, int64_t V, float inv_t,
+                  int64_t chosen, int k) {
     bool nan = false;
-    for (int64_t i = 0; i < V; ++i) {
-        const float v = load(x, i);
-        nan |= v != v;
-        m = v > m ? v : m;
-    }
+    const float m = row_max(x, V, nan);
     const bool finite = !nan && std::isfinite(m);
-    uint64_t top[kMaxTopK];
-    int n = 0;
-    double sum = 0;
-    for (int64_t i = 0; i < V; ++i) {
-        const float v = load(x, i);
-        sum += double(std::exp((v - m) * inv_t));
-        if (k > 0) insert_key(top, n, k, order_key(v, i));
-    }
-    const float lse = float(std::log(sum)), qnan = std::numeric_limits<float>::quiet_NaN();
+    const float lse = finite ? float(std::log(row_sum_exp(x, V, m, inv_t))) : 0.f;
+    const float qnan = std::numeric_limits<float>::quiet_NaN();
     auto lp = [&](int64_t i) { return finite ? (load(x, i) - m) * inv_t - lse : qnan; };
     *chosen_lp = lp(chosen);
+    uint64_t top[kMaxTopK];
+    const int n = k > 0 ? row_top_keys(x, V, k, top) : 0;
     for (int j = 0; j < k; ++j) {
         top_ids[j] = j < n ? key_index(top[j]) : -1;
         top_lp[j] = j < n ? lp(top_ids[j]) : -INFINITY;
     }
 }
+
+} // namespace
 
 void logprobs(const Tensor &chosen_lp, const Tensor &top_ids, const Tensor &top_lp, const Tensor &logits,
               const Tensor &temperature, const Tensor &chosen, const Tensor &rows) {
