@@ -314,8 +314,9 @@ class EngineCore:
         ops.logprobs(chosen_lp, top_ids, top_lp, logits, tensor(temperature, dev), tensor(chosen, dev),
                      tensor(rows, dev))
         chosen_lp, top_ids, top_lp = (t.to("cpu").numpy().tolist() for t in (chosen_lp, top_ids, top_lp))
-        return [{"token_id": int(chosen[row]), "logprob": lp, "top": [[i, x] for i, x in zip(ids[:min(n, V)], lps)]}
-                for row, n, lp, ids, lps in zip(rows.tolist(), ks, chosen_lp, top_ids, top_lp)]
+        # map/zip build the [id, lp] pairs in C: a comprehension per row cost twice as much at 256 rows
+        return [{"token_id": tok, "logprob": lp, "top": list(map(list, zip(ids[:min(n, V)], lps)))}
+                for tok, n, lp, ids, lps in zip(chosen[rows].tolist(), ks, chosen_lp, top_ids, top_lp)]
 
     def stats(self) -> dict:
         b, s = self.blocks, self.scheduler
