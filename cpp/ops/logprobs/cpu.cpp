@@ -18,7 +18,8 @@ namespace {
 constexpr int kLanes = 16;
 // Elements the top-k scan tests against its floor at once.
 constexpr int64_t kBlock = 64;
-// Elements summed in float before the partial sums go into the double total.
+// Elements per chunk of the max-and-sum pass (4 KiB of f32: they stay in L1 between its two loops), summed
+// in float before the chunk's sum goes into the double total.
 constexpr int64_t kChunk = 1024;
 
 // e^d for d <= 0 (a logit minus its row's max, scaled): Cephes' expf (range reduction by ln 2, a degree-6
@@ -42,7 +43,7 @@ inline float exp_nonpositive(float d) {
     return d < -87.f ? 0.f : y * scale;
 }
 
-// Max of row x [V] over its non-NaN values (-inf if none), and whether it holds a NaN.
+// Max of x [V] over its non-NaN values (-inf if none), and whether it holds a NaN.
 template <typename T>
 float row_max(const T *x, int64_t V, bool &any_nan) {
     float mx[kLanes];
@@ -60,18 +61,37 @@ float row_max(const T *x, int64_t V, bool &any_nan) {
     return *std::max_element(mx, mx + kLanes);
 }
 
-// sum_i e^((x_i - m) * inv_t) over row x [V] (m its max), in float per chunk and lane, in double across.
+// sum_i e^((x_i - m) * inv_t) over x [n], in float per lane.
 template <typename T>
-double row_sum_exp(const T *x, int64_t V, float m, float inv_t) {
+float chunk_sum_exp(const T *x, int64_t n, float m, float inv_t) {
+    float acc[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes)
+        for (int j = 0; j < kLanes; ++j) acc[j] += exp_nonpositive((load(x, i + j) - m) * inv_t);
+    for (int j = 0; i + j < n; ++j) acc[j] += exp_nonpositive((load(x, i + j) - m) * inv_t);
+    float total = 0;
+    for (float a : acc) total += a;
+    return total;
+}
+
+// One pass over row x [V] in chunks that stay in L1: each chunk's max, then its sum of exp against the
+// running max m (the double total rescaled when m grows). Returns sum_i e^((x_i - m) * inv_t) with m the
+// row's max over non-NaN values (-inf if none); any_nan says whether it holds a NaN.
+template <typename T>
+double row_max_sum_exp(const T *x, int64_t V, float inv_t, float &m, bool &any_nan) {
+    m = -INFINITY;
+    any_nan = false;
     double total = 0;
     for (int64_t c = 0; c < V; c += kChunk) {
-        const int64_t end = std::min(V, c + kChunk);
-        float acc[kLanes] = {};
-        int64_t i = c;
-        for (; i + kLanes <= end; i += kLanes)
-            for (int j = 0; j < kLanes; ++j) acc[j] += exp_nonpositive((load(x, i + j) - m) * inv_t);
-        for (int j = 0; i + j < end; ++j) acc[j] += exp_nonpositive((load(x, i + j) - m) * inv_t);
-        for (float a : acc) total += double(a);
+        const int64_t n = std::min(kChunk, V - c);
+        bool nan = false;
+        const float cm = row_max(x + c, n, nan);
+        any_nan |= nan;
+        if (cm > m) {
+            total *= m > -INFINITY ? std::exp(double(m - cm) * double(inv_t)) : 0.0;
+            m = cm;
+        }
+        if (m > -INFINITY) total += double(chunk_sum_exp(x + c, n, m, inv_t));
     }
     return total;
 }
@@ -100,15 +120,16 @@ int row_top_keys(const T *x, int64_t V, int k, uint64_t *top) {
 
 // Output row r reads logits row b = rows[r] (x [V]): lp_i = (x_i - m) / t - log(sum_j exp((x_j - m) / t))
 // with m the row's max; chosen_lp[r] = lp at chosen[b], and the k largest (value, then lower index) with
-// their lp, highest first. A row without a finite max (a NaN, a +inf, only -inf) gets NaN logprobs, as
+// their lp, highest first. Two passes over the row: max and sum together, then the top-k keys. A row without a finite max (a NaN, a +inf, only -inf) gets NaN logprobs, as
 // NumPy's formula does; slots past V (k > V) get id -1 and -inf.
 template <typename T>
 void logprobs_row(float *chosen_lp, int64_t *top_ids, float *top_lp, const T *x, int64_t V, float inv_t,
                   int64_t chosen, int k) {
     bool nan = false;
-    const float m = row_max(x, V, nan);
+    float m;
+    const double sum = row_max_sum_exp(x, V, inv_t, m, nan);
     const bool finite = !nan && std::isfinite(m);
-    const float lse = finite ? float(std::log(row_sum_exp(x, V, m, inv_t))) : 0.f;
+    const float lse = finite ? float(std::log(sum)) : 0.f;
     const float qnan = std::numeric_limits<float>::quiet_NaN();
     auto lp = [&](int64_t i) { return finite ? (load(x, i) - m) * inv_t - lse : qnan; };
     *chosen_lp = lp(chosen);
