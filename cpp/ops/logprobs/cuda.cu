@@ -1,8 +1,8 @@
 // logprobs on CUDA: one block of kThreads threads per output row r (reading logits row b = rows[r]).
 //   1. Thread t scans elements t, t + kThreads, ... once: an online max and sum of exp((x - max) / T)
 //      (the sum rescaled when its max grows) and its own top k keys (order_key: value, then lower index),
-//      sorted in a small local array; a key enters only when it beats the thread's k-th, so after the
-//      first few elements inserts are rare.
+//      sorted in a small local array; an element is keyed only when its value is not below the thread's
+//      k-th, so after the first few elements most cost one float compare.
 //   2. The block reduces the max, then the rescaled sums, then merges the threads' lists in k rounds of a
 //      block max over each thread's head key (the winner pops its head).
 // One block per row: a decode step's R rows fill the GPU when R >= SMs; for a few rows one SM streams a
@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(kThreads)
     bool nan = false;
     uint64_t top[kMaxTopK];
     int n = 0;
+    float floor_v = -INFINITY; // this thread's k-th value once n == k: a value below it loses
     for (int i = threadIdx.x; i < V; i += kThreads) {
         const float v = to_f32(x[i]);
         nan |= v != v;
@@ -70,7 +71,10 @@ __global__ void __launch_bounds__(kThreads)
         } else if (v > -INFINITY) {
             s += expf((v - m) * inv_t);
         }
-        if (k > 0) insert_key(top, n, k, order_key(v, i));
+        if (k > 0 && !(n == k && v < floor_v)) { // one float compare for most elements
+            insert_key(top, n, k, order_key(v, i));
+            if (n == k) floor_v = to_f32(x[key_index(top[k - 1])]);
+        }
     }
     // 2. the row's max and sum
     nan = __syncthreads_or(nan);
