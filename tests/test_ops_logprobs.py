@@ -119,7 +119,8 @@ def test_logprobs_non_contiguous_operands(device):
     ids, tlp = big_ids.select(2, 1), big_lp.select(2, 0)  # [2, 4], strides (8, 2)
     clp = poisoned((2, 3), "f32", device).select(1, 2)
     temperature, chosen, rows = np.full(6, 0.8, np.float32), np.arange(6) * 7, [5, 2]
-    ops.logprobs(clp, ids, tlp, x, vec(temperature, "f32", device), vec(chosen, "i64", device), vec(rows, "i64", device))
+    ops.logprobs(clp, ids, tlp, x, vec(temperature, "f32", device), vec(chosen, "i64", device),
+                 vec(rows, "i64", device))
     got = (np.asarray(clp.to("cpu").numpy(), np.float64), ids.to("cpu").numpy(),
            np.asarray(tlp.to("cpu").numpy(), np.float64))
     check(got, reference(xt64.T, temperature, chosen, rows, 4))
