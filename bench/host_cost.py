@@ -7,8 +7,12 @@ Engine.generate (greedy, EOS ignored); the step time is (t(1+new) - t(1)) / new,
 sequence per step is the slope between the smallest and the largest batch. The engine's own split of a
 step (EngineCore.timing: schedule / run / postprocess, the rest being the loop's delivery) is printed too.
 
+With --logprobs K every batch is timed twice, without logprobs and with logprobs=K on every request (both
+the best of --repeat, interleaved), and the ratio printed (issue 33's target: <= 1.10 for K = 5).
+
     LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/host_cost.py            # 1, 64, 256
     python bench/host_cost.py --batches 1 256 --new 64 --repeat 3 --json /tmp/h.json
+    python bench/host_cost.py --batches 64 256 --logprobs 5 --repeat 5
 """
 from __future__ import annotations
 
@@ -49,27 +53,30 @@ def _clock(eng) -> dict:
     return dict(eng._core.timing, prepare_s=eng._core.runner.prepare_s, wall_s=time.perf_counter())
 
 
-def _run(eng, prompts, new: int) -> dict:
+def _run(eng, prompts, new: int, logprobs: int | None = None) -> dict:
     """What generating 1 + new tokens for every prompt cost, per component (seconds)."""
     t0 = _clock(eng)
-    out = eng.generate(prompts, max_new_tokens=1 + new, temperature=0, ignore_eos=True)
+    out = eng.generate(prompts, max_new_tokens=1 + new, temperature=0, ignore_eos=True, logprobs=logprobs)
     t1 = _clock(eng)
     assert all(len(r.token_ids) == 1 + new for r in out), "a request ended early"
     return {k: t1[k] - t0[k] for k in (*KEYS, "wall_s")}
 
 
-def step_ms(eng, batch: int, prompt: int, new: int, repeat: int) -> dict:
-    """Per decode step (ms): the difference between generating 1 + new and 1 tokens, over new; the best
-    of `repeat` by wall time. kernels: the C++ step (model, sampling, the one sync) = run - prepare."""
+def step_ms(eng, batch: int, prompt: int, new: int, repeat: int, variants=(None,)) -> list[dict]:
+    """Per decode step (ms), for each logprobs setting in `variants`: the difference between generating
+    1 + new and 1 tokens, over new; the best of `repeat` by wall time (the variants interleaved, so a
+    noisy machine hits them alike). kernels: the C++ step (model, sampling, the one sync) = run - prepare."""
     prompts = [[(7 * b + i) % 500 + 1 for i in range(prompt)] for b in range(batch)]
-    best = None
+    best = [None] * len(variants)
     for _ in range(repeat):
-        one, many = _run(eng, prompts, 0), _run(eng, prompts, new)
-        d = {k: (many[k] - one[k]) / new * 1e3 for k in many}
-        if best is None or d["wall_s"] < best["wall_s"]:
-            best = d
-    best["kernels_s"] = best["run_s"] - best["prepare_s"]
-    best["host_s"] = best["wall_s"] - best["kernels_s"]
+        for j, lp in enumerate(variants):
+            one, many = _run(eng, prompts, 0, lp), _run(eng, prompts, new, lp)
+            d = {k: (many[k] - one[k]) / new * 1e3 for k in many}
+            if best[j] is None or d["wall_s"] < best[j]["wall_s"]:
+                best[j] = d
+    for d in best:
+        d["kernels_s"] = d["run_s"] - d["prepare_s"]
+        d["host_s"] = d["wall_s"] - d["kernels_s"]
     return best
 
 
@@ -79,6 +86,7 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--logprobs", type=int, metavar="K", help="also time logprobs=K on every request")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     import llaisys
@@ -91,12 +99,20 @@ def main() -> int:
     eng.generate([[1, 2, 3]] * 4, max_new_tokens=4, temperature=0, ignore_eos=True)  # warm-up
     rows = []
     for b in args.batches:
-        d = step_ms(eng, b, args.prompt, args.new, args.repeat)
+        variants = (None,) if args.logprobs is None else (None, args.logprobs)
+        d, *with_lp = step_ms(eng, b, args.prompt, args.new, args.repeat, variants)
         rows.append(dict(batch=b, **{k.replace("_s", "_ms"): round(v, 4) for k, v in d.items()}))
         print(f"batch {b:4d}: {d['wall_s']:7.3f} ms a step = C++ step {d['kernels_s']:.3f} + host {d['host_s']:.3f} "
               f"(schedule {d['schedule_s']:.3f}, arrays {d['prepare_s']:.3f}, postprocess {d['postprocess_s']:.3f}, "
               f"delivery and the rest {d['host_s'] - d['schedule_s'] - d['prepare_s'] - d['postprocess_s']:.3f})",
               flush=True)
+        if with_lp:
+            lp = with_lp[0]
+            rows[-1].update(logprobs=args.logprobs, logprobs_wall_ms=round(lp["wall_s"], 4),
+                            logprobs_ratio=round(lp["wall_s"] / d["wall_s"], 4))
+            print(f"batch {b:4d}: logprobs={args.logprobs} on every request {lp['wall_s']:7.3f} ms a step vs "
+                  f"{d['wall_s']:.3f} without: x{lp['wall_s'] / d['wall_s']:.3f} (postprocess "
+                  f"{lp['postprocess_s']:.3f} vs {d['postprocess_s']:.3f})", flush=True)
     lo, hi = rows[0], rows[-1]
     if hi["batch"] > lo["batch"]:
         per = {k: (hi[k] - lo[k]) / (hi["batch"] - lo["batch"]) * 1e3 for k in ("wall_ms", "host_ms", "kernels_ms")}

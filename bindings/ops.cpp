@@ -79,6 +79,8 @@ void bind_ops(nb::module_ &m) {
           nb::arg("top_p"), nb::arg("min_p"), nb::arg("seed"), nb::arg("offset"), G());
     o.def("sample_rows", &ops::sample_rows, nb::arg("out_ids"), nb::arg("logits"), nb::arg("temperature"),
           nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"), nb::arg("seeds"), nb::arg("steps"), G());
+    o.def("logprobs", &ops::logprobs, nb::arg("chosen_lp"), nb::arg("top_ids"), nb::arg("top_lp"), nb::arg("logits"),
+          nb::arg("temperature"), nb::arg("chosen"), nb::arg("rows"), G());
     o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
     o.def("logit_bias", &ops::logit_bias, nb::arg("logits"), nb::arg("ids"), nb::arg("bias"), G());
     // ---- LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3); bias and delta2 may be None ----

@@ -64,6 +64,26 @@ def test_tokens_texts_and_ends_equal_the_general_path(tiny, device, overlap, mon
     assert any(f == "stop" for _, _, f in fast[10:15])
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_rows_equal_the_general_path(tiny, device, overlap, monkeypatch):
+    """Rows with logprobs (beside rows without, greedy and sampled, k from 0 to 20) run from the batch's
+    arrays: the same tokens and the same entries, bit for bit, as the general path, also for the rows
+    that end early (EOS) while the others go on."""
+    def go(eng):
+        ps = prompts(eng.config.vocab_size, [3, 17, 40, 90, 7], seed=2)
+        kw = dict(max_new_tokens=[30, 5, 47, 2, 60], temperature=[0, 0.8, 0, 1.2, 0.7], seed=[1, 2, 3, 4, 5],
+                  logprobs=[5, None, 0, 20, 1], ignore_eos=True)
+        first = eng.generate(ps, **kw)
+        stop_at = first[4].token_ids[10]  # the last row ends early; the others keep their logprobs
+        second = eng.generate(ps, **{**kw, "ignore_eos": False, "stop_token_ids": [stop_at]})
+        return [(r.token_ids, r.finish_reason, r.logprobs) for r in first + second]
+    fast, general = both_ways(tiny, device, monkeypatch, go, overlap)
+    assert fast == general
+    assert fast[1][2] is None and all(len(e["top"]) == 20 for e in fast[3][2])
+    assert fast[9][1] == "stop"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefix_cache_preemption_and_the_context_end(tiny, device, monkeypatch):
     """A pool so small that decodes preempt each other, shared prefixes, and a row reaching max_seq_len:
@@ -76,11 +96,13 @@ def test_prefix_cache_preemption_and_the_context_end(tiny, device, monkeypatch):
         long = eng.generate(prompts(eng.config.vocab_size, [180], seed=8)[0], max_new_tokens=100, temperature=0,
                             ignore_eos=True)
         s = eng.stats()
-        return first, again, (long.token_ids, long.finish_reason), s["prefix_cache_hit_rate"], s["preemptions"] > 0, \
-            s["kv_blocks_used"]
+        # the hit rate itself depends on when the loop thread picks up each submitted prompt (admitted in one
+        # step or over two), so only that there were hits is compared, not the value
+        return first, again, (long.token_ids, long.finish_reason), s["prefix_cache_hit_rate"] > 0, \
+            s["preemptions"] > 0, s["kv_blocks_used"]
     fast, general = both_ways(tiny, device, monkeypatch, go, block_size=4, num_kv_blocks=64, max_seq_len=200)
     assert fast == general
-    assert fast[0] == fast[1] and fast[3] > 0 and fast[4] and fast[5] == 0
+    assert fast[0] == fast[1] and fast[3] and fast[4] and fast[5] == 0
     assert len(fast[2][0]) == 20 and fast[2][1] == "length"
 
 

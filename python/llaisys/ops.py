@@ -44,6 +44,7 @@ repetition_penalty = _ops.repetition_penalty
 logit_bias = _ops.logit_bias
 scale = _ops.scale  # (out, x, alpha)
 sample_rows = _ops.sample_rows
+logprobs = _ops.logprobs  # (chosen_lp, top_ids, top_lp, logits, temperature, chosen, rows)
 # LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3): bias and delta2 may be None.
 layer_norm = _ops.layer_norm  # (out, x, weight, bias, eps)
 add_layer_norm = _ops.add_layer_norm  # (out, residual, delta, delta2, weight, bias, eps)
@@ -52,5 +53,6 @@ geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 
 __all__ = ["add", "scale", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "rope_qkv_cache", "rope_inv_freq", "kv_shift",
-           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "linear_swiglu",
+           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "logprobs",
+           "linear_swiglu",
            "layer_norm", "add_layer_norm", "gelu", "geglu"]

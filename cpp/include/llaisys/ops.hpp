@@ -154,6 +154,15 @@ void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperatu
 // request's tokens never depend on its row in a batch.
 void sample_rows(const Tensor &out_ids, const Tensor &logits, const Tensor &temperature, const Tensor &top_k,
                  const Tensor &top_p, const Tensor &min_p, const Tensor &seeds, const Tensor &steps);
+// Log-probabilities of a step's sampled tokens, for the rows that asked (OpenAI's logprobs): for output row
+// r, logits row b = rows[r] ([R] i64) of logits [B, V] (float) after the temperature (temperature [B] f32;
+// 0 means 1), lp = log_softmax(logits[b] / t) accumulated in f32 (double on the CPU). chosen_lp [R] f32 =
+// lp[chosen[b]] (chosen [B] i64, the sampled ids); top_ids [R, k] i64 and top_lp [R, k] f32 = the k
+// (<= 20) largest, highest first, ties to the lower id (slots past V: id -1, -inf). A row without a finite
+// max (a NaN, a +inf, only -inf) gets NaN logprobs. On the host, rows, chosen ids and temperatures out of
+// range raise; on a device (no sync) they give NaN logprobs (and id -1 for a bad row index).
+void logprobs(const Tensor &chosen_lp, const Tensor &top_ids, const Tensor &top_lp, const Tensor &logits,
+              const Tensor &temperature, const Tensor &chosen, const Tensor &rows);
 // HF's repetition penalty in place: for each id in ids [B, n] (i64, -1 = padding, no duplicates per
 // row) logits[b, id] is divided by penalty if positive, multiplied if negative.
 void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);

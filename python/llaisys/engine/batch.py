@@ -6,8 +6,10 @@ attribute lookups, list building and checks per sequence in the scheduler, the r
 The Sequence objects stay the truth (the block manager, the prefix cache, preemption and the slow path
 read them); the arrays are a cache of them that EngineCore keeps in step and drops whenever something else
 changes the batch (a request admitted, a prefill, a preemption, a failed step). Rows that end leave by
-`condense`. A batch exists only for rows the fast path serves exactly: decodes without penalties, biases or
-logprobs, past their min_tokens (those run the general path, as they do for overlapped steps)."""
+`condense`. A batch exists only for rows the fast path serves exactly: decodes without penalties or biases,
+past their min_tokens (those run the general path, as they do for overlapped steps). Rows with logprobs
+may join; a batch holding any runs its steps one at a time (not overlapped: the logprobs are read from the
+step's logits, which a chained step would overwrite)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,11 +19,11 @@ from .sequence import Sequence, Status
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
-    host state (penalty ids, biases, logprobs, the min_tokens ban) and whose cache does not slide (a
-    windowed sequence's positions and blocks move with its evictions: block_manager.slide)."""
-    p = seq.params
-    return (len(seq) - seq.num_computed == 1 and p.logprobs is None and seq.seen is None and
-            seq.counts is None and seq.num_output >= p.min_tokens and not seq.kv_window)
+    host state (penalty ids, biases, the min_tokens ban; logprobs come from one op over the batch) and
+    whose cache does not slide (a windowed sequence's positions and blocks move with its evictions:
+    block_manager.slide)."""
+    return (len(seq) - seq.num_computed == 1 and seq.seen is None and seq.counts is None and
+            seq.num_output >= seq.params.min_tokens and not seq.kv_window)
 
 
 class DecodeBatch:
@@ -46,6 +48,7 @@ class DecodeBatch:
         self.min_p = np.array([p.min_p for p in params], np.float32)
         self.penalty = np.ones(n, np.float32)
         self.seeds = np.array([s.seed for s in self.seqs], np.uint64)
+        self.logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64)  # -1: none
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
         self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
@@ -69,7 +72,7 @@ class DecodeBatch:
     def condense(self, keep: np.ndarray) -> None:
         self.seqs = [s for s, k in zip(self.seqs, keep) if k]
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
-                     "min_p", "penalty", "seeds"):
+                     "min_p", "penalty", "seeds", "logprobs"):
             setattr(self, name, getattr(self, name)[keep])
         self.version += 1
 

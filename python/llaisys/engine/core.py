@@ -8,7 +8,8 @@ from itertools import repeat
 
 import numpy as np
 
-from .. import _core
+from .. import _core, ops
+from .._tensor import empty, tensor
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .model_runner import ModelRunner
@@ -190,8 +191,8 @@ class EngineCore:
         """Whether step may run launched (its tokens read later) with a next step chained behind it."""
         if not self._overlap:
             return False
-        if step.batch is not None:
-            return True  # the batch holds only such rows (batch.eligible)
+        if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs
+            return not (step.batch.logprobs >= 0).any()
         for seq, n in zip(step.seqs, step.num_tokens):  # decodes, no penalties or biases, no logprobs
             p = seq.params
             if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.seen is not None or
@@ -259,7 +260,7 @@ class EngineCore:
             if step.batch is self.scheduler.batch and step.version == step.batch.version:
                 return self._account_batch(step.batch, tokens, t0, t1, t2)
             self.scheduler.batch = None  # its arrays would miss what the general accounting does below
-        produced = []
+        produced, want = [], []  # want: (row, index in produced) of the rows that asked for logprobs
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             if seq.status is not Status.RUNNING:
                 continue
@@ -267,28 +268,47 @@ class EngineCore:
             self.blocks.register_full(seq)
             if seq.num_computed < len(seq):
                 continue  # a prefill chunk: more of the prompt to go
-            lp = None if seq.params.logprobs is None else self._logprobs(row, int(token), seq.params)
+            if seq.params.logprobs is not None:
+                want.append((row, len(produced)))
             seq.append(int(token))
-            produced.append((seq, int(token), lp))
+            produced.append((seq, int(token), None))
             if token in seq.eos:
                 self.finish(seq, "stop")
             elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
                 self.finish(seq, "length")
+        if want:
+            temperature, chosen = np.zeros(len(tokens), np.float32), np.asarray(tokens, np.int64)
+            ks = []
+            for row, i in want:
+                temperature[row] = produced[i][0].params.temperature
+                ks.append(produced[i][0].params.logprobs)
+            entries = self._logprobs(np.array([r for r, _ in want], np.int64), temperature, chosen, ks)
+            for (_, i), entry in zip(want, entries):
+                produced[i] = (produced[i][0], produced[i][1], entry)
         self._time(step.num_tokens, t0, t1, t2)
         return produced
 
     def _account_batch(self, b, tokens, t0: float, t1: float, t2: float):
         """_account for a step of the persistent batch: the same effects, vectorised over its rows."""
         live = [s.status is Status.RUNNING for s in b.seqs]
+        entries = repeat(None)
+        want = np.flatnonzero(b.logprobs >= 0)
+        if want.size:  # from the step's logits rows, before rows leave
+            entries = [None] * len(b)
+            found = self._logprobs(want, b.temperature, np.asarray(tokens, np.int64), b.logprobs[want].tolist())
+            for row, entry in zip(want.tolist(), found):
+                entries[row] = entry
         if not all(live):  # ended while the step ran (an abort, a stop string): their tokens are dropped
             tokens = [t for t, keep in zip(tokens, live) if keep]
+            if want.size:
+                entries = [e for e, keep in zip(entries, live) if keep]
             b.condense(np.array(live, bool))
         eos, length = b.advance(tokens, self.max_seq_len)
         seqs, bs = b.seqs, self.blocks.block_size
         if self.blocks.caching:
             for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
                 self.blocks.register_full(seqs[row])
-        produced = list(zip(seqs, tokens, repeat(None)))
+        produced = list(zip(seqs, tokens, entries))
         for row in np.flatnonzero(eos).tolist():
             self.finish(seqs[row], "stop")
         for row in np.flatnonzero(length).tolist():
@@ -304,17 +324,21 @@ class EngineCore:
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
 
-    def _logprobs(self, row: int, token: int, params) -> dict:
-        """Log-softmax of the row's logits after the temperature (1 for greedy), before top-k/top-p: the
-        chosen token's logprob and the `params.logprobs` most likely, highest first."""
-        x = np.asarray(self.runner.last_logits().slice(0, row, row + 1).to("cpu").to("f32").numpy(),
-                       dtype=np.float64)[0] / (params.temperature or 1.0)
-        m = x.max()
-        lp = x - (m + np.log(np.exp(x - m).sum()))
-        k = params.logprobs
-        top = np.argpartition(-lp, k)[:k] if 0 < k < lp.size else np.arange(lp.size if k else 0)
-        top = sorted(top.tolist(), key=lambda i: (-lp[i], i))
-        return {"token_id": token, "logprob": float(lp[token]), "top": [[int(i), float(lp[i])] for i in top]}
+    def _logprobs(self, rows: np.ndarray, temperature: np.ndarray, chosen: np.ndarray, ks: list[int]) -> list[dict]:
+        """The logprobs entries of the last step's `rows` ([R] i64), given every row's temperature ([B] f32)
+        and sampled token ([B] i64), and each listed row's number of top entries: the log-softmax of the row's
+        logits after its temperature (1 for greedy), before top-k/top-p; the chosen token's logprob and the
+        ks[r] most likely, highest first (ties: lower id). One ops.logprobs call on the logits' device for
+        every row and three small copies back, not each row's logits."""
+        logits = self.runner.last_logits()  # [B, V] on the device, valid until the next step
+        dev, V, R, k = logits.device, logits.shape[1], len(rows), max(ks)
+        chosen_lp, top_ids, top_lp = empty([R], "f32", dev), empty([R, k], "i64", dev), empty([R, k], "f32", dev)
+        ops.logprobs(chosen_lp, top_ids, top_lp, logits, tensor(temperature, dev), tensor(chosen, dev),
+                     tensor(rows, dev))
+        chosen_lp, top_ids, top_lp = (t.to("cpu").numpy().tolist() for t in (chosen_lp, top_ids, top_lp))
+        # map/zip build the [id, lp] pairs in C: a comprehension per row cost twice as much at 256 rows
+        return [{"token_id": tok, "logprob": lp, "top": list(map(list, zip(ids[:min(n, V)], lps)))}
+                for tok, n, lp, ids, lps in zip(chosen[rows].tolist(), ks, chosen_lp, top_ids, top_lp)]
 
     def stats(self) -> dict:
         b, s = self.blocks, self.scheduler

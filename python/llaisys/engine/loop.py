@@ -184,7 +184,9 @@ class StepLoop:
             req = live.get(seq.seq_id)
             if req is None:
                 continue
-            if req.keeps_ids and logprobs is None and seq.finish_reason is None and req.first is not None:
+            if req.keeps_ids and seq.finish_reason is None and req.first is not None:
                 req.ids_kept.append(token)  # a request read only at its end, mid-way: all there is to do
+                if logprobs is not None:
+                    req.lps_kept.append(logprobs)
             else:
                 self._deliver(req, self._token, req, seq, token, logprobs)

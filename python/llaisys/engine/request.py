@@ -98,6 +98,7 @@ class Request:
         self.ids_kept = self._pending  # the step loop appends a keeps_ids request's ids here directly
         self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
+        self.lps_kept = self._pending_lp  # and their logprobs entries (None: the request asked for none)
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         # every item read from _chunks, kept: iterating again, or result() after iterating, replays them
         # (the queue gives each item once; reading it twice would wait forever)

@@ -1,0 +1,120 @@
+// logprobs on CUDA: one block of kThreads threads per output row r (reading logits row b = rows[r]).
+//   1. Thread t scans elements t, t + kThreads, ... once: an online max and sum of exp((x - max) / T)
+//      (the sum rescaled when its max grows) and its own top k keys (order_key: value, then lower index),
+//      sorted in a small local array; an element is keyed only when its value is not below the thread's
+//      k-th, so after the first few elements most cost one float compare.
+//   2. The block reduces the max, then the rescaled sums, then merges the threads' lists in k rounds of a
+//      block max over each thread's head key (the winner pops its head).
+// One block per row: a decode step's R rows fill the GPU when R >= SMs; for a few rows one SM streams a
+// whole row (~10 us for 151936 bf16), still far below the host round trip it replaces.
+// TODO: vector loads and a split path for few rows (as argmax's) if a profile ever shows this op.
+#include "ops/logprobs/logprobs.hpp"
+
+#include "ops/common/checks.hpp"
+#include "ops/common/cuda.cuh"
+
+#include <cstdint>
+
+namespace llaisys::ops::cuda {
+
+using namespace logprobs_rule;
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// The max key over the block; every thread gets it. `scratch` holds 32 keys; blockDim.x % 32 == 0.
+__device__ __forceinline__ uint64_t block_max_key(uint64_t k, uint64_t *scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const uint64_t other = __shfl_xor_sync(0xffffffffu, (unsigned long long)k, o);
+        k = other > k ? other : k;
+    }
+    __syncthreads(); // scratch may still be read by a previous call
+    if (lane == 0) scratch[warp] = k;
+    __syncthreads();
+    k = lane < nwarps ? scratch[lane] : 0;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const uint64_t other = __shfl_xor_sync(0xffffffffu, (unsigned long long)k, o);
+        k = other > k ? other : k;
+    }
+    return k;
+}
+
+// chosen_lp [R], top_ids [R, k], top_lp [R, k] from logits [B, V], temperature [B], chosen [B], rows [R].
+// A row index out of range (not checked on the host: that would need a sync) gives ids -1 and NaN
+// logprobs; a chosen id out of range, a NaN chosen_lp.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    logprobs_kernel(float *chosen_lp, int64_t *top_ids, float *top_lp, const T *logits, const float *temperature,
+                    const int64_t *chosen, const int64_t *rows, int64_t B, int V, int k) {
+    __shared__ float fscratch[32];
+    __shared__ uint64_t kscratch[32];
+    const int64_t r = blockIdx.x, b = rows[r];
+    const bool row_ok = b >= 0 && b < B;
+    const T *x = logits + (row_ok ? b : 0) * int64_t(V);
+    const float inv_t = inv_temperature(row_ok ? temperature[b] : 1.f);
+    // 1. this thread's max, sum and top keys
+    float m = -INFINITY, s = 0.f;
+    bool nan = false;
+    uint64_t top[kMaxTopK];
+    int n = 0;
+    float floor_v = -INFINITY; // this thread's k-th value once n == k: a value below it loses
+    for (int i = threadIdx.x; i < V; i += kThreads) {
+        const float v = to_f32(x[i]);
+        nan |= v != v;
+        if (v > m) {
+            s = s * expf((m - v) * inv_t) + 1.f; // m = -inf at first: 0 * 0 + 1
+            m = v;
+        } else if (v > -INFINITY) {
+            s += expf((v - m) * inv_t);
+        }
+        if (k > 0 && !(n == k && v < floor_v)) { // one float compare for most elements
+            insert_key(top, n, k, order_key(v, i));
+            if (n == k) floor_v = to_f32(x[key_index(top[k - 1])]);
+        }
+    }
+    // 2. the row's max and sum
+    nan = __syncthreads_or(nan);
+    const float M = block_max(m, fscratch);
+    const bool finite = !nan && isfinite(M) && row_ok;
+    const float S = block_sum(m > -INFINITY ? s * expf((m - M) * inv_t) : 0.f, fscratch);
+    const float lse = logf(S);
+    auto lp = [&](int64_t i) { return finite ? (to_f32(x[i]) - M) * inv_t - lse : NAN; };
+    if (threadIdx.x == 0) {
+        const int64_t c = row_ok ? chosen[b] : -1;
+        chosen_lp[r] = c >= 0 && c < V ? lp(c) : NAN;
+    }
+    // 3. merge the threads' lists
+    int head = 0;
+    for (int j = 0; j < k; ++j) {
+        const uint64_t mine = head < n ? top[head] : 0;
+        const uint64_t best = block_max_key(mine, kscratch);
+        if (best != 0 && mine == best) ++head; // keys are distinct: one thread owns it
+        if (threadIdx.x == 0) {
+            const int64_t i = best != 0 && row_ok ? key_index(best) : -1;
+            top_ids[r * k + j] = i;
+            top_lp[r * k + j] = !row_ok ? NAN : i >= 0 ? lp(i) : -INFINITY;
+        }
+    }
+}
+
+} // namespace
+
+void logprobs(const Tensor &chosen_lp, const Tensor &top_ids, const Tensor &top_lp, const Tensor &logits,
+              const Tensor &temperature, const Tensor &chosen, const Tensor &rows) {
+    const int64_t B = logits.size(0), V = logits.size(1), R = rows.size(0);
+    LLAISYS_CHECK(R <= INT32_MAX, std::invalid_argument, "logprobs: too many rows for one launch: ", R);
+    detail::dispatch_float("logprobs", logits.dtype(), logits.device(), [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        logprobs_kernel<device_t<T>><<<unsigned(R), kThreads, 0, stream_of(logits)>>>(
+            chosen_lp.data_as<float>(), top_ids.data_as<int64_t>(), top_lp.data_as<float>(), dptr<T>(logits),
+            temperature.data_as<float>(), chosen.data_as<int64_t>(), rows.data_as<int64_t>(), B, int(V),
+            int(top_ids.size(1)));
+        CUDA_CHECK_LAUNCH();
+    });
+}
+
+} // namespace llaisys::ops::cuda
