@@ -1,7 +1,7 @@
 #include "ops/add_rms_norm/add_rms_norm.hpp"
 
 #include "ops/common/checks.hpp"
-#include "ops/rms_norm/rms_norm.cuh"
+#include "ops/common/rms_norm_rows.cuh"
 
 namespace llaisys::ops::cuda {
 

@@ -2,7 +2,7 @@
 
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
-#include "ops/rms_norm/rms_norm.hpp"
+#include "ops/common/rms_norm_rows.hpp"
 
 namespace llaisys::ops {
 

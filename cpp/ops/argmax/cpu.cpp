@@ -1,5 +1,6 @@
 #include "ops/argmax/argmax.hpp"
 
+#include "ops/common/argmax_rows.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
 

@@ -2,8 +2,8 @@
 // re-rounded); a row without a finite maximum (a NaN, a +inf, nothing above -inf) gets -1 and NumPy's max.
 //
 // Two paths, chosen on the host from V, rows and the SM count:
-//  - one block per row (argmax_kernel, block_row_max of argmax.cuh): rows of <= 32 KiB, or rows >= SMs
-//    (enough blocks to fill the GPU). A 1024-thread block has 64 KiB in flight per pass.
+//  - one block per row (argmax_kernel, block_row_max of common/argmax_rows.cuh): rows of <= 32 KiB, or
+//    rows >= SMs (enough blocks to fill the GPU). A 1024-thread block has 64 KiB in flight per pass.
 //  - P blocks per row (a long row and few rows, e.g. greedy decode over V = 151936, where one SM
 //    streaming 304 KiB costs ~10 us): grid (P, rows), P = min(ceil(row bytes / 8 KiB), ceil(2 * SMs /
 //    rows)); block p reads elements [p * chunk, min((p + 1) * chunk, V)) (chunk a multiple of 8, so
@@ -15,6 +15,7 @@
 #include "ops/argmax/argmax.hpp"
 
 #include "ops/argmax/argmax.cuh"
+#include "ops/common/argmax_rows.cuh"
 #include "ops/common/checks.hpp"
 
 #include <algorithm>

@@ -1,14 +1,14 @@
 #include "ops/kv_shift/kv_shift.hpp"
 
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope_cpu.hpp"
+#include "ops/common/rope_math.hpp"
 
 #include <cstring>
 
 namespace llaisys::ops::cpu {
 
 // Row i: k_cache[dst[i]] = k_cache[src[i]] turned by angle_j = float(delta) * inv_freq[j] (rope's own
-// cos/sin and row rotation, rope_cpu.hpp; dims past 2h copied), v_cache[dst[i]] = v_cache[src[i]] (nothing
+// cos/sin and row rotation, ops/common/rope_math.hpp; dims past 2h copied), v_cache[dst[i]] = v_cache[src[i]] (nothing
 // to do when they are the same row). Every row is checked before anything is written.
 template <typename T, typename I>
 static void kv_shift_kernel(const Tensor &k_cache, const Tensor &v_cache, const I *src, const I *dst, int64_t n,

@@ -2,7 +2,7 @@
 
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope.cuh"
+#include "ops/common/rope_math.cuh"
 
 namespace llaisys::ops::cuda {
 

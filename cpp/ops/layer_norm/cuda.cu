@@ -1,22 +1,13 @@
 #include "ops/layer_norm/layer_norm.hpp"
 
 #include "ops/common/checks.hpp"
-#include "ops/common/vec.cuh"
+#include "ops/common/row_reduce.cuh"
 
 #include <initializer_list>
 
 namespace llaisys::ops::cuda {
 
 namespace {
-
-// r + d, rounded to T: one add() of the residual.
-template <typename T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> add_rounded(const Vec<T, VEC> &r, const Vec<T, VEC> &d) {
-    Vec<T, VEC> s;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) s.v[j] = from_f32<T>(to_f32(r.v[j]) + to_f32(d.v[j]));
-    return s;
-}
 
 template <typename T, int VEC>
 __device__ __forceinline__ float vec_sum(const Vec<T, VEC> &a) {
@@ -83,7 +74,7 @@ __global__ void layer_norm_kernel(T *out, T *residual, const T *x, const T *x2, 
     const int64_t base = row * D;
     const int nvec = D / VEC;
     const T *src = FUSED ? residual + base : x + base; // the row being normalised, once pass 1 has run
-    const auto reduce = [&](float v) { return WARP ? warp_sum(v) : block_sum(v, scratch); };
+    const auto reduce = [&](float v) { return group_sum<WARP>(v, scratch); };
     const auto at = [&](int v) { return int64_t(v) * VEC; };
     // Pass 1's value of vector v, before the residual (FUSED) is stored.
     const auto load_input = [&](int v) {

@@ -7,9 +7,9 @@
 // all their x rows pass over them.
 #include "ops/linear/linear.hpp"
 
+#include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
-#include "ops/swiglu/swiglu.hpp"
 
 #include <memory>
 
@@ -293,7 +293,7 @@ void linear_simd(T *out, const T *x, int64_t ldx, const T *w, int64_t ldw, const
 template <typename T>
 void linear_typed(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias) {
     const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-    const int64_t ldx = linear_detail::ld(x), ldw = linear_detail::ld(weight);
+    const int64_t ldx = detail::ld(x), ldw = detail::ld(weight);
     const T *b = bias.defined() ? bias.data_as<T>() : nullptr;
     using S = typename BestStep<T>::type;
     if constexpr (std::is_void_v<S>)
@@ -318,7 +318,7 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) 
     const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
     linear(g, x, w_gate_up.slice(0, 0, I), Tensor());     // w_gate_up[:I]  [I, K]
     linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor()); // w_gate_up[I:]  [I, K]
-    swiglu(out, g, u);
+    ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
 }
 
 } // namespace llaisys::ops::cpu

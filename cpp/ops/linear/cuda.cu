@@ -7,10 +7,10 @@
 // two cuBLASLt GEMMs and the swiglu kernel for M > 8.
 #include "ops/linear/linear.hpp"
 
+#include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
-#include "ops/swiglu/swiglu.cuh"
-#include "ops/swiglu/swiglu.hpp"
+#include "ops/common/swiglu_math.cuh"
 
 #include <cublasLt.h>
 
@@ -354,7 +354,7 @@ void launch_gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tens
 
 // True when every row of t [rows, cols] starts on a 16-byte boundary.
 bool rows_aligned_16(const Tensor &t) {
-    return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && linear_detail::ld(t) * int64_t(t.element_size()) % 16 == 0;
+    return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && detail::ld(t) * int64_t(t.element_size()) % 16 == 0;
 }
 
 // The GEMV for any M, into out [M, N]: blocks of 8 rows of x when M > 8 (only linear's fallback and
@@ -362,7 +362,7 @@ bool rows_aligned_16(const Tensor &t) {
 template <typename T, template <int> class Epi>
 void gemv(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, bool constant_weight) {
     const int64_t M = x.size(0);
-    GemvArgs a{M, out.size(1), w.size(1), linear_detail::ld(x), linear_detail::ld(w), 1};
+    GemvArgs a{M, out.size(1), w.size(1), detail::ld(x), detail::ld(w), 1};
     const bool vec = rows_aligned_16(w) && rows_aligned_16(x);
     LLAISYS_CHECK(M <= int64_t(65535) * kGemvMaxM, std::invalid_argument, "linear: the GEMV fallback takes at most ",
                   std::to_string(int64_t(65535) * kGemvMaxM), " rows of x, got ", std::to_string(M));
@@ -472,7 +472,7 @@ template <typename T>
 bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, const void *bias,
                 cudaStream_t stream, cublasLtHandle_t &handle, Tensor &workspace, cublasLtMatmulAlgo_t &algo) {
     const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
-    const int64_t ldx = linear_detail::ld(x), ldw = linear_detail::ld(w), es = int64_t(sizeof(T));
+    const int64_t ldx = detail::ld(x), ldw = detail::ld(w), es = int64_t(sizeof(T));
     const int dev = out.device().index;
     LtState &s = lt_state();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -504,7 +504,7 @@ bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor
     const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
     const void *bias_ptr = bias.defined() ? bias.data() : nullptr;
     LtCall c;
-    lt_describe<T>(c, M, N, K, linear_detail::ld(x), linear_detail::ld(w), bias_ptr);
+    lt_describe<T>(c, M, N, K, detail::ld(x), detail::ld(w), bias_ptr);
     const cudaStream_t stream = stream_of(out);
     cublasLtHandle_t handle;
     Tensor workspace;
@@ -541,7 +541,7 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, 
     const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
     linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
     linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
-    swiglu(out, g, u);
+    ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
 }
 
 } // namespace llaisys::ops::cuda

@@ -1,18 +1,13 @@
 #pragma once
 #include "llaisys/tensor.hpp"
-
-#include <algorithm>
+#include "ops/common/row_stride.hpp"
 
 // Backends receive validated 2-D operands whose rows are dense (unit column stride) but may sit a
 // row stride apart, so a column slice of a wider weight is used in place rather than copied:
 //   out [M, N] contiguous, x [M, K] (row stride ld(x)), weight [N, K] (row stride ld(weight)),
 //   bias [N] contiguous or an undefined Tensor. M, N >= 1; K may be 0 (out = bias or 0).
+// ld is detail::ld (ops/common/row_stride.hpp), which quant_linear's backends use too.
 // linear_swiglu gets the same with weight [2I, K] (gate rows, then up rows), out [M, I] and no bias.
-namespace llaisys::ops::linear_detail {
-// Distance between rows in elements; a single row reports its width so it is always >= cols.
-inline int64_t ld(const Tensor &t) { return t.size(0) > 1 ? t.stride(0) : std::max<int64_t>(t.size(1), 1); }
-} // namespace llaisys::ops::linear_detail
-
 namespace llaisys::ops::cpu {
 void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias);
 void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up);

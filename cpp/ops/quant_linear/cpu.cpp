@@ -13,10 +13,10 @@
 // back: the three paths round the same float operations and return the same bits.
 #include "ops/quant_linear/quant_linear.hpp"
 
+#include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
 #include "ops/quant_linear/isa.hpp"
-#include "ops/swiglu/swiglu.hpp"
 #include "quant/formats.hpp"
 
 #include <algorithm>
@@ -282,7 +282,7 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
         const Tensor gu = Tensor::empty({2, M, I}, out.dtype()); // [g; u], each [M, I]
         const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
         run_columns<T>(xq, w_gate_up.slice_rows(0, 2 * I), nullptr, gu.data_as<T>(), I); // g and u in one pass
-        swiglu(out, g, u);
+        ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
     });
 }
 

@@ -15,11 +15,13 @@
 #include "ops/quant_linear/quant_linear.hpp"
 
 #include "core/runtime.hpp"
+#include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
-#include "ops/linear/linear.hpp"
+#include "ops/common/rms_norm_rows.cuh"
+#include "ops/common/row_stride.hpp"
+#include "ops/common/swiglu_math.cuh"
 #include "ops/quant_linear/blocks.cuh"
-#include "ops/rms_norm/rms_norm.cuh"
 
 #include <algorithm>
 
@@ -93,9 +95,10 @@ struct NormX {
 };
 
 // Row m of x from nx, quantized into q, d as quantize_vals does; `writer` also stores the row's rounded
-// residual + delta. The same f32 operations as add_rms_norm's block kernel (rms_norm.cuh): thread t holds
-// elements [8t, 8t + 8) (one vector, as that kernel's threads do for rows of up to 1024 vectors), the sum
-// of squares by block_sum (threads past K / 8 add zeros, which changes no bit), so x has that op's bits.
+// residual + delta. The same f32 operations as add_rms_norm's block kernel (common/rms_norm_rows.cuh):
+// thread t holds elements [8t, 8t + 8) (one vector, as that kernel's threads do for rows of up to 1024
+// vectors), the sum of squares by block_sum (threads past K / 8 add zeros, which changes no bit), so x has
+// that op's bits.
 // Every thread of the block must call it.
 template <typename T, int BK>
 __device__ __forceinline__ void norm_quantize_row(int8_t *q, float *d, const NormX<T> &nx, int64_t m, int64_t K,
@@ -271,9 +274,9 @@ __device__ __forceinline__ void gemv_reduce_store(float (&acc)[MR][R], T *__rest
 #pragma unroll
     for (int m = 0; m < MR; ++m) {
         if (m >= M || gl != m) continue; // lane m of the group stores row m
-        if constexpr (kSwiglu) { // the swiglu op's formula (ops/swiglu/cuda.cu)
+        if constexpr (kSwiglu) { // the swiglu op's formula (common/swiglu_math.cuh)
             const float g = to_f32(from_f32<T>(acc[m][0])), u = to_f32(from_f32<T>(acc[m][1]));
-            out[m * N + n] = from_f32<T>(u * (g / (1.f + expf(-g))));
+            out[m * N + n] = from_f32<T>(swiglu_f32(g, u));
         } else {
             out[m * N + n] = from_f32<T>(acc[m][0] + (bias ? to_f32(bias[n]) : 0.f));
         }
@@ -494,7 +497,7 @@ void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const
                        0, stream, dev, q, d, nx, K);
         else
             launch_pdl(quantize_x_kernel<D, F::kBK>, dim3(unsigned(ceil_div(M * K / 8, 256))), dim3(256), 0, stream,
-                       dev, q, d, dptr<T>(x), linear_detail::ld(x), M, K);
+                       dev, q, d, dptr<T>(x), detail::ld(x), M, K);
         xq = QuantX{q, d};
     }
     // x's codes and scales when fused (< 48 KB: M K <= 4096), then the partial sums of wide groups
@@ -510,7 +513,7 @@ void launch_gemv(const Tensor &out, const Tensor &x, const QuantMatrix &w, const
     }();
     launch_pdl(kernel, dim3(unsigned(ceil_div(N, int64_t(kGemvThreads / G)))), dim3(kGemvThreads), smem, stream, dev,
                dptr<T>(out), w.bytes().data_as<uint8_t>(), w.row_bytes(), dptr<T>(x),
-               norm != nullptr ? K : linear_detail::ld(x), xq, nx, bias.defined() ? dptr<T>(bias) : nullptr, M, N, K,
+               norm != nullptr ? K : detail::ld(x), xq, nx, bias.defined() ? dptr<T>(bias) : nullptr, M, N, K,
                G);
 }
 
@@ -559,7 +562,7 @@ void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight,
     constexpr const char *op = "quant_linear";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM) return linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        if (x.size(0) > kMaxGemvM) return ::llaisys::ops::linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
         gemv<T, false>(op, out, x, weight, bias);
     });
 }
@@ -569,7 +572,7 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
         if (x.size(0) > kMaxGemvM)
-            return linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
+            return ::llaisys::ops::linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
         gemv<T, true>(op, out, x, w_gate_up, Tensor());
     });
 }

@@ -3,35 +3,7 @@
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
 
-#include <cmath>
-
 namespace llaisys::ops::cpu {
-
-// out [D] = x [D] * rsqrt(mean(x^2) + eps) * weight [D], all in f32, rounded once. out may alias x.
-template <typename T>
-void rms_norm_row(T *out, const T *x, const T *weight, int64_t D, float eps) {
-    // Eight partial sums: independent chains the compiler keeps in one vector register (the order is
-    // fixed, so results do not depend on the caller).
-    float acc[8] = {};
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8)
-        for (int j = 0; j < 8; ++j) {
-            const float v = load(x, i + j);
-            acc[j] += v * v;
-        }
-    float ss = 0.f;
-    for (; i < D; ++i) {
-        const float v = load(x, i);
-        ss += v * v;
-    }
-    for (int j = 0; j < 8; ++j) ss += acc[j];
-    const float scale = 1.f / std::sqrt(ss / float(D) + eps);
-    for (int64_t k = 0; k < D; ++k) store(out, k, load(x, k) * scale * load(weight, k));
-}
-
-template void rms_norm_row<float>(float *, const float *, const float *, int64_t, float);
-template void rms_norm_row<f16_t>(f16_t *, const f16_t *, const f16_t *, int64_t, float);
-template void rms_norm_row<bf16_t>(bf16_t *, const bf16_t *, const bf16_t *, int64_t, float);
 
 void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps) {
     const int64_t D = x.shape().back(), rows = x.numel() / D;

@@ -3,27 +3,12 @@
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 
-#include <cmath>
-
 namespace llaisys::ops {
-
-void detail::check_rms_norm_args(const char *op, const Tensor &out, const Tensor &x, const Tensor &weight,
-                                 float eps) {
-    check_operands(op, {{"out", out}, {"x", x}, {"weight", weight}});
-    check_float(op, "x", x);
-    check_same_dtype(op, "weight", weight, x);
-    check_same_dtype(op, "out", out, x);
-    LLAISYS_CHECK(x.ndim() >= 1, std::invalid_argument, op, ": x must have at least 1 dim, got a scalar");
-    check_shape(op, "weight", weight, {x.shape().back()});
-    check_shape(op, "out", out, x.shape());
-    LLAISYS_CHECK(eps >= 0.f && std::isfinite(eps), std::invalid_argument, op,
-                  ": eps must be finite and >= 0, got ", eps);
-}
 
 namespace {
 
-// t's rows as a RowMap (rms_norm.hpp): a unit last stride (or D == 1) and leading dims that collapse into
-// at most two with positive strides; false otherwise.
+// t's rows as a RowMap (ops/common/rms_norm_rows.hpp): a unit last stride (or D == 1) and leading dims
+// that collapse into at most two with positive strides; false otherwise.
 bool row_map(const Tensor &t, RowMap &m) {
     const int nd = t.ndim();
     if (t.size(nd - 1) != 1 && t.stride(nd - 1) != 1) return false;

@@ -1,13 +1,13 @@
 #include "ops/rope/rope.hpp"
 
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope_cpu.hpp"
+#include "ops/common/rope_math.hpp"
 
 namespace llaisys::ops::cpu {
 
 // Per position s: angle_i = float(pos[s]) * inv_freq[i] (f32), then for every head the pair
-// (x[i], x[i + h]) turns by angle_i (rope_cos_sin and rope_row in rope_cpu.hpp), h = inv_freq's size, and
-// dims [2h, hd) are copied (rope_pass). out may alias x.
+// (x[i], x[i + h]) turns by angle_i (rope_cos_sin and rope_row in common/rope_math.hpp), h = inv_freq's
+// size, and dims [2h, hd) are copied (rope_pass). out may alias x.
 template <typename T, typename I>
 static void rope_kernel(const Tensor &out, const Tensor &x, const I *pos, const std::vector<float> &inv_freq) {
     const int64_t seq = x.size(0), heads = x.size(1), hd = x.size(2), h = int64_t(inv_freq.size());

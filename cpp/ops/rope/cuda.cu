@@ -1,5 +1,7 @@
+#include "ops/rope/rope.hpp"
+
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope.cuh"
+#include "ops/common/rope_math.cuh"
 
 namespace llaisys::ops::cuda {
 

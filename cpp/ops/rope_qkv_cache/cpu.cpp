@@ -1,7 +1,7 @@
 #include "ops/rope_qkv_cache/rope_qkv_cache.hpp"
 
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope_cpu.hpp"
+#include "ops/common/rope_math.hpp"
 
 #include <cstring>
 
@@ -9,7 +9,7 @@ namespace llaisys::ops::cpu {
 
 // Per token t with position p = pos[t] and cache row r = row[t]: q_out[t] = rope(q heads),
 // k_cache[r] = rope(k heads) (the first 2 * inv_freq.size() dims turned, the rest copied), v_cache[r] = v heads, with rope's own cos/sin and row rotation
-// (rope_cpu.hpp), so the result equals rope + index_copy bit for bit. Every row is checked before anything
+// (common/rope_math.hpp), so the result equals rope + index_copy bit for bit. Every row is checked before anything
 // is written.
 template <typename T, typename I, typename R>
 static void rope_qkv_cache_kernel(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache,

@@ -2,7 +2,7 @@
 
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope.cuh"
+#include "ops/common/rope_math.cuh"
 
 namespace llaisys::ops::cuda {
 
@@ -27,7 +27,7 @@ struct CacheRows {
 };
 
 // One block per token t, p = pos[t], cache row r = slots[t] (or p): the block stages cos/sin of the
-// `half` angles in shared memory (rope's own evaluation, rope.cuh), then its threads stride over (head,
+// `half` angles in shared memory (rope's own evaluation, rope_math.cuh), then its threads stride over (head,
 // VEC pairs) of the q and k heads (q_out[t] and k_cache[r] get the turned pairs), over (head, VEC
 // elements) of the dims a partial rotary leaves alone (copied to q_out[t] and k_cache[r]; q's skipped when
 // q_out is qkv's q part) and over (head, VEC elements) of the v heads (copied to v_cache[r]). A thread reads

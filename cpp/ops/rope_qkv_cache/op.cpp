@@ -2,7 +2,7 @@
 
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
-#include "ops/rope/rope.hpp"
+#include "ops/common/rope_table.hpp"
 
 #include <cmath>
 

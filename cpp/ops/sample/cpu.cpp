@@ -1,6 +1,6 @@
 #include "ops/sample/sample.hpp"
 
-#include "ops/argmax/argmax.hpp"
+#include "ops/common/argmax_rows.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
 #include "ops/sample/sample_math.hpp"

@@ -19,7 +19,7 @@
 // blocks per row could reach; batched decode fills the GPU with rows instead.
 #include "ops/sample/sample.hpp"
 
-#include "ops/argmax/argmax.cuh"
+#include "ops/common/argmax_rows.cuh"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
 #include "ops/sample/sample_math.hpp"

@@ -1,8 +1,8 @@
 #include "ops/swiglu/swiglu.hpp"
 
 #include "ops/common/checks.hpp"
-#include "ops/rms_norm/vec.cuh"
-#include "ops/swiglu/swiglu.cuh"
+#include "ops/common/swiglu_math.cuh"
+#include "ops/common/vec.cuh"
 
 namespace llaisys::ops::cuda {
 

@@ -1,4 +1,5 @@
-// CPU pieces shared by the rope kernels (rope, rope_qkv_cache), so that they agree bit for bit.
+// CPU pieces shared by the rope kernels (rope, rope_qkv_cache), so that they agree bit for bit; the
+// device pieces are in rope_math.cuh.
 #pragma once
 #include "ops/common/cpu.hpp"
 

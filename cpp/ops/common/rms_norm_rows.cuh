@@ -1,14 +1,15 @@
-// The CUDA row kernels behind rms_norm and add_rms_norm (one set of templates, two ops).
+// The CUDA row kernels behind rms_norm and add_rms_norm (one set of templates, two ops); quant_linear's
+// fused add_rms_norm uses their vector pieces (sum_squares, normalized) to get the same bits.
 // FUSED: first residual [rows, D] += x, stored rounded to T; the norm then reads the rounded sum, exactly
 // what add() followed by rms_norm() computes. Otherwise the norm reads x. out may alias x: a thread reads
 // every element it writes, and all reads of a row precede the reduction that any write waits for.
 #pragma once
-#include "ops/rms_norm/rms_norm.hpp"
-#include "ops/rms_norm/vec.cuh"
+#include "ops/common/rms_norm_rows.hpp"
+#include "ops/common/row_reduce.cuh"
 
 namespace llaisys::ops::cuda {
 
-// Where row r of x or out starts: r * D for dense rows; through the RowMap (rms_norm.hpp) when STRIDED,
+// Where row r of x or out starts: r * D for dense rows; through the RowMap (rms_norm_rows.hpp) when STRIDED,
 // with a 32-bit division (rows < 2^31: launch_rms_norm checks it).
 template <bool STRIDED>
 __device__ __forceinline__ int64_t row_start(int64_t r, int D, const RowMap &m) {
@@ -18,15 +19,6 @@ __device__ __forceinline__ int64_t row_start(int64_t r, int D, const RowMap &m) 
     } else {
         return r * D;
     }
-}
-
-// x + residual on one vector, rounded to T: the new residual, which the norm reads.
-template <typename T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> add_rounded(const Vec<T, VEC> &r, const Vec<T, VEC> &x) {
-    Vec<T, VEC> s;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) s.v[j] = from_f32<T>(to_f32(r.v[j]) + to_f32(x.v[j]));
-    return s;
 }
 
 template <typename T, int VEC>
@@ -76,7 +68,7 @@ __global__ void rms_norm_kernel(T *out, T *residual, const T *x, const T *weight
         }
         ss += sum_squares(a);
     }
-    ss = WARP ? warp_sum(ss) : block_sum(ss, scratch);
+    ss = group_sum<WARP>(ss, scratch);
     const float scale = rsqrtf(ss / float(D) + eps);
     for (int v = lane; v < nvec; v += group) {
         const int64_t off = int64_t(v) * VEC;

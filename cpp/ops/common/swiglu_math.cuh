@@ -1,5 +1,6 @@
-// The SwiGLU formula on the device, shared by the swiglu op and the GEMVs that fuse it (linear_swiglu,
-// quant_linear_swiglu): one definition keeps linear_swiglu equal to linear + linear + swiglu bit for bit.
+// The SwiGLU formula on the device, shared by the swiglu op and the GEMV epilogues that fuse it
+// (linear_swiglu, quant_linear_swiglu): one definition keeps linear_swiglu equal to linear + linear +
+// swiglu bit for bit.
 #pragma once
 
 namespace llaisys::ops::cuda {

@@ -1,7 +1,8 @@
-// Device pieces shared by the rope kernels (rope, rope_qkv_cache), so that they agree bit for bit.
+// Device pieces shared by the rope kernels (rope, rope_qkv_cache), so that they agree bit for bit; the
+// CPU pieces are in rope_math.hpp.
 #pragma once
-#include "ops/rms_norm/vec.cuh"
-#include "ops/rope/rope.hpp"
+#include "ops/common/rope_table.hpp"
+#include "ops/common/vec.cuh"
 
 #include <cstring>
 #include <vector>
