@@ -41,6 +41,7 @@ swiglu = _ops.swiglu
 sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
 logit_bias = _ops.logit_bias
+token_mask = _ops.token_mask
 scale = _ops.scale  # (out, x, alpha)
 sample_rows = _ops.sample_rows
 # LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3): bias and delta2 may be None.
@@ -51,5 +52,5 @@ geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 
 __all__ = ["add", "scale", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "rope_qkv_cache", "rope_inv_freq",
-           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "linear_swiglu",
+           "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "token_mask", "linear_swiglu",
            "layer_norm", "add_layer_norm", "gelu", "geglu"]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .constraints import compile_constraint
+
 DEFAULT_MAX_NEW_TOKENS = 256
 # HF GenerationConfig defaults, used when generation_config.json lacks a key.
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -54,6 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence of a token already generated
     min_tokens: int = 0             # EOS and stop_token_ids are banned until this many tokens are generated
     logprobs: int | None = None     # None = off; k = the chosen token's logprob and the k most likely
+    constraint: str | None = None   # structured output: an llguidance grammar (constraints.compile_constraint)
 
     @property
     def greedy(self) -> bool:
@@ -161,13 +164,15 @@ def _temperature(gc: dict, temperature) -> float:
 def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, temperature=None, top_k=None,
                      top_p=None, min_p=None, repetition_penalty=None, stop=None, stop_token_ids=None, seed=None,
                      ignore_eos=False, presence_penalty=None, frequency_penalty=None, min_tokens=None,
-                     logprobs=None) -> SamplingParams:
+                     logprobs=None, json_schema=None, regex=None, grammar=None, choice=None) -> SamplingParams:
     """Sampling settings for one request: each argument left as None comes from `generation_config`
     (the model's generation_config.json as a dict), else from HF's defaults. Raises ValueError naming the
     parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine.
     presence/frequency penalties, min_tokens and logprobs have no generation_config counterpart (0 / off).
     logprobs are the log-softmax of the logits the token was drawn from: after the penalties and the
-    temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1."""
+    temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1.
+    json_schema / regex / grammar (Lark) / choice (a list of strings): at most one, the structured output
+    the request must produce (constraints.py), compiled and checked here."""
     gc = dict(generation_config or {})
 
     def pick(name, value):
@@ -191,6 +196,7 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
         frequency_penalty=0.0 if frequency_penalty is None else _check("frequency_penalty", frequency_penalty),
         min_tokens=0 if min_tokens is None else _check("min_tokens", min_tokens),
         logprobs=None if logprobs is None else _check("logprobs", logprobs),
+        constraint=compile_constraint(json_schema, regex, grammar, choice),
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import random
 import sys
+import threading
 import weakref
 from typing import Iterator, Sequence as Seq
 
@@ -24,6 +25,7 @@ from .. import _core, catalog, loader, quant
 from ..loader.header import context_length
 from .._tensor import _wrap
 from ..chat import render_chat_template
+from ..constraints import Constraint, ll_tokenizer
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
                            token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
@@ -115,6 +117,7 @@ class Engine:
         trim_heap()
         self._core = EngineCore(net, self.config, self.engine_config, self.dtype, self.device, self.max_seq_len)
         self._model = net
+        self._lltok, self._ll_lock = None, threading.Lock()
         self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
         _OPEN.add(self)
 
@@ -310,7 +313,17 @@ class Engine:
             self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos))
+        if params.constraint is not None:
+            seq.constraint = Constraint(self._ll_tokenizer(), params.constraint)
         return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink)
+
+    def _ll_tokenizer(self):
+        """llguidance's view of the vocabulary (structured output), built on first use (~1 s) and kept."""
+        with self._ll_lock:
+            if self._lltok is None:
+                eos = eos_union(self.generation_config, self.tokenizer.eos_token_ids)
+                self._lltok = ll_tokenizer(self.tokenizer, self.config.vocab_size, eos)
+            return self._lltok
 
     def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None) -> Request:
         return self._open().submit(self._request(ids, params, sink))

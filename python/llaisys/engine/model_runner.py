@@ -10,8 +10,9 @@ from .scheduler import Step
 
 
 class ModelRunner:
-    def __init__(self, model, pool, block_size: int, max_blocks_per_seq: int, graph_sizes, cuda_graphs: bool):
-        self.block_size = block_size
+    def __init__(self, model, pool, block_size: int, max_blocks_per_seq: int, graph_sizes, cuda_graphs: bool,
+                 vocab_size: int):
+        self.block_size, self.vocab_size = block_size, vocab_size
         self.runner = _core.Runner(model, pool, list(graph_sizes), max_blocks_per_seq, cuda_graphs)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
 
@@ -44,7 +45,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         arrays, sampling = self._arrays(step), self._sampling(step)
         self.prepare_s += time.perf_counter() - t0
-        return self.runner.step(*arrays, *sampling)
+        return self.runner.step(*arrays, *sampling, *self._masks(step))
 
     def launch(self, step: Step, chain: bool) -> None:
         """Runs the step without waiting for its tokens (finish() returns them). chain: a decode of the
@@ -54,7 +55,8 @@ class ModelRunner:
         ahead = int(chain)
         arrays, sampling = self._arrays(step, ahead), self._sampling(step, ahead)
         self.prepare_s += time.perf_counter() - t0
-        return self.runner.launch(*arrays, *sampling, chain)
+        masks = (None, []) if chain else self._masks(step)  # EngineCore never chains a constrained row
+        return self.runner.launch(*arrays, *sampling, chain, *masks)
 
     def finish(self) -> list[int]:
         """The tokens of the oldest launched step not finished yet."""
@@ -63,6 +65,19 @@ class ModelRunner:
     @property
     def launched(self) -> int:
         return self.runner.launched
+
+    def _masks(self, step: Step):
+        """(token_mask [M, ceil(vocab / 32)] int32, mask_rows): the allowed tokens of each constrained row
+        whose token is sampled this step (None, [] when none). Computed from the matchers as they stand, so
+        a step run again (EngineCore._isolate) gets the same masks."""
+        rows = [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
+                if s.constraint is not None and s.num_computed + n >= len(s)]
+        if not rows:
+            return None, []
+        mask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
+        for j, r in enumerate(rows):
+            step.seqs[r].constraint.mask_into(mask[j])
+        return mask, rows
 
     def _sampling(self, step: Step, ahead: int = 0):
         seqs = step.seqs
