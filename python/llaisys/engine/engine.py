@@ -214,12 +214,14 @@ class Engine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return token_sequence("prompt", prompt)
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Messages rendered with the model's chat template and tokenized, as chat() submits them."""
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+        """Messages rendered with the model's chat template and tokenized, as chat() submits them; tools
+        (OpenAI-style function specs) are rendered by the template where it supports them."""
         if not self.chat_template:
             raise ValueError(f"{self.source} has no chat template; use generate() with a raw prompt")
         text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
+                                    tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def score(self, token_ids: Seq[int]) -> np.ndarray:
