@@ -339,3 +339,28 @@ def test_bad_tools_are_400s_that_name_them(server, body, match):
                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert re.search(match, r.json()["error"]["message"]), r.json()
+
+
+# ---- a client no one here wrote: LangChain ----------------------------------------------------------------
+def test_langchain_structured_output_and_tools(server):
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=server + "/v1", api_key="none", model="m", temperature=0, max_tokens=60,
+                        timeout=300, max_retries=0)
+    pet = llm.with_structured_output(Pet).invoke("Give an example Pet object as JSON.")
+    assert isinstance(pet, Pet)
+    as_dict = llm.with_structured_output(Owner.model_json_schema() | {"title": "Owner"}).invoke(
+        "Give an example Owner object as JSON.")
+    jsonschema.validate(as_dict, Owner.model_json_schema())
+
+    def get_weather(city: str, unit: Literal["C", "F"]) -> str:
+        """The current weather of a city."""
+        return "sunny"
+
+    msg = llm.bind_tools([get_weather], tool_choice="required").invoke("What's the weather in Paris, in C?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert set(msg.tool_calls[0]["args"]) == {"city", "unit"} and msg.tool_calls[0]["id"]
+    chunks = list(llm.bind_tools([get_weather], tool_choice="get_weather").stream("Weather in Rome, in F?"))
+    whole = chunks[0]
+    for c in chunks[1:]:
+        whole = whole + c
+    assert whole.tool_calls and whole.tool_calls[0]["name"] == "get_weather" and whole.tool_calls[0]["args"]["city"]

@@ -161,7 +161,9 @@ class Engine:
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
         Each sampling keyword takes one value, or (for a list) one value per prompt. Arguments left as
-        None come from the model's generation_config.json; temperature=0 is greedy."""
+        None come from the model's generation_config.json; temperature=0 is greedy. Structured output:
+        json_schema= (a dict or its JSON), regex=, grammar= (Lark) or choice= (a list of strings), at most one
+        per prompt; the text then obeys it (llaisys.constraints), ending with "stop" when complete."""
         if self._is_batch(prompt):
             per = split_sampling("generate", sampling, len(prompt))
             for s in per:
