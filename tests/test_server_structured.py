@@ -316,7 +316,8 @@ def test_multi_turn_with_a_tool_result(client):
     first = client.chat.completions.create(model="m", messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required",
                                            max_tokens=60, temperature=0)
     call = first.choices[0].message.tool_calls[0]
-    messages = ASK_WEATHER + [first.choices[0].message.model_dump(exclude_none=True),
+    # content null, as OpenAI's own assistant messages with tool calls have it
+    messages = ASK_WEATHER + [{**first.choices[0].message.model_dump(exclude_none=True), "content": None},
                               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 23, "sky": "clear"}'}]
     # this small model would rather call the tool again than answer: a regex makes it answer, and the number
     # it picks shows that the tool's result reached it

@@ -9,11 +9,13 @@ Text the model would read or match (message content, prompts, stop strings) must
 from __future__ import annotations
 
 import json
-
 from typing import Literal, Optional, Union
 
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .protocol_parts import (NamedToolChoice, ResponseFormat, Strict as _Strict, StructuredOutputs, Tool,
+                             ToolCall)
 from .tools import check_tools, tool_grammar
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 16           # choices per request: each is a sequence in the batch
 MAX_TOP_LOGPROBS = 20
@@ -53,24 +55,9 @@ def check_unicode(text: str, what: str | None = None) -> str:
     return text
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(_Strict):
-    id: Optional[str] = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class Message(_Strict):
@@ -100,6 +87,8 @@ class Message(_Strict):
     @field_validator("content")
     @classmethod
     def _unicode(cls, value):
+        if value is None:
+            return value
         if isinstance(value, str):
             return check_unicode(value)
         for i, part in enumerate(value):
@@ -131,55 +120,8 @@ class Message(_Strict):
         return out
 
 
-class FunctionSpec(_Strict):
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[dict] = None
-    strict: Optional[bool] = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionSpec
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
 class StreamOptions(_Strict):
     include_usage: bool = False
-
-
-class JsonSchemaSpec(_Strict):
-    name: str
-    description: Optional[str] = None
-    schema_: Optional[dict] = Field(None, alias="schema")
-    strict: Optional[bool] = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaSpec] = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("json_schema is required with type 'json_schema' and only allowed with it")
-        return self
-
-
-class StructuredOutputs(_Strict):
-    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a list of choices, a Lark grammar."""
-    json_: Union[dict, str, None] = Field(None, alias="json")
-    regex: Optional[str] = None
-    choice: Optional[list[str]] = None
-    grammar: Optional[str] = None
 
 
 class _Sampling(_Strict):
