@@ -104,3 +104,12 @@ def test_constrained_rows_on_cuda_beside_graphed_and_overlapped_ones():
             assert alone.token_ids == out[i].token_ids, i
     finally:
         eng.close()
+
+
+def test_a_repeated_schema_is_compiled_once():
+    from llaisys import constraints
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    first = constraints.compile_constraint(json_schema=schema)
+    hits = constraints._compiled.cache_info().hits
+    assert constraints.compile_constraint(json_schema=json.dumps(schema)) == first
+    assert constraints._compiled.cache_info().hits == hits + 1

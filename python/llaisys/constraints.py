@@ -5,6 +5,7 @@ allowed-token bitmask ([ceil(vocab / 32)] int32 words) is applied to the row's l
 (`ops.token_mask`, in the runner), and the matcher advances with the sampled token."""
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -31,19 +32,27 @@ def compile_constraint(json_schema=None, regex=None, grammar=None, choice=None) 
         raise ValueError(f"give at most one of json_schema, regex, grammar and choice, got "
                          f"{', '.join(n for n, _ in given)}")
     name, value = given[0]
+    if name == "json_schema":
+        source = json.dumps(_schema(value))  # key order kept: it is the order of the output's properties
+    elif name == "choice":
+        source = choice_grammar(value)
+    elif not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty {'string' if name == 'regex' else 'Lark grammar string'}, "
+                         f"got {value!r}")
+    else:
+        source = value
+    return _compiled(name, source)
+
+
+@functools.lru_cache(maxsize=256)  # repeated schemas (an API's one response format) are checked once
+def _compiled(name: str, source: str) -> str:
     M = _llg().LLMatcher
     if name == "json_schema":
-        g = M.grammar_from_json_schema(_schema(value), defaults=JSON_OPTIONS)
+        g = M.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
     elif name == "regex":
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"regex must be a non-empty string, got {value!r}")
-        g = M.grammar_from_regex(value)
-    elif name == "grammar":
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"grammar must be a non-empty Lark grammar string, got {value!r}")
-        g = M.grammar_from_lark(value)
+        g = M.grammar_from_regex(source)
     else:
-        g = M.grammar_from_lark(choice_grammar(value))
+        g = M.grammar_from_lark(source)
     is_error, messages = M.validate_grammar_with_warnings(g)
     if is_error:
         # llguidance's message spans lines (a caret under the place): one line for logs and HTTP errors
