@@ -83,6 +83,7 @@ void bind_ops(nb::module_ &m) {
           nb::arg("temperature"), nb::arg("chosen"), nb::arg("rows"), G());
     o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
     o.def("logit_bias", &ops::logit_bias, nb::arg("logits"), nb::arg("ids"), nb::arg("bias"), G());
+    o.def("token_mask", &ops::token_mask, nb::arg("logits"), nb::arg("mask"), G());
     // ---- LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3); bias and delta2 may be None ----
     o.def("layer_norm", [](const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor *bias, float eps) {
         ops::layer_norm(out, x, weight, bias ? *bias : Tensor(), eps);

@@ -3,6 +3,7 @@
 #include "llaisys/runner.hpp"
 
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -67,6 +68,21 @@ std::vector<RowSampling> row_sampling(const HostBatch &b, const Array<float> &te
     }
     return rows;
 }
+
+// Gives rows[mask_rows[j]] the allowed-token bitmask token_mask[j] ([M, W] i32; None: no row constrained).
+void add_masks(std::vector<RowSampling> &rows, const std::optional<Tables> &token_mask,
+               const std::vector<int64_t> &mask_rows) {
+    const size_t M = token_mask ? token_mask->shape(0) : 0, W = token_mask ? token_mask->shape(1) : 0;
+    LLAISYS_CHECK(M == mask_rows.size(), std::invalid_argument, "Runner.step: token_mask has ", M,
+                  " rows but mask_rows names ", mask_rows.size());
+    for (size_t j = 0; j < M; ++j) {
+        const int64_t r = mask_rows[j];
+        LLAISYS_CHECK(r >= 0 && r < int64_t(rows.size()), std::out_of_range, "Runner.step: mask row ", r,
+                      " outside the batch of ", rows.size());
+        const int32_t *p = token_mask->data() + j * W;
+        rows[size_t(r)].allowed.assign(p, p + W);
+    }
+}
 } // namespace
 
 void bind_serving(nb::module_ &m) {
@@ -102,32 +118,38 @@ void bind_serving(nb::module_ &m) {
                         Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                         Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                         Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
-                        std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias) {
+                        std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
+                        std::optional<Tables> token_mask, std::vector<int64_t> mask_rows) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
-            const std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
-                                                               seed, step, penalty_ids, bias_ids, bias);
+            std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
+                                                         seed, step, penalty_ids, bias_ids, bias);
+            add_masks(rows, token_mask, mask_rows);
             nb::gil_scoped_release release;
             return r.step(b, rows);
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
-             nb::arg("bias_ids"), nb::arg("bias"),
-             "Runs one step and returns one sampled token id per sequence.")
+             nb::arg("bias_ids"), nb::arg("bias"), nb::arg("token_mask").none() = nb::none(),
+             nb::arg("mask_rows") = std::vector<int64_t>(),
+             "Runs one step and returns one sampled token id per sequence. token_mask [M, ceil(vocab / 32)] (i32): "
+             "the allowed-token bitmasks of rows mask_rows (structured output).")
         .def("launch", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                           Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                           Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
                           std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
-                          bool chain) {
+                          bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
-            const std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
-                                                               seed, step, penalty_ids, bias_ids, bias);
+            std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
+                                                         seed, step, penalty_ids, bias_ids, bias);
+            add_masks(rows, token_mask, mask_rows);
             nb::gil_scoped_release release;
             r.launch(b, rows, chain);
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
-             nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"),
+             nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"), nb::arg("token_mask").none() = nb::none(),
+             nb::arg("mask_rows") = std::vector<int64_t>(),
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
              "previous launch's tokens, on the device.")
         .def("finish", [](Runner &r) {

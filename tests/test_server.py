@@ -276,7 +276,7 @@ BAD_REQUESTS = [  # (path, body, status, words the message must contain)
     ("/v1/chat/completions", {**CHAT_OK, "max_tokens": -5}, 400, "max_tokens"),
     ("/v1/chat/completions", {**CHAT_OK, "top_p": 1.5}, 400, "top_p"),
     ("/v1/chat/completions", {**CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {**CHAT_OK, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT_OK, "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {**CHAT_OK, "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 3}, 400, "logprobs"),
     ("/v1/chat/completions", {**CHAT_OK, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),

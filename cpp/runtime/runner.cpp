@@ -209,12 +209,29 @@ static void apply_biases(const Tensor &logits, const std::vector<RowSampling> &r
                     st.upload(bias, DType::F32).view({B, int64_t(width)}));
 }
 
+// One token_mask call over the batch when any row is constrained ([B, W]; an unconstrained row's words are
+// all ones, so it keeps every logit).
+void Runner::apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows) {
+    const int64_t B = int64_t(rows.size()), W = (logits.size(1) + 31) / 32;
+    if (std::all_of(rows.begin(), rows.end(), [](const RowSampling &r) { return r.allowed.empty(); })) return;
+    std::vector<int32_t> mask(size_t(B * W), -1);
+    for (int64_t b = 0; b < B; ++b) {
+        const std::vector<int32_t> &a = rows[size_t(b)].allowed;
+        if (a.empty()) continue;
+        LLAISYS_CHECK(int64_t(a.size()) == W, std::invalid_argument, "Runner: the token mask of row ", b, " has ",
+                      a.size(), " words; a vocabulary of ", logits.size(1), " needs ", W);
+        std::copy(a.begin(), a.end(), mask.begin() + b * W);
+    }
+    ops::token_mask(logits, staging_->upload(mask, DType::I32).view({B, W}));
+}
+
 // Greedy rows take the argmax of every row (one launch); the sampled rows are gathered and drawn in one
 // launch, each from its own request's (seed, step), so its tokens never depend on its row.
 void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
     const int64_t B = int64_t(rows.size());
     apply_repetition_penalties(logits, rows, *staging_);
     apply_biases(logits, rows, *staging_);
+    apply_masks(logits, rows);
     Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
     ops::argmax(out, max_val, logits);
     std::vector<int64_t> sampled, seeds, steps;
@@ -247,11 +264,12 @@ void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<R
     if (!all) ops::index_copy(out, rows_d, ids);
 }
 
-// Whether a graph can sample the rows itself: none has a penalty or bias to apply to the logits first
-// (the conditions under which apply_repetition_penalties and apply_biases do nothing).
+// Whether a graph can sample the rows itself: none has a penalty, bias or token mask to apply to the logits
+// first (the conditions under which apply_repetition_penalties, apply_biases and apply_masks do nothing).
+// TODO: a mask buffer among the graph's inputs (all ones for free rows) would keep constrained rows in it.
 static bool samples_in_graph(const std::vector<RowSampling> &rows) {
     return std::none_of(rows.begin(), rows.end(), [](const RowSampling &r) {
-        return (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) || !r.bias_ids.empty();
+        return (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) || !r.bias_ids.empty() || !r.allowed.empty();
     });
 }
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .constraints import compile_constraint
+
 DEFAULT_MAX_NEW_TOKENS = 256
 # HF GenerationConfig defaults, used when generation_config.json lacks a key.
 HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -57,6 +59,7 @@ class SamplingParams:
     # StreamingLLM (not sampling, but per request like it): None = the engine's default (EngineConfig)
     kv_window: int | None = None    # tokens kept besides the sinks; 0 = dense (no window)
     sink_tokens: int | None = None  # first tokens always kept (attention sinks)
+    constraint: str | None = None   # structured output: an llguidance grammar (constraints.compile_constraint)
 
     @property
     def greedy(self) -> bool:
@@ -166,14 +169,17 @@ def _temperature(gc: dict, temperature) -> float:
 def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, temperature=None, top_k=None,
                      top_p=None, min_p=None, repetition_penalty=None, stop=None, stop_token_ids=None, seed=None,
                      ignore_eos=False, presence_penalty=None, frequency_penalty=None, min_tokens=None,
-                     logprobs=None, kv_window=None, sink_tokens=None) -> SamplingParams:
+                     logprobs=None, kv_window=None, sink_tokens=None, json_schema=None, regex=None, grammar=None,
+                     choice=None) -> SamplingParams:
     """Sampling settings for one request: each argument left as None comes from `generation_config`
     (the model's generation_config.json as a dict), else from HF's defaults. Raises ValueError naming the
     parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine.
     presence/frequency penalties, min_tokens and logprobs have no generation_config counterpart (0 / off).
     logprobs are the log-softmax of the logits the token was drawn from: after the penalties and the
     temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1. kv_window and
-    sink_tokens (StreamingLLM's rolling KV window) are left None for the engine's defaults."""
+    sink_tokens (StreamingLLM's rolling KV window) are left None for the engine's defaults.
+    json_schema / regex / grammar (Lark) / choice (a list of strings): at most one, the structured output
+    the request must produce (constraints.py), compiled and checked here."""
     gc = dict(generation_config or {})
 
     def pick(name, value):
@@ -199,6 +205,7 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
         logprobs=None if logprobs is None else _check("logprobs", logprobs),
         kv_window=None if kv_window is None else _check("kv_window", kv_window),
         sink_tokens=None if sink_tokens is None else _check("sink_tokens", sink_tokens),
+        constraint=compile_constraint(json_schema, regex, grammar, choice),
     )
 
 

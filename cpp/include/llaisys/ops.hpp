@@ -169,6 +169,9 @@ void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);
 // Adds bias [B, n] (f32) to logits [B, V] at ids [B, n] (i64, -1 = padding, no duplicates per row), in
 // place: OpenAI's presence/frequency penalties and logit_bias, and -inf to ban a token (min_tokens).
 void logit_bias(const Tensor &logits, const Tensor &ids, const Tensor &bias);
+// Sets logits [B, V] (float, any strides) to -inf in place wherever bit v % 32 of mask[b, v / 32] is 0:
+// mask [B, ceil(V / 32)] (i32) is llguidance's allowed-token bitmask of a constrained row (structured output).
+void token_mask(const Tensor &logits, const Tensor &mask);
 
 // ---- LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3) ----
 // out = (x - mean) / sqrt(var + eps) * weight + bias over the last dim (biased variance, as torch's

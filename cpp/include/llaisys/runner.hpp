@@ -1,8 +1,8 @@
 // The step runner: takes one step's batch as host arrays (built by the Python scheduler), uploads it in
 // two copies, runs the model over the paged KV pool (replaying a captured CUDA graph for decode
 // batches, padded to the next graph batch size) and samples one token per sequence with that
-// sequence's own parameters and random stream: inside the graph when no row has a repetition penalty
-// or logit biases, else after it. The model is only the layer math; the runner owns the graphs, the
+// sequence's own parameters and random stream: inside the graph when no row has a repetition penalty,
+// logit biases or a token mask, else after it. The model is only the layer math; the runner owns the graphs, the
 // input staging and sampling (its settings come from the caller: EngineConfig).
 #pragma once
 #include "llaisys/graph.hpp"
@@ -45,6 +45,9 @@ struct RowSampling {
     // penalties, and -inf for tokens banned this step (EOS before min_tokens).
     std::vector<int64_t> bias_ids;
     std::vector<float> bias;
+    // Structured output: llguidance's allowed-token bitmask of this step ([ceil(vocab / 32)] words, bit v % 32
+    // of word v / 32 set = token v allowed), applied last (token_mask: the rest -> -inf). Empty = no constraint.
+    std::vector<int32_t> allowed;
 };
 
 struct RunnerConfig {
@@ -94,6 +97,7 @@ private:
     std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
                                      int64_t size);
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
+    void apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows);
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
 

@@ -19,11 +19,12 @@ from .sequence import Sequence, Status
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
-    host state (penalty ids, biases, the min_tokens ban; logprobs come from one op over the batch) and
+    host state (penalty ids, biases, the min_tokens ban, a constraint's mask; logprobs come from one op over
+    the batch) and
     whose cache does not slide (a windowed sequence's positions and blocks move with its evictions:
     block_manager.slide)."""
     return (len(seq) - seq.num_computed == 1 and seq.seen is None and seq.counts is None and
-            seq.num_output >= seq.params.min_tokens and not seq.kv_window)
+            seq.num_output >= seq.params.min_tokens and not seq.kv_window and seq.constraint is None)
 
 
 class DecodeBatch:

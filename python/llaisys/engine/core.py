@@ -61,7 +61,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.runner = ModelRunner(model, self.pool, config.block_size, math.ceil(max_seq_len / config.block_size),
-                                  config.graph_sizes, config.cuda_graphs)
+                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
@@ -193,10 +193,11 @@ class EngineCore:
             return False
         if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs
             return not (step.batch.logprobs >= 0).any()
-        for seq, n in zip(step.seqs, step.num_tokens):  # decodes, no penalties or biases, no logprobs
+        # decodes, no penalties or biases, no logprobs, no constraint (the next mask needs this step's token)
+        for seq, n in zip(step.seqs, step.num_tokens):
             p = seq.params
             if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.seen is not None or
-                    seq.counts is not None or seq.num_output < p.min_tokens):
+                    seq.counts is not None or seq.num_output < p.min_tokens or seq.constraint is not None):
                 return False
         return True
 
@@ -274,6 +275,8 @@ class EngineCore:
             produced.append((seq, int(token), None))
             if token in seq.eos:
                 self.finish(seq, "stop")
+            elif seq.constraint is not None and self._constrained_end(seq, int(token)):
+                pass
             elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
                 self.finish(seq, "length")
         if want:
@@ -323,6 +326,20 @@ class EngineCore:
         t["schedule_s"] += t1 - t0
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
+
+    def _constrained_end(self, seq: Sequence, token: int) -> bool:
+        """Advances the sequence's matcher; ends the sequence ("stop") once its grammar is complete and
+        nothing may follow, or with an error if the matcher failed (a resource limit, a grammar bug)."""
+        c = seq.constraint
+        c.consume(token)
+        if c.error is not None:
+            seq.error = RuntimeError(f"structured output: {c.error}")
+            self.finish(seq, "error")
+            return True
+        if c.done:
+            self.finish(seq, "stop")
+            return True
+        return False
 
     def _logprobs(self, rows: np.ndarray, temperature: np.ndarray, chosen: np.ndarray, ks: list[int]) -> list[dict]:
         """The logprobs entries of the last step's `rows` ([R] i64), given every row's temperature ([B] f32)

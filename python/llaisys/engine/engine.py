@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import random
 import sys
+import threading
 import weakref
 from typing import Iterator, Sequence as Seq
 
@@ -24,6 +25,7 @@ from .. import _core, catalog, loader, quant
 from ..loader.header import context_length
 from .._tensor import _wrap
 from ..chat import render_chat_template
+from ..constraints import Constraint, ll_tokenizer
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
                            token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
@@ -116,6 +118,7 @@ class Engine:
         trim_heap()
         self._core = EngineCore(net, self.config, self.engine_config, self.dtype, self.device, self.max_seq_len)
         self._model = net
+        self._lltok, self._ll_lock = None, threading.Lock()
         self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
         _OPEN.add(self)
 
@@ -159,7 +162,9 @@ class Engine:
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
         Each sampling keyword takes one value, or (for a list) one value per prompt. Arguments left as
-        None come from the model's generation_config.json; temperature=0 is greedy."""
+        None come from the model's generation_config.json; temperature=0 is greedy. Structured output:
+        json_schema= (a dict or its JSON), regex=, grammar= (Lark) or choice= (a list of strings), at most one
+        per prompt; the text then obeys it (llaisys.constraints), ending with "stop" when complete."""
         if self._is_batch(prompt):
             per = split_sampling("generate", sampling, len(prompt))
             for s in per:
@@ -213,12 +218,14 @@ class Engine:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return token_sequence("prompt", prompt)
 
-    def render_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """Messages rendered with the model's chat template and tokenized, as chat() submits them."""
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+        """Messages rendered with the model's chat template and tokenized, as chat() submits them; tools
+        (OpenAI-style function specs) are rendered by the template where it supports them."""
         if not self.chat_template:
             raise ValueError(f"{self.source} has no chat template; use generate() with a raw prompt")
         text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
+                                    tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def score(self, token_ids: Seq[int], kv_window: int | None = None, sink_tokens: int | None = None) -> np.ndarray:
@@ -339,7 +346,17 @@ class Engine:
             self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos), kv_window=window, sink_tokens=sinks)
+        if params.constraint is not None:
+            seq.constraint = Constraint(self._ll_tokenizer(), params.constraint)
         return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink, incremental)
+
+    def _ll_tokenizer(self):
+        """llguidance's view of the vocabulary (structured output), built on first use (~1 s) and kept."""
+        with self._ll_lock:
+            if self._lltok is None:
+                eos = eos_union(self.generation_config, self.tokenizer.eos_token_ids)
+                self._lltok = ll_tokenizer(self.tokenizer, self.config.vocab_size, eos)
+            return self._lltok
 
     def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,
                     incremental: bool = True) -> Request:

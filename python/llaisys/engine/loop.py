@@ -164,7 +164,10 @@ class StepLoop:
             self._end(req, "stop")
         elif seq.finish_reason is not None:
             self._live.pop(seq.seq_id)
-            req.finish(seq.finish_reason)
+            if seq.error is not None:  # the core ended it with an error (a structured-output matcher's)
+                req.fail(seq.error)
+            else:
+                req.finish(seq.finish_reason)
 
     def _step(self) -> None:
         try:

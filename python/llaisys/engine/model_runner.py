@@ -10,8 +10,9 @@ from .scheduler import Step
 
 
 class ModelRunner:
-    def __init__(self, model, pool, block_size: int, max_blocks_per_seq: int, graph_sizes, cuda_graphs: bool):
-        self.block_size = block_size
+    def __init__(self, model, pool, block_size: int, max_blocks_per_seq: int, graph_sizes, cuda_graphs: bool,
+                 vocab_size: int):
+        self.block_size, self.vocab_size = block_size, vocab_size
         self.runner = _core.Runner(model, pool, list(graph_sizes), max_blocks_per_seq, cuda_graphs)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
 
@@ -51,7 +52,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         arrays, sampling = self._inputs(step, 0)
         self.prepare_s += time.perf_counter() - t0
-        return self.runner.step(*arrays, *sampling)
+        return self.runner.step(*arrays, *sampling, *self._masks(step))
 
     def _inputs(self, step: Step, ahead: int):
         if step.batch is not None:  # the persistent decode batch keeps its arrays
@@ -66,7 +67,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         arrays, sampling = self._inputs(step, int(chain))
         self.prepare_s += time.perf_counter() - t0
-        return self.runner.launch(*arrays, *sampling, chain)
+        masks = (None, []) if chain else self._masks(step)  # EngineCore never chains a constrained row
+        return self.runner.launch(*arrays, *sampling, chain, *masks)
 
     def finish(self) -> list[int]:
         """The tokens of the oldest launched step not finished yet."""
@@ -75,6 +77,21 @@ class ModelRunner:
     @property
     def launched(self) -> int:
         return self.runner.launched
+
+    def _masks(self, step: Step):
+        """(token_mask [M, ceil(vocab / 32)] int32, mask_rows): the allowed tokens of each constrained row
+        whose token is sampled this step (None, [] when none). Computed from the matchers as they stand, so
+        a step run again (EngineCore._isolate) gets the same masks."""
+        if step.batch is not None:  # the decode batch holds no constrained row (batch.eligible)
+            return None, []
+        rows = [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
+                if s.constraint is not None and s.num_computed + n >= len(s)]
+        if not rows:
+            return None, []
+        mask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
+        for j, r in enumerate(rows):
+            step.seqs[r].constraint.mask_into(mask[j])
+        return mask, rows
 
     def _sampling(self, step: Step, ahead: int = 0):
         seqs = step.seqs

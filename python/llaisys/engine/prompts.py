@@ -1,11 +1,11 @@
 """Splitting the sampling keywords of a batched call into one dict per prompt.
 
 A keyword takes one value for every prompt or a list/tuple with one value per prompt. `stop` and
-`stop_token_ids` already accept lists as a single value, so their per-prompt form is a list whose items
+`stop_token_ids` (and `choice`) already accept lists as a single value, so their per-prompt form is a list whose items
 are each a list, a tuple or None (`stop=[["\\n"], None]`); a flat list applies to every prompt."""
 from __future__ import annotations
 
-_LIST_VALUED = ("stop", "stop_token_ids")
+_LIST_VALUED = ("stop", "stop_token_ids", "choice")
 
 
 def _per_prompt(name: str, value, n: int) -> bool:

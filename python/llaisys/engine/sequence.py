@@ -44,6 +44,8 @@ class Sequence:
         # generated-token counts for the presence/frequency penalties (OpenAI: output tokens only)
         self.counts: dict[int, int] | None = (
             {} if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 else None)
+        # structured output: a constraints.Constraint (the engine sets it when params.constraint is set)
+        self.constraint = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -29,11 +29,11 @@ SCORE_ROWS = 256  # log-softmax this many logit rows at a time: float64 copies o
 _CHAR_BYTE = {c: b for b, c in enumerate(_BYTE_CHARS)}
 
 
-def chat_ids(eng: Engine | EngineProcess, messages: list[dict]) -> list[int]:
+def chat_ids(eng: Engine | EngineProcess, messages: list[dict], tools: list | None = None) -> list[int]:
     """The conversation as Engine.chat submits it; the server's own message when there is no template."""
     if not eng.chat_template:
         raise ValueError(f"the model {eng.source} has no chat template: use /v1/completions with a raw prompt")
-    return eng.render_chat(messages)
+    return eng.render_chat(messages, tools=tools)
 
 
 def prompt_ids(eng: Engine, prompt) -> list[int]:

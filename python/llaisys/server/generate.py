@@ -32,7 +32,7 @@ def prepare(eng, req: ChatRequest | CompletionRequest, chat: bool) -> tuple[list
     a worker thread: chat templates, tokenizers and prompt logprobs take a while on long prompts."""
     sampling = req.sampling()
     if chat:
-        prompts = [chat_ids(eng, req.message_dicts())]
+        prompts = [chat_ids(eng, req.message_dicts(), req.tool_dicts())]
     else:
         prompts = [prompt_ids(eng, p) for p in req.prompts()]
     for ids in prompts:
@@ -65,7 +65,7 @@ class Call:
         self.ttft: float | None = None
         self.gen = Generation(state.engine, state.engine.engine_config.block_size, state.hub)
         self.fmt = Formatter(state.engine, rid, chat, state.model_name, req.num_logprobs() is not None,
-                             req.include_usage)
+                             req.include_usage, tool_names=req.tool_names() if chat else None)
         self.choices: list[Choice] = []
         self.leaders: list[int] = []
         self.ended: list = []  # (index, last chunk) of choices that generate nothing

@@ -1,16 +1,21 @@
 """Request bodies of the OpenAI API as pydantic models, and OpenAI-shaped errors.
 
 Models are strict (a string is not a number, 1 is not true) and forbid unknown fields: a field we do not
-support (tools, response_format, logit_bias, ...) is refused with a 400 that names it, never ignored.
+support (logit_bias, ...) is refused with a 400 that names it, never ignored.
 Ranges OpenAI documents are checked here; the engine checks the rest (and its own limits) on submit.
 Text the model would read or match (message content, prompts, stop strings) must be valid Unicode: JSON's
 \\uXXXX escapes can spell a lone surrogate, which is refused with a 400 naming the field.
 """
 from __future__ import annotations
 
+import json
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .protocol_parts import (NamedToolChoice, ResponseFormat, Strict as _Strict, StructuredOutputs, Tool,
+                             ToolCall)
+from .tools import check_tools, tool_grammar
 
 MAX_N = 16           # choices per request: each is a sequence in the batch
 MAX_TOP_LOGPROBS = 20
@@ -50,18 +55,25 @@ def check_unicode(text: str, what: str | None = None) -> str:
     return text
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Union[str, list[TextPart]]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool's answer: the call it answers
+    name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are only allowed in assistant messages")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -75,6 +87,8 @@ class Message(_Strict):
     @field_validator("content")
     @classmethod
     def _unicode(cls, value):
+        if value is None:
+            return value
         if isinstance(value, str):
             return check_unicode(value)
         for i, part in enumerate(value):
@@ -82,7 +96,28 @@ class Message(_Strict):
         return value
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict:
+        """The message as chat templates take it: tool call arguments as objects (HF's convention)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    raise ValueError(f"tool_calls: the arguments of {c.function.name!r} are not JSON") from None
+                calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                           "arguments": args}})
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class StreamOptions(_Strict):
@@ -114,6 +149,9 @@ class _Sampling(_Strict):
     # llaisys's extras: StreamingLLM's rolling KV window (None: the server's defaults; kv_window 0 = dense)
     kv_window: Optional[int] = Field(None, ge=0)
     sink_tokens: Optional[int] = Field(None, ge=0)
+    # structured output (constraints.py): OpenAI's response_format, or vLLM's structured_outputs
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
     @field_validator("stop")
     @classmethod
@@ -150,7 +188,24 @@ class _Sampling(_Strict):
                     "min_tokens": self.min_tokens or None, "logprobs": self.num_logprobs(),
                     "kv_window": self.kv_window, "sink_tokens": self.sink_tokens}
         out.update({k: v for k, v in optional.items() if v is not None})
+        out.update(self.constraint())
         return out
+
+    def constraint(self) -> dict:
+        """The engine's json_schema / regex / grammar / choice keyword for response_format or
+        structured_outputs (at most one of the two)."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise ValueError("give response_format or structured_outputs, not both")
+        if rf is not None and rf.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if rf is not None and rf.type == "json_schema":
+            return {"json_schema": rf.json_schema.schema_ or {"type": "object"}}
+        if so is None:
+            return {}
+        given = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                   ("grammar", so.grammar)) if v is not None}
+        return given
 
     @property
     def include_usage(self) -> bool:
@@ -159,6 +214,9 @@ class _Sampling(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -168,6 +226,29 @@ class ChatRequest(_Sampling):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _tools_for_tool_choice(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and (self.structured_outputs is not None or
+                       (self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("a required or named tool_choice cannot be combined with response_format or "
+                             "structured_outputs")
+        return self
+
+    def constraint(self) -> dict:
+        """A required or named tool_choice is a grammar of tool calls; the tools are checked here."""
+        mode = self.tool_mode()
+        if mode is not None:
+            check_tools(self.tool_dicts(), mode)
+        if mode == "required" or isinstance(mode, dict):
+            # a named function is called once (OpenAI's forced call); "required" may call several unless
+            # parallel_tool_calls is false
+            parallel = mode == "required" and self.parallel_tool_calls is not False
+            return {"grammar": tool_grammar(self.tool_dicts(), mode, parallel)}
+        return super().constraint()
 
     @model_validator(mode="after")
     def _something_to_generate(self):
@@ -182,7 +263,26 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def message_dicts(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.as_dict() if (m.tool_calls or m.role == "tool") else {"role": m.role, "content": m.text()}
+                for m in self.messages]
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools the template renders (none for tool_choice 'none')."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_names(self) -> list[str] | None:
+        """The names of the tools the answer may call (None: no tools, or tool_choice 'none')."""
+        tools = self.tool_dicts()
+        return None if tools is None else [t["function"]["name"] for t in tools]
+
+    def tool_mode(self) -> str | dict | None:
+        """None (no tools), 'auto', 'required' or the named choice as a dict."""
+        if self.tool_dicts() is None:
+            return None
+        choice = self.tool_choice or "auto"
+        return choice if isinstance(choice, str) else choice.model_dump()
 
 
 class CompletionRequest(_Sampling):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring  # a str as JSON, non-ASCII kept (json.dumps with ensure_ascii=False)
 
 from .backend import token_bytes
+from .tools import ToolStream, parse_tool_calls
 
 
 @dataclass
@@ -25,6 +26,8 @@ class Choice:
     timings: dict = field(default_factory=dict)
     started: bool = False  # its first stream chunk (the role, or the echoed prompt) was sent
     chars_before: int = 0  # generated characters before the last chunk (its logprobs' text_offset)
+    tools: ToolStream | None = None  # with tools, streaming: what splits the text into content and calls
+    num_calls: int = 0  # tool calls streamed so far
 
     def add(self, chunk) -> None:
         self.chars_before += sum(map(len, self.text[-1:]))
@@ -77,8 +80,11 @@ def echo_logprobs(eng, entries: list[dict], text: str) -> dict:
 
 
 class Formatter:
-    def __init__(self, eng, rid: str, chat: bool, model: str, want_logprobs: bool, include_usage: bool = False):
+    def __init__(self, eng, rid: str, chat: bool, model: str, want_logprobs: bool, include_usage: bool = False,
+                 tool_names=None):
         self.eng, self.id, self.chat, self.model = eng, rid, chat, model
+        self.tools = tool_names is not None and chat  # the answers may hold tool calls (tools.py)
+        self.tool_names = frozenset(tool_names or ())
         self.want_logprobs, self.include_usage = want_logprobs, include_usage
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -116,6 +122,8 @@ class Formatter:
         """The SSE event of stream_chunk(), as `data: <json>` and a blank line. The common event (no logprobs,
         not a choice's first) is written from a cached prefix instead of a dict through json.dumps: at
         hundreds of streams this runs once per stream and step on the thread the engine shares."""
+        if self.tools:
+            return self._tool_events(index, choice, chunk)
         if self.want_logprobs or not choice.started:
             return sse(self.stream_chunk(index, choice, chunk))
         prefix = self._prefixes.get(index)
@@ -131,6 +139,42 @@ class Formatter:
             body = f'"text":{encode_basestring(chunk.text)},"logprobs":null,"finish_reason":{reason}'
         return prefix + body + self._suffix
 
+    def _tool_events(self, index: int, choice: Choice, chunk) -> str:
+        """A chat stream with tools: content as it is known not to open a call, and each complete call as
+        OpenAI streams one (a delta with its id and name, then one with its arguments)."""
+        if choice.tools is None:
+            choice.tools = ToolStream(self.tool_names)
+        content, calls = choice.tools.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            more, last = choice.tools.finish()
+            content, calls = content + more, calls + last
+        deltas = [] if choice.started else [{"role": "assistant", "content": ""}]
+        if content:
+            deltas.append({"content": content})
+        for call in calls:
+            k = choice.num_calls
+            choice.num_calls += 1
+            f = call["function"]
+            deltas.append({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                           "function": {"name": f["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": k, "function": {"arguments": f["arguments"]}}]})
+        reason = chunk.finish_reason
+        if reason == "stop" and choice.num_calls:
+            reason = "tool_calls"
+        if reason is not None:
+            deltas.append({})
+        choice.started = True
+        head = {**self._head("chat.completion.chunk")}
+        out = []
+        for i, d in enumerate(deltas):
+            last = i == len(deltas) - 1
+            body = {"index": index, "delta": d, "logprobs": None, "finish_reason": reason if last else None}
+            event = {**head, "choices": [body]}
+            if self.include_usage:
+                event["usage"] = None
+            out.append(sse(event))
+        return "".join(out)
+
     def usage_chunk(self, usage: dict) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage}
@@ -141,8 +185,14 @@ class Formatter:
         for i, c in enumerate(choices):
             text = "".join(c.text)
             if self.chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": text},
-                            "logprobs": self._chat_logprobs(c.logprobs), "finish_reason": c.finish_reason})
+                message, reason = {"role": "assistant", "content": text}, c.finish_reason
+                if self.tools:
+                    content, calls = parse_tool_calls(text, self.tool_names)
+                    if calls:
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
+                        reason = "tool_calls" if reason == "stop" else reason
+                out.append({"index": i, "message": message, "logprobs": self._chat_logprobs(c.logprobs),
+                            "finish_reason": reason})
             else:
                 out.append({"index": i, "text": c.echo + text,
                             "logprobs": self._completion_logprobs(c.logprobs, len(c.echo), c.echo_logprobs),

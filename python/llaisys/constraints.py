@@ -1,0 +1,113 @@
+"""Structured output through llguidance: a request's json_schema / regex / grammar / choice becomes one
+llguidance grammar (checked when the request is made, so a bad one raises ValueError naming the problem
+before anything runs), and its sequence carries a matcher over our vocabulary. Each step the matcher's
+allowed-token bitmask ([ceil(vocab / 32)] int32 words) is applied to the row's logits on their device
+(`ops.token_mask`, in the runner), and the matcher advances with the sampled token."""
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+
+# Compact but readable JSON (what json.dumps writes): no free whitespace, so a small model cannot wander
+# into endless newlines between tokens, and every output is one line a client can parse.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CONSTRAINT_ARGS = ("json_schema", "regex", "grammar", "choice")
+
+
+def _llg():
+    import llguidance  # imported on first use: `import llaisys` stays light
+    return llguidance
+
+
+def compile_constraint(json_schema=None, regex=None, grammar=None, choice=None) -> str | None:
+    """The llguidance grammar of one request's constraint (None: unconstrained). At most one of the four;
+    json_schema is a dict or its JSON text (True / {} = any JSON object), regex a string, grammar Lark text,
+    choice a list of strings. Raises ValueError naming the argument and the problem."""
+    given = [(n, v) for n, v in zip(CONSTRAINT_ARGS, (json_schema, regex, grammar, choice)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise ValueError(f"give at most one of json_schema, regex, grammar and choice, got "
+                         f"{', '.join(n for n, _ in given)}")
+    name, value = given[0]
+    if name == "json_schema":
+        source = json.dumps(_schema(value))  # key order kept: it is the order of the output's properties
+    elif name == "choice":
+        source = choice_grammar(value)
+    elif not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty {'string' if name == 'regex' else 'Lark grammar string'}, "
+                         f"got {value!r}")
+    else:
+        source = value
+    return _compiled(name, source)
+
+
+@functools.lru_cache(maxsize=256)  # repeated schemas (an API's one response format) are checked once
+def _compiled(name: str, source: str) -> str:
+    M = _llg().LLMatcher
+    if name == "json_schema":
+        g = M.grammar_from_json_schema(source, defaults=JSON_OPTIONS)
+    elif name == "regex":
+        g = M.grammar_from_regex(source)
+    else:
+        g = M.grammar_from_lark(source)
+    is_error, messages = M.validate_grammar_with_warnings(g)
+    if is_error:
+        # llguidance's message spans lines (a caret under the place): one line for logs and HTTP errors
+        text = " ".join(line.strip() for line in (messages[0] if messages else "invalid").splitlines())
+        raise ValueError(f"{name}: {text.strip()}")
+    return g
+
+
+def _schema(value) -> dict:
+    if value is True:
+        return {"type": "object"}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"json_schema must be a JSON schema object (a dict), got {type(value).__name__}")
+    return value or {"type": "object"}
+
+
+def choice_grammar(choices) -> str:
+    """Lark for exactly one of the strings (JSON string literals are valid Lark literals)."""
+    if not isinstance(choices, (list, tuple)) or not choices or not all(
+            isinstance(c, str) and c for c in choices):
+        raise ValueError(f"choice must be a non-empty list of non-empty strings, got {choices!r}")
+    return "start: " + " | ".join(json.dumps(c) for c in dict.fromkeys(choices))
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
+    """llguidance's tokenizer over ours (its tokenizers JSON), with the model's vocabulary size (the mask's
+    width: ids the tokenizer lacks are never allowed) and the ids that end a request. ~1 s: build once."""
+    return _llg().LLTokenizer(tokenizer.inner.to_str(), n_vocab=int(vocab_size), eos_token=list(eos_ids))
+
+
+class Constraint:
+    """One sequence's matcher. mask_into() writes the allowed tokens of the next step; consume() advances."""
+
+    def __init__(self, lltok, grammar: str):
+        self.matcher = _llg().LLMatcher(lltok, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"constraint: {self.matcher.get_error()}")
+
+    def mask_into(self, row: np.ndarray) -> None:
+        """row: a C-contiguous int32 [ceil(vocab / 32)] view (a row of the step's mask array)."""
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(int(token))
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and nothing may follow (e.g. a JSON object's closing brace)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
