@@ -36,6 +36,23 @@ __device__ __forceinline__ float2 rope_turn(float x1, float x2, float cs, float 
     return make_float2(__fmaf_rn(x1, cs, -__fmul_rn(x2, sn)), __fmaf_rn(x2, cs, __fmul_rn(x1, sn)));
 }
 
+// VEC pairs (i0 + k, i0 + k + half) of one head turned: dst[..] = src[..] rotated by the shared cos/sin
+// (dst may be src). The inner step of rope_qkv_cache and kv_shift.
+template <int VEC, typename T>
+__device__ __forceinline__ void rope_turn_vec(T *dst, const T *src, int i0, int half, const float *cos_s,
+                                              const float *sin_s) {
+    const Vec<T, VEC> a = load_vec<VEC>(src + i0), b = load_vec<VEC>(src + i0 + half);
+    Vec<T, VEC> oa, ob;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+        const float2 o = rope_turn(to_f32(a.v[k]), to_f32(b.v[k]), cos_s[i0 + k], sin_s[i0 + k]);
+        oa.v[k] = from_f32<T>(o.x);
+        ob.v[k] = from_f32<T>(o.y);
+    }
+    store_vec(dst + i0, oa);
+    store_vec(dst + i0 + half, ob);
+}
+
 // 16-byte vectors when every row start (base, seq and head strides), the pair offset `half` (the number of
 // pairs) and the head dim (where the copied dims of a partial rotary end) are aligned to them.
 template <typename T>

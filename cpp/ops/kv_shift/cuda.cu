@@ -40,18 +40,8 @@ __global__ void kv_shift_kernel(T *k_cache, T *v_cache, const I *src, const I *d
     for (int j = threadIdx.x; j < items; j += blockDim.x) {
         if (j < turns) {
             const int head = j / chunks, i0 = (j - head * chunks) * VEC;
-            const T *from = k_cache + s * d.ks + head * d.kh;
-            T *to = k_cache + t * d.ks + head * d.kh;
-            const Vec<T, VEC> a = load_vec<VEC>(from + i0), b = load_vec<VEC>(from + i0 + d.half);
-            Vec<T, VEC> oa, ob;
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                const float2 o = rope_turn(to_f32(a.v[k]), to_f32(b.v[k]), cos_s[i0 + k], sin_s[i0 + k]);
-                oa.v[k] = from_f32<T>(o.x);
-                ob.v[k] = from_f32<T>(o.y);
-            }
-            store_vec(to + i0, oa);
-            store_vec(to + i0 + d.half, ob);
+            rope_turn_vec<VEC>(k_cache + t * d.ks + head * d.kh, k_cache + s * d.ks + head * d.kh, i0, d.half, cos_s,
+                               sin_s);
         } else if (j < turns + passes) { // a dim a partial rotary leaves alone
             const int c = j - turns, head = c / per_pass, e0 = 2 * d.half + (c - head * per_pass) * VEC;
             store_vec(k_cache + t * d.ks + head * d.kh + e0, load_vec<VEC>(k_cache + s * d.ks + head * d.kh + e0));

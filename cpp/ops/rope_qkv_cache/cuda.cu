@@ -62,18 +62,8 @@ __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T 
             store_vec(dst + e0, load_vec<VEC>(row + head * d.hd + e0));
         } else if (j < turns) {
             const int head = j / chunks, i0 = (j - head * chunks) * VEC;
-            const T *src = row + head * d.hd; // [2 * half]
             T *dst = head < d.nh ? q_out + t * d.qs + head * d.qh : k_cache + r * d.ks + (head - d.nh) * d.kh;
-            const Vec<T, VEC> a = load_vec<VEC>(src + i0), b = load_vec<VEC>(src + i0 + half);
-            Vec<T, VEC> oa, ob;
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                const float2 o = rope_turn(to_f32(a.v[k]), to_f32(b.v[k]), cos_s[i0 + k], sin_s[i0 + k]);
-                oa.v[k] = from_f32<T>(o.x);
-                ob.v[k] = from_f32<T>(o.y);
-            }
-            store_vec(dst + i0, oa);
-            store_vec(dst + i0 + half, ob);
+            rope_turn_vec<VEC>(dst, row + head * d.hd, i0, half, cos_s, sin_s); // src [2 * half]
         } else {
             const int c = j - turns - passes, head = c / per_v, e0 = (c - head * per_v) * VEC;
             store_vec(v_cache + r * d.vs + head * d.vh + e0, load_vec<VEC>(row + (d.nh + d.nkvh + head) * d.hd + e0));

@@ -18,11 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define LLAISYS_HD __host__ __device__ __forceinline__
-#else
-#define LLAISYS_HD inline
-#endif
+#include "ops/common/host_device.hpp"
 
 namespace llaisys::ops::sampling {
 
