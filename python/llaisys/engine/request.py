@@ -91,7 +91,7 @@ class Request:
         # incremental False: nobody reads the chunks before the end (generate(), chat() without a stream) and
         # no stop string needs the text as it grows, so the ids are kept and decoded once when the request
         # ends: the step loop's work per token is an append (issue 33: host work per sequence and step)
-        self._lazy = self.keeps_ids = not incremental and not stops
+        self.keeps_ids = not incremental and not stops
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
@@ -117,7 +117,7 @@ class Request:
         self._pending.append(token)  # ids travel with the next chunk that carries text
         if self._pending_lp is not None:
             self._pending_lp.append(logprobs)
-        if self._lazy or token in self.seq.eos:
+        if self.keeps_ids or token in self.seq.eos:
             return False
         text, hit = self._stops.feed(self._detok.step(token))
         if hit:
@@ -148,7 +148,7 @@ class Request:
         if self.done:
             return
         tail = self._tail
-        if self._lazy:  # one decode of every id but EOS (which never reaches the text, as in on_token)
+        if self.keeps_ids:  # one decode of every id but EOS (which never reaches the text, as in on_token)
             eos = self.seq.eos
             tail = self._detok.decode_all([t for t in self._pending if t not in eos])
         elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
