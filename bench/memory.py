@@ -46,7 +46,7 @@ def child(model: str, dtype: str) -> dict:
     load_s = time.perf_counter() - t
     stages["loaded"] = _status()
     held = {"dtype": engine.dtype, "load_s": load_s, "weight_bytes": engine.describe()["weight_bytes"],
-            "kv_bytes": engine._core.pool.nbytes}
+            "kv_bytes": sum(p.nbytes for p in engine._core.pools)}
     engine.generate("def fib(n):", max_new_tokens=16, temperature=0)
     stages["generated"] = _status()
     engine.close()

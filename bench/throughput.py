@@ -42,6 +42,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--single", nargs=2, type=int, metavar=("PROMPT", "NEW"),
                     help="instead: decode speed of one request (median of 3), as `llaisys bench` measures it")
     ap.add_argument("--json", metavar="FILE", help="also write the result dict as JSON to FILE")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N GPUs")
     return ap
 
 
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
     r = bt.throughput(shape=args.shape, model=args.model, gguf_types=args.gguf_types, device=args.device,
                       dtype=dtype, num_requests=args.num_requests, min_len=args.min_len, max_len=args.max_len,
                       temperature=args.temperature, max_num_seqs=args.max_num_seqs, solo=args.solo,
-                      peers=args.peers, single=tuple(args.single) if args.single else None)
+                      peers=args.peers, single=tuple(args.single) if args.single else None,
+                      tensor_parallel_size=args.tensor_parallel_size)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -5,6 +5,8 @@
 #include "llaisys/quant.hpp"
 
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -99,12 +101,23 @@ void bind_model(nb::module_ &m) {
                      "One GEMV for q/k/v and for gate/up, RoPE + cache write in one kernel (set at construction).")
         .def_prop_ro("config", [](const Model &model) { return to_dict(model.config()); })
         .def_prop_ro("dtype", [](const Model &model) { return std::string(dtype_name(model.dtype())); })
-        .def_prop_ro("device", [](const Model &model) { return model.device().str(); });
+        .def_prop_ro("device", [](const Model &model) { return model.device().str(); })
+        .def_prop_ro("tensor_parallel", [](const Model &model) {
+            const auto &c = model.communicator();
+            return c ? std::make_pair(c->rank(), c->world()) : std::make_pair(0, 1);
+        }, "(rank, world) of the tensor-parallel group this model is a share of; (0, 1) when whole.");
 
     m.def("create_model", [](const nb::dict &config, const std::string &dtype, const std::string &device,
-                             std::optional<bool> fused) {
-        return create_model(from_dict(config), dtype_from_name(dtype), Device::parse(device), fused);
+                             std::optional<bool> fused, std::shared_ptr<Communicator> comm) {
+        return create_model(from_dict(config), dtype_from_name(dtype), Device::parse(device), fused, std::move(comm));
     }, nb::arg("config"), nb::arg("dtype"), nb::arg("device"), nb::arg("fused").none() = nb::none(),
+       nb::arg("comm").none() = nb::none(),
        "The model of config['arch'] (weights and layer math of one step; a Runner with a KVPool runs it). fused: "
-       "fused projections on or off, None: on for CUDA only.");
+       "fused projections on or off, None: on for CUDA only. comm: a rank of a tensor-parallel group "
+       "(local_group), which makes the model that rank's share (tensor_parallel_config).");
+    m.def("tensor_parallel_config", [](const nb::dict &config, int world) {
+        return to_dict(tensor_parallel_config(from_dict(config), world));
+    }, nb::arg("config"), nb::arg("world"),
+       "One rank's share of a model split over `world` ranks (its heads, KV heads, MLP width; the vocabulary "
+       "whole); ValueError naming what does not divide.");
 }

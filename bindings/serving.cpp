@@ -1,5 +1,6 @@
 // llaisys._core.KVPool and Runner: the paged KV cache and the step runner the Python scheduler drives.
 #include "bindings/common.hpp"
+#include "llaisys/rank_group.hpp"
 #include "llaisys/runner.hpp"
 
 #include <nanobind/ndarray.h>
@@ -85,36 +86,12 @@ void add_masks(std::vector<RowSampling> &rows, const std::optional<Tables> &toke
 }
 } // namespace
 
-void bind_serving(nb::module_ &m) {
+// The methods a Runner and a RankGroup share (the engine drives either the same way).
+template <typename R>
+void bind_steps(nb::class_<R> &c) {
     using G = nb::call_guard<nb::gil_scoped_release>;
-    m.def("device_memory_info", [](const std::string &d) {
-        const DeviceMemoryInfo info = device_memory_info(Device::parse(d));
-        return std::make_pair(info.free, info.total);
-    }, nb::arg("device"), "(free, total) bytes of `device` (CUDA: cudaMemGetInfo; CPU: MemAvailable/MemTotal).");
-
-    nb::class_<KVPool>(m, "KVPool")
-        .def("__init__", [](KVPool *self, int64_t layers, int64_t blocks, int64_t block_size, int64_t nkvh,
-                            int64_t hd, const std::string &dtype, const std::string &device) {
-            new (self) KVPool(layers, blocks, block_size, nkvh, hd, dtype_from_name(dtype), Device::parse(device));
-        }, nb::arg("num_layers"), nb::arg("num_blocks"), nb::arg("block_size"), nb::arg("num_kv_heads"),
-             nb::arg("head_dim"), nb::arg("dtype"), nb::arg("device"))
-        .def_static("block_bytes", [](int64_t layers, int64_t block_size, int64_t nkvh, int64_t hd,
-                                      const std::string &dtype) {
-            return KVPool::block_bytes(layers, block_size, nkvh, hd, dtype_from_name(dtype));
-        }, nb::arg("num_layers"), nb::arg("block_size"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"))
-        .def_prop_ro("num_blocks", &KVPool::num_blocks)
-        .def_prop_ro("block_size", &KVPool::block_size)
-        .def_prop_ro("nbytes", &KVPool::nbytes)
-        .def("keys", &KVPool::keys, nb::arg("layer"))
-        .def("values", &KVPool::values, nb::arg("layer"));
-
-    nb::class_<Runner>(m, "Runner")
-        .def("__init__", [](Runner *self, models::Model &model, KVPool &pool, std::vector<int64_t> graph_sizes,
-                            int64_t max_blocks_per_seq, bool cuda_graphs) {
-            new (self) Runner(model, pool, RunnerConfig{std::move(graph_sizes), max_blocks_per_seq, cuda_graphs});
-        }, nb::arg("model"), nb::arg("pool"), nb::arg("graph_batch_sizes"), nb::arg("max_blocks_per_seq"),
-             nb::arg("cuda_graphs"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
-        .def("step", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
+    c
+        .def("step", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                         Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                         Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                         Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
@@ -133,7 +110,7 @@ void bind_serving(nb::module_ &m) {
              nb::arg("mask_rows") = std::vector<int64_t>(),
              "Runs one step and returns one sampled token id per sequence. token_mask [M, ceil(vocab / 32)] (i32): "
              "the allowed-token bitmasks of rows mask_rows (structured output).")
-        .def("launch", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
+        .def("launch", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                           Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                           Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
@@ -156,8 +133,8 @@ void bind_serving(nb::module_ &m) {
             nb::gil_scoped_release release;
             return r.finish();
         }, "The tokens of the oldest unfinished launch (waits for them).")
-        .def_prop_ro("launched", &Runner::launched, "Launched steps not finished yet.")
-        .def("logits", [](Runner &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
+        .def_prop_ro("launched", &R::launched, "Launched steps not finished yet.")
+        .def("logits", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, bool all_logits) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             nb::gil_scoped_release release;
@@ -165,12 +142,56 @@ void bind_serving(nb::module_ &m) {
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("all_logits") = false,
              "The step's logits [B, vocab] (or [T, vocab] with all_logits), not synchronized.")
-        .def("last_logits", &Runner::last_logits,
+        .def("last_logits", &R::last_logits,
              "The logits the last step sampled from [B, vocab] (after penalties, before temperature).")
-        .def("shift_kv", &Runner::shift_kv, nb::arg("src"), nb::arg("dst"), nb::arg("delta"), G(),
+        .def("shift_kv", &R::shift_kv, nb::arg("src"), nb::arg("dst"), nb::arg("delta"), G(),
              "StreamingLLM's K-shift before the next step: cache rows src -> dst, keys turned by delta positions "
              "with each layer's RoPE table (stream-ordered behind every launched step).")
-        .def_prop_ro("captured_batch_sizes", &Runner::captured_batch_sizes)
-        .def_prop_ro("steps_sampled_in_graph", &Runner::steps_sampled_in_graph,
+        .def_prop_ro("captured_batch_sizes", &R::captured_batch_sizes)
+        .def_prop_ro("steps_sampled_in_graph", &R::steps_sampled_in_graph,
                      "Steps whose tokens were sampled inside a CUDA graph (no penalty or bias in any row).");
+}
+
+void bind_serving(nb::module_ &m) {
+    m.def("device_memory_info", [](const std::string &d) {
+        const DeviceMemoryInfo info = device_memory_info(Device::parse(d));
+        return std::make_pair(info.free, info.total);
+    }, nb::arg("device"), "(free, total) bytes of `device` (CUDA: cudaMemGetInfo; CPU: MemAvailable/MemTotal).");
+
+    nb::class_<KVPool>(m, "KVPool")
+        .def("__init__", [](KVPool *self, int64_t layers, int64_t blocks, int64_t block_size, int64_t nkvh,
+                            int64_t hd, const std::string &dtype, const std::string &device) {
+            new (self) KVPool(layers, blocks, block_size, nkvh, hd, dtype_from_name(dtype), Device::parse(device));
+        }, nb::arg("num_layers"), nb::arg("num_blocks"), nb::arg("block_size"), nb::arg("num_kv_heads"),
+             nb::arg("head_dim"), nb::arg("dtype"), nb::arg("device"))
+        .def_static("block_bytes", [](int64_t layers, int64_t block_size, int64_t nkvh, int64_t hd,
+                                      const std::string &dtype) {
+            return KVPool::block_bytes(layers, block_size, nkvh, hd, dtype_from_name(dtype));
+        }, nb::arg("num_layers"), nb::arg("block_size"), nb::arg("num_kv_heads"), nb::arg("head_dim"), nb::arg("dtype"))
+        .def_prop_ro("num_blocks", &KVPool::num_blocks)
+        .def_prop_ro("block_size", &KVPool::block_size)
+        .def_prop_ro("nbytes", &KVPool::nbytes)
+        .def("keys", &KVPool::keys, nb::arg("layer"))
+        .def("values", &KVPool::values, nb::arg("layer"));
+
+    nb::class_<Runner> runner(m, "Runner");
+    runner
+        .def("__init__", [](Runner *self, models::Model &model, KVPool &pool, std::vector<int64_t> graph_sizes,
+                            int64_t max_blocks_per_seq, bool cuda_graphs) {
+            new (self) Runner(model, pool, RunnerConfig{std::move(graph_sizes), max_blocks_per_seq, cuda_graphs});
+        }, nb::arg("model"), nb::arg("pool"), nb::arg("graph_batch_sizes"), nb::arg("max_blocks_per_seq"),
+             nb::arg("cuda_graphs"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>());
+    bind_steps(runner);
+
+    nb::class_<RankGroup> group(m, "RankGroup",
+                                "The runners of a tensor-parallel group driven as one: one thread per rank (rank_group.hpp).");
+    group
+        .def("__init__", [](RankGroup *self, std::vector<Runner *> runners, double timeout_s) {
+            new (self) RankGroup(std::move(runners), timeout_s);
+        }, nb::arg("runners"), nb::arg("timeout_s") = 300.0, nb::keep_alive<1, 2>())
+        .def_prop_ro("world", &RankGroup::world)
+        .def_prop_ro("broken", &RankGroup::broken, "Why the group is broken ('' while it is not).")
+        .def("inject_fault", &RankGroup::inject_fault, nb::arg("rank"), nb::arg("mode"),
+             "For fault tests: the rank's next call raises ('raise') or stalls until the group gives up ('stall').");
+    bind_steps(group);
 }

@@ -150,7 +150,8 @@ def test_conflicting_sources_raise():
 
 def test_options_pass_dtype_and_threads_through():
     o = bench._options(_args(model="m.gguf", dtype="auto", threads=3, peers=True))
-    assert o["kw"] == dict(shape=None, model="m.gguf", device="cpu", dtype="auto", prompt_len=8, new_tokens=4)
+    assert o["kw"] == dict(shape=None, model="m.gguf", device="cpu", dtype="auto", prompt_len=8, new_tokens=4,
+                           tensor_parallel_size=1)
     assert o["threads"] == 3 and o["peers"] and o["label"] is None
 
 
@@ -242,7 +243,8 @@ def test_peers_without_llama_cpp_or_torch_say_so_in_one_line_each(monkeypatch, c
     _hide(monkeypatch, "llama_cpp", "torch", "transformers")
     assert bench.main(_args(shape="qwen2-0.5b", peers=True, threads=2)) == 0
     out = capsys.readouterr().out.splitlines()
-    assert calls == [(dict(shape="qwen2-0.5b", model=None, device="cpu", dtype="bf16", prompt_len=8, new_tokens=4), 2)]
+    assert calls == [(dict(shape="qwen2-0.5b", model=None, device="cpu", dtype="bf16", prompt_len=8, new_tokens=4,
+                           tensor_parallel_size=1), 2)]
     assert out[0].startswith("llaisys") and "2 threads, peak RSS 900 MB" in out[1]
     assert out[2:] == [peers.LLAMA_CPP_MISSING,
                        "HF transformers: skipped, torch and transformers not installed (pip install '.[test]')"]

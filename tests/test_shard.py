@@ -7,10 +7,9 @@ import pytest
 
 from llaisys import _core
 from llaisys.loader.config import ModelConfig
-from llaisys.loader.shard import (Cut, check_tensor_parallel, cut_blocks, cut_dense, rank_config, rank_cut,
-                                  vocab_range)
+from llaisys.loader.shard import Cut, check_tensor_parallel, cut_blocks, cut_dense, rank_cut, vocab_range
 
-BASE = dict(vocab_size=130, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
 FAMILIES = {
     "qwen2": {}, "qwen3": dict(head_dim=16), "llama": dict(attention_bias=True, mlp_bias=True), "mistral": {},
@@ -50,21 +49,24 @@ def test_cut_then_merge_is_the_original(family, world):
         w = rng.standard_normal(shape)
         cuts = [rank_cut(entry, cfg, world, r) for r in range(world)]
         parts = [(c, cut_dense(w, c)) for c in cuts]
-        if split < 0:
+        if split < 0 or role == "embed":  # the embedding is replicated, whatever the table's split dim
             assert all(c.dim == -1 and p is w for c, p in parts), name
             continue
         split_roles.add(role)
         np.testing.assert_array_equal(merge(parts, cuts[0], shape), w, err_msg=name)
         if role not in ("k", "v", "k_bias", "v_bias") or cfg.num_key_value_heads >= world:
             assert sum(c.stop - c.start for c in cuts) == shape[split], name  # disjoint, covering
-    assert {"o", "down", "embed"} <= split_roles
+    assert {"o", "down"} <= split_roles
+    assert ("lm_head" in split_roles) == (not cfg.tie_word_embeddings)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_ranges_cover_a_vocabulary_that_does_not_divide(world):
-    ranges = [vocab_range(130, world, r) for r in range(world)]
-    assert ranges[0][0] == 0 and ranges[-1][1] == 130
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+def test_vocab_ranges_cover_the_vocabulary_evenly(world):
+    ranges = [vocab_range(128, world, r) for r in range(world)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 128
+    assert all(a[1] == b[0] and a[1] - a[0] == 128 // world for a, b in zip(ranges, ranges[1:]))
+    with pytest.raises(ValueError, match="vocab_size 129 is not a multiple"):
+        vocab_range(129, world, 0)
 
 
 def _layer(cfg, world):
@@ -102,7 +104,7 @@ def test_rank_partials_sum_to_the_whole_layer(world, kv_heads):
     g, u, d = (lay[r][1] for r in ("gate", "up", "down"))
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
     mlp = (silu(x @ g.T + lay["gate_bias"][1]) * (x @ u.T + lay["up_bias"][1])) @ d.T
-    local = rank_config(cfg, world)
+    local = _core.tensor_parallel_config(cfg.core, world)
     attn_sum, mlp_sum = 0, 0
     for r in range(world):
         part = {role: cut_dense(w, rank_cut(e, cfg, world, r)) for role, (e, w) in lay.items()}
@@ -160,10 +162,14 @@ def test_gguf_blocks_cut_along_rows_and_whole_blocks(fmt):
 
 
 def test_settings_that_cannot_split_raise_before_loading():
-    cfg = config("llama", num_attention_heads=6, num_key_value_heads=3, intermediate_size=90, hidden_size=96)
+    cfg = config("llama", num_attention_heads=6, num_key_value_heads=3, intermediate_size=90, hidden_size=96,
+                 vocab_size=129)
     with pytest.raises(ValueError, match=r"num_attention_heads 6 is not a multiple of tensor_parallel_size 4.*"
-                                         r"num_key_value_heads 3.*intermediate_size 90"):
+                                         r"num_key_value_heads 3.*intermediate_size 90.*vocab_size 129"):
         check_tensor_parallel(cfg, 4)
+    for world in (4, 2):  # the core's own check, where a rank's model is made
+        with pytest.raises(ValueError, match="cannot be split over"):
+            _core.tensor_parallel_config(cfg.core, world)
     check_tensor_parallel(cfg, 3)
     check_tensor_parallel(cfg, 1)
     for bad in (0, -2, True, 2.0, "2"):

@@ -108,7 +108,7 @@ def engine_weight_bytes(eng, c: dict) -> int:
 
 
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
-          prompt_len: int = 128, new_tokens: int = 256) -> dict:
+          prompt_len: int = 128, new_tokens: int = 256, tensor_parallel_size: int = 1) -> dict:
     """One llaisys measurement in this process, through the Engine (scheduler, runner, paged KV cache). `dtype`
     goes to the Engine as given for --model ("quantized" and "auto" keep a GGUF file's block
     formats); the random --shape model is dense ("auto" = bf16)."""
@@ -118,7 +118,8 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
 
     t = time.perf_counter()
     if model is not None:
-        eng, name = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq_len, progress=False), model
+        eng, name = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq_len, progress=False,
+                           tensor_parallel_size=tensor_parallel_size), model
     else:  # random weights of a real shape, through the same Engine
         shape = shape or "qwen2-0.5b"
         if shape not in SHAPES:
@@ -127,7 +128,7 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
             raise ValueError("dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
         dtype = "bf16" if dtype == "auto" else dtype
         eng = Engine.from_loaded(random_loaded(SHAPES[shape], dtype, name=shape), device=device, dtype=dtype,
-                                 max_seq_len=max_seq_len, progress=False)
+                                 max_seq_len=max_seq_len, progress=False, tensor_parallel_size=tensor_parallel_size)
         name = shape
     with eng:
         load_s = time.perf_counter() - t
@@ -143,7 +144,10 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
     result["threads"] = build_info()["cpu_threads"]
     bw = copy_bandwidth(device)
     roofline = bw / weight_bytes
-    result.update({"engine": "llaisys", "model": name, "device": device, "dtype": dtype, "vocab_size": c["vocab_size"],
+    # tensor parallel: weight_bytes are rank 0's (each GPU reads its share), bw one GPU's copy bandwidth
+    result.update({"engine": "llaisys" + (f" tp={tensor_parallel_size}" if tensor_parallel_size > 1 else ""),
+                   "tensor_parallel_size": tensor_parallel_size,
+                   "model": name, "device": device, "dtype": dtype, "vocab_size": c["vocab_size"],
                    "copy_bandwidth_gb_s": bw / 1e9, "weight_bytes": weight_bytes, "roofline_tok_s": roofline,
                    "fraction_of_roofline": result["decode_tok_s"] / roofline})
     result["roofline_warning"] = roofline_warning(result)
@@ -191,7 +195,8 @@ def _options(args) -> dict:
             f"{shape} {gguf_types} (random)"
     return dict(model=model, shape=shape, label=label, threads=threads, peers=bool(getattr(args, "peers", False)),
                 kw=dict(shape=shape, model=model, device=resolve_device(args.device), dtype=args.dtype,
-                        prompt_len=args.prompt_len, new_tokens=args.new_tokens))
+                        prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1))
 
 
 def catalog_path(model: str) -> str:

@@ -37,6 +37,12 @@ struct CpuShared {
     std::vector<char> arrived_flags; // who reached the current barrier (for the timeout's message)
     std::vector<float> scratch;
 
+    void abort(const std::string &why) {
+        std::lock_guard<std::mutex> lock(m);
+        if (broken.empty()) broken = why;
+        cv.notify_all();
+    }
+
     // Every rank waits here until all have arrived (or raises after timeout_s, naming the missing ones).
     void wait(int rank, const char *what) {
         std::unique_lock<std::mutex> lock(m);
@@ -86,6 +92,7 @@ public:
         : Communicator(rank, shared->world, Device::cpu()), s_(std::move(shared)) {}
 
     std::string backend() const override { return "cpu threads"; }
+    void abort(const std::string &why) override { s_->abort(why); }
 
     void all_reduce_sum(const Tensor &x) override {
         const int r = rank(), w = world();

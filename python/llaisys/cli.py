@@ -165,6 +165,8 @@ def _add_bench(sub, fmt, debug) -> None:
                    help="also run the peers in the same run: llama.cpp (llama-cpp-python, CPU, GGUF files) and "
                         "HF transformers; with --throughput, HF transformers' generate_batch on the same requests")
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    b.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N",
+                   help="split the model over N GPUs (--device's and the next N - 1; default 1)")
     t = b.add_argument_group("batched throughput (--throughput)")
     t.add_argument("--throughput", nargs="?", const=0, type=_positive,
                    metavar="N", help="run nano-vllm's throughput protocol on N requests (default 256)")

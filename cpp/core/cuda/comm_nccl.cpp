@@ -10,6 +10,9 @@
 
 #include <nccl.h>
 
+#include <atomic>
+#include <mutex>
+
 namespace llaisys {
 
 #define LLAISYS_NCCL_CHECK(expr)                                                                       \
@@ -37,25 +40,45 @@ class NcclCommunicator final : public Communicator {
 public:
     NcclCommunicator(int rank, int world, int device, ncclComm_t comm)
         : Communicator(rank, world, Device::cuda(device)), comm_(comm) {}
-    ~NcclCommunicator() override { ncclCommDestroy(comm_); }
+    ~NcclCommunicator() override {
+        if (!aborted_.load()) ncclCommDestroy(comm_);
+    }
 
     std::string backend() const override { return "nccl " + nccl_version(); }
 
+    void abort(const std::string &why) override {
+        std::lock_guard<std::mutex> lock(abort_mu_);
+        if (aborted_.load()) return;
+        why_ = why;
+        aborted_.store(true);
+        ncclCommAbort(comm_); // frees the communicator; its pending kernels end with an error
+    }
+
     void all_reduce_sum(const Tensor &x) override {
+        check_alive();
         DeviceGuard guard(device());
         LLAISYS_NCCL_CHECK(ncclAllReduce(x.data(), x.data(), size_t(x.numel()), nccl_type(x.dtype(), "all_reduce"),
                                          ncclSum, comm_, stream()));
     }
 
     void all_gather(const Tensor &out, const Tensor &in) override {
+        check_alive();
         DeviceGuard guard(device());
         LLAISYS_NCCL_CHECK(ncclAllGather(in.data(), out.data(), size_t(in.numel()), nccl_type(in.dtype(), "all_gather"),
                                          comm_, stream()));
     }
 
 private:
+    void check_alive() const {
+        if (!aborted_.load()) return;
+        std::lock_guard<std::mutex> lock(abort_mu_);
+        throw std::runtime_error(detail::concat("the tensor-parallel group is broken: ", why_));
+    }
     cudaStream_t stream() const { return static_cast<cudaStream_t>(current_stream(device()).handle()); }
     ncclComm_t comm_;
+    std::atomic<bool> aborted_{false};
+    mutable std::mutex abort_mu_;
+    std::string why_;
 };
 
 } // namespace

@@ -31,6 +31,10 @@ public:
     virtual void all_gather(const Tensor &out, const Tensor &in) = 0;
     // "nccl 2.x.y", "cpu threads"
     virtual std::string backend() const = 0;
+    // Breaks the group: calls blocked in a collective (a peer that died or stalled) return with an error
+    // (NCCL: ncclCommAbort, which also ends its kernels on the device), and every later call raises `why`.
+    // Safe from any thread, also while another thread waits in a collective; later aborts do nothing.
+    virtual void abort(const std::string &why) = 0;
 
 protected:
     Communicator(int rank, int world, Device device) : rank_(rank), world_(world), device_(device) {}

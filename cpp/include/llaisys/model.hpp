@@ -5,6 +5,7 @@
 // and every weight's HF name, GGUF name, shape, fusion group and tensor-parallel split dim). The Python
 // loader reads the same table through _core (never a second copy).
 #pragma once
+#include "llaisys/comm.hpp"
 #include "llaisys/quant.hpp"
 #include "llaisys/step_batch.hpp"
 #include "llaisys/tensor.hpp"
@@ -99,6 +100,14 @@ struct Architecture {
     bool gguf_permuted_qk = false;
 };
 
+// One rank's share of a model split over `world` ranks (Megatron): its query heads, its KV heads (split
+// when there are at least `world`, else one replicated head per rank) and its MLP width; the vocabulary
+// stays whole (the embedding is replicated, the LM head's rows split by tensor_parallel_vocab). ValueError
+// naming what does not divide.
+ModelConfig tensor_parallel_config(const ModelConfig &config, int world);
+// The rows [rank * n, (rank + 1) * n) of the LM head (token ids) each of `world` ranks holds: n = vocab / world.
+int64_t tensor_parallel_vocab(const ModelConfig &config, int world);
+
 // Every architecture llaisys runs, and lookup by name, HF architecture, model_type or GGUF name (nullptr
 // when unknown).
 const std::vector<Architecture> &architectures();
@@ -137,13 +146,18 @@ public:
     virtual const ModelConfig &config() const = 0;
     virtual DType dtype() const = 0;
     virtual Device device() const = 0;
+    // Tensor parallelism: this model is rank comm->rank() of comm->world() (config() is then the rank's
+    // share: tensor_parallel_config); null when it holds the whole model.
+    virtual const std::shared_ptr<Communicator> &communicator() const = 0;
     // The KV cache layout a step expects: per layer [*, nkvh, kv_head_dim].
     int64_t kv_heads() const { return config().num_key_value_heads; }
     int64_t kv_head_dim() const { return config().head_dim; }
 };
 
-// The model of config.arch. fused: fused projections on or off; unset, on for CUDA only.
+// The model of config.arch. fused: fused projections on or off; unset, on for CUDA only. comm: one rank of
+// a tensor-parallel group (on the model's device), which then holds that rank's share of config.
 std::unique_ptr<Model> create_model(const ModelConfig &config, DType dtype, Device device,
-                                    std::optional<bool> fused = std::nullopt);
+                                    std::optional<bool> fused = std::nullopt,
+                                    std::shared_ptr<Communicator> comm = nullptr);
 
 } // namespace llaisys::models

@@ -79,6 +79,7 @@ public:
     // StreamingLLM's K-shift before the next step (model.shift_kv over the pool), stream-ordered behind
     // every step launched so far: cache rows src -> dst, keys turned by delta positions.
     void shift_kv(const std::vector<int64_t> &src, const std::vector<int64_t> &dst, int64_t delta);
+    models::Model &model() const { return model_; }
     // Graphs captured so far, by padded batch size.
     std::vector<int64_t> captured_batch_sizes() const;
     // Steps whose tokens were sampled inside a CUDA graph (no sampling launch of their own), so far.

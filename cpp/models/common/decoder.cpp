@@ -39,9 +39,18 @@ std::vector<float> inv_freq_of(const ModelConfig &c, bool local) {
 }
 } // namespace
 
-Decoder::Decoder(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused)
-    : config_(config), dtype_(dtype), device_(device) {
+// With a communicator of more than one rank the decoder is that rank's share (tensor_parallel_config): its
+// heads, KV heads and MLP width, the whole embedding and its rows of the LM head; the o and down
+// projections' partial outputs are summed over the ranks (reduce), and so are the logits' slices gathered.
+Decoder::Decoder(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused,
+                 std::shared_ptr<Communicator> comm)
+    : config_(comm && comm->world() > 1 ? tensor_parallel_config(config, comm->world()) : config), dtype_(dtype),
+      device_(device), comm_(comm && comm->world() > 1 ? std::move(comm) : nullptr) {
     config_.validate();
+    LLAISYS_CHECK(!comm_ || comm_->device() == device, std::invalid_argument, "model: rank ",
+                  comm_ ? comm_->rank() : 0, "'s communicator is on ", comm_ ? comm_->device().str() : "",
+                  ", the model on ", device.str());
+    vocab_part_ = comm_ ? tensor_parallel_vocab(config, comm_->world()) : config.vocab_size;
     LLAISYS_CHECK(is_float(dtype), TypeError, "model: compute dtype must be f32, f16 or bf16, got ", dtype_name(dtype));
     check_device_available(device);
     layers_.resize(size_t(config_.num_hidden_layers));
@@ -130,6 +139,7 @@ void Decoder::bind_slots() {
         LLAISYS_CHECK(s.tensor || s.linear, std::logic_error, "model: the weight table of '", config_.arch,
                       "' names an unknown role '", w.role, "' (", w.hf_name, ")");
         s.shape = w.shape;
+        if (w.role == "lm_head") s.shape[0] = vocab_part_; // tensor parallel: this rank's rows
         // fusion groups are what the decoder fuses: q/k/v (with biases) and gate/up (without biases)
         const bool fusable = (w.group == "qkv" && !s.heads) ||
                              (w.group == "gate_up" && !config_.mlp_bias && config_.activation == Activation::silu);
@@ -326,6 +336,10 @@ void Decoder::check_ready() {
                   "model: the first step after load_weight waits for the weights to be written and cannot be "
                   "captured into a CUDA graph; run one step before capturing");
     for (Layer &L : layers_) fuse_layer(L);
+    if (comm_ && config_.tie_word_embeddings) { // this rank's rows of the (replicated) embedding
+        const int64_t start = comm_->rank() * vocab_part_;
+        tied_head_ = rows_of(embed_, start, start + vocab_part_);
+    }
     // CUDA, quantized: the one buffer multi-row steps decode each weight into (linear's scratch), taken now so
     // that a KV cache sized from the free memory afterwards leaves room for it. After a reload the old one is
     // released first (graphs that held its address are dropped: weights_version).

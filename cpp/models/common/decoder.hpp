@@ -14,7 +14,8 @@ namespace llaisys::models {
 
 class Decoder final : public Model {
 public:
-    Decoder(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused);
+    Decoder(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused,
+            std::shared_ptr<Communicator> comm = nullptr);
 
     void load_weight(const std::string &name, const Tensor &value) override;
     void load_quant_weight(const std::string &name, const QuantMatrix &value) override;
@@ -30,6 +31,7 @@ public:
     void shift_kv(const KVView &kv, const Tensor &src, const Tensor &dst, int64_t delta) override;
     DType dtype() const override { return dtype_; }
     Device device() const override { return device_; }
+    const std::shared_ptr<Communicator> &communicator() const override { return comm_; }
 
     // One layer's weights on the model device: norms and biases in the model dtype, projections dense or
     // quantized. Fused (fused_projections()): one [(nh + 2 nkvh) hd, H] q/k/v matrix with its bias and one
@@ -67,7 +69,14 @@ private:
     void fuse_layer(Layer &layer);
     std::pair<LinearWeight *, int64_t> fused_home(Layer &layer, const LinearWeight *part) const;
     void check_ready();
-    const LinearWeight &lm_head() const { return config_.tie_word_embeddings ? embed_ : lm_head_; }
+    // Tensor parallel and tied: this rank's rows of the embedding (made by check_ready).
+    const LinearWeight &lm_head() const {
+        return config_.tie_word_embeddings ? (comm_ ? tied_head_ : embed_) : lm_head_;
+    }
+    bool first_rank() const { return !comm_ || comm_->rank() == 0; }
+    void reduce(const Tensor &partial) { // tensor parallel: the ranks' partial sums -> the whole sum on every rank
+        if (comm_) comm_->all_reduce_sum(partial);
+    }
     std::vector<const LinearWeight *> projections() const;
 
     void project_in(const Tensor &out, const BlockIn &in, const LinearWeight &w, const Tensor &bias, bool swiglu);
@@ -87,7 +96,9 @@ private:
     ModelConfig config_;
     DType dtype_;
     Device device_;
-    LinearWeight embed_, lm_head_;
+    LinearWeight embed_, lm_head_, tied_head_;
+    std::shared_ptr<Communicator> comm_; // tensor parallel: this rank's group (null: the whole model here)
+    int64_t vocab_part_ = 0;             // the LM head's rows here (the vocabulary, or its rank's share)
     Tensor final_norm_, final_norm_bias_;
     float embed_scale_ = 1.f; // Gemma: sqrt(hidden) rounded to the compute dtype, as HF multiplies
     Tensor decode_scratch_; // CUDA, quantized: see decode_scratch_bytes(); made by check_ready

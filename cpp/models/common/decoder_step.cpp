@@ -103,7 +103,8 @@ Tensor Decoder::attention(int l, const BlockIn &in, const StepBatch &b, const KV
     ops::paged_attention(attn, q, kv.keys(l), kv.values(l), b.block_tables, b.q_start, b.kv_len,
                          1.f / std::sqrt(pre), b.max_q_len, /*settled_history=*/true, L.window);
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    linear(out, attn.view({T, nh * hd}), L.wo, decode_scratch_, L.bo);
+    linear(out, attn.view({T, nh * hd}), L.wo, decode_scratch_, first_rank() ? L.bo : Tensor());
+    reduce(out); // tensor parallel: each rank's heads gave a partial sum (the bias added once, by rank 0)
     return out;
 }
 
@@ -126,7 +127,8 @@ Tensor Decoder::mlp(int l, const BlockIn &in) {
         else ops::geglu(act, act, up, tanh);
     }
     Tensor out = Tensor::empty({T, config_.hidden_size}, dtype_, device_);
-    linear(out, act, L.w_down, decode_scratch_, L.b_down);
+    linear(out, act, L.w_down, decode_scratch_, first_rank() ? L.b_down : Tensor());
+    reduce(out);
     return out;
 }
 
@@ -137,8 +139,18 @@ Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
         rows = Tensor::empty({b.num_seqs(), config_.hidden_size}, dtype_, device_);
         ops::embedding(rows, b.last, x);
     }
-    Tensor out = Tensor::empty({rows.size(0), config_.vocab_size}, dtype_, device_);
-    linear(out, rows, lm_head(), decode_scratch_);
+    const int64_t R = rows.size(0), V = config_.vocab_size;
+    Tensor part = Tensor::empty({R, vocab_part_}, dtype_, device_);
+    linear(part, rows, lm_head(), decode_scratch_);
+    if (!comm_) return part;
+    // tensor parallel: every rank gets every rank's slice ([world * R, V / world], rank-major) and lays them
+    // side by side, so each holds the same [R, V] logits and samples the same tokens (no broadcast)
+    const int world = comm_->world();
+    Tensor gathered = Tensor::empty({world * R, vocab_part_}, dtype_, device_);
+    comm_->all_gather(gathered, part);
+    Tensor out = Tensor::empty({R, V}, dtype_, device_);
+    for (int r = 0; r < world; ++r)
+        out.slice(1, r * vocab_part_, (r + 1) * vocab_part_).copy_(gathered.slice(0, r * R, (r + 1) * R));
     return out;
 }
 

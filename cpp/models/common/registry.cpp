@@ -217,8 +217,37 @@ void ModelConfig::validate() const {
     unsupported(norm == NormKind::layer && norm_plus_one, "norm_plus_one with LayerNorm");
 }
 
-std::unique_ptr<Model> create_model(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused) {
-    return std::make_unique<Decoder>(config, dtype, device, fused);
+ModelConfig tensor_parallel_config(const ModelConfig &config, int world) {
+    config.validate();
+    LLAISYS_CHECK(world >= 1, std::invalid_argument, "tensor_parallel_size must be >= 1, got ", world);
+    if (world == 1) return config;
+    const int64_t heads = config.num_attention_heads, kv = config.num_key_value_heads;
+    auto divides = [&](bool ok, const char *what, int64_t n) {
+        LLAISYS_CHECK(ok, std::invalid_argument, "a ", config.arch, " model cannot be split over ", world,
+                      " ranks: ", what, " ", n, " is not a multiple of tensor_parallel_size ", world);
+    };
+    divides(heads % world == 0, "num_attention_heads", heads);
+    divides(config.intermediate_size % world == 0, "intermediate_size", config.intermediate_size);
+    divides(config.vocab_size % world == 0, "vocab_size", config.vocab_size);
+    LLAISYS_CHECK(kv % world == 0 || world % kv == 0, std::invalid_argument, "a ", config.arch,
+                  " model cannot be split over ", world, " ranks: num_key_value_heads ", kv,
+                  " neither divides by nor divides tensor_parallel_size ", world);
+    ModelConfig c = config;
+    c.num_attention_heads = heads / world;
+    c.num_key_value_heads = kv >= world ? kv / world : 1;
+    c.intermediate_size = config.intermediate_size / world;
+    return c;
+}
+
+int64_t tensor_parallel_vocab(const ModelConfig &config, int world) {
+    LLAISYS_CHECK(world >= 1 && config.vocab_size % world == 0, std::invalid_argument, "vocab_size ",
+                  config.vocab_size, " does not split over ", world, " ranks");
+    return config.vocab_size / world;
+}
+
+std::unique_ptr<Model> create_model(const ModelConfig &config, DType dtype, Device device, std::optional<bool> fused,
+                                    std::shared_ptr<Communicator> comm) {
+    return std::make_unique<Decoder>(config, dtype, device, fused, std::move(comm));
 }
 
 } // namespace llaisys::models

@@ -80,10 +80,16 @@ class EngineConfig:
     # kv_window after them, evicting the oldest blocks between (block_manager.py); 0 = dense (no window)
     kv_window: int = 0
     sink_tokens: int = 4
+    # tensor parallelism (engine/ranks.py): the model split over this many GPUs from the engine's device on
+    # (cuda:i .. cuda:i + N - 1; on the CPU, N threads, for tests); a rank that fails or does not finish a
+    # step within tp_timeout_s seconds breaks the group and fails the engine with an error naming it
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 300.0
 
     def __post_init__(self):
         ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_prefill_chunk": 1, "block_size": 1,
-                "cpu_kv_cache_bytes": 1, "max_queued_requests": 1, "kv_window": 0, "sink_tokens": 0}
+                "cpu_kv_cache_bytes": 1, "max_queued_requests": 1, "kv_window": 0, "sink_tokens": 0,
+                "tensor_parallel_size": 1}
         for name, low in ints.items():
             value = getattr(self, name)
             if value is None and name in _PER_DEVICE:
@@ -96,6 +102,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"EngineConfig.num_kv_blocks must be an int >= 2 (block 0 is reserved), "
                              f"got {self.num_kv_blocks!r}")
+        t = self.tp_timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 < t < float("inf"):
+            raise ValueError(f"EngineConfig.tp_timeout_s must be a positive number of seconds, got {t!r}")
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")

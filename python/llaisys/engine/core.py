@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from itertools import repeat
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -51,17 +52,20 @@ def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len
 
 
 class EngineCore:
-    def __init__(self, model, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int):
+    def __init__(self, models: list, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int):
+        """models: one per rank (engine/ranks.py), each sized its KV pool from its own device's free memory
+        and its own share of the KV heads; the block manager is one, so every pool gets the fewest blocks."""
         config = config.for_device(device)
         self.config, self.max_seq_len = config, max_seq_len
-        num_blocks = kv_blocks_for(config, mc, dtype, device, max_seq_len)
-        self.pool = _core.KVPool(mc.num_hidden_layers, num_blocks, config.block_size, mc.num_key_value_heads,
-                                 mc.head_dim, dtype, device)
+        shares = [SimpleNamespace(**m.config) for m in models]  # each rank's heads (the vocabulary is whole)
+        num_blocks = min(kv_blocks_for(config, c, dtype, m.device, max_seq_len) for m, c in zip(models, shares))
+        self.pools = [_core.KVPool(c.num_hidden_layers, num_blocks, config.block_size, c.num_key_value_heads,
+                                   c.head_dim, dtype, m.device) for m, c in zip(models, shares)]
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
-        self.runner = ModelRunner(model, self.pool, config.block_size, math.ceil(max_seq_len / config.block_size),
-                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size)
+        self.runner = ModelRunner(models, self.pools, config.block_size, math.ceil(max_seq_len / config.block_size),
+                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
@@ -69,6 +73,11 @@ class EngineCore:
         # includes the model and the one host sync), and bookkeeping after it
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
         self.overlapped_steps = 0  # steps launched chained behind the step ahead (overlap_steps)
+
+    @property
+    def broken(self) -> str:
+        """Why the tensor-parallel group is broken (a rank failed or stalled); '' while it is not."""
+        return getattr(self.runner.runner, "broken", "")
 
     def check_window(self, kv_window: int, sink_tokens: int) -> None:
         """ValueError for a window whose blocks (sinks + window + one) a step's block table cannot hold."""

@@ -34,6 +34,7 @@ from .core import EngineCore, kv_blocks_for
 from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
+from .ranks import load_weights, make_models, rank_devices
 from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_sink
 from .sequence import Sequence
 
@@ -93,6 +94,7 @@ class Engine:
         self.device = resolve_device(device)
         check_max_seq_len(max_seq_len)
         self.engine_config = _engine_config(config, settings).for_device(self.device)
+        self.devices = rank_devices(self.device, self.engine_config.tensor_parallel_size)
 
     def _start(self, loaded: loader.LoadedModel, generation_defaults: dict, max_seq_len: int | None,
                progress: bool) -> None:
@@ -110,36 +112,24 @@ class Engine:
         # the KV budget before the upload, where it does not depend on the memory the weights leave free
         if not self.device.startswith("cuda"):
             kv_blocks_for(self.engine_config, self.config, self.dtype, self.device, self.max_seq_len)
-        # the model is only weights and layer math; the KV pool, graphs and sampling are EngineCore's
-        net = _core.create_model(self.config.core, self.dtype, self.device, fused=self.engine_config.fused_projections)
-        self._load_weights(net, loaded.weights, progress)
-        net.prepare()  # before the KV pool takes the free device memory
+        # the model is only weights and layer math (one share per rank when split over several devices); the
+        # KV pool, graphs and sampling are EngineCore's
+        ec = self.engine_config
+        nets = make_models(self.config, self.dtype, self.devices, ec.fused_projections, ec.tp_timeout_s)
+        self._load_weights(nets, loaded.weights, progress)
+        for net in nets:
+            net.prepare()  # before the KV pool takes the free device memory
         del loaded
         trim_heap()
-        self._core = EngineCore(net, self.config, self.engine_config, self.dtype, self.device, self.max_seq_len)
-        self._model = net
+        self._core = EngineCore(nets, self.config, ec, self.dtype, self.device, self.max_seq_len)
+        self._model = nets[0]
+        self._models = nets
         self._lltok, self._ll_lock = None, threading.Lock()
         self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
         _OPEN.add(self)
 
-    def _load_weights(self, model, weights: dict, progress: bool) -> None:
-        from tqdm import tqdm
-
-        names = list(weights)
-        # a terminal gets a bar, erased when done; a log gets one line at the end instead of the bar's redraws
-        bar = progress and getattr(sys.stderr, "isatty", lambda: False)()
-        for name in tqdm(names, desc=f"uploading to {self.device}", unit="tensor", disable=not bar,
-                         file=sys.stderr, leave=False):
-            raw = weights.pop_raw(name) if self.quantized else None
-            if raw is not None:  # GGUF blocks as stored: a view of the mapped file (on CUDA, copied over)
-                model.load_quant_weight(name, quant.from_numpy(*raw))
-            else:  # weights may be read-only views of the mapped checkpoint: the model never writes them
-                model.load_weight(name, _wrap(np.ascontiguousarray(weights.pop(name))))
-        missing = model.missing_weights()
-        if missing:
-            raise ValueError(f"{self.source}: missing weights, e.g. {missing[:3]}")
-        if progress and not bar:
-            print(f"llaisys: uploaded {len(names)} tensors to {self.device}", file=sys.stderr, flush=True)
+    def _load_weights(self, models: list, weights, progress: bool) -> None:
+        load_weights(models, self.config, weights, self.quantized, progress, self.source)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -156,8 +146,9 @@ class Engine:
             entry["tensors"] += 1
             entry["bytes"] += int(nbytes)
         return {"source": self.source, "device": self.device, "dtype": self.dtype, "quantized": self.quantized,
-                "weight_formats": formats, "weight_bytes": int(self._model.weight_bytes),
-                "decode_scratch_bytes": int(self._model.decode_scratch_bytes)}
+                "weight_formats": formats, "weight_bytes": int(sum(m.weight_bytes for m in self._models)),
+                "decode_scratch_bytes": int(self._model.decode_scratch_bytes),
+                "tensor_parallel_size": len(self._models), "devices": list(self.devices)}
 
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
@@ -267,7 +258,7 @@ class Engine:
             return
         loop.close()  # joins the loop thread and drops its reference to the core
         del loop
-        self._core = self._model = None
+        self._core = self._model = self._models = None
         if self.device.startswith("cuda"):
             _core.empty_cache(self.device)  # the pool's memory goes back to the driver, not only our cache
         trim_heap()
@@ -275,6 +266,13 @@ class Engine:
     @property
     def closed(self) -> bool:
         return self._loop is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can run no more steps (its tensor-parallel group broke: a rank failed or stalled),
+        else None. A server's /health answers 503 with it."""
+        core = getattr(self, "_core", None)
+        return (core.broken or None) if core is not None else None
 
     def __enter__(self) -> "Engine":
         return self

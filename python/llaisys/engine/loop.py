@@ -177,6 +177,8 @@ class StepLoop:
             for req in list(self._live.values()):
                 if req.seq in self.core.scheduler.running:
                     self._fail(req, e)
+            if self.core.broken:  # a rank failed or stalled: no later step can run, so the loop ends (Engine.failure)
+                raise RuntimeError(f"tensor-parallel group is broken: {self.core.broken}") from e
             return
         for seq, error in failed:  # the core finished them; the others of the step went on
             req = self._live.pop(seq.seq_id, None)

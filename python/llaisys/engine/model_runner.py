@@ -10,10 +10,12 @@ from .scheduler import Step
 
 
 class ModelRunner:
-    def __init__(self, model, pool, block_size: int, max_blocks_per_seq: int, graph_sizes, cuda_graphs: bool,
-                 vocab_size: int):
+    def __init__(self, models: list, pools: list, block_size: int, max_blocks_per_seq: int, graph_sizes,
+                 cuda_graphs: bool, vocab_size: int, tp_timeout_s: float = 300.0):
+        """One model and KV pool per rank: several are driven as one by a RankGroup (same methods)."""
         self.block_size, self.vocab_size = block_size, vocab_size
-        self.runner = _core.Runner(model, pool, list(graph_sizes), max_blocks_per_seq, cuda_graphs)
+        runners = [_core.Runner(m, p, list(graph_sizes), max_blocks_per_seq, cuda_graphs) for m, p in zip(models, pools)]
+        self.runner = runners[0] if len(runners) == 1 else _core.RankGroup(runners, tp_timeout_s)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
 
     def _arrays(self, step: Step, ahead: int = 0):

@@ -253,6 +253,9 @@ class EngineProcess:
                             del live[rid]
                         self._put(req, item, dirty)
                     self._flush(dirty)
+                elif msg[0] == "failed":  # the child's engine can run no more steps (Engine.failure)
+                    self.failure = msg[1]
+                    log.error("the engine failed: %s", msg[1])
                 elif msg[0] == "reply":
                     _, cid, ok, value = msg
                     fut = calls.pop(cid, None)
@@ -383,6 +386,18 @@ def _child_main(cmd, out, model: str, kwargs: dict) -> None:
     sink = _BatchSink(out, out_lock)
     workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="llaisys-engine-call")
     calls = {"score": eng.score, "stats": eng.stats, "describe": eng.describe}
+    stop = threading.Event()
+
+    def watch():  # an engine that breaks (Engine.failure) is reported once, so the server's /health says so
+        while not stop.wait(0.5):
+            if eng.failure:
+                try:
+                    sink.send(("failed", eng.failure))
+                except (OSError, ValueError):
+                    pass
+                return
+
+    threading.Thread(target=watch, name="llaisys-engine-watch", daemon=True).start()
 
     def run_call(cid, name, args):
         try:
@@ -421,5 +436,6 @@ def _child_main(cmd, out, model: str, kwargs: dict) -> None:
             elif kind == "close":
                 break
     finally:
+        stop.set()
         workers.shutdown(wait=True)
         eng.close()  # running requests end with an error, flushed through the sink

@@ -2,8 +2,10 @@
 
 Megatron's scheme: q/k/v and gate/up are column-parallel (each rank computes some output rows: whole
 attention heads, a slice of the MLP), o and down are row-parallel (each rank reads the inputs its heads or
-MLP slice produced; one all-reduce sums the ranks' partial outputs); embeddings and the LM head split the
-vocabulary; norms and the biases added after an all-reduce stay whole on every rank. The table's split dim
+MLP slice produced; one all-reduce sums the ranks' partial outputs); the LM head splits the vocabulary (each
+rank's logits slice is gathered by all); the embedding is replicated (a vocabulary-split lookup would cost a
+masked gather and one more all-reduce per step, for V x H bytes a rank: 2.5 GB of a 72B model's ~36 GB
+share at 4 ranks); norms and the biases added after an all-reduce stay whole on every rank. The table's split dim
 (0 rows, 1 columns, -1 whole) says which; the role says the unit a cut must respect (a head of head_dim
 rows, NeoX's per-head [q; k; v] triple, a GGUF block of columns).
 
@@ -21,7 +23,7 @@ import numpy as np
 # role -> the head a row (or, for o, a column) belongs to: query heads, KV heads, or NeoX's fused triples
 _HEAD_UNITS = {"q": "q", "q_bias": "q", "o": "q", "k": "kv", "k_bias": "kv", "v": "kv", "v_bias": "kv",
                "qkv_heads": "qkv", "qkv_heads_bias": "qkv"}
-_VOCAB = ("embed", "lm_head")
+_REPLICATED = ("embed",)  # whole on every rank (see above), whatever the table's split dim
 
 
 @dataclass(frozen=True)
@@ -33,15 +35,17 @@ class Cut:
 
 
 def vocab_range(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
-    """The token ids [start, stop) whose embedding rows and logits rank holds: ceil(V / world) each, the
-    last rank the rest (vocab sizes need not divide: 151,936 and 152,064 both divide by 4, 32,000 not by 3)."""
-    per = -(-vocab_size // world)
-    start = min(vocab_size, rank * per)
-    return start, min(vocab_size, start + per)
+    """The token ids [start, stop) whose LM-head rows and logits rank holds: vocab_size / world each (the
+    split must be even, for the all-gather: check_tensor_parallel says so first)."""
+    if vocab_size % world:
+        raise ValueError(f"vocab_size {vocab_size} is not a multiple of tensor_parallel_size {world}")
+    per = vocab_size // world
+    return rank * per, (rank + 1) * per
 
 
 def check_tensor_parallel(config, world: int) -> None:
-    """ValueError naming what does not divide, for a model that cannot run on `world` ranks."""
+    """ValueError naming everything that does not divide, for a model that cannot run on `world` ranks
+    (the core checks the same when a rank's model is made: _core.tensor_parallel_config)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {world!r}")
     if world == 1:
@@ -52,9 +56,9 @@ def check_tensor_parallel(config, world: int) -> None:
         problems.append(f"num_attention_heads {heads} is not a multiple of tensor_parallel_size {world}")
     if kv % world and world % kv:
         problems.append(f"num_key_value_heads {kv} neither divides by nor divides tensor_parallel_size {world}")
-    if config.intermediate_size % world:
-        problems.append(f"intermediate_size {config.intermediate_size} is not a multiple of tensor_parallel_size "
-                        f"{world}")
+    for name in ("intermediate_size", "vocab_size"):
+        if getattr(config, name) % world:
+            problems.append(f"{name} {getattr(config, name)} is not a multiple of tensor_parallel_size {world}")
     if problems:
         raise ValueError(f"{config.arch} model cannot be split over {world} GPUs: " + "; ".join(problems))
 
@@ -64,10 +68,10 @@ def rank_cut(entry: tuple, config, world: int, rank: int) -> Cut:
     name, _, shape, _, split, role, _ = entry
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in [0, {world})")
-    if split < 0 or world == 1:
+    if split < 0 or world == 1 or role in _REPLICATED:
         return Cut(-1)
     n = shape[split]
-    if role in _VOCAB:
+    if role == "lm_head":
         return Cut(split, *vocab_range(n, world, rank))
     unit_kind = _HEAD_UNITS.get(role)
     heads, kv = config.num_attention_heads, config.num_key_value_heads
@@ -109,12 +113,3 @@ def cut_blocks(name: str, fmt: str, rows: int, cols: int, data: np.ndarray, cut:
                          f"blocks: use fewer GPUs or a dense checkpoint)")
     part = data[:, cut.start // elems * nbytes:cut.stop // elems * nbytes]
     return fmt, rows, cut.stop - cut.start, np.ascontiguousarray(part)
-
-
-def rank_config(config, world: int) -> dict:
-    """What one rank's decoder sees of the model (its heads, KV heads and MLP width); the vocabulary is
-    split by vocab_range."""
-    kv = config.num_key_value_heads
-    return {"num_attention_heads": config.num_attention_heads // world,
-            "num_key_value_heads": kv // world if kv >= world else 1,
-            "intermediate_size": config.intermediate_size // world}

@@ -85,13 +85,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--kv-window", type=_int_at_least(0), metavar="N",
                    help="default rolling KV window of requests (StreamingLLM: endless generation; 0 = dense)")
     g.add_argument("--sink-tokens", type=_int_at_least(0), metavar="N", help="first tokens a window keeps (default 4)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), metavar="N",
+                   help="split the model over N GPUs (--device's and the next N - 1; default 1)")
     p.set_defaults(func=run_serve)
     return p
 
 
 ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "block_size",
                    "gpu_memory_utilization", "cpu_kv_cache_bytes", "num_kv_blocks", "enable_prefix_caching",
-                   "cuda_graphs", "overlap_steps", "max_queued_requests", "kv_window", "sink_tokens")
+                   "cuda_graphs", "overlap_steps", "max_queued_requests", "kv_window", "sink_tokens",
+                   "tensor_parallel_size")
 
 
 def run_serve(args) -> int:

@@ -1,0 +1,83 @@
+"""Tensor parallelism on one host (issue 30): a model split over N ranks, each a model share, KV pool and
+runner on its own device, driven as one by `_core.RankGroup` (one thread per rank, in C++).
+
+Why one process with a driver thread per GPU, not a process per GPU with the step's arrays broadcast: the
+scheduler, block manager and detokenizer stay single (one Python step loop, as at N = 1), nothing is
+serialised or sent per step, and a rank's host work (uploads, graph replay) runs beside the others' without
+the GIL. The cost: the ranks share one process, so a rank cannot die alone; a rank that fails or stalls breaks
+the group (RankGroup aborts the communicators) and the engine fails with that error within the timeout.
+
+On the CPU the ranks are threads with an in-process group: what CI runs to check that a split model computes
+what the whole one does.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import _core, quant
+from .._tensor import _wrap
+from ..loader.shard import Cut, check_tensor_parallel, cut_blocks, cut_dense, rank_cut
+
+
+def rank_devices(device: str, world: int) -> list[str]:
+    """The devices of `world` ranks starting at `device` (cuda:i .. cuda:i + world - 1; the CPU: world
+    times 'cpu'); ValueError where the machine has fewer GPUs."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive int, got {world!r}")
+    if not device.startswith("cuda"):
+        return [device] * world
+    first = int(device.split(":")[1]) if ":" in device else 0
+    count = _core.cuda_device_count()
+    if first + world > count:
+        raise ValueError(f"tensor_parallel_size {world} from {device} needs GPUs {first}..{first + world - 1}, but "
+                         f"this machine shows {count} (CUDA_VISIBLE_DEVICES decides which)")
+    if world > 1 and not _core.build_info()["nccl"]:
+        raise RuntimeError("tensor_parallel_size > 1 on CUDA needs NCCL, and this build of llaisys has none: install "
+                           "the nvidia-nccl-cu13 wheel (pip install .[cuda]) and rebuild; "
+                           "llaisys.build_info()['nccl'] says what a build has")
+    return [f"cuda:{first + r}" for r in range(world)]
+
+
+def make_models(config, dtype: str, devices: list[str], fused, timeout_s: float) -> list:
+    """One model per rank: the whole model for one rank, else each rank's share (checked before any
+    weight is read: check_tensor_parallel names everything that does not divide)."""
+    world = len(devices)
+    check_tensor_parallel(config, world)
+    if world == 1:
+        return [_core.create_model(config.core, dtype, devices[0], fused=fused)]
+    comms = _core.local_group(devices[0], world, timeout_s)
+    return [_core.create_model(config.core, dtype, d, fused=fused, comm=c) for d, c in zip(devices, comms)]
+
+
+def load_weights(models: list, config, weights, quantized: bool, progress: bool, source: str) -> None:
+    """Uploads every weight to every rank, each rank's cut (a slice of the one tensor the mapping holds at a
+    time: no rank, and not the host, ever holds the whole model); progress per rank when done."""
+    from tqdm import tqdm
+
+    world = len(models)
+    table = {e[0]: e for e in _core.weight_table(config.core)}
+    names = list(weights)
+    devices = ", ".join(dict.fromkeys(m.device for m in models))
+    # a terminal gets a bar, erased when done; a log gets one line per rank at the end instead of the redraws
+    bar = progress and getattr(sys.stderr, "isatty", lambda: False)()
+    for name in tqdm(names, desc=f"uploading to {devices}", unit="tensor", disable=not bar, file=sys.stderr,
+                     leave=False):
+        entry = table.get(name)  # None: a name the model does not know, which it rejects (load_weight raises)
+        raw = weights.pop_raw(name) if quantized else None
+        dense = None if raw is not None else weights.pop(name)
+        for rank, model in enumerate(models):
+            cut = rank_cut(entry, config, world, rank) if entry is not None else Cut(-1)
+            if raw is not None:  # GGUF blocks as stored (a view of the mapped file), cut along whole blocks
+                model.load_quant_weight(name, quant.from_numpy(*cut_blocks(name, *raw, cut)))
+            else:  # weights may be read-only views of the mapped checkpoint: the model never writes them
+                model.load_weight(name, _wrap(np.ascontiguousarray(cut_dense(dense, cut))))
+    missing = models[0].missing_weights()
+    if missing:
+        raise ValueError(f"{source}: missing weights, e.g. {missing[:3]}")
+    if progress and not bar:
+        for rank, model in enumerate(models):
+            who = f"rank {rank}/{world} " if world > 1 else ""
+            print(f"llaisys: {who}uploaded {len(names)} tensors to {model.device} "
+                  f"({model.weight_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)

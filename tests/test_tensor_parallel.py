@@ -1,0 +1,203 @@
+"""Tensor parallelism (issue 30) end to end: an Engine whose model is split over N ranks computes what the
+whole model computes. On the CPU the ranks are threads with the in-process group (what CI runs); marked
+`cuda`, the same checks on 2 and 4 GPUs over NCCL. The reference is the same engine at N = 1 (itself
+checked against HF transformers in tests/test_arch_*.py), and HF itself for the f32 logits.
+
+Also: the settings that cannot split raise before any weight is read; a rank that fails or stalls breaks
+the group and fails the engine within its timeout, with an error naming the rank, and /health turns 503."""
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import arch_check  # noqa: E402
+import llaisys  # noqa: E402
+from llaisys.engine import Engine  # noqa: E402
+
+VOCAB = 416  # divides by 2 and 4 (the LM head's rows split evenly)
+# 8 query heads, 2 KV heads (split at 2 ranks, replicated at 4), head_dim 8, MLP 136
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+FAMILIES = {
+    "qwen2": {}, "llama-biases": dict(attention_bias=True, mlp_bias=True), "llama-tied": dict(tie_word_embeddings=True),
+    "qwen3": dict(head_dim=8), "mistral": {}, "gemma3": dict(head_dim=8),
+    "gpt_neox": dict(num_key_value_heads=8),  # no GQA: kv = heads
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> a tiny random checkpoint of it (made once per module)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            family = name.split("-")[0]
+            made[name] = arch_check.make_tiny(tmp_path_factory.mktemp(name), family, seed=5,
+                                              **{**SHAPE, **FAMILIES[name]})
+        return made[name]
+    return get
+
+
+def run(path, tp, device="cpu", dtype="f32", prompts=None, **settings):
+    """(greedy tokens of three prompts batched, their seeded samples, teacher-forced logits of one)."""
+    prompts = prompts or [arch_check.prompt(VOCAB, k, seed=k) for k in (5, 17, 30)]
+    with Engine(path, device=device, dtype=dtype, progress=False, tensor_parallel_size=tp, **settings) as eng:
+        greedy = [r.token_ids for r in eng.generate(prompts, max_new_tokens=24, temperature=0, ignore_eos=True)]
+        sampled = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, temperature=0.8, top_p=0.9,
+                                                     seed=[1, 2, 3], ignore_eos=True)]
+        logits = eng.score(prompts[1])
+        assert eng.describe()["tensor_parallel_size"] == tp
+    return greedy, sampled, logits
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_two_ranks_equal_one_in_f32(tiny, family):
+    path = tiny(family)
+    g1, s1, l1 = run(path, 1)
+    g2, s2, l2 = run(path, 2)
+    assert g2 == g1
+    assert s2 == s1
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "qwen2"])
+def test_four_ranks_with_replicated_kv_heads_equal_one(tiny, family):
+    path = tiny(family)  # 2 KV heads over 4 ranks: each KV head on two ranks
+    g1, s1, l1 = run(path, 1)
+    g4, s4, l4 = run(path, 4)
+    assert (g4, s4) == (g1, s1)
+    np.testing.assert_allclose(l4, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
+
+
+def test_split_logits_equal_hf(tiny):
+    arch_check_path = tiny("llama-biases")
+    import torch
+
+    hf = arch_check.hf_model(arch_check_path)
+    ids = arch_check.prompt(VOCAB, 33, seed=2)
+    with Engine(arch_check_path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2) as eng:
+        got = eng.score(ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].double().numpy()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_bf16_two_ranks_agree_with_one(tiny):
+    """bf16: the all-reduce rounds partial sums once more, so logits are close, not equal (the bf16 rule)."""
+    path = tiny("qwen2")
+    _, _, l1 = run(path, 1, dtype="bf16")
+    _, _, l2 = run(path, 2, dtype="bf16")
+    assert np.linalg.norm(l2 - l1) / np.linalg.norm(l1) < 2e-2
+
+
+def test_gguf_file_splits_like_the_checkpoint(tiny, tmp_path):
+    pytest.importorskip("gguf")
+    path = arch_check.write_gguf(tiny("llama-biases"), str(tmp_path / "llama.gguf"), "llama")
+    assert run(path, 2)[:2] == run(path, 1)[:2]
+
+
+def test_preemption_and_prefix_cache_at_two_ranks(tiny):
+    """A pool so small that sequences are preempted and recomputed, and prompts sharing a prefix: the
+    tokens are the unsplit engine's."""
+    path = tiny("qwen2")
+    base = arch_check.prompt(VOCAB, 40, seed=9)
+    prompts = [base + arch_check.prompt(VOCAB, 3, seed=s) for s in range(6)]
+    kw = dict(num_kv_blocks=14, block_size=8, max_seq_len=80)
+    out = {}
+    for tp in (1, 2):
+        with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp, **kw) as eng:
+            out[tp] = [r.token_ids for r in eng.generate(prompts, max_new_tokens=20, temperature=0, ignore_eos=True)]
+            stats = eng.stats()
+        assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0, stats
+    assert out[2] == out[1]
+
+
+def test_settings_that_cannot_split_raise_before_any_weight_is_read(tiny, monkeypatch):
+    path = tiny("qwen2")
+    monkeypatch.setattr(Engine, "_load_weights", lambda *a: pytest.fail("weights read before the check"))
+    with pytest.raises(ValueError, match="num_attention_heads 8 is not a multiple of tensor_parallel_size 3"):
+        Engine(path, device="cpu", progress=False, tensor_parallel_size=3)
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be"):
+            Engine(path, device="cpu", progress=False, tensor_parallel_size=bad)
+    with pytest.raises(ValueError, match="tp_timeout_s"):
+        Engine(path, device="cpu", progress=False, tensor_parallel_size=2, tp_timeout_s=0)
+    if not llaisys.build_info()["cuda"]:
+        with pytest.raises(RuntimeError, match="no CUDA backend"):
+            Engine(path, device="cuda", progress=False, tensor_parallel_size=2)
+    elif llaisys.cuda_device_count() < 64:
+        with pytest.raises(ValueError, match="needs GPUs 0..63"):
+            Engine(path, device="cuda", progress=False, tensor_parallel_size=64)
+
+
+@pytest.mark.parametrize("mode", ["raise", "stall"])
+def test_a_rank_that_fails_or_stalls_fails_the_engine_within_the_timeout(tiny, mode):
+    path = tiny("qwen2")
+    ids = arch_check.prompt(VOCAB, 9, seed=1)
+    with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=3) as eng:
+        assert eng.generate(ids, max_new_tokens=4, temperature=0).token_ids  # healthy first
+        assert eng.failure is None
+        eng._core.runner.runner.inject_fault(1, mode)
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank.* 1"):
+            eng.generate(ids, max_new_tokens=4, temperature=0)
+        assert time.monotonic() - t < 3 + 12  # the timeout, and the abort's grace at most
+        assert "rank" in eng.failure
+        with pytest.raises(RuntimeError):  # nothing runs after: a clear error, not a hang
+            eng.generate(ids, max_new_tokens=2, temperature=0)
+
+
+def test_server_health_turns_503_when_the_group_breaks(tiny):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from llaisys.server.app import create_app
+
+    path = tiny("qwen2")
+    with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=2) as eng:
+        with TestClient(create_app(eng, model_name="tiny")) as client:
+            assert client.get("/health").status_code == 200
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
+            assert client.post("/v1/completions", json=body).status_code == 200
+            eng._core.runner.runner.inject_fault(0, "raise")
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code >= 500 and "rank 0" in r.text
+            health = client.get("/health")
+            assert health.status_code == 503 and "rank 0" in health.text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", ["qwen2", "llama-tied", "gpt_neox"])
+def test_gpus_equal_one_gpu(tiny, family, tp):
+    if llaisys.cuda_device_count() < tp or not llaisys.build_info()["nccl"]:
+        pytest.skip(f"needs {tp} GPUs and a build with NCCL")
+    path = tiny(family)
+    g1, s1, l1 = run(path, 1, device="cuda")
+    g2, s2, l2 = run(path, tp, device="cuda")
+    assert (g2, s2) == (g1, s1)
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
+    _, _, h1 = run(path, 1, device="cuda", dtype="bf16")  # bf16 within the tie rules: logits close
+    _, _, h2 = run(path, tp, device="cuda", dtype="bf16")
+    assert np.linalg.norm(h2 - h1) / np.linalg.norm(h1) < 2e-2
+
+
+@pytest.mark.cuda
+def test_gpus_batched_equal_alone_and_a_stalled_rank_fails(tiny):
+    if llaisys.cuda_device_count() < 2 or not llaisys.build_info()["nccl"]:
+        pytest.skip("needs 2 GPUs and a build with NCCL")
+    path = tiny("qwen2")
+    prompts = [arch_check.prompt(VOCAB, k, seed=k) for k in (3, 11, 19, 27)]
+    with Engine(path, device="cuda", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=5) as eng:
+        batched = [r.token_ids for r in eng.generate(prompts, max_new_tokens=30, temperature=0, ignore_eos=True)]
+        alone = [eng.generate(p, max_new_tokens=30, temperature=0, ignore_eos=True).token_ids for p in prompts]
+        assert batched == alone
+        assert eng.stats()["overlapped_steps"] > 0  # decode steps chained on the device, through NCCL graphs
+        eng._core.runner.runner.inject_fault(1, "stall")
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank.* 1"):
+            eng.generate(prompts[0], max_new_tokens=8, temperature=0, ignore_eos=True)
+        assert time.monotonic() - t < 5 + 12
