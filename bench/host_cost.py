@@ -13,6 +13,14 @@ the best of --repeat, interleaved), and the ratio printed (issue 33's target: <=
     LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/host_cost.py            # 1, 64, 256
     python bench/host_cost.py --batches 1 256 --new 64 --repeat 3 --json /tmp/h.json
     python bench/host_cost.py --batches 64 256 --logprobs 5 --repeat 5
+
+With --arrivals, requests arrive during decode instead (overlap_steps on, as on CUDA; on the CPU nothing
+overlaps in time, but the same steps are chained): a queue (--queue requests at once, --batch of them
+running, the others waiting while full steps decode) and arrivals (--requests requests, one
+every --interval-ms whatever the engine does: mostly with room to be admitted at once). It
+prints the share of steps launched chained behind the step ahead (stats overlapped_steps / steps).
+
+    python bench/host_cost.py --arrivals --queue 256 --requests 128 --batch 32 --lengths 100 400
 """
 from __future__ import annotations
 
@@ -80,6 +88,43 @@ def step_ms(eng, batch: int, prompt: int, new: int, repeat: int, variants=(None,
     return best
 
 
+def arrivals(args) -> list[dict]:
+    """The --arrivals runs (see the docstring): steps, chained steps and their share, output tokens."""
+    import random
+
+    import llaisys
+
+    rows = []
+    for mode in ("queue", "arrivals"):
+        eng = llaisys.Engine.from_loaded(tiny_loaded(), device="cpu", dtype="f32", max_seq_len=1024,
+                                         max_num_seqs=args.batch, overlap_steps=True, progress=False)
+        rng = random.Random(0)
+        t0, steps0 = time.perf_counter(), eng._core.timing["steps"]
+        if mode == "queue":
+            jobs = [([rng.randrange(1, 500) for _ in range(args.prompt)], rng.randint(*args.lengths))
+                    for _ in range(args.queue)]
+            out = eng.generate([p for p, _ in jobs], max_new_tokens=[n for _, n in jobs], temperature=0.6,
+                               seed=list(range(len(jobs))), ignore_eos=True)
+            tokens = sum(len(r.token_ids) for r in out)
+        else:  # open loop: one request every --interval-ms, whatever the engine does
+            reqs = []
+            for i in range(args.requests):
+                p = [rng.randrange(1, 500) for _ in range(args.prompt)]
+                reqs.append(eng.submit(p, max_new_tokens=rng.randint(*args.lengths), temperature=0.6, seed=i,
+                                       ignore_eos=True))
+                time.sleep(args.interval_ms / 1e3)
+            tokens = sum(len(r.result().token_ids) for r in reqs)
+        wall = time.perf_counter() - t0
+        steps = eng._core.timing["steps"] - steps0
+        chained = eng.stats()["overlapped_steps"]
+        rows.append(dict(mode=mode, steps=steps, overlapped_steps=chained, share=round(chained / steps, 4),
+                         tokens=tokens, wall_s=round(wall, 3)))
+        print(f"{mode:8s}: {steps} steps, {chained} chained ({chained / steps:.1%}), {tokens} tokens in {wall:.2f} s",
+              flush=True)
+        eng.close()
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -88,7 +133,20 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--logprobs", type=int, metavar="K", help="also time logprobs=K on every request")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--arrivals", action="store_true", help="requests arriving during decode (see above)")
+    ap.add_argument("--queue", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--interval-ms", type=float, default=5.0, help="between two --arrivals submissions")
+    ap.add_argument("--batch", type=int, default=32, help="max_num_seqs of the --arrivals runs")
+    ap.add_argument("--lengths", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"),
+                    help="new tokens of each --arrivals request, uniform in [LO, HI]")
     args = ap.parse_args()
+    if args.arrivals:
+        rows = arrivals(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 0
     import llaisys
 
     eng = llaisys.Engine.from_loaded(tiny_loaded(), device="cpu", dtype="f32", max_seq_len=1024,

@@ -1,7 +1,9 @@
 """Overlapped decode steps (EngineConfig.overlap_steps): the host launches step n + 1, its input tokens
 chained on the device, before it reads step n's tokens. Nothing a caller sees may change: the same tokens,
 texts and finish reasons as the plain step loop, for greedy and seeded sampling, EOS, stop strings, length
-limits, aborts, requests arriving mid-stream, penalties (which run the plain way) and the prefix cache.
+limits, aborts, requests arriving mid-stream (steps keep chaining while they wait: they join the next step
+that is not chained, within a bounded number of steps), penalties (which run the plain way) and the prefix
+cache.
 On the CPU the step runs on the calling thread, so nothing overlaps in time, but the same code paths run
 (overlap_steps=True forces them); on CUDA the whole engine suite runs overlapped by default."""
 import numpy as np
@@ -167,3 +169,162 @@ def test_setting_and_serve_flag():
     assert "overlap_steps" in ENGINE_SETTINGS
     assert cli.build_parser().parse_args(["serve", "--no-overlap-steps"]).overlap_steps is False
     assert cli.build_parser().parse_args(["serve"]).overlap_steps is None
+
+
+# ---- overlap while requests wait (issue 33, "overlap always") ------------------------------------------
+
+def _record_launches(core):
+    """Wraps core.runner.launch: a list of (chained, requests waiting, from the decode batch) per launched step."""
+    launches, real = [], core.runner.launch
+
+    def launch(step, chain):
+        launches.append((chain, bool(core.scheduler.waiting), step.batch is not None))
+        return real(step, chain)
+    core.runner.launch = launch
+    return launches
+
+
+def drive(eng, arrivals):
+    """Runs eng's core step by step as the loop thread does, without the thread: before step i the requests of
+    arrivals[i] ((prompt, sampling) pairs) join. Returns each request's (output ids, finish reason, steps from
+    its arrival to its first token) in arrival order, and the launches (_record_launches)."""
+    from llaisys.engine.sequence import Sequence
+
+    core = eng._core
+    launches = _record_launches(core)
+    pending, seqs, first, i = sorted(arrivals.items()), [], {}, 0
+    while pending or core.has_work():
+        while pending and pending[0][0] <= i:
+            for prompt, kw in pending.pop(0)[1]:
+                params = eng._params("generate", dict(kw, ignore_eos=True))
+                seq = Sequence(prompt, params, params.seed or 0, frozenset(params.stop_token_ids))
+                core.add(seq)
+                seqs.append((seq, i))
+        if core.has_work():
+            produced, failed = core.step()
+            assert not failed
+            for seq, _, _ in produced:
+                first.setdefault(seq.seq_id, i)
+        i += 1
+        assert i < 5000
+    return [(s.output, s.finish_reason, first[s.seq_id] - at) for s, at in seqs], launches
+
+
+def _patterns(vocab, sampled):
+    """Arrival patterns {name: (engine settings, arrivals)}; sampled: seeded sampling, else greedy."""
+    def kw(n, seed, **more):
+        base = dict(temperature=0.9, top_p=0.9, top_k=50, seed=seed) if sampled else dict(temperature=0)
+        return dict(base, max_new_tokens=n, **more)
+    ps = prompts(vocab, [5, 12, 3, 30, 7, 9, 4, 16, 6, 11], seed=21)
+    eos = [ps[0][1]]  # some rows may sample it: an early stop beside the others
+    return {
+        # more requests than max_num_seqs: they wait while a full step chains on
+        "queue": (dict(max_num_seqs=2), {0: [(p, kw(n, s)) for s, (p, n) in enumerate(zip(ps[:5], [20, 9, 14, 3, 11]))]}),
+        # an arrival every third step while others decode (every step: every step admits, a prefill)
+        "steady": ({}, {3 * i: [(ps[i], kw(n, 10 + i, stop_token_ids=eos))]
+                            for i, n in enumerate([40, 25, 8, 30, 2, 17, 33, 5])}),
+        # bursts apart, a long prompt in chunks (max_prefill_chunk 8) among them
+        "bursts": (dict(max_num_seqs=3, max_prefill_chunk=8),
+                   {0: [(ps[0], kw(30, 1)), (ps[1], kw(12, 2))], 6: [(ps[3], kw(10, 3)), (ps[2], kw(25, 4))],
+                    9: [(ps[4], kw(6, 5))], 15: [(ps[5], kw(18, 6)), (ps[6], kw(1, 7)), (ps[7], kw(9, 8))]}),
+        # a pool so small that decodes preempt each other (block_size 4, 20 blocks)
+        "preempt": (dict(block_size=4, num_kv_blocks=20, max_seq_len=64),
+                    {0: [(ps[0], kw(30, 1))], 2: [(ps[1], kw(28, 2))], 3: [(ps[8], kw(26, 3))],
+                     5: [(ps[9], kw(20, 4))]}),
+    }
+
+
+@pytest.mark.parametrize("path", ["batch", "general"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_chained_while_requests_wait_with_the_same_tokens(tiny, sampled, path, monkeypatch):
+    """Requests arriving while others decode (several patterns, greedy and seeded): the next decode is still
+    chained while they wait, and every request gets exactly the tokens and finish reason of the plain run.
+    path general: without the persistent decode batch (the general schedule and _launch_next_seqs)."""
+    from llaisys.engine import scheduler as scheduler_mod
+
+    if path == "general":
+        monkeypatch.setattr(scheduler_mod.Scheduler, "decode_step", lambda self: None)
+    vocab = engine(tiny, "cpu", False).config.vocab_size
+    for name, (kw, arrivals) in _patterns(vocab, sampled).items():
+        out = {}
+        for overlap in (False, True):
+            eng = engine(tiny, "cpu", overlap, **kw)
+            out[overlap] = drive(eng, arrivals)
+            s = eng._core.stats()
+            assert s["kv_blocks_used"] == 0 and s["running"] == 0 and s["waiting"] == 0, name
+            if name == "preempt":
+                assert s["preemptions"] > 0
+            eng.close()
+        (plain, _), (over, launches) = out[False], out[True]
+        assert [r[:2] for r in over] == [r[:2] for r in plain], name
+        assert not any(chain for chain, _, _ in out[False][1])
+        waited = sum(chain and waiting for chain, waiting, _ in launches)
+        assert waited >= 2, (name, launches)  # the old rule never chained while a request waited
+        if name == "queue":  # full steps while requests wait come from the decode batch (unless switched off)
+            assert any(c and w and b for c, w, b in launches) == (path == "batch")
+
+
+def test_no_starvation_behind_long_decodes(tiny):
+    """Long decodes chain step after step; a request arriving among them (free room in the step) gets its
+    first token at most 1 + MAX_CHAINED_WHILE_WAITING steps later than without overlap, and a request
+    waiting for a full step gets in right after one of its sequences ends."""
+    from llaisys.engine.core import EngineCore
+
+    bound = 1 + EngineCore.MAX_CHAINED_WHILE_WAITING
+    assert bound <= 2  # chaining on while a request could be admitted would starve it behind the long decodes
+    vocab = engine(tiny, "cpu", False).config.vocab_size
+    ps = prompts(vocab, [6, 9, 5, 8, 7], seed=22)
+    greedy = dict(temperature=0)
+    arrivals = {0: [(ps[0], dict(greedy, max_new_tokens=120)), (ps[1], dict(greedy, max_new_tokens=120))],
+                10: [(ps[2], dict(greedy, max_new_tokens=5))], 40: [(ps[3], dict(greedy, max_new_tokens=3))],
+                41: [(ps[4], dict(greedy, max_new_tokens=4))]}
+    res = {}
+    for overlap in (False, True):
+        eng = engine(tiny, "cpu", overlap, max_num_seqs=4)
+        res[overlap], launches = drive(eng, arrivals)
+        eng.close()
+    assert [r[:2] for r in res[True]] == [r[:2] for r in res[False]]
+    assert [r[2] for r in res[False]] == [0] * 5
+    assert all(0 < r[2] <= bound for r in res[True][2:]), res[True]
+    assert sum(c for c, _, _ in launches) > 100  # the long decodes (120 steps) did chain
+
+    # max_num_seqs 2: the third waits for a full step that chains on, until the first ends (EOS)
+    ps = prompts(vocab, [6, 9, 5], seed=23)
+    full = dict(greedy, max_new_tokens=60)
+    eng = engine(tiny, "cpu", False, max_num_seqs=2)
+    out = drive(eng, {0: [(ps[0], full)]})[0][0][0]
+    eng.close()
+    k = out.index(out[7])  # the first EOS
+    assert k >= 4
+    arrivals = {0: [(ps[0], dict(full, stop_token_ids=[out[k]])), (ps[1], full)], 3: [(ps[2], dict(full, max_new_tokens=5))]}
+    res = {}
+    for overlap in (False, True):
+        eng = engine(tiny, "cpu", overlap, max_num_seqs=2)
+        res[overlap], launches = drive(eng, arrivals)
+        eng.close()
+    assert [r[:2] for r in res[True]] == [r[:2] for r in res[False]]
+    waited_plain, waited_over = res[False][2][2], res[True][2][2]
+    assert res[True][0][1] == "stop" and waited_plain == k + 1 - 3  # admitted the step after the first's EOS
+    assert waited_plain < waited_over <= waited_plain + 1
+    assert sum(c and w for c, w, _ in launches) >= 3  # chained while it waited
+
+
+def test_chained_while_submitted_requests_wait_in_the_loop(tiny):
+    """Through the step loop (its own thread): requests submitted while a full step decodes wait, the steps
+    still chain meanwhile, and each request's tokens are those it gets alone."""
+    eng = engine(tiny, "cpu", True, max_num_seqs=2)
+    ps = prompts(eng.config.vocab_size, [10, 30, 8, 14], seed=24)
+    kw = dict(max_new_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
+    alone = [eng.generate(p, **kw).token_ids for p in ps]
+    launches = eng._loop.call(lambda: _record_launches(eng._core))
+    a, b = eng.submit(ps[0], **kw), eng.submit(ps[1], **kw)
+    it = iter(a)
+    ids = list(next(it).token_ids)
+    late = [eng.submit(p, **kw) for p in ps[2:]]
+    for chunk in it:
+        ids += chunk.token_ids
+    assert [ids, b.result().token_ids] + [r.result().token_ids for r in late] == alone
+    assert sum(c and w for c, w, _ in launches) >= 10
+    s = eng.stats()
+    assert s["kv_blocks_used"] == 0 and s["running"] == 0
+    eng.close()

@@ -108,9 +108,10 @@ class Scheduler:
         """The step where every running sequence decodes one token and none waits: made from the
         persistent batch (built when the running set last changed) without a pass over the sequences.
         None where the general schedule must decide (admissions, prefills, rows the batch cannot serve,
-        a block to preempt for)."""
+        a block to preempt for). Requests may wait when max_num_seqs sequences run: none could be admitted."""
         running = self.running
-        if self.waiting or not running or len(running) > min(self.max_tokens, self.max_num_seqs):
+        if (not running or len(running) > min(self.max_tokens, self.max_num_seqs) or
+                (self.waiting and len(running) < self.max_num_seqs)):
             return None
         b = self.batch
         if b is None or not b.matches(running):
