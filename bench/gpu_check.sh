@@ -3,8 +3,8 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [stream] [families] [ab] [breakdown] [bench] [sanitize]
-#   (default: all but ab and families, in this order:
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [stream] [tp] [families] [ab] [breakdown] [bench] [sanitize]
+#   (default: all but tp, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 steps=${*:-build test quant serving model stream breakdown bench sanitize}
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0  # never NVLink multicast on the lent machines
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
 
@@ -88,6 +88,40 @@ if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k
   log "bench/streaming_speed.py --shape qwen2-0.5b --window 4096 --generated 32768"
   timeout ${T_STREAM:-400} python3 bench/streaming_speed.py --shape qwen2-0.5b --device cuda --window 4096 \
     --generated 32768 --measure 256 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 decode and the throughput protocol
+  # of the 7B shape at 1 and TP_SIZES ranks on this machine (same call: compare within it)
+  log "tp_smoke (stage by stage; a hang records every thread's stack)"
+  timeout 150 python3 bench/tp_smoke.py --tp ${TP_SMOKE:-2} >"$OUT/tp_smoke.log" 2>&1 &
+  smoke=$!
+  for i in $(seq 140); do sleep 1; kill -0 $smoke 2>/dev/null || break; done
+  if kill -0 $smoke 2>/dev/null; then
+    pid=$(pgrep -f "bench/tp_smoke.py" | tail -1)
+    log "tp_smoke HUNG: stacks in tp_hang.txt"
+    timeout 60 cuda-gdb -p $pid -batch -ex "thread apply all bt 30" >"$OUT/tp_hang.txt" 2>&1
+    kill -9 $pid 2>/dev/null
+  fi
+  wait $smoke
+  grep -E "tp_smoke|Error|error" "$OUT/tp_smoke.log" | head -10 | tee -a "$OUT/summary.txt"
+  grep -q "tp_smoke overlap" "$OUT/tp_smoke.log" || exit 1
+  log "all-reduce alone: 2 per layer of a decode step"
+  timeout 120 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
+  for tp in 1 ${TP_SIZES:-2}; do
+    log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp"
+    timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
+      --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
+      tee -a "$OUT/summary.txt"
+  done
+  log "pytest -m cuda tests/test_tensor_parallel.py tests/test_comm.py"
+  timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda tests/test_tensor_parallel.py tests/test_comm.py \
+    -p no:cacheprovider >"$OUT/pytest_tp.log" 2>&1
+  tail -5 "$OUT/pytest_tp.log" | tee -a "$OUT/summary.txt"
+  for tp in ${TP_THROUGHPUT:-}; do
+    log "throughput ${TP_SHAPE:-qwen2-7b}, ${N_REQ:-256} requests, tensor parallel $tp"
+    timeout ${T_SERVE:-400} python3 bench/throughput.py --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
+      -n ${N_REQ:-256} -tp $tp 2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" |
+      tee -a "$OUT/summary.txt"
+  done
 fi
 if has families; then # batch-1 decode of every family's real shape, random bf16 weights (share of copy roofline)
   for shape in ${FAMILY_SHAPES:-qwen2-0.5b qwen2-1.5b qwen3-0.6b llama-3.2-1b pythia-1.4b gemma-3-1b}; do

@@ -195,7 +195,7 @@ def test_gpus_batched_equal_alone_and_a_stalled_rank_fails(tiny):
         batched = [r.token_ids for r in eng.generate(prompts, max_new_tokens=30, temperature=0, ignore_eos=True)]
         alone = [eng.generate(p, max_new_tokens=30, temperature=0, ignore_eos=True).token_ids for p in prompts]
         assert batched == alone
-        assert eng.stats()["overlapped_steps"] > 0  # decode steps chained on the device, through NCCL graphs
+        assert eng.stats()["overlapped_steps"] == 0  # off under tensor parallelism (core.py says why)
         eng._core.runner.runner.inject_fault(1, "stall")
         t = time.monotonic()
         with pytest.raises(RuntimeError, match="rank.* 1"):

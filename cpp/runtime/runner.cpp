@@ -26,6 +26,13 @@ struct Runner::Graphed {
     bool sampler_on = true; // as captured
 };
 
+// A launched step: its tokens land in `host` (pinned) once `done` has passed on the stream.
+struct Runner::Inflight {
+    Tensor host; // i64 [capacity] pinned
+    std::unique_ptr<Event> done;
+    std::vector<RowSampling> rows; // for the error message of a row without a token
+};
+
 Runner::Runner(models::Model &model, KVPool &pool, RunnerConfig config)
     : model_(model), pool_(pool), config_(std::move(config)),
       staging_(std::make_unique<InputStaging>(model.device())) {
@@ -38,14 +45,19 @@ Runner::Runner(models::Model &model, KVPool &pool, RunnerConfig config)
     sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
     LLAISYS_CHECK(sizes.empty() || sizes.front() >= 1, std::invalid_argument, "Runner: graph batch sizes must be >= 1");
     config_.cuda_graphs = config_.cuda_graphs && model.device().is_cuda();
+    if (model.communicator() && model.device().is_cuda()) { // a rank of a tensor-parallel group
+        // Pinned host memory is taken now, not while this rank's collectives wait for another rank: a pinned
+        // allocation or free may wait for every device's work, which could then never finish.
+        staging_->reserve(size_t(1) << 20);
+        for (int i = 0; i < 4; ++i) {
+            auto f = std::make_unique<Inflight>();
+            f->done = std::make_unique<Event>(model.device());
+            f->host = Tensor::empty({4096}, DType::I64, Device::cpu(), true);
+            spare_.push_back(std::move(f));
+        }
+    }
 }
 
-// A launched step: its tokens land in `host` (pinned) once `done` has passed on the stream.
-struct Runner::Inflight {
-    Tensor host; // i64 [capacity] pinned
-    std::unique_ptr<Event> done;
-    std::vector<RowSampling> rows; // for the error message of a row without a token
-};
 
 Runner::~Runner() {
     for (auto &f : inflight_) { // copies into pinned buffers that are about to go

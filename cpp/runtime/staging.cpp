@@ -14,6 +14,13 @@ Tensor InputStaging::upload_bytes(const void *data, size_t nbytes, const Shape &
     return out;
 }
 
+void InputStaging::reserve(size_t nbytes) {
+    if (device_.is_cpu()) return;
+    for (Slot &slot : slots_)
+        if (!slot.host.defined() || slot.host.numel() < int64_t(nbytes))
+            slot.host = Tensor::empty({int64_t(nbytes)}, DType::U8, Device::cpu(), true);
+}
+
 void InputStaging::upload_into(const Tensor &dst, const void *data, size_t nbytes) {
     LLAISYS_CHECK(dst.is_contiguous() && size_t(dst.numel()) * dst.element_size() == nbytes, std::invalid_argument,
                   "InputStaging: destination does not match the ", nbytes, " bytes to upload");

@@ -18,6 +18,9 @@ public:
         return upload_bytes(values.data(), values.size() * sizeof(T), {int64_t(values.size())}, dtype);
     }
     Tensor upload_bytes(const void *data, size_t nbytes, const Shape &shape, DType dtype);
+    // Gives every pinned buffer of the ring at least nbytes now (tensor parallelism: pinned allocations,
+    // which may wait for other devices' work, then never happen while a rank's collectives wait for another).
+    void reserve(size_t nbytes);
     // Writes into an existing device tensor (the fixed input buffers a CUDA graph reads).
     void upload_into(const Tensor &dst, const void *data, size_t nbytes);
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -37,7 +38,11 @@ struct PendingFree {
     std::vector<cudaEvent_t> events;
 };
 
+// One per device, with its own lock: ranks of a tensor-parallel group allocate from their own threads, and a
+// driver call one makes (cudaMalloc, or cudaDeviceSynchronize on running out) must never keep another rank
+// from enqueueing the collective that call may be waiting for.
 struct DevicePool {
+    std::mutex mu;
     std::map<cudaStream_t, std::multimap<size_t, Block *>> free_blocks;
     std::unordered_map<void *, Block *> live;
     std::vector<PendingFree> pending;
@@ -69,8 +74,8 @@ public:
         DeviceGuard guard(device);
         const cudaStream_t stream = static_cast<cudaStream_t>(current_stream(device).handle());
         const size_t size = round_size(nbytes);
-        std::lock_guard<std::mutex> lock(mu_);
         DevicePool &pool = pool_for(device);
+        std::lock_guard<std::mutex> lock(pool.mu);
         collect_pending(pool);
         Block *block = take_cached(pool, stream, size);
         if (!block) block = device_malloc(pool, device, stream, size);
@@ -81,8 +86,8 @@ public:
     }
 
     void record_stream(const Storage &storage, const Stream &stream) {
-        std::lock_guard<std::mutex> lock(mu_);
         DevicePool &pool = pool_for(storage.device());
+        std::lock_guard<std::mutex> lock(pool.mu);
         auto it = pool.live.find(storage.data());
         if (it == pool.live.end()) return; // not ours (imported through DLPack)
         auto s = static_cast<cudaStream_t>(stream.handle());
@@ -92,29 +97,32 @@ public:
     }
 
     MemoryStats stats(Device device) {
-        std::lock_guard<std::mutex> lock(mu_);
-        return pool_for(device).stats;
+        DevicePool &pool = pool_for(device);
+        std::lock_guard<std::mutex> lock(pool.mu);
+        return pool.stats;
     }
 
     void reset_peak(Device device) {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto &s = pool_for(device).stats;
+        DevicePool &pool = pool_for(device);
+        std::lock_guard<std::mutex> lock(pool.mu);
+        auto &s = pool.stats;
         s.peak_allocated = s.allocated;
     }
 
     void empty_cache(Device device) {
         DeviceGuard guard(device);
         LLAISYS_CUDA_CHECK(cudaDeviceSynchronize());
-        std::lock_guard<std::mutex> lock(mu_);
         DevicePool &pool = pool_for(device);
+        std::lock_guard<std::mutex> lock(pool.mu);
         collect_pending(pool);
         free_cached(pool);
     }
 
 private:
     DevicePool &pool_for(Device device) {
-        if (pools_.size() <= size_t(device.index)) pools_.resize(device.index + 1);
-        return pools_[device.index];
+        std::lock_guard<std::mutex> lock(mu_); // only the table; each pool has its own lock
+        while (pools_.size() <= size_t(device.index)) pools_.push_back(std::make_unique<DevicePool>());
+        return *pools_[device.index];
     }
 
     Block *take_cached(DevicePool &pool, cudaStream_t stream, size_t size) {
@@ -152,8 +160,8 @@ private:
     }
 
     void release(Device device, void *ptr) {
-        std::lock_guard<std::mutex> lock(mu_);
         DevicePool &pool = pool_for(device);
+        std::lock_guard<std::mutex> lock(pool.mu);
         auto it = pool.live.find(ptr);
         if (it == pool.live.end()) return;
         Block *b = it->second;
@@ -208,8 +216,8 @@ private:
         }
     }
 
-    std::mutex mu_;
-    std::vector<DevicePool> pools_;
+    std::mutex mu_; // pools_ (grown, never shrunk: a pool's address stays)
+    std::vector<std::unique_ptr<DevicePool>> pools_;
 };
 
 Allocator &allocator() {

@@ -34,7 +34,8 @@ public:
     std::vector<int64_t> step(const HostBatch &batch, const std::vector<RowSampling> &rows);
     void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain);
     std::vector<int64_t> finish();
-    size_t launched() const { return runners_.front()->launched(); }
+    // A broken group finishes nothing more: 0 then, so a caller draining launched steps stops.
+    size_t launched() const { return broken_.empty() ? runners_.front()->launched() : 0; }
     Tensor logits(const HostBatch &batch, bool all_logits);
     const Tensor &last_logits() const { return runners_.front()->last_logits(); }
     void shift_kv(const std::vector<int64_t> &src, const std::vector<int64_t> &dst, int64_t delta);

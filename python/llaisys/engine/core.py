@@ -68,6 +68,9 @@ class EngineCore:
                                   config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
+        # Tensor parallel: steps are not overlapped. On 2 H100s the chained launches hung (every rank idle,
+        # the group timing out) where the same steps run one at a time are right; not understood yet.
+        self._overlap = self._overlap and len(models) == 1
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
