@@ -201,3 +201,39 @@ def test_gpus_batched_equal_alone_and_a_stalled_rank_fails(tiny):
         with pytest.raises(RuntimeError, match="rank.* 1"):
             eng.generate(prompts[0], max_new_tokens=8, temperature=0, ignore_eos=True)
         assert time.monotonic() - t < 5 + 12
+
+
+def test_quantized_gguf_blocks_split_along_whole_blocks(tmp_path):
+    """A Q8_0 file kept quantized: o and down are cut along whole 32-column blocks; a cut that would fall
+    inside a block raises, naming the weight."""
+    pytest.importorskip("gguf")
+    from tiny_model import write_tiny_gguf
+
+    def tokens(path, tp):
+        with Engine(path, device="cpu", progress=False, tensor_parallel_size=tp) as eng:
+            assert eng.describe()["quantized"]
+            prompts = [arch_check.prompt(VOCAB, k, seed=k) for k in (4, 19)]
+            return [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, temperature=0, ignore_eos=True)]
+
+    hf = arch_check.make_tiny(tmp_path / "hf", "qwen2", seed=6, **SHAPE, intermediate_size=128)
+    path = write_tiny_gguf(hf, tmp_path / "q8.gguf", qtype="Q8_0")
+    assert tokens(path, 2) == tokens(path, 1)
+    hf = arch_check.make_tiny(tmp_path / "hf96", "qwen2", seed=6, **SHAPE, intermediate_size=96)
+    path = write_tiny_gguf(hf, tmp_path / "q8-96.gguf", qtype="Q8_0")  # 48 columns a rank: 1.5 blocks
+    with pytest.raises(ValueError, match="down_proj.*whole blocks"):
+        Engine(path, device="cpu", progress=False, tensor_parallel_size=2)
+
+
+def test_windowed_generation_and_logprobs_at_two_ranks(tiny):
+    """StreamingLLM's evictions (the K-shift runs on every rank's KV heads) and logprobs (from rank 0's
+    gathered logits) are the unsplit engine's."""
+    path = tiny("llama-biases")
+    ids = arch_check.prompt(VOCAB, 20, seed=7)
+    out = {}
+    for tp in (1, 2):
+        with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp, block_size=8) as eng:
+            w = eng.generate(ids, max_new_tokens=60, temperature=0, ignore_eos=True, kv_window=24, sink_tokens=4)
+            lp = eng.generate(ids, max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+            out[tp] = (w.token_ids, lp.token_ids, [round(x["logprob"], 4) for x in lp.logprobs])
+            assert eng.stats()["kv_blocks_evicted"] > 0
+    assert out[2] == out[1]
