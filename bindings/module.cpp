@@ -71,6 +71,7 @@ void bind_runtime(nb::module_ &m) {
     m.def("pool_stats", &pool_stats_dict,
           "The CPU pool's jobs on the workers / on the caller alone, switches to the caller alone, probes.");
     m.def("cuda_device_count", &cuda_device_count);
+    m.def("cuda_device_name", &cuda_device_name, nb::arg("index"), "The product name of CUDA device `index`.");
     m.def("memory_stats", &stats_dict, nb::arg("device"),
           "Bytes allocated, reserved, peak, and the number of device mallocs/frees on `device`.");
     m.def("reset_peak_memory_stats", [](const std::string &d) { reset_peak_memory(Device::parse(d)); },

@@ -284,3 +284,25 @@ def test_llaisys_serve_with_two_ranks_answers_the_openai_client(tiny, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def test_rank_devices_checks_the_machine_before_loading(monkeypatch):
+    """cuda:i .. cuda:i + N - 1; too few GPUs, mixed GPU kinds and a build without NCCL raise (the machine's
+    answers faked: this runs without a GPU)."""
+    from llaisys.engine import ranks
+
+    kinds = ["NVIDIA H100 80GB HBM3"] * 3 + ["NVIDIA H200"]
+    monkeypatch.setattr(ranks._core, "cuda_device_count", lambda: 4)
+    monkeypatch.setattr(ranks._core, "cuda_device_name", lambda i: kinds[i])
+    monkeypatch.setattr(ranks._core, "build_info", lambda: {"nccl": "2.28.3"})
+    assert ranks.rank_devices("cuda:0", 3) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert ranks.rank_devices("cuda:3", 1) == ["cuda:3"]
+    assert ranks.rank_devices("cpu", 2) == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="needs GPUs 2..5, but this machine shows 4"):
+        ranks.rank_devices("cuda:2", 4)
+    with pytest.raises(ValueError, match=r"mix GPU kinds \(NVIDIA H100 80GB HBM3, NVIDIA H200\)"):
+        ranks.rank_devices("cuda:2", 2)
+    monkeypatch.setattr(ranks._core, "build_info", lambda: {"nccl": None})
+    with pytest.raises(RuntimeError, match="needs NCCL"):
+        ranks.rank_devices("cuda:0", 2)
+    assert ranks.rank_devices("cuda:0", 1) == ["cuda:0"]  # one GPU needs no NCCL

@@ -6,7 +6,8 @@
 namespace llaisys {
 
 #ifdef LLAISYS_WITH_CUDA
-int cuda_runtime_device_count(); // cuda/stream_cuda.cpp
+int cuda_runtime_device_count();                 // cuda/stream_cuda.cpp
+std::string cuda_runtime_device_name(int index); // cuda/stream_cuda.cpp
 #endif
 
 Device Device::parse(const std::string &spec) {
@@ -36,6 +37,15 @@ int cuda_device_count() {
     return cuda_runtime_device_count();
 #else
     return 0;
+#endif
+}
+
+std::string cuda_device_name(int index) {
+    check_device_available(Device::cuda(index));
+#ifdef LLAISYS_WITH_CUDA
+    return cuda_runtime_device_name(index);
+#else
+    return "";
 #endif
 }
 

@@ -4,6 +4,7 @@
 #include "llaisys/stream.hpp"
 
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace llaisys {
@@ -15,6 +16,12 @@ int cuda_runtime_device_count() {
         return 0;
     }
     return n;
+}
+
+std::string cuda_runtime_device_name(int index) {
+    cudaDeviceProp prop{};
+    LLAISYS_CUDA_CHECK(cudaGetDeviceProperties(&prop, index));
+    return prop.name;
 }
 
 namespace {

@@ -24,6 +24,8 @@ struct Device {
 bool cuda_compiled();
 // Number of visible CUDA devices (0 in a CPU build or without a driver).
 int cuda_device_count();
+// The product name of CUDA device `index` ("NVIDIA H100 80GB HBM3"); raises where it is not available.
+std::string cuda_device_name(int index);
 // Throws a clear error unless `device` can be used by this build on this machine.
 void check_device_available(const Device &device);
 

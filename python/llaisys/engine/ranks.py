@@ -33,6 +33,10 @@ def rank_devices(device: str, world: int) -> list[str]:
     if first + world > count:
         raise ValueError(f"tensor_parallel_size {world} from {device} needs GPUs {first}..{first + world - 1}, but "
                          f"this machine shows {count} (CUDA_VISIBLE_DEVICES decides which)")
+    kinds = sorted({_core.cuda_device_name(first + r) for r in range(world)})
+    if len(kinds) > 1:  # a split runs at the slowest GPU's pace and each rank's memory differs: refused
+        raise ValueError(f"tensor_parallel_size {world} from {device} would mix GPU kinds ({', '.join(kinds)}): "
+                         f"choose GPUs of one kind with --device / CUDA_VISIBLE_DEVICES")
     if world > 1 and not _core.build_info()["nccl"]:
         raise RuntimeError("tensor_parallel_size > 1 on CUDA needs NCCL, and this build of llaisys has none: install "
                            "the nvidia-nccl-cu13 wheel (pip install .[cuda]) and rebuild; "
