@@ -5,6 +5,7 @@ checked against HF transformers in tests/test_arch_*.py), and HF itself for the 
 
 Also: the settings that cannot split raise before any weight is read; a rank that fails or stalls breaks
 the group and fails the engine within its timeout, with an error naming the rank, and /health turns 503."""
+import re
 import time
 
 import numpy as np
@@ -306,3 +307,20 @@ def test_rank_devices_checks_the_machine_before_loading(monkeypatch):
     with pytest.raises(RuntimeError, match="needs NCCL"):
         ranks.rank_devices("cuda:0", 2)
     assert ranks.rank_devices("cuda:0", 1) == ["cuda:0"]  # one GPU needs no NCCL
+
+
+def test_constrained_rows_at_two_ranks(tmp_path):
+    """Structured output: every rank masks its gathered logits with the same bitmask, so a regex-constrained
+    row gets the unsplit engine's text, beside a free row."""
+    pytest.importorskip("llguidance")
+    from tiny_model import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path, seed=4, vocab_size=VOCAB)  # EOS is a token of its tokenizer (llguidance)
+    out = {}
+    for tp in (1, 2):
+        with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp) as eng:
+            rs = eng.generate(["Order number:", "Free text"], regex=[r"[0-9]{3}-[a-z]{2,4}", None],
+                              max_new_tokens=12, temperature=0, ignore_eos=True)
+            out[tp] = [r.text for r in rs]
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", out[1][0]), out[1][0]
+    assert out[2] == out[1]
