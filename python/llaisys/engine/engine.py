@@ -35,7 +35,7 @@ from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
 from .ranks import load_weights, make_models, rank_devices
-from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_sink
+from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_incremental, check_sink
 from .sequence import Sequence
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # closed at exit, before the extension is torn down
@@ -172,13 +172,18 @@ class Engine:
         params = self._params("stream", sampling)
         return self._chunks(self._submit_ids(self._encode(prompt), params))
 
-    def submit(self, prompt, sink: ChunkSink | None = None, **sampling) -> Request:
+    def submit(self, prompt, sink: ChunkSink | None = None, incremental: bool = True, **sampling) -> Request:
         """The request interface for servers: queue one prompt and return its handle at once. Iterate the
         handle (from any thread) for its StreamChunks, call result() to wait for all, abort() to stop it.
         With a sink (request.ChunkSink), the chunks go there instead, put and flushed by the step loop
-        thread: a server reading many requests wakes once per step, not once per token and request."""
+        thread: a server reading many requests wakes once per step, not once per token and request.
+        incremental=False: for a caller that reads only the end (a non-streaming response): the ids are
+        kept and decoded once, and the request gives ONE chunk, its last, equal to what its chunks would
+        merge into (request.merge_chunks). A request with stop strings stays incremental (they need the
+        text as it grows, to stop where the stop string ends), so it still gives its chunks as they come."""
         check_sink(sink)
-        return self._submit_ids(self._encode(prompt), self._params("submit", sampling), sink)
+        check_incremental(incremental)
+        return self._submit_ids(self._encode(prompt), self._params("submit", sampling), sink, incremental)
 
     def chat(self, messages, stream: bool = False, add_generation_prompt: bool = True, **sampling):
         """Render messages with the model's chat template and generate the assistant's reply; a list of

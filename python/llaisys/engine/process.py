@@ -12,7 +12,7 @@ The child is started with multiprocessing's 'spawn' context: a fresh interpreter
 has threads, or a CUDA context, to copy), with Connection objects that frame and pickle messages, and the
 parent's sys.path. Two one-way pipes:
 
-    parent -> child   ("submit", rid, ids, sampling) ("abort", rid) ("call", cid, name, args) ("close",)
+    parent -> child   ("submit", rid, ids, sampling, incremental) ("abort", rid) ("call", cid, name, args) ("close",)
     child -> parent   ("ready", info) | ("failed", exc)  first; then ("chunks", [(rid, chunk or exc), ...])
                       once per step, and ("reply", cid, ok, value)
 
@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from .core import EngineCore
 from .engine import Engine
-from .request import StreamChunk, check_sink
+from .request import StreamChunk, check_incremental, check_sink
 
 log = logging.getLogger("llaisys.engine")
 
@@ -146,9 +146,11 @@ class EngineProcess:
         return self._closing or self.failure is not None
 
     # ---- Engine's interface, as the server uses it ------------------------------------------------
-    def submit(self, prompt, sink=None, **sampling) -> RemoteRequest:
-        """Engine.submit in the child; the errors Engine.submit raises for this request are raised here."""
+    def submit(self, prompt, sink=None, incremental: bool = True, **sampling) -> RemoteRequest:
+        """Engine.submit in the child; the errors Engine.submit raises for this request are raised here.
+        incremental=False: the child sends the request's one last chunk only (Engine.submit's doc)."""
         check_sink(sink)
+        check_incremental(incremental)
         ids = self._check_ids(self.tokenize(prompt), limit=False)
         params = self._params("submit", sampling)
         window, sinks = self._window(params)
@@ -164,7 +166,7 @@ class EngineProcess:
             rid = next(self._ids)
             req = self._live[rid] = RemoteRequest(self, rid, sink)
             try:
-                self._cmd.send(("submit", rid, ids, sampling))
+                self._cmd.send(("submit", rid, ids, sampling, incremental))
             except (OSError, ValueError):
                 del self._live[rid]
                 raise RuntimeError("the engine process is not running") from None
@@ -417,10 +419,10 @@ def _child_main(cmd, out, model: str, kwargs: dict) -> None:
                 break
             kind = msg[0]
             if kind == "submit":
-                _, rid, ids, sampling = msg
+                _, rid, ids, sampling, incremental = msg
                 with sink.lock:  # a step may put this request's chunks before it is named: flush waits
                     try:
-                        req = eng.submit(ids, sink=sink, **sampling)
+                        req = eng.submit(ids, sink=sink, incremental=incremental, **sampling)
                     except Exception as e:  # the parent checked what Engine.submit checks: a race, or a bug
                         error = _picklable(e)
                     else:

@@ -68,6 +68,12 @@ def check_sink(sink) -> None:
                         f"{' or '.join(missing)}")
 
 
+def check_incremental(incremental) -> None:
+    """TypeError for a submit(incremental=) that is not a bool (1 or "no" would be read as a choice)."""
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be True or False, got {incremental!r}")
+
+
 def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
     """Consecutive chunks of one request as one: text and token ids concatenated, logprobs entries in
     order, finish_reason, usage and timings from the last. Text stays whole UTF-8 characters and shows no
@@ -88,7 +94,8 @@ class Request:
     def __init__(self, seq: Sequence, tokenizer_inner, stops: tuple[str, ...], loop, sink: ChunkSink | None = None,
                  incremental: bool = True):
         self.seq, self._loop, self.sink = seq, loop, sink
-        # incremental False: nobody reads the chunks before the end (generate(), chat() without a stream) and
+        # incremental False: nobody reads the chunks before the end (generate(), chat() without a stream, the
+        # server's non-streaming responses: Engine.submit(incremental=False)) and
         # no stop string needs the text as it grows, so the ids are kept and decoded once when the request
         # ends: the step loop's work per token is an append (issue 33: host work per sequence and step)
         self.keeps_ids = not incremental and not stops

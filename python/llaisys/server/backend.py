@@ -7,6 +7,11 @@ schedules one callback on the event loop for the whole step (not one thread wake
 token and stream); the callback hands each Generation its chunks and wakes its reader once. A reader that
 finds several chunks of a choice waiting reads them as one (merge_chunks), so a stream that falls behind
 catches up in fewer, larger SSE events instead of falling further behind.
+
+A non-streaming response reads only the end, so its requests are submitted with incremental=False
+(Generation.start): the step loop keeps their ids, decodes them once, and the hub gets one chunk per
+request, the one its chunks would have merged into. Stop strings keep a request incremental (the engine
+decides), and so does the first choice of n that others wait for (its first chunk starts them).
 """
 from __future__ import annotations
 
@@ -187,27 +192,29 @@ class Generation:
         self.pending: dict[int, list] = {}  # choice index -> items not read yet, in order
         self.waiter: asyncio.Future | None = None
         self.requests: list = []
-        self.followers: dict[int, list[tuple[int, list[int], dict]]] = {}  # leader index -> choices to start
+        self.followers: dict[int, list[tuple]] = {}  # leader index -> (index, ids, sampling, incremental) to start
         self.num_choices = 0
         self.aborted = False
 
-    def start(self, groups: list[tuple[list[int], list[dict]]]) -> None:
+    def start(self, groups: list[tuple[list[int], list[dict]]], incremental: bool = True) -> None:
         """groups: per prompt, its token ids and one sampling dict per choice. Raises the engine's errors
         (ValueError: bad value or a prompt that can never fit; RuntimeError: queue full) before any
-        request runs, so a failure leaves nothing behind."""
+        request runs, so a failure leaves nothing behind. incremental=False (a reader of the end only): each
+        choice arrives as one chunk (Engine.submit), but a leader whose followers wait for its first chunk."""
         for ids, choices in groups:
             shared = self.eng.engine_config.enable_prefix_caching and (len(ids) - 1) // self.block_size > 0
             leader = self.num_choices
             for i, sampling in enumerate(choices):
                 if i > 0 and shared:
-                    self.followers.setdefault(leader, []).append((self.num_choices, ids, sampling))
+                    self.followers.setdefault(leader, []).append((self.num_choices, ids, sampling, incremental))
                 else:
-                    self._submit(self.num_choices, ids, sampling)
+                    led = shared and len(choices) > 1  # its first chunk, not its last, starts the others
+                    self._submit(self.num_choices, ids, sampling, incremental or led)
                 self.num_choices += 1
 
-    def _submit(self, index: int, ids: list[int], sampling: dict) -> None:
+    def _submit(self, index: int, ids: list[int], sampling: dict, incremental: bool = True) -> None:
         try:
-            req = self.eng.submit(ids, sink=self.hub, **sampling)
+            req = self.eng.submit(ids, sink=self.hub, incremental=incremental, **sampling)
         except BaseException:
             self.abort()
             raise

@@ -63,6 +63,8 @@ class Call:
         self.state, self.rid, self.req = state, rid, req
         self.t0 = time.perf_counter()
         self.ttft: float | None = None
+        self.engine_ttft: float | None = None  # a whole response's: from the engine's timings (_first_token)
+        self.submitted = 0.0  # when its engine requests were submitted, from t0
         self.gen = Generation(state.engine, state.engine.engine_config.block_size, state.hub)
         self.fmt = Formatter(state.engine, rid, chat, state.model_name, req.num_logprobs() is not None,
                              req.include_usage, tool_names=req.tool_names() if chat else None)
@@ -75,7 +77,9 @@ class Call:
         try:
             groups, self.choices, self.ended = await asyncio.to_thread(prepare, eng, req, chat)
             self.leaders = list(range(0, len(self.choices), req.n or 1))
-            self.gen.start(groups)
+            self.submitted = time.perf_counter() - self.t0
+            # a whole response reads only each choice's end: one chunk per request, decoded once (backend.py)
+            self.gen.start(groups, incremental=bool(req.stream))
         except (ValueError, TypeError) as e:  # a bad value, or a prompt that can never fit: the numbers
             raise APIError(400, str(e)) from None
         except RuntimeError as e:  # the queue or KV cache is full (max_queued_requests, prompt logprobs); closing
@@ -86,13 +90,28 @@ class Call:
     async def _chunks(self):
         """(index, Choice, chunk) as they arrive; raises APIError for a request the server cut short."""
         async for index, chunk in self._events():
-            if self.ttft is None:
-                self.ttft = time.perf_counter() - self.t0
+            self._first_token(chunk)
             if chunk.finish_reason == "abort":  # only the server aborts what a client still reads
                 raise APIError(503, "the server is shutting down", code="server_shutdown")
             choice = self.choices[index]
             choice.add(chunk)
             yield index, choice, chunk
+
+    def _first_token(self, chunk) -> None:
+        """TTFT: a stream's is when its first chunk arrives. A whole response's chunks may all arrive at the
+        end (incremental=False): its first token's time is the engine's (timings ttft_s, counted from
+        submission), the earliest of its choices; the arrival, for choices that generated nothing."""
+        if not self.req.stream:
+            ttft_s = (chunk.timings or {}).get("ttft_s") if chunk.finish_reason is not None else None
+            if ttft_s:
+                t = self.submitted + ttft_s
+                self.engine_ttft = t if self.engine_ttft is None else min(self.engine_ttft, t)
+                self.ttft = self.engine_ttft
+                return
+            if self.engine_ttft is not None:
+                return
+        if self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
 
     async def _events(self):
         for item in self.ended:
