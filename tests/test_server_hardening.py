@@ -23,6 +23,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from tiny_model import make_tiny_qwen2  # noqa: E402
+from utils import llaisys_server  # noqa: E402
 
 KEY = "hardening-key"
 MAX_SEQ_LEN = 256
@@ -47,30 +48,10 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt, tmp_path_factory):
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("hardening-log") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "llaisys.server", "--model", ckpt, "--device", "cpu", "--port",
-                             str(port), "--max-seq-len", str(MAX_SEQ_LEN), "--num-kv-blocks", "256",
-                             "--served-model-name", "m", "--api-key", KEY],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield {"url": url, "port": port, "proc": proc, "log": log_path}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with llaisys_server(["--model", ckpt, "--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), "--num-kv-blocks",
+                         "256", "--served-model-name", "m", "--api-key", KEY], log_path) as server:
+        yield server
 
 
 class LogSince:

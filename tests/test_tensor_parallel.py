@@ -245,46 +245,19 @@ def test_llaisys_serve_with_two_ranks_answers_the_openai_client(tiny, tmp_path):
     answers the official openai client with the unsplit engine's text."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    import socket
-    import subprocess
-    import sys
-
-    import httpx
+    from utils import llaisys_server
 
     path = tiny("qwen2")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp_path / "server.log", "w+")
-    cmd = [sys.executable, "-m", "llaisys.server", "--model", path, "--device", "cpu", "--dtype", "f32",
-           "--port", str(port), "--max-seq-len", "256", "--tensor-parallel-size", "2", "--served-model-name", "tiny"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, (log.seek(0), log.read()[-3000:])
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+    args = ["--model", path, "--device", "cpu", "--dtype", "f32", "--max-seq-len", "256", "--tensor-parallel-size",
+            "2", "--served-model-name", "tiny"]
+    with llaisys_server(args, tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="x", max_retries=0, timeout=300)
         prompts = ["The quick brown fox", "def fibonacci(n):"]
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
                for p in prompts]
-        with Engine(path, device="cpu", dtype="f32", progress=False, max_seq_len=256) as eng:
-            want = [r.text for r in eng.generate(prompts, max_new_tokens=12, temperature=0)]
-        assert got == want
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with Engine(path, device="cpu", dtype="f32", progress=False, max_seq_len=256) as eng:
+        want = [r.text for r in eng.generate(prompts, max_new_tokens=12, temperature=0)]
+    assert got == want
 
 
 def test_rank_devices_checks_the_machine_before_loading(monkeypatch):

@@ -6,6 +6,7 @@ arithmetic is measured.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import ml_dtypes
@@ -85,3 +86,42 @@ def f32_engine(path, device, overlap, **kw):
     kw.setdefault("num_kv_blocks", 512)
     return Engine(path, device=device, dtype="f32", progress=False, max_seq_len=kw.pop("max_seq_len", 400),
                   overlap_steps=overlap, **kw)
+
+
+@contextlib.contextmanager
+def llaisys_server(args: list[str], log_path, timeout: float = 300.0):
+    """`python -m llaisys.server ARGS --port P` in a child process, once /health answers 200: yields
+    {"url", "port", "proc", "log"}; terminated (killed after 60 s) on exit. Fails with the log's tail if the
+    server exits or does not come up within `timeout` seconds."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "llaisys.server", *args, "--port", str(port)], stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, open(log_path).read()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up: " + open(log_path).read()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield {"url": url, "port": port, "proc": proc, "log": log_path}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
