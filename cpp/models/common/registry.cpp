@@ -222,16 +222,18 @@ ModelConfig tensor_parallel_config(const ModelConfig &config, int world) {
     LLAISYS_CHECK(world >= 1, std::invalid_argument, "tensor_parallel_size must be >= 1, got ", world);
     if (world == 1) return config;
     const int64_t heads = config.num_attention_heads, kv = config.num_key_value_heads;
-    auto divides = [&](bool ok, const char *what, int64_t n) {
-        LLAISYS_CHECK(ok, std::invalid_argument, "a ", config.arch, " model cannot be split over ", world,
-                      " ranks: ", what, " ", n, " is not a multiple of tensor_parallel_size ", world);
+    std::string problems; // every one, so a user fixes them at once
+    auto need = [&](bool ok, const std::string &what) {
+        if (!ok) problems += (problems.empty() ? "" : "; ") + what;
     };
-    divides(heads % world == 0, "num_attention_heads", heads);
-    divides(config.intermediate_size % world == 0, "intermediate_size", config.intermediate_size);
-    divides(config.vocab_size % world == 0, "vocab_size", config.vocab_size);
-    LLAISYS_CHECK(kv % world == 0 || world % kv == 0, std::invalid_argument, "a ", config.arch,
-                  " model cannot be split over ", world, " ranks: num_key_value_heads ", kv,
-                  " neither divides by nor divides tensor_parallel_size ", world);
+    const std::string tp = " tensor_parallel_size " + std::to_string(world);
+    need(heads % world == 0, detail::concat("num_attention_heads ", heads, " is not a multiple of", tp));
+    need(kv % world == 0 || world % kv == 0, detail::concat("num_key_value_heads ", kv, " neither divides by nor divides", tp));
+    need(config.intermediate_size % world == 0,
+         detail::concat("intermediate_size ", config.intermediate_size, " is not a multiple of", tp));
+    need(config.vocab_size % world == 0, detail::concat("vocab_size ", config.vocab_size, " is not a multiple of", tp));
+    LLAISYS_CHECK(problems.empty(), std::invalid_argument, config.arch, " model cannot be split over ", world,
+                  " ranks: ", problems);
     ModelConfig c = config;
     c.num_attention_heads = heads / world;
     c.num_key_value_heads = kv >= world ? kv / world : 1;

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _core
+
 # role -> the head a row (or, for o, a column) belongs to: query heads, KV heads, or NeoX's fused triples
 _HEAD_UNITS = {"q": "q", "q_bias": "q", "o": "q", "k": "kv", "k_bias": "kv", "v": "kv", "v_bias": "kv",
                "qkv_heads": "qkv", "qkv_heads_bias": "qkv"}
@@ -44,23 +46,11 @@ def vocab_range(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def check_tensor_parallel(config, world: int) -> None:
-    """ValueError naming everything that does not divide, for a model that cannot run on `world` ranks
-    (the core checks the same when a rank's model is made: _core.tensor_parallel_config)."""
+    """ValueError naming everything that does not divide, for a model that cannot run on `world` ranks (the
+    core's own check, which a rank's model makes again: _core.tensor_parallel_config)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise ValueError(f"tensor_parallel_size must be a positive int, got {world!r}")
-    if world == 1:
-        return
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    problems = []
-    if heads % world:
-        problems.append(f"num_attention_heads {heads} is not a multiple of tensor_parallel_size {world}")
-    if kv % world and world % kv:
-        problems.append(f"num_key_value_heads {kv} neither divides by nor divides tensor_parallel_size {world}")
-    for name in ("intermediate_size", "vocab_size"):
-        if getattr(config, name) % world:
-            problems.append(f"{name} {getattr(config, name)} is not a multiple of tensor_parallel_size {world}")
-    if problems:
-        raise ValueError(f"{config.arch} model cannot be split over {world} GPUs: " + "; ".join(problems))
+    _core.tensor_parallel_config(config.core, world)
 
 
 def rank_cut(entry: tuple, config, world: int, rank: int) -> Cut:
