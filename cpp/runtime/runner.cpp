@@ -33,6 +33,14 @@ struct Runner::Inflight {
     std::vector<RowSampling> rows; // for the error message of a row without a token
 };
 
+// A launched step's record with room for `capacity` tokens (pinned on CUDA) and its event.
+std::unique_ptr<Runner::Inflight> Runner::make_inflight(int64_t capacity) const {
+    auto f = std::make_unique<Inflight>();
+    f->done = std::make_unique<Event>(model_.device());
+    f->host = Tensor::empty({capacity}, DType::I64, Device::cpu(), model_.device().is_cuda());
+    return f;
+}
+
 Runner::Runner(models::Model &model, KVPool &pool, RunnerConfig config)
     : model_(model), pool_(pool), config_(std::move(config)),
       staging_(std::make_unique<InputStaging>(model.device())) {
@@ -49,12 +57,7 @@ Runner::Runner(models::Model &model, KVPool &pool, RunnerConfig config)
         // Pinned host memory is taken now, not while this rank's collectives wait for another rank: a pinned
         // allocation or free may wait for every device's work, which could then never finish.
         staging_->reserve(size_t(1) << 20);
-        for (int i = 0; i < 4; ++i) {
-            auto f = std::make_unique<Inflight>();
-            f->done = std::make_unique<Event>(model.device());
-            f->host = Tensor::empty({4096}, DType::I64, Device::cpu(), true);
-            spare_.push_back(std::move(f));
-        }
+        for (int i = 0; i < 4; ++i) spare_.push_back(make_inflight(4096));
     }
 }
 
@@ -316,11 +319,9 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
         f = std::move(spare_.back());
         spare_.pop_back();
     } else {
-        f = std::make_unique<Inflight>();
-        f->done = std::make_unique<Event>(model_.device());
+        f = make_inflight(std::max<int64_t>(B, 64));
     }
-    if (!f->host.defined() || f->host.numel() < B)
-        f->host = Tensor::empty({std::max<int64_t>(B, 64)}, DType::I64, Device::cpu(), model_.device().is_cuda());
+    if (f->host.numel() < B) f = make_inflight(B); // a larger batch than this spare holds (rare)
     runtime::memcpy_async(f->host.data(), Device::cpu(), ids.data(), model_.device(), size_t(B) * sizeof(int64_t));
     f->done->record(current_stream(model_.device()));
     f->rows = rows;

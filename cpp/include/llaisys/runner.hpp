@@ -101,6 +101,7 @@ private:
     void apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows);
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
+    std::unique_ptr<Inflight> make_inflight(int64_t capacity) const;
 
     models::Model &model_;
     KVPool &pool_;
