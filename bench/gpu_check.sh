@@ -31,7 +31,7 @@ if has build; then
   log "build"
   cmake -S . -B build/gpu -G Ninja -DLLAISYS_CUDA=ON -DLLAISYS_CUDA_ARCHS=90 -DLLAISYS_BUILD_TESTS=ON \
     -DLLAISYS_BUILD_BENCH=ON -DCMAKE_PREFIX_PATH=/tmp/dd/usr >"$OUT/build.log" 2>&1 &&
-    cmake --build build/gpu -j16 --target _core bench_ops >>"$OUT/build.log" 2>&1 ||
+    cmake --build build/gpu -j$(nproc) --target _core bench_ops >>"$OUT/build.log" 2>&1 ||
     { log "BUILD FAILED"; grep -E "error" -A3 "$OUT/build.log" | head -40; exit 1; }
   python3 -c "import llaisys; print(llaisys.build_info(), llaisys.cuda_device_count())" | tee -a "$OUT/summary.txt"
 fi
@@ -105,7 +105,7 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   grep -E "tp_smoke|Error|error" "$OUT/tp_smoke.log" | head -10 | tee -a "$OUT/summary.txt"
   grep -q "tp_smoke overlap" "$OUT/tp_smoke.log" || exit 1
   log "all-reduce alone: 2 per layer of a decode step"
-  timeout 120 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
+  timeout 120 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
   for tp in 1 ${TP_SIZES:-2}; do
     log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp"
     timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
@@ -116,6 +116,11 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda tests/test_tensor_parallel.py tests/test_comm.py \
     -p no:cacheprovider >"$OUT/pytest_tp.log" 2>&1
   tail -5 "$OUT/pytest_tp.log" | tee -a "$OUT/summary.txt"
+  for tp in ${TP_BIG:-}; do # the 72B shape (145 GB in bf16: 4 GPUs at least), batch-1 decode
+    log "llaisys bench --shape qwen2-72b --tensor-parallel-size $tp"
+    timeout ${T_BIG:-420} python3 -m llaisys bench --shape qwen2-72b --device cuda --prompt-len 128 --new-tokens 128 \
+      -tp $tp --json "$OUT/bench_72b_tp$tp.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
+  done
   for tp in ${TP_THROUGHPUT:-}; do
     log "throughput ${TP_SHAPE:-qwen2-7b}, ${N_REQ:-256} requests, tensor parallel $tp"
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape ${TP_SHAPE:-qwen2-7b} --device cuda \

@@ -147,7 +147,7 @@ def _add_bench(sub, fmt, debug) -> None:
                               "  llaisys bench --throughput --shape qwen2-0.5b --device cuda --peers")
     src = b.add_mutually_exclusive_group()
     src.add_argument("--model", "-m", metavar="M", help="a real model (as for generate)")
-    src.add_argument("--shape", choices=["qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen3-0.6b", "llama-3.2-1b",
+    src.add_argument("--shape", choices=["qwen2-0.5b", "qwen2-1.5b", "qwen2-7b", "qwen2-72b", "qwen3-0.6b", "llama-3.2-1b",
                                         "llama-3.1-8b", "pythia-1.4b", "gemma-3-1b"], help="random weights of this shape "
                      "(default qwen2-0.5b when --model is not given)")
     b.add_argument("--device", default="auto", type=_device, metavar="DEV",
