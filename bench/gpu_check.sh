@@ -12,9 +12,23 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 steps=${*:-build test quant serving model stream breakdown bench sanitize}
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0  # never NVLink multicast on the lent machines
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # never NVLink multicast on the lent machines
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 has() { [[ " $steps " == *" $1 "* ]]; }
+# watch NAME SECONDS CMD...: CMD's output goes to $OUT/NAME.log; past SECONDS it counts as hung: every
+# thread's native stack (cuda-gdb) goes to $OUT/NAME_hang.txt and the process is killed.
+watch() {
+  local name=$1 secs=$2; shift 2
+  "$@" >"$OUT/$name.log" 2>&1 &
+  local pid=$! i
+  for i in $(seq "$secs"); do sleep 1; kill -0 $pid 2>/dev/null || break; done
+  if kill -0 $pid 2>/dev/null; then
+    log "$name HUNG after $secs s: native stacks in ${name}_hang.txt"
+    timeout 90 cuda-gdb -p $pid -batch -ex "thread apply all bt 25" >"$OUT/${name}_hang.txt" 2>&1
+    kill -9 $pid 2>/dev/null
+  fi
+  wait $pid
+}
 
 if [ -d .devdeps ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devdeps/*.whl 2>/dev/null
@@ -91,19 +105,14 @@ if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k
 fi
 if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 decode and the throughput protocol
   # of the 7B shape at 1 and TP_SIZES ranks on this machine (same call: compare within it)
-  log "tp_smoke (stage by stage; a hang records every thread's stack)"
-  timeout 150 python3 bench/tp_smoke.py --tp ${TP_SMOKE:-2} >"$OUT/tp_smoke.log" 2>&1 &
-  smoke=$!
-  for i in $(seq 140); do sleep 1; kill -0 $smoke 2>/dev/null || break; done
-  if kill -0 $smoke 2>/dev/null; then
-    pid=$(pgrep -f "bench/tp_smoke.py" | tail -1)
-    log "tp_smoke HUNG: stacks in tp_hang.txt"
-    timeout 60 cuda-gdb -p $pid -batch -ex "thread apply all bt 30" >"$OUT/tp_hang.txt" 2>&1
-    kill -9 $pid 2>/dev/null
-  fi
-  wait $smoke
+  log "tp_smoke (stage by stage, f32: tokens must equal one GPU's; a hang records every thread's stack)"
+  watch tp_smoke 120 python3 bench/tp_smoke.py --tp ${TP_SMOKE:-2}
   grep -E "tp_smoke|Error|error" "$OUT/tp_smoke.log" | head -10 | tee -a "$OUT/summary.txt"
-  grep -q "tp_smoke overlap" "$OUT/tp_smoke.log" || exit 1
+  log "pytest -m cuda tests/test_tensor_parallel.py tests/test_comm.py"
+  watch pytest_tp ${T_TP:-240} python3 -m pytest -v -x -m cuda -o faulthandler_timeout=60 \
+    tests/test_tensor_parallel.py tests/test_comm.py -p no:cacheprovider
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_tp.log" | tail -30 | tee -a "$OUT/summary.txt"
+  if [ "${TP_BENCH:-1}" = 1 ]; then
   log "all-reduce alone: 2 per layer of a decode step"
   timeout 120 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
   for tp in 1 ${TP_SIZES:-2}; do
@@ -112,10 +121,7 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
       --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
       tee -a "$OUT/summary.txt"
   done
-  log "pytest -m cuda tests/test_tensor_parallel.py tests/test_comm.py"
-  timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda tests/test_tensor_parallel.py tests/test_comm.py \
-    -p no:cacheprovider >"$OUT/pytest_tp.log" 2>&1
-  tail -5 "$OUT/pytest_tp.log" | tee -a "$OUT/summary.txt"
+  fi
   for tp in ${TP_BIG:-}; do # the 72B shape (145 GB in bf16: 4 GPUs at least), batch-1 decode
     log "llaisys bench --shape qwen2-72b --tensor-parallel-size $tp"
     timeout ${T_BIG:-420} python3 -m llaisys bench --shape qwen2-72b --device cuda --prompt-len 128 --new-tokens 128 \

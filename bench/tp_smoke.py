@@ -24,9 +24,9 @@ STAGES = {"eager": dict(cuda_graphs=False, overlap_steps=False), "graphs": dict(
           "overlap": dict(cuda_graphs=True, overlap_steps=True)}
 
 
-def run(tp: int, settings: dict) -> list[list[int]]:
+def run(tp: int, settings: dict, dtype: str) -> list[list[int]]:
     prompts = [[(7 * i + 3 * k) % 4000 for i in range(n)] for k, n in enumerate((5, 40, 130))]
-    with Engine.from_loaded(random_loaded(SHAPE, "bf16", name="tiny"), device="cuda", dtype="bf16",
+    with Engine.from_loaded(random_loaded(SHAPE, dtype, name="tiny"), device="cuda", dtype=dtype,
                             progress=False, tensor_parallel_size=tp, tp_timeout_s=60, **settings) as eng:
         return [r.token_ids for r in eng.generate(prompts, max_new_tokens=24, temperature=0, ignore_eos=True)]
 
@@ -34,13 +34,18 @@ def run(tp: int, settings: dict) -> list[list[int]]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
+                    help="f32 (default): sums in another order differ by ~1e-6, so tokens must be equal; in bf16 "
+                         "a near-tie may flip a token")
     args = ap.parse_args()
     faulthandler.dump_traceback_later(100, exit=False)
     for name, settings in STAGES.items():
         t = time.perf_counter()
-        one = run(1, settings)
-        split = run(args.tp, settings)
-        print(f"tp_smoke {name}: tp={args.tp} {'equal' if split == one else 'DIFFERENT'} tokens, "
+        one = run(1, settings, args.dtype)
+        split = run(args.tp, settings, args.dtype)
+        firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(one, split)]
+        where = "" if split == one else f" (first difference at token {firsts} of each prompt)"
+        print(f"tp_smoke {name}: tp={args.tp} {args.dtype} {'equal' if split == one else 'DIFFERENT'} tokens{where}, "
               f"{time.perf_counter() - t:.1f} s", flush=True)
     return 0
 
