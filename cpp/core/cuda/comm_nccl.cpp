@@ -11,7 +11,10 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 
 namespace llaisys {
 
@@ -41,17 +44,40 @@ public:
     NcclCommunicator(int rank, int world, int device, ncclComm_t comm)
         : Communicator(rank, world, Device::cuda(device)), comm_(comm) {}
     ~NcclCommunicator() override {
-        if (!aborted_.load()) ncclCommDestroy(comm_);
+        if (!aborted_.load()) {
+            ncclCommDestroy(comm_);
+            return;
+        }
+        // the abort's thread returns once every graph holding this communicator is gone (the runners that own
+        // them go first); should it not, it is left behind rather than hanging the process's exit
+        std::unique_lock<std::mutex> lock(abort_mu_);
+        if (abort_done_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return abort_done_; })) {
+            lock.unlock();
+            abort_thread_.join();
+        } else {
+            abort_thread_.detach();
+        }
     }
 
     std::string backend() const override { return "nccl " + nccl_version(); }
 
+    // ncclCommAbort raises the communicator's abort flag first (its kernels then end), but since NCCL 2.26 it
+    // returns only once every CUDA graph that captured the communicator is destroyed, and a rank's runner
+    // holds its graphs until the engine closes: called here it would never return (seen on 4 x H100, NCCL
+    // 2.28.3). So it runs on a thread of its own; the caller goes on as soon as the flag is up.
     void abort(const std::string &why) override {
         std::lock_guard<std::mutex> lock(abort_mu_);
         if (aborted_.load()) return;
         why_ = why;
         aborted_.store(true);
-        ncclCommAbort(comm_); // frees the communicator; its pending kernels end with an error
+        abort_thread_ = std::thread([this] {
+            ncclCommAbort(comm_); // frees the communicator; its pending kernels end early
+            {
+                std::lock_guard<std::mutex> done(abort_mu_);
+                abort_done_ = true;
+            }
+            abort_done_cv_.notify_all();
+        });
     }
 
     void all_reduce_sum(const Tensor &x) override {
@@ -79,6 +105,9 @@ private:
     std::atomic<bool> aborted_{false};
     mutable std::mutex abort_mu_;
     std::string why_;
+    std::thread abort_thread_;
+    std::condition_variable abort_done_cv_;
+    bool abort_done_ = false;
 };
 
 } // namespace
