@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [stream] [tp] [families] [ab] [breakdown] [bench] [sanitize]
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [tp] [families] [ab] [breakdown] [bench] [sanitize]
 #   (default: all but tp, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
@@ -97,6 +97,13 @@ if has model; then
   log "llaisys bench --shape qwen2-0.5b, LLAISYS_FUSED=0 (A/B of the fused projections)"
   LLAISYS_FUSED=0 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape qwen2-0.5b --device cuda --prompt-len 128 \
     --new-tokens 256 --json "$OUT/bench_unfused.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has steady; then # issue 33: steady decode of B rows x 600 cached tokens against a static-batch torch.compile model
+  for shape in ${STEADY_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
+    log "bench/steady_decode.py --shape $shape --batch ${STEADY_BATCH:-64 256}"
+    timeout ${T_STEADY:-300} python3 bench/steady_decode.py --shape $shape --device cuda --batch ${STEADY_BATCH:-64 256} \
+      --json "$OUT/steady_$shape.json" 2>&1 | grep -v Warning | grep -E "^\||Error|error" | tee -a "$OUT/summary.txt"
+  done
 fi
 if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k window vs at 4k context (>= 0.95x)
   log "bench/streaming_speed.py --shape qwen2-0.5b --window 4096 --generated 32768"

@@ -608,3 +608,18 @@ def test_contention_same_contender_ratios():
                "1-thread engine": 4.0}
     ratios = script.same_contender({c: {"median": m} for c, m in medians.items()})
     assert ratios == pytest.approx({"none": 20 / 12, "busy-loop": 10 / 8, "engine": 6 / 4})
+
+
+def test_steady_decode_times_a_step_of_the_whole_batch(monkeypatch, capsys):
+    """bench/steady_decode.py (issue 33): the llaisys row runs B sequences of C cached tokens through the
+    Engine and prints one row per batch; without CUDA the torch.compile peer is left out, not faked."""
+    import steady_decode
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny-test", SMALL)
+    assert steady_decode.main(["--shape", "tiny-test", "--device", "cpu", "--batch", "1", "3", "--context", "20",
+                               "--steps", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(rows) == 2 and all(float(r.split("|")[2]) > 0 and r.rstrip().endswith("- | - | - |") for r in rows), out
+    with pytest.raises(SystemExit):
+        steady_decode.main(["--shape", "tiny-test", "--device", "cpu", "--steps", "0"])

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Steady batched decode (issue 33): B sequences with C cached tokens each, decoding together, through the
+Engine's scheduler (paging, scheduling, sampling, detokenization: everything a request pays), against a
+static-batch PyTorch model of the same shape with the same B rows (HF's model, a static KV cache,
+torch.compile(mode="reduce-overhead") on the decode step: the gpt-fast recipe; CUDA only).
+
+llaisys: a step = (time of generate(B prompts of C tokens, 1 + S new tokens) - time of the same with 1 new
+token) / S: the prefill and the first token cancel. The peer: S compiled decode steps of B rows after its warm-up,
+every row at position C of a cache of C + S + 8 (its keys are zeros: a decode step reads and computes the
+same whatever they hold). Random weights of a real shape, each its own buffer, bf16 on CUDA (f32 on the CPU).
+
+    python bench/steady_decode.py --shape qwen2-0.5b --device cuda --batch 64 256 --context 600 --steps 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from llaisys_bench import shapes  # this folder is sys.path[0] when run as a script
+
+
+def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int, dtype: str) -> float:
+    """Seconds per decode step of `batch` sequences with `context` cached tokens, through Engine.generate."""
+    import numpy as np
+
+    from llaisys.engine import Engine
+
+    c = shapes.SHAPES[shape]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, c["vocab_size"], context).tolist() for _ in range(batch)]
+    with Engine.from_loaded(shapes.random_loaded(c, dtype, name=shape), device=device, dtype=dtype,
+                            max_seq_len=context + steps + 8, max_num_seqs=batch, enable_prefix_caching=False,
+                            progress=False) as eng:
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            out = eng.generate(prompts, max_new_tokens=n, temperature=0, ignore_eos=True)
+            assert all(len(r.token_ids) == n for r in out)
+            return time.perf_counter() - t
+
+        timed(1 + steps)  # warm-up: graphs, allocator, pools
+        best = min((timed(1 + steps) - timed(1)) for _ in range(2))
+    return best / steps
+
+
+def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps: int) -> float:
+    """Seconds per decode step of HF's model of the shape with a static cache of `batch` rows, compiled."""
+    import torch
+    from transformers import StaticCache
+
+    from llaisys_bench.peers import _hf_model
+
+    m = _hf_model(shape, None, torch.bfloat16, device)
+    m.config._attn_implementation = "sdpa"
+    cache = StaticCache(config=m.config, max_batch_size=batch, max_cache_len=context + steps + 8, device=device,
+                        dtype=m.dtype)
+    step = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+    token = torch.zeros((batch, 1), dtype=torch.long, device=device)
+    with torch.no_grad():
+        def run(first: int, n: int):
+            nonlocal token
+            for i in range(n):
+                out = step(token, past_key_values=cache, cache_position=torch.tensor([first + i], device=device),
+                           use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+
+        run(context, 3)  # compile and record the graphs outside the timed region
+        t = time.perf_counter()
+        run(context + 3, steps)
+        return (time.perf_counter() - t) / steps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(shapes.SHAPES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--context", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--no-peer", action="store_true", help="llaisys only")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
+        ap.error("--batch, --context and --steps must be >= 1")
+    cuda = args.device.startswith("cuda")
+    dtype = "bf16" if cuda else "f32"
+    rows = []
+    print(f"{args.shape} on {args.device} ({dtype}): {args.context} cached tokens a row, {args.steps} steps")
+    print("| batch | llaisys ms/step | tok/s | torch.compile static ms/step | tok/s | llaisys / peer |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for b in args.batch:
+        ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype)
+        peer = None if args.no_peer or not cuda else torch_static_step_s(args.shape, args.device, b, args.context,
+                                                                          args.steps)
+        rows.append(dict(batch=b, llaisys_ms=ours * 1e3, peer_ms=None if peer is None else peer * 1e3))
+        peer_cols = "- | - | -" if peer is None else f"{peer * 1e3:.2f} | {b / peer:,.0f} | {peer / ours:.2f}x"
+        print(f"| {b} | {ours * 1e3:.2f} | {b / ours:,.0f} | {peer_cols} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(shape=args.shape, device=args.device, context=args.context, steps=args.steps, rows=rows), f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
