@@ -1,6 +1,7 @@
 """The all-reduces of a tensor-parallel decode step, alone (issue 30): a decode step of a model split over N
 GPUs makes two all-reduces of [batch, hidden] per layer (after o and after down), plus one all-gather of the
-logits' slices. This times them on their own, eagerly, one thread per GPU as the engine drives them, so the
+logits' slices (or, for greedy rows, of each slice's (max, index): issue 30 asks which costs less). This times
+them on their own, eagerly, one thread per GPU as the engine drives them, so the
 share of a step they take can be read beside `llaisys bench --tensor-parallel-size N` of the same shape
 (inside the engine they are captured into each rank's CUDA graph, which launches them cheaper than here).
 
@@ -77,12 +78,19 @@ def main() -> int:
                     return part, out.to("bf16")
                 _core.ops.all_gather(state[1], state[0], comm)
 
+            def pairs(r, comm, state):  # the alternative for greedy rows: each slice's (max, index) gathered
+                if state is None:
+                    part = llaisys.tensor(np.ones((batch, 2), np.float32)).to(f"cuda:{r}")
+                    return part, llaisys.tensor(np.ones((batch * world, 2), np.float32)).to(f"cuda:{r}")
+                _core.ops.all_gather(state[1], state[0], comm)
+
             ar = time_ranks(world, reduce, args.iters)
+            mi = time_ranks(world, pairs, args.iters)
             ag = time_ranks(world, gather, max(20, args.iters // 10))
             step = 2 * layers * ar + ag
             print(f"world {world} batch {batch:4d}: all_reduce [{batch}, {hidden}] bf16 {ar * 1e6:7.1f} us, "
                   f"all_gather of the logits {ag * 1e6:7.1f} us; per decode step (2 x {layers} + 1) "
-                  f"{step * 1e3:6.3f} ms")
+                  f"{step * 1e3:6.3f} ms; all_gather of (max, index) [{batch}, 2] f32 {mi * 1e6:7.1f} us")
     return 0
 
 
