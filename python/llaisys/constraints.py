@@ -111,3 +111,22 @@ class Constraint:
     @property
     def error(self) -> str | None:
         return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class MaskFiller:
+    """Writes the masks of several constraints at once: one row alone directly, more on llguidance's thread
+    pool (LLExecutor, which releases the GIL; the same masks as one at a time)."""
+
+    def __init__(self, num_threads: int | None = None):
+        self.num_threads = num_threads  # None: llguidance's default (80% of the CPUs, at most 32)
+        self._executor = None  # started on the first batch of two or more
+
+    def fill(self, constraints: list[Constraint], mask: np.ndarray) -> None:
+        """mask: C-contiguous int32 [len(constraints), ceil(vocab / 32)]; row j gets constraints[j]'s."""
+        if len(constraints) == 1:
+            constraints[0].mask_into(mask[0])
+            return
+        if self._executor is None:
+            self._executor = _llg().LLExecutor(self.num_threads)
+        self._executor.unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)],
+                                               mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])

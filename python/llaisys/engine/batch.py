@@ -19,12 +19,13 @@ from .sequence import Sequence, Status
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
-    host state (penalty ids, biases, the min_tokens ban, a constraint's mask; logprobs come from one op over
-    the batch) and
+    host state (penalty ids, biases, the min_tokens ban, a constraint's mask or its trigger; logprobs come
+    from one op over the batch) and
     whose cache does not slide (a windowed sequence's positions and blocks move with its evictions:
     block_manager.slide)."""
     return (len(seq) - seq.num_computed == 1 and seq.seen is None and seq.counts is None and
-            seq.num_output >= seq.params.min_tokens and not seq.kv_window and seq.constraint is None)
+            seq.num_output >= seq.params.min_tokens and not seq.kv_window and seq.constraint is None and
+            seq.trigger is None)
 
 
 class DecodeBatch:

@@ -350,8 +350,18 @@ class Engine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos), kv_window=window, sink_tokens=sinks)
         if params.constraint is not None:
-            seq.constraint = Constraint(self._ll_tokenizer(), params.constraint)
+            constraint = Constraint(self._ll_tokenizer(), params.constraint)  # its errors raise at submit
+            if params.grammar_trigger is None:
+                seq.constraint = constraint
+            else:
+                seq.trigger = (self._trigger_id(params.grammar_trigger), constraint)
         return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink, incremental)
+
+    def _trigger_id(self, text: str) -> int:
+        token = self.tokenizer.token_to_id(text)
+        if token is None:
+            raise ValueError(f"grammar_trigger {text!r} is not one token of this model's vocabulary")
+        return token
 
     def _ll_tokenizer(self):
         """llguidance's view of the vocabulary (structured output), built on first use (~1 s) and kept."""
