@@ -145,7 +145,8 @@ def go_engine(tiny, overlap, fn):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_triggered_constraint_starts_after_its_token(tiny, temperature):
     """grammar_trigger (tool_choice "auto"'s mechanism): the output is free up to the trigger token and
-    obeys the constraint after it; a request whose output never reaches the trigger is free throughout.
+    obeys the constraint after it; a request whose output never reaches the trigger, or whose first token
+    does not begin its opening_grammar, is free throughout.
     The same with overlap on and off (the step after the trigger's is chained, its sampling deferred)."""
     def go(eng):
         p = token_prompts(eng.config.vocab_size, [15], seed=13)[0]
@@ -156,13 +157,15 @@ def test_a_triggered_constraint_starts_after_its_token(tiny, temperature):
         first = free.token_ids.index(free.token_ids[first])
         lazy = eng.generate(p, regex="[0-9]{3}", grammar_trigger=trigger, **kw)
         never = eng.generate(p, regex="[0-9]{3}", grammar_trigger="<|im_start|>", **kw)
-        return first, result([free, lazy, never]), eng.tokenizer.decode(lazy.token_ids[first + 1:])
+        # an opening grammar its first token does not start: free throughout
+        unopened = eng.generate(p, opening_grammar='start: "\u00e9\u00e9\u00e9"', **kw)
+        return first, result([free, lazy, never, unopened]), eng.tokenizer.decode(lazy.token_ids[first + 1:])
     plain, over, _ = run_both(tiny, go)
     assert over == plain
-    first, (free, lazy, never), tail = over
+    first, (free, lazy, never, unopened), tail = over
     assert lazy[0][:first + 1] == free[0][:first + 1]
     assert lazy[1] == "stop" and re.fullmatch("[0-9]{3}", tail)
-    assert never == free
+    assert never == free and unopened == free
 
 
 def test_a_bad_grammar_trigger_raises_at_submit(tiny):

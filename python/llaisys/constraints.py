@@ -130,3 +130,22 @@ class MaskFiller:
             self._executor = _llg().LLExecutor(self.num_threads)
         self._executor.unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)],
                                                mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
+
+
+class Trigger:
+    """A constraint that starts inside the output (tool_choice "auto": free text until the model begins a
+    call). `after`: the constraint of what follows the token `token_id`, wherever it comes (a tagged call's
+    `<tool_call>`). `opening`: a constraint the whole answer follows when its first token is not blank and is
+    one that `opening` accepts as its start (a bare JSON call); that token is its first."""
+
+    def __init__(self, token_id: int | None, after: Constraint | None, opening: Constraint | None, blank):
+        self.token_id, self.after, self.opening, self.blank = token_id, after, opening, blank
+
+    def fire(self, token: int, first: bool) -> Constraint | None:
+        """The constraint that starts with the output's token `token` (first: the output's first), or None."""
+        if token == self.token_id:
+            return self.after
+        if first and self.opening is not None and not self.blank(token):
+            if self.opening.matcher.try_consume_tokens([int(token)]) == 1:
+                return self.opening
+        return None

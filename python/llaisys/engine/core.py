@@ -333,8 +333,8 @@ class EngineCore:
                 pass
             elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
                 self.finish(seq, "length")
-            elif seq.trigger is not None and token == seq.trigger[0]:  # its constraint starts with the next token
-                seq.constraint, seq.trigger = seq.trigger[1], None
+            elif seq.trigger is not None and (started := seq.trigger.fire(int(token), seq.num_output == 1)):
+                seq.constraint, seq.trigger = started, None  # it masks the next token on
         if want:
             temperature, chosen = np.zeros(len(tokens), np.float32), np.asarray(tokens, np.int64)
             ks = []

@@ -46,8 +46,8 @@ class Sequence:
             {} if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 else None)
         # structured output: a constraints.Constraint (the engine sets it when params.constraint is set)
         self.constraint = None
-        # (token id, Constraint): the constraint that becomes `constraint` once the output reaches that token
-        # (SamplingParams.grammar_trigger); None before a trigger is set and once it fired
+        # a constraints.Trigger: the constraint that becomes `constraint` where the output begins it
+        # (SamplingParams.grammar_trigger / opening_grammar); None once it fired
         self.trigger = None
 
     def __len__(self) -> int:
