@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("llguidance")
 
 from tiny_model import make_tiny_qwen2  # noqa: E402
-from utils import f32_engine, token_prompts  # noqa: E402
+from utils import DEVICES, f32_engine, token_prompts  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "c": {"enum": ["red", "green", "blue"]},
@@ -27,12 +27,12 @@ def tiny(tmp_path_factory):
     return make_tiny_qwen2(tmp_path_factory.mktemp("overlap_constrained"), seed=11, max_position_embeddings=1024)
 
 
-def run_both(tiny, fn):
-    """fn(engine) with overlap off and on (CPU); both results and the chained steps of the second whose
-    sampling waited for their masks."""
+def run_both(tiny, fn, device="cpu"):
+    """fn(engine) with overlap off and on; both results and the chained steps of the second whose sampling
+    waited for their masks."""
     out = []
     for overlap in (False, True):
-        eng = f32_engine(tiny, "cpu", overlap)
+        eng = f32_engine(tiny, device, overlap)
         try:
             out += [fn(eng), eng.stats()["overlapped_constrained_steps"]]
         finally:
@@ -56,11 +56,14 @@ def mixed(eng, temperature, seed=None):
                         grammar=[None, None, None, None, 'start: "a" "b"* "c"', None])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 7)])
-def test_constrained_and_free_rows_chained_give_the_same_tokens(tiny, temperature, seed):
+def test_constrained_and_free_rows_chained_give_the_same_tokens(tiny, temperature, seed, device):
+    """On CUDA the chained steps replay the decode graph for their forward (sampler off) and sample after
+    it: f32, the same rows in both runs, so the same tokens."""
     def go(eng):
         return mixed(eng, temperature, seed)
-    plain, over, n = run_both(tiny, go)
+    plain, over, n = run_both(tiny, go, device)
     assert result(over) == result(plain)
     assert n > 5  # constrained rows ran chained steps
     date, choice, ab = over[2], over[3], over[4]
@@ -175,5 +178,15 @@ def test_a_bad_grammar_trigger_raises_at_submit(tiny):
             eng.generate([5, 6], max_new_tokens=2, regex="a", grammar_trigger="no such token here")
         with pytest.raises(ValueError, match="grammar_trigger must be"):
             eng.generate([5, 6], max_new_tokens=2, grammar_trigger="<|im_start|>")
+    finally:
+        eng.close()
+
+
+def test_sample_deferred_without_a_deferred_launch_raises(tiny):
+    eng = f32_engine(tiny, "cpu", True)
+    try:
+        with pytest.raises(ValueError, match="no deferred launch"):
+            eng._core.runner.runner.sample_deferred(None, [], 1)
+        assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
     finally:
         eng.close()
