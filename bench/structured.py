@@ -50,7 +50,9 @@ def run(eng, batch: int, constrained: bool, max_new: int, lengths=None) -> tuple
     core = eng._core
     before = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps)
     prompts = [PROMPT + f"(record {i})" for i in range(batch)]
-    kw = dict(temperature=0)
+    # repetition_penalty 1: the default model's generation_config asks 1.1, and a penalised row is never
+    # overlapped (its penalty ids change every step), which would hide what this measures
+    kw = dict(temperature=0, repetition_penalty=1.0)
     if constrained:
         kw.update(json_schema=SCHEMA, max_new_tokens=max_new)
     else:

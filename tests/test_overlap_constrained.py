@@ -190,3 +190,23 @@ def test_sample_deferred_without_a_deferred_launch_raises(tiny):
         assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
     finally:
         eng.close()
+
+
+def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch):
+    """Constrained rows join the persistent decode batch (batch.py): their masks come from their matchers,
+    their tokens advance them, a complete grammar ends its row. The same tokens as overlap off, and as the
+    general path (no row eligible for the batch)."""
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [5, 9, 14, 4], seed=15)
+        out = eng.generate(ps, max_new_tokens=[30, 24, 36, 20], temperature=[0, 0.8, 0, 0.6], seed=2,
+                           ignore_eos=[True, False, False, True], json_schema=[None, SCHEMA, None, None],
+                           choice=[None, None, ["yes", "no"], None], regex=[None, None, None, "[a-z ]{1,40}"])
+        return result(out), eng.stats()["decode_batch_steps"]
+    (tokens, batch_steps), (over, _), n = run_both(tiny, go)
+    assert over == tokens and n > 0
+    assert batch_steps > 10  # overlap off: the rows ran from the batch arrays (chained steps are not counted)
+    assert tokens[2][1] == "stop"  # the choice row ended by its grammar
+    from llaisys.engine import scheduler
+    monkeypatch.setattr(scheduler, "eligible", lambda seq: False)
+    (general, general_steps), (general_over, _), _ = run_both(tiny, go)
+    assert general_steps == 0 and general == tokens and general_over == tokens

@@ -368,6 +368,9 @@ class EngineCore:
             for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
                 self.blocks.register_full(seqs[row])
         produced = list(zip(seqs, tokens, entries))
+        for row in b.masked:  # constrained rows: their matchers advance; a complete grammar ends the row
+            if not eos[row] and self._constrained_end(seqs[row], tokens[row]):
+                length[row] = False
         for row in np.flatnonzero(eos).tolist():
             self.finish(seqs[row], "stop")
         for row in np.flatnonzero(length).tolist():

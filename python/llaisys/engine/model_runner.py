@@ -77,8 +77,8 @@ class ModelRunner:
         arrays, sampling = self._inputs(step, int(chain))
         self.prepare_s += time.perf_counter() - t0
         # a row whose constraint waits for its trigger too: the step ahead's token may be that trigger
-        defer = chain and step.batch is None and any(
-            s.constraint is not None or s.trigger is not None for s in step.seqs)
+        defer = chain and (bool(step.batch.masked) if step.batch is not None else any(
+            s.constraint is not None or s.trigger is not None for s in step.seqs))
         masks = (None, []) if chain else self._masks(step)
         self.runner.launch(*arrays, *sampling, chain, *masks, defer)
         self.deferred = step if defer else None
@@ -103,7 +103,7 @@ class ModelRunner:
         """(token_mask [M, ceil(vocab / 32)] int32, mask_rows): the allowed tokens of each constrained row
         whose token is sampled this step (None, [] when none). Computed from the matchers as they stand, so
         a step run again (EngineCore._isolate) gets the same masks."""
-        if step.batch is not None:  # the decode batch holds no constrained row (batch.eligible)
+        if step.batch is not None and not step.batch.masked:  # the common case: no pass over the rows
             return None, []
         t0 = time.perf_counter()
         rows = [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
