@@ -27,12 +27,12 @@ def tiny(tmp_path_factory):
     return make_tiny_qwen2(tmp_path_factory.mktemp("overlap_constrained"), seed=11, max_position_embeddings=1024)
 
 
-def run_both(tiny, fn, device="cpu"):
+def run_both(tiny, fn, device="cpu", **kw):
     """fn(engine) with overlap off and on; both results and the chained steps of the second whose sampling
     waited for their masks."""
     out = []
     for overlap in (False, True):
-        eng = f32_engine(tiny, device, overlap)
+        eng = f32_engine(tiny, device, overlap, **kw)
         try:
             out += [fn(eng), eng.stats()["overlapped_constrained_steps"]]
         finally:
@@ -57,13 +57,14 @@ def mixed(eng, temperature, seed=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.9, 7)])
-def test_constrained_and_free_rows_chained_give_the_same_tokens(tiny, temperature, seed, device):
+@pytest.mark.parametrize("temperature,seed,threads", [(0.0, None, 1), (0.9, 7, 1), (0.9, 7, 4)])
+def test_constrained_and_free_rows_chained_give_the_same_tokens(tiny, temperature, seed, threads, device):
     """On CUDA the chained steps replay the decode graph for their forward (sampler off) and sample after
-    it: f32, the same rows in both runs, so the same tokens."""
+    it: f32, the same rows in both runs, so the same tokens. threads: EngineConfig.mask_threads (4: the
+    rows' masks on llguidance's thread pool)."""
     def go(eng):
         return mixed(eng, temperature, seed)
-    plain, over, n = run_both(tiny, go, device)
+    plain, over, n = run_both(tiny, go, device, mask_threads=threads)
     assert result(over) == result(plain)
     assert n > 5  # constrained rows ran chained steps
     date, choice, ab = over[2], over[3], over[4]
@@ -210,3 +211,26 @@ def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch):
     monkeypatch.setattr(scheduler, "eligible", lambda seq: False)
     (general, general_steps), (general_over, _), _ = run_both(tiny, go)
     assert general_steps == 0 and general == tokens and general_over == tokens
+
+
+def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
+    import numpy as np
+
+    from llaisys.constraints import Constraint, MaskFiller, compile_constraint
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        lltok, V = eng._ll_tokenizer(), eng.config.vocab_size
+        grammars = [compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
+                    compile_constraint(choice=["yes", "no"])] * 3
+        cs = [Constraint(lltok, g) for g in grammars]
+        for c, text in zip(cs, ['{"n": 1', "20", "y", '{"n"', "2024-0", "n", "", "", ""]):
+            for t in eng.tokenizer.encode(text):
+                c.consume(t)
+        one = np.empty((len(cs), (V + 31) // 32), np.int32)
+        for c, row in zip(cs, one):
+            c.mask_into(row)
+        pooled = np.full_like(one, 7)
+        MaskFiller(4).fill(cs, pooled)
+        assert (pooled == one).all() and (one != -1).any()
+    finally:
+        eng.close()

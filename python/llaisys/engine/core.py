@@ -65,7 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.runner = ModelRunner(models, self.pools, config.block_size, math.ceil(max_seq_len / config.block_size),
-                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s)
+                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s,
+                                  config.mask_threads)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
         # Tensor parallel: steps are not overlapped. On 2 H100s the chained launches hung (every rank idle,

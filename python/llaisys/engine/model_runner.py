@@ -13,14 +13,14 @@ from .sequence import Status
 
 class ModelRunner:
     def __init__(self, models: list, pools: list, block_size: int, max_blocks_per_seq: int, graph_sizes,
-                 cuda_graphs: bool, vocab_size: int, tp_timeout_s: float = 300.0):
+                 cuda_graphs: bool, vocab_size: int, tp_timeout_s: float = 300.0, mask_threads: int | None = None):
         """One model and KV pool per rank: several are driven as one by a RankGroup (same methods)."""
         self.block_size, self.vocab_size = block_size, vocab_size
         runners = [_core.Runner(m, p, list(graph_sizes), max_blocks_per_seq, cuda_graphs) for m, p in zip(models, pools)]
         self.runner = runners[0] if len(runners) == 1 else _core.RankGroup(runners, tp_timeout_s)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
         self.mask_s, self.mask_rows = 0.0, 0  # host time computing token masks, and rows masked (benchmarks)
-        self.masks = MaskFiller()
+        self.masks = MaskFiller(mask_threads)
         self.deferred: Step | None = None  # a chained step launched without its sampling (sample_deferred)
         self.deferred_steps = 0  # steps sampled so (stats: overlapped_constrained_steps)
 
