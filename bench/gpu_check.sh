@@ -3,8 +3,8 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [tp] [families] [ab] [breakdown] [bench] [sanitize]
-#   (default: all but tp, ab and families, in this order:
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [families] [ab] [breakdown] [bench] [sanitize]
+#   (default: all but steady, structured, tp, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
@@ -56,6 +56,14 @@ if has test; then
   timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda ${TESTS:-tests} -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
   grep -E "^SKIPPED" "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
   tail -15 "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
+fi
+
+if has structured; then # issue 31: constrained vs free decode, overlap off and on (needs llguidance)
+  log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b}"
+  timeout ${T_BENCH:-400} python3 bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --device cuda \
+    --batch 1 64 --repeat 3 --overlap both --json "$OUT/structured.json" 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
+  timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
+    grep -v Warning | tee -a "$OUT/summary.txt"
 fi
 
 if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol

@@ -9,6 +9,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <type_traits>
+
 using namespace llaisys;
 using namespace llaisys::runtime;
 
@@ -70,19 +72,28 @@ std::vector<RowSampling> row_sampling(const HostBatch &b, const Array<float> &te
     return rows;
 }
 
-// Gives rows[mask_rows[j]] the allowed-token bitmask token_mask[j] ([M, W] i32; None: no row constrained).
-void add_masks(std::vector<RowSampling> &rows, const std::optional<Tables> &token_mask,
-               const std::vector<int64_t> &mask_rows) {
+// Each of B rows' allowed-token bitmask: token_mask[j] for row mask_rows[j] ([M, W] i32; None: no row
+// constrained), empty for the others.
+std::vector<std::vector<int32_t>> row_masks(size_t B, const std::optional<Tables> &token_mask,
+                                            const std::vector<int64_t> &mask_rows) {
     const size_t M = token_mask ? token_mask->shape(0) : 0, W = token_mask ? token_mask->shape(1) : 0;
     LLAISYS_CHECK(M == mask_rows.size(), std::invalid_argument, "Runner.step: token_mask has ", M,
                   " rows but mask_rows names ", mask_rows.size());
+    std::vector<std::vector<int32_t>> masks(B);
     for (size_t j = 0; j < M; ++j) {
         const int64_t r = mask_rows[j];
-        LLAISYS_CHECK(r >= 0 && r < int64_t(rows.size()), std::out_of_range, "Runner.step: mask row ", r,
-                      " outside the batch of ", rows.size());
+        LLAISYS_CHECK(r >= 0 && r < int64_t(B), std::out_of_range, "Runner.step: mask row ", r,
+                      " outside the batch of ", B);
         const int32_t *p = token_mask->data() + j * W;
-        rows[size_t(r)].allowed.assign(p, p + W);
+        masks[size_t(r)].assign(p, p + W);
     }
+    return masks;
+}
+
+void add_masks(std::vector<RowSampling> &rows, const std::optional<Tables> &token_mask,
+               const std::vector<int64_t> &mask_rows) {
+    std::vector<std::vector<int32_t>> masks = row_masks(rows.size(), token_mask, mask_rows);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i].allowed = std::move(masks[i]);
 }
 } // namespace
 
@@ -115,20 +126,27 @@ void bind_steps(nb::class_<R> &c) {
                           Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                           Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
                           std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
-                          bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows) {
+                          bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
+                          bool defer_sampling) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
                                                          seed, step, penalty_ids, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
             nb::gil_scoped_release release;
-            r.launch(b, rows, chain);
+            if constexpr (std::is_same_v<R, Runner>) {
+                r.launch(b, rows, chain, defer_sampling);
+            } else { // a tensor-parallel group never overlaps steps (EngineCore)
+                LLAISYS_CHECK(!defer_sampling, std::invalid_argument, "RankGroup.launch: no defer_sampling");
+                r.launch(b, rows, chain);
+            }
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"), nb::arg("token_mask").none() = nb::none(),
-             nb::arg("mask_rows") = std::vector<int64_t>(),
+             nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("defer_sampling") = false,
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
-             "previous launch's tokens, on the device.")
+             "previous launch's tokens, on the device. defer_sampling (a Runner only): the forward alone; "
+             "sample_deferred() samples it.")
         .def("finish", [](Runner &r) {
             nb::gil_scoped_release release;
             return r.finish();
@@ -182,6 +200,14 @@ void bind_serving(nb::module_ &m) {
         }, nb::arg("model"), nb::arg("pool"), nb::arg("graph_batch_sizes"), nb::arg("max_blocks_per_seq"),
              nb::arg("cuda_graphs"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>());
     bind_steps(runner);
+    runner.def("sample_deferred", [](Runner &r, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
+                                     size_t num_rows) {
+        std::vector<std::vector<int32_t>> masks = row_masks(num_rows, token_mask, mask_rows);
+        nb::gil_scoped_release release;
+        r.sample_deferred(std::move(masks));
+    }, nb::arg("token_mask").none(), nb::arg("mask_rows"), nb::arg("num_rows"),
+       "Samples the deferred launch (launch(defer_sampling=True)) of num_rows rows, rows mask_rows masked by "
+       "token_mask [M, ceil(vocab / 32)] (i32).");
 
     nb::class_<RankGroup> group(m, "RankGroup",
                                 "The runners of a tensor-parallel group driven as one: one thread per rank (rank_group.hpp).");

@@ -365,3 +365,47 @@ def test_langchain_structured_output_and_tools(server):
     for c in chunks[1:]:
         whole = whole + c
     assert whole.tool_calls and whole.tool_calls[0]["name"] == "get_weather" and whole.tool_calls[0]["args"]["city"]
+
+
+# tool_choice "auto" is constrained once the answer begins a call: this model answers a call as bare or
+# ```json-fenced JSON (opening_grammar) and would write "Paris" for a city code and anything for the unit
+CODE = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                                                    "unit": {"enum": ["kelvin", "rankine"]}},
+                   "required": ["unit", "city"], "additionalProperties": False}}}
+
+
+def _valid_call(name, arguments):
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), CODE["function"]["parameters"])
+
+
+def test_an_auto_call_follows_its_tool_schema(client):
+    r = client.chat.completions.create(model="m", messages=ASK_WEATHER, tools=[CODE], tool_choice="auto",
+                                       max_tokens=80, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+    _valid_call(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(model="m", messages=ASK_WEATHER, tools=[CODE], max_tokens=80,
+                                                temperature=0.7, seed=3, stream=True):
+        for tc in chunk.choices[0].delta.tool_calls or ():
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += (tc.function.name or "") if tc.function else ""
+            entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    _valid_call(calls[0]["name"], calls[0]["arguments"])
+
+
+def test_auto_text_without_a_call_stays_free(client):
+    messages = [{"role": "user", "content": "Write one sentence about cats."}]
+    r = client.chat.completions.create(model="m", messages=messages, tools=[CODE], tool_choice="auto",
+                                       max_tokens=24, temperature=0)
+    free = client.chat.completions.create(model="m", messages=messages, tools=[CODE], tool_choice="auto",
+                                          max_tokens=24, temperature=0,
+                                          extra_body={"structured_outputs": {"regex": "(?s:.*)"}})
+    c = r.choices[0]
+    assert c.message.tool_calls is None and c.message.content
+    assert c.message.content == free.choices[0].message.content  # the same text as with no tool grammar

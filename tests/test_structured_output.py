@@ -88,9 +88,10 @@ def test_bad_constraints_raise_at_submit_and_spare_the_others(eng, kw, match):
 
 @pytest.mark.cuda
 def test_constrained_rows_on_cuda_beside_graphed_and_overlapped_ones():
-    """On CUDA free rows decode in graphs and overlapped; a constrained row takes the eager sampling path
-    and the plain steps: every output obeys its constraint, and each equals its request alone in f32 (bf16
-    GEMMs of other batch sizes may round differently)."""
+    """On CUDA free rows decode in graphs and overlapped; a constrained row's steps are overlapped too, the
+    graph running its forward and the masked sampling enqueued after the host's mask (sample_deferred):
+    every output obeys its constraint, and each equals its request alone in f32 (bf16 GEMMs of other batch
+    sizes may round differently)."""
     eng = Engine(real_model_path(), device="cuda", dtype="f32", max_seq_len=1024, progress=False)
     try:
         prompts = [ask(eng, "Describe a person as JSON."), ask(eng, "Say hi."), ask(eng, "Give a date.")]

@@ -74,17 +74,18 @@ def random_checkpoint(shape: str) -> str:
 
 def open_engine(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,
                 device: str = "auto", dtype: str = "auto", max_seq_len: int = 2064, max_num_seqs: int = 256,
-                checkpoint: bool = False, tensor_parallel_size: int = 1):
+                checkpoint: bool = False, tensor_parallel_size: int = 1, **engine_kw):
     """(engine, path or None, label, dtype). dtype goes to the Engine as given for a file ("quantized" and
     "auto" keep a GGUF's blocks); the random shape is dense ("auto" = bf16). checkpoint: load
-    --shape from random_checkpoint (what HF loads too) instead of building it in memory."""
+    --shape from random_checkpoint (what HF loads too) instead of building it in memory. engine_kw: more
+    Engine keywords (EngineConfig fields: overlap_steps, ...)."""
     from llaisys.engine import Engine
 
     if model and (shape or gguf_types):
         raise ValueError("give --model or --shape (with --gguf-types), not both")
     device = resolve_device(device)
     kw = dict(device=device, max_seq_len=max_seq_len, progress=False, max_num_seqs=max_num_seqs,
-              tensor_parallel_size=tensor_parallel_size)
+              tensor_parallel_size=tensor_parallel_size, **engine_kw)
     shape = shape or (None if model else "qwen2-0.5b")
     if gguf_types:
         path = random_gguf_module().cached_random_gguf(shape, gguf_types)

@@ -187,7 +187,7 @@ int64_t Runner::begin(const HostBatch &b, bool all_logits) {
 Tensor Runner::logits(const HostBatch &b, bool all_logits) {
     const int64_t size = begin(b, all_logits);
     DeviceGuard guard(model_.device());
-    LLAISYS_CHECK(size == 0 || inflight_.empty(), std::invalid_argument, "Runner.logits: ", inflight_.size(),
+    LLAISYS_CHECK(size == 0 || launched() == 0, std::invalid_argument, "Runner.logits: ", launched(),
                   " launched step(s) not finished (call finish() first)");
     if (size > 0) return replay(b, size, nullptr).logits.slice(0, 0, b.num_seqs());
     const StepBatch s = upload(b);
@@ -288,32 +288,62 @@ static bool samples_in_graph(const std::vector<RowSampling> &rows) {
     });
 }
 
-void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain) {
+void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain, bool defer_sampling) {
     LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
                   b.num_seqs(), " sequences, got ", rows.size());
+    LLAISYS_CHECK(!deferred_, std::invalid_argument, "Runner.launch: the deferred launch before it is not sampled yet "
+                  "(call sample_deferred() first)");
     const int64_t B = b.num_seqs();
     LLAISYS_CHECK(!chain || (!inflight_.empty() && last_launched_.numel() == B), std::invalid_argument,
                   "Runner.launch: chain needs the step launched just before it, unfinished, with the same ", B,
                   " rows (", inflight_.size(), " unfinished, the last with ", last_launched_.numel(), ")");
     const int64_t size = begin(b, false);
     DeviceGuard guard(model_.device());
-    Tensor ids;
-    if (size > 0 && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
+    if (size > 0 && !defer_sampling && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
         const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr);
         last_logits_ = g.logits.slice(0, 0, B);
         ++steps_sampled_in_graph_;
-        ids = g.ids.slice(0, 0, B);
-    } else {
-        if (size > 0) {
-            last_logits_ = replay(b, size, nullptr, chain ? &last_launched_ : nullptr).logits.slice(0, 0, B);
-        } else {
-            const StepBatch s = upload(b);
-            if (chain) chain_ids(s.ids, last_launched_);
-            last_logits_ = model_.forward_step(s, pool_.view());
-        }
-        ids = Tensor::empty({B}, DType::I64, model_.device());
-        sample(ids, last_logits_, rows);
+        record(g.ids.slice(0, 0, B), rows);
+        return;
     }
+    forward(b, size, chain);
+    if (defer_sampling) {
+        deferred_ = std::make_unique<std::vector<RowSampling>>(rows);
+        return;
+    }
+    const Tensor ids = Tensor::empty({B}, DType::I64, model_.device());
+    sample(ids, last_logits_, rows);
+    record(ids, rows);
+}
+
+// The step's forward into last_logits_: a graph's replay with its sampler off (size > 0), else eager.
+void Runner::forward(const HostBatch &b, int64_t size, bool chain) {
+    const int64_t B = b.num_seqs();
+    if (size > 0) {
+        last_logits_ = replay(b, size, nullptr, chain ? &last_launched_ : nullptr).logits.slice(0, 0, B);
+        return;
+    }
+    const StepBatch s = upload(b);
+    if (chain) chain_ids(s.ids, last_launched_);
+    last_logits_ = model_.forward_step(s, pool_.view());
+}
+
+void Runner::sample_deferred(std::vector<std::vector<int32_t>> allowed) {
+    LLAISYS_CHECK(deferred_ != nullptr, std::invalid_argument, "Runner.sample_deferred: no deferred launch");
+    std::vector<RowSampling> rows = std::move(*deferred_);
+    deferred_.reset(); // taken even if what follows raises: the step is then lost, never half-sampled twice
+    LLAISYS_CHECK(allowed.size() == rows.size(), std::invalid_argument, "Runner.sample_deferred: ", allowed.size(),
+                  " masks for a launch of ", rows.size(), " rows");
+    for (size_t i = 0; i < rows.size(); ++i) rows[i].allowed = std::move(allowed[i]);
+    DeviceGuard guard(model_.device());
+    const Tensor ids = Tensor::empty({int64_t(rows.size())}, DType::I64, model_.device());
+    sample(ids, last_logits_, rows);
+    record(ids, rows);
+}
+
+// The launch's tokens `ids` (on the device) on their way to the host: an event finish() waits for.
+void Runner::record(const Tensor &ids, const std::vector<RowSampling> &rows) {
+    const int64_t B = ids.numel();
     std::unique_ptr<Inflight> f;
     if (!spare_.empty()) {
         f = std::move(spare_.back());
@@ -337,6 +367,7 @@ void Runner::chain_ids(const Tensor &dst, const Tensor &from) {
 }
 
 std::vector<int64_t> Runner::finish() {
+    if (inflight_.empty() && deferred_) sample_deferred(std::vector<std::vector<int32_t>>(deferred_->size()));
     LLAISYS_CHECK(!inflight_.empty(), std::invalid_argument, "Runner.finish: no launched step to finish");
     std::unique_ptr<Inflight> f = std::move(inflight_.front());
     inflight_.pop_front();
@@ -356,7 +387,7 @@ std::vector<int64_t> Runner::finish() {
 
 // launch() and at once finish(): the step's one host sync.
 std::vector<int64_t> Runner::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
-    LLAISYS_CHECK(inflight_.empty(), std::invalid_argument, "Runner.step: ", inflight_.size(),
+    LLAISYS_CHECK(launched() == 0, std::invalid_argument, "Runner.step: ", launched(),
                   " launched step(s) not finished (call finish() first)");
     launch(b, rows, false);
     return finish();

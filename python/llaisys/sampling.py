@@ -60,6 +60,12 @@ class SamplingParams:
     kv_window: int | None = None    # tokens kept besides the sinks; 0 = dense (no window)
     sink_tokens: int | None = None  # first tokens always kept (attention sinks)
     constraint: str | None = None   # structured output: an llguidance grammar (constraints.compile_constraint)
+    # the constraint starts after the output's first token of this text (one token of the vocabulary), the
+    # text before it free: tool_choice "auto" (the call grammar once the model opens <tool_call>)
+    grammar_trigger: str | None = None
+    # a grammar the whole output follows if its first token starts it (else the output is free): an llguidance
+    # grammar like `constraint` (tool_choice "auto": a bare JSON call)
+    opening_grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -170,7 +176,7 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
                      top_p=None, min_p=None, repetition_penalty=None, stop=None, stop_token_ids=None, seed=None,
                      ignore_eos=False, presence_penalty=None, frequency_penalty=None, min_tokens=None,
                      logprobs=None, kv_window=None, sink_tokens=None, json_schema=None, regex=None, grammar=None,
-                     choice=None) -> SamplingParams:
+                     choice=None, grammar_trigger=None, opening_grammar=None) -> SamplingParams:
     """Sampling settings for one request: each argument left as None comes from `generation_config`
     (the model's generation_config.json as a dict), else from HF's defaults. Raises ValueError naming the
     parameter for an invalid value. User stop_token_ids are added to the EOS set by the engine.
@@ -179,8 +185,16 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
     temperature, before top-k/top-p/min-p (vLLM's default); greedy rows use temperature 1. kv_window and
     sink_tokens (StreamingLLM's rolling KV window) are left None for the engine's defaults.
     json_schema / regex / grammar (Lark) / choice (a list of strings): at most one, the structured output
-    the request must produce (constraints.py), compiled and checked here."""
+    the request must produce (constraints.py), compiled and checked here. grammar_trigger: the text of one
+    token after whose first occurrence in the output that constraint applies (free text before it).
+    opening_grammar (Lark): the output follows it when its first token (not blank) is one it accepts, else
+    the output is free."""
     gc = dict(generation_config or {})
+    constraint = compile_constraint(json_schema, regex, grammar, choice)
+    if grammar_trigger is not None and (not isinstance(grammar_trigger, str) or not grammar_trigger or
+                                        constraint is None):
+        raise ValueError(f"grammar_trigger must be a non-empty string given with json_schema, regex, grammar "
+                         f"or choice, got {grammar_trigger!r}")
 
     def pick(name, value):
         return _check(name, value) if value is not None else _from_config(gc, name, HF_DEFAULTS[name])
@@ -205,7 +219,9 @@ def resolve_sampling(generation_config: dict | None, *, max_new_tokens=None, tem
         logprobs=None if logprobs is None else _check("logprobs", logprobs),
         kv_window=None if kv_window is None else _check("kv_window", kv_window),
         sink_tokens=None if sink_tokens is None else _check("sink_tokens", sink_tokens),
-        constraint=compile_constraint(json_schema, regex, grammar, choice),
+        constraint=constraint,
+        grammar_trigger=grammar_trigger,
+        opening_grammar=None if opening_grammar is None else compile_constraint(grammar=opening_grammar),
     )
 
 

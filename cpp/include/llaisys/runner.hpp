@@ -68,9 +68,19 @@ public:
     // on the device: a decode of the same sequences in the same rows, whose tokens the host does not know
     // yet (the host's ids are ignored; penalties and biases, applied from host lists, must not need them).
     // step() and a graphed logits() raise while launched steps are unfinished.
-    void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain);
+    //
+    // defer_sampling: only the forward is enqueued (a graph's forward, its sampler off); sample_deferred()
+    // enqueues the sampling later with the rows' token masks (structured output), so the host computes
+    // those masks, which need the tokens of the step ahead, while the device runs this step's forward.
+    // Until then no other launch, step or logits call is taken; finish() of the step ahead is.
+    void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain,
+                bool defer_sampling = false);
+    // Completes the deferred launch: allowed[b] is row b's token bitmask ([ceil(vocab / 32)] words; empty:
+    // unconstrained). Its tokens come from finish() like any launch's.
+    void sample_deferred(std::vector<std::vector<int32_t>> allowed);
     std::vector<int64_t> finish();
-    size_t launched() const { return inflight_.size(); }
+    // Launched steps not finished yet (a deferred one included: finish() samples it unmasked first).
+    size_t launched() const { return inflight_.size() + (deferred_ ? 1 : 0); }
     // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
     Tensor logits(const HostBatch &batch, bool all_logits);
     // The logits the last step() sampled from ([B, vocab], after penalties and biases, before
@@ -97,7 +107,9 @@ private:
     void chain_ids(const Tensor &dst, const Tensor &from);
     std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
                                      int64_t size);
+    void forward(const HostBatch &batch, int64_t size, bool chain);
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
+    void record(const Tensor &ids, const std::vector<RowSampling> &rows);
     void apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows);
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
@@ -114,6 +126,7 @@ private:
     std::deque<std::unique_ptr<Inflight>> inflight_;
     std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
+    std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
 };
 
 } // namespace llaisys::runtime

@@ -7,7 +7,8 @@ The Sequence objects stay the truth (the block manager, the prefix cache, preemp
 read them); the arrays are a cache of them that EngineCore keeps in step and drops whenever something else
 changes the batch (a request admitted, a prefill, a preemption, a failed step). Rows that end leave by
 `condense`. A batch exists only for rows the fast path serves exactly: decodes without penalties or biases,
-past their min_tokens (those run the general path, as they do for overlapped steps). Rows with logprobs
+past their min_tokens (those run the general path, as they do for overlapped steps). Constrained rows
+(structured output) may join: the rows in `masked` get their matchers' masks and advance them. Rows with logprobs
 may join; a batch holding any runs its steps one at a time (not overlapped: the logprobs are read from the
 step's logits, which a chained step would overwrite)."""
 from __future__ import annotations
@@ -19,12 +20,12 @@ from .sequence import Sequence, Status
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
-    host state (penalty ids, biases, the min_tokens ban, a constraint's mask; logprobs come from one op over
-    the batch) and
+    host state (penalty ids, biases, the min_tokens ban, a constraint's trigger; logprobs come from one op
+    over the batch, a constrained row's mask from its matcher: DecodeBatch.masked) and
     whose cache does not slide (a windowed sequence's positions and blocks move with its evictions:
     block_manager.slide)."""
     return (len(seq) - seq.num_computed == 1 and seq.seen is None and seq.counts is None and
-            seq.num_output >= seq.params.min_tokens and not seq.kv_window and seq.constraint is None)
+            seq.num_output >= seq.params.min_tokens and not seq.kv_window and seq.trigger is None)
 
 
 class DecodeBatch:
@@ -50,9 +51,14 @@ class DecodeBatch:
         self.penalty = np.ones(n, np.float32)
         self.seeds = np.array([s.seed for s in self.seqs], np.uint64)
         self.logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64)  # -1: none
+        self._constrained()
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
         self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
+
+    def _constrained(self) -> None:
+        # rows with a constraint (structured output): masked each step, their matchers advanced by advance()
+        self.masked = [row for row, s in enumerate(self.seqs) if s.constraint is not None]
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -75,6 +81,7 @@ class DecodeBatch:
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
                      "min_p", "penalty", "seeds", "logprobs"):
             setattr(self, name, getattr(self, name)[keep])
+        self._constrained()
         self.version += 1
 
     def grow(self, blocks, ahead: int) -> bool:

@@ -85,6 +85,9 @@ class EngineConfig:
     # step within tp_timeout_s seconds breaks the group and fails the engine with an error naming it
     tensor_parallel_size: int = 1
     tp_timeout_s: float = 300.0
+    # structured output: threads computing a step's token masks (llguidance's pool, constraints.MaskFiller);
+    # None: 80% of the CPUs, at most 32; 1: one row after another
+    mask_threads: int | None = field(default_factory=lambda: _env_int("LLAISYS_MASK_THREADS"))
 
     def __post_init__(self):
         ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_prefill_chunk": 1, "block_size": 1,
@@ -97,6 +100,9 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"EngineConfig.{name} must be an int >= {low}{' or None' * (name in _PER_DEVICE)}, "
                                  f"got {value!r}")
+        m = self.mask_threads
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"EngineConfig.mask_threads must be an int >= 1 or None, got {m!r}")
         if self.block_size > 1024:
             raise ValueError(f"EngineConfig.block_size must be at most 1024, got {self.block_size}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):

@@ -65,7 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_prefill_chunk)
         self.runner = ModelRunner(models, self.pools, config.block_size, math.ceil(max_seq_len / config.block_size),
-                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s)
+                                  config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s,
+                                  config.mask_threads)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
         # Tensor parallel: steps are not overlapped. On 2 H100s the chained launches hung (every rank idle,
@@ -165,7 +166,19 @@ class EngineCore:
         except BaseException:
             self._drain()
             raise
-        return self._account(step, tokens, t0, t1), []
+        produced = self._account(step, tokens, t0, t1)
+        if self.runner.deferred is not None:
+            self._sample_deferred()
+        return produced, []
+
+    def _sample_deferred(self) -> None:
+        """Completes the chained step launched without its sampling (a constrained row): its masks are
+        computed now, from the matchers this step's tokens advanced, while the device runs its forward. A
+        failure drops that step (its sequences run again from what the host knows: nothing of it was kept)."""
+        try:
+            self.runner.sample_deferred()
+        except Exception:
+            self._drain()
 
     def _isolate(self, step, error: Exception, t0: float):
         """A step raised: one row's values (a penalty, say, that the sampler refuses or that makes its
@@ -207,11 +220,12 @@ class EngineCore:
             return False
         if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs
             return not (step.batch.logprobs >= 0).any()
-        # decodes, no penalties or biases, no logprobs, no constraint (the next mask needs this step's token)
+        # decodes, no penalties or biases, no logprobs. A constrained row may chain: its next step's sampling
+        # waits for the mask that this step's token decides (ModelRunner.sample_deferred)
         for seq, n in zip(step.seqs, step.num_tokens):
             p = seq.params
             if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.seen is not None or
-                    seq.counts is not None or seq.num_output < p.min_tokens or seq.constraint is not None):
+                    seq.counts is not None or seq.num_output < p.min_tokens):
                 return False
         return True
 
@@ -287,6 +301,7 @@ class EngineCore:
         """After a failure: waits out every launched step (their tokens dropped)."""
         self.scheduler.batch = None  # rebuilt from the sequences, which a failed step left as they were
         self._inflight, self._waited = None, 0
+        self.runner.deferred = None  # finish() samples it unmasked: its token is dropped
         while self.runner.launched:
             try:
                 self.runner.finish()
@@ -319,6 +334,8 @@ class EngineCore:
                 pass
             elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
                 self.finish(seq, "length")
+            elif seq.trigger is not None and (started := seq.trigger.fire(int(token), seq.num_output == 1)):
+                seq.constraint, seq.trigger = started, None  # it masks the next token on
         if want:
             temperature, chosen = np.zeros(len(tokens), np.float32), np.asarray(tokens, np.int64)
             ks = []
@@ -352,6 +369,9 @@ class EngineCore:
             for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
                 self.blocks.register_full(seqs[row])
         produced = list(zip(seqs, tokens, entries))
+        for row in b.masked:  # constrained rows: their matchers advance; a complete grammar ends the row
+            if not eos[row] and self._constrained_end(seqs[row], tokens[row]):
+                length[row] = False
         for row in np.flatnonzero(eos).tolist():
             self.finish(seqs[row], "stop")
         for row in np.flatnonzero(length).tolist():
@@ -403,4 +423,5 @@ class EngineCore:
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
                 "kv_blocks_evicted": b.evicted_blocks, "overlapped_steps": self.overlapped_steps,
+                "overlapped_constrained_steps": self.runner.deferred_steps,
                 "decode_batch_steps": s.batch_steps}

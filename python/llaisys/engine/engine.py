@@ -25,7 +25,7 @@ from .. import _core, catalog, loader, quant
 from ..loader.header import context_length
 from .._tensor import _wrap
 from ..chat import render_chat_template
-from ..constraints import Constraint, ll_tokenizer
+from ..constraints import Constraint, Trigger, ll_tokenizer
 from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
                            token_sequence, trim_heap, weight_policy)
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
@@ -349,9 +349,25 @@ class Engine:
             self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos), kv_window=window, sink_tokens=sinks)
-        if params.constraint is not None:
-            seq.constraint = Constraint(self._ll_tokenizer(), params.constraint)
+        if params.constraint is not None and params.grammar_trigger is None and params.opening_grammar is None:
+            seq.constraint = Constraint(self._ll_tokenizer(), params.constraint)  # its errors raise at submit
+        elif params.constraint is not None or params.opening_grammar is not None:
+            seq.trigger = self._trigger(params)
         return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink, incremental)
+
+    def _trigger(self, params: SamplingParams) -> Trigger:
+        """The constraints that start inside the output (grammar_trigger, opening_grammar), built now so a
+        bad one raises at submit."""
+        lltok, token, after, opening = self._ll_tokenizer(), None, None, None
+        if params.grammar_trigger is not None:
+            token = self.tokenizer.token_to_id(params.grammar_trigger)
+            if token is None:
+                raise ValueError(f"grammar_trigger {params.grammar_trigger!r} is not one token of this model's "
+                                 f"vocabulary")
+            after = Constraint(lltok, params.constraint)
+        if params.opening_grammar is not None:
+            opening = Constraint(lltok, params.opening_grammar)
+        return Trigger(token, after, opening, lambda t: not self.tokenizer.decode([t]).strip())
 
     def _ll_tokenizer(self):
         """llguidance's view of the vocabulary (structured output), built on first use (~1 s) and kept."""

@@ -6,17 +6,23 @@ import time
 import numpy as np
 
 from .. import _core
+from ..constraints import MaskFiller
 from .scheduler import Step
+from .sequence import Status
 
 
 class ModelRunner:
     def __init__(self, models: list, pools: list, block_size: int, max_blocks_per_seq: int, graph_sizes,
-                 cuda_graphs: bool, vocab_size: int, tp_timeout_s: float = 300.0):
+                 cuda_graphs: bool, vocab_size: int, tp_timeout_s: float = 300.0, mask_threads: int | None = None):
         """One model and KV pool per rank: several are driven as one by a RankGroup (same methods)."""
         self.block_size, self.vocab_size = block_size, vocab_size
         runners = [_core.Runner(m, p, list(graph_sizes), max_blocks_per_seq, cuda_graphs) for m, p in zip(models, pools)]
         self.runner = runners[0] if len(runners) == 1 else _core.RankGroup(runners, tp_timeout_s)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
+        self.mask_s, self.mask_rows = 0.0, 0  # host time computing token masks, and rows masked (benchmarks)
+        self.masks = MaskFiller(mask_threads)
+        self.deferred: Step | None = None  # a chained step launched without its sampling (sample_deferred)
+        self.deferred_steps = 0  # steps sampled so (stats: overlapped_constrained_steps)
 
     def _arrays(self, step: Step, ahead: int = 0):
         """The step's host arrays. ahead = 1: a decode one token past what the host knows (the token it
@@ -64,13 +70,26 @@ class ModelRunner:
     def launch(self, step: Step, chain: bool) -> None:
         """Runs the step without waiting for its tokens (finish() returns them). chain: a decode of the
         tokens of the step launched just before it (the same sequences in the same rows), not known here
-        yet."""
+        yet. A chained step with a constrained row is launched without its sampling (its masks need the
+        tokens of the step ahead): sample_deferred() completes it once they advanced the matchers."""
         self.shift(step.shifts)
         t0 = time.perf_counter()
         arrays, sampling = self._inputs(step, int(chain))
         self.prepare_s += time.perf_counter() - t0
-        masks = (None, []) if chain else self._masks(step)  # EngineCore never chains a constrained row
-        return self.runner.launch(*arrays, *sampling, chain, *masks)
+        # a row whose constraint waits for its trigger too: the step ahead's token may be that trigger
+        defer = chain and (bool(step.batch.masked) if step.batch is not None else any(
+            s.constraint is not None or s.trigger is not None for s in step.seqs))
+        masks = (None, []) if chain else self._masks(step)
+        self.runner.launch(*arrays, *sampling, chain, *masks, defer)
+        self.deferred = step if defer else None
+
+    def sample_deferred(self) -> None:
+        """Samples the deferred step with its masks, computed from the matchers as they stand now (after the
+        step ahead's tokens) while the device runs its forward. Rows that ended meanwhile are not masked
+        (their token is dropped)."""
+        step, self.deferred = self.deferred, None
+        self.deferred_steps += 1
+        self.runner.sample_deferred(*self._masks(step), len(step.seqs))
 
     def finish(self) -> list[int]:
         """The tokens of the oldest launched step not finished yet."""
@@ -84,15 +103,17 @@ class ModelRunner:
         """(token_mask [M, ceil(vocab / 32)] int32, mask_rows): the allowed tokens of each constrained row
         whose token is sampled this step (None, [] when none). Computed from the matchers as they stand, so
         a step run again (EngineCore._isolate) gets the same masks."""
-        if step.batch is not None:  # the decode batch holds no constrained row (batch.eligible)
+        if step.batch is not None and not step.batch.masked:  # the common case: no pass over the rows
             return None, []
+        t0 = time.perf_counter()
         rows = [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
-                if s.constraint is not None and s.num_computed + n >= len(s)]
+                if s.constraint is not None and s.num_computed + n >= len(s) and s.status is Status.RUNNING]
         if not rows:
             return None, []
         mask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
-        for j, r in enumerate(rows):
-            step.seqs[r].constraint.mask_into(mask[j])
+        self.masks.fill([step.seqs[r].constraint for r in rows], mask)
+        self.mask_s += time.perf_counter() - t0
+        self.mask_rows += len(rows)
         return mask, rows
 
     def _sampling(self, step: Step, ahead: int = 0):

@@ -46,6 +46,9 @@ class Sequence:
             {} if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 else None)
         # structured output: a constraints.Constraint (the engine sets it when params.constraint is set)
         self.constraint = None
+        # a constraints.Trigger: the constraint that becomes `constraint` where the output begins it
+        # (SamplingParams.grammar_trigger / opening_grammar); None once it fired
+        self.trigger = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -31,6 +31,10 @@ def prepare(eng, req: ChatRequest | CompletionRequest, chat: bool) -> tuple[list
     logprobs, (index, last chunk) of choices that end without generating: echo with max_tokens=0). Runs in
     a worker thread: chat templates, tokenizers and prompt logprobs take a while on long prompts."""
     sampling = req.sampling()
+    trigger = sampling.get("grammar_trigger")
+    if trigger is not None and eng.tokenizer.token_to_id(trigger) is None:
+        # no <tool_call> token in this vocabulary: its auto calls are parsed from free text (tools.py)
+        sampling = {k: v for k, v in sampling.items() if k not in ("grammar", "grammar_trigger")}
     if chat:
         prompts = [chat_ids(eng, req.message_dicts(), req.tool_dicts())]
     else:

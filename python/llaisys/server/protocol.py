@@ -15,7 +15,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from .protocol_parts import (NamedToolChoice, ResponseFormat, Strict as _Strict, StructuredOutputs, Tool,
                              ToolCall)
-from .tools import check_tools, tool_grammar
+from .tools import OPEN as TOOL_OPEN, bare_call_grammar, check_tools, tool_grammar
 
 MAX_N = 16           # choices per request: each is a sequence in the batch
 MAX_TOP_LOGPROBS = 20
@@ -248,7 +248,12 @@ class ChatRequest(_Sampling):
             # parallel_tool_calls is false
             parallel = mode == "required" and self.parallel_tool_calls is not False
             return {"grammar": tool_grammar(self.tool_dicts(), mode, parallel)}
-        return super().constraint()
+        given = super().constraint()
+        if mode == "auto" and not given:  # free text; a call, once opened, follows the call grammar
+            parallel = self.parallel_tool_calls is not False
+            return {"grammar": tool_grammar(self.tool_dicts(), mode, parallel, opened=True),
+                    "grammar_trigger": TOOL_OPEN, "opening_grammar": bare_call_grammar(self.tool_dicts())}
+        return given
 
     @model_validator(mode="after")
     def _something_to_generate(self):

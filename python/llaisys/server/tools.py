@@ -2,8 +2,12 @@
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (several in a row for parallel calls).
 
 tool_choice "required" or a named function is enforced by a grammar (one llguidance Lark grammar whose
-calls are JSON objects of each tool's own parameter schema); "auto" is parsed from free text; "none"
-renders no tools and parses nothing. The output becomes OpenAI's `tool_calls`, streamed one call at a time
+calls are JSON objects of each tool's own parameter schema); "auto" is free text until the model opens a
+call, and from that token on the same grammar (the engine's grammar_trigger); an answer whose first token
+begins a bare (or ```json-fenced) call's JSON, as small models write them, follows that call's grammar from
+there (the engine's opening_grammar). So an auto call is never malformed (a model whose vocabulary has no
+`<tool_call>` token gets only the second);
+"none" renders no tools and parses nothing. The output becomes OpenAI's `tool_calls`, streamed one call at a time
 (a delta with its id and name, then one with its whole arguments string)."""
 from __future__ import annotations
 
@@ -40,14 +44,24 @@ def call_schema(tool: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_grammar(tools: list[dict], tool_choice, parallel: bool) -> str:
-    """Lark for one tool call (or several, with parallel) of the allowed tools, in the template's format."""
+def tool_grammar(tools: list[dict], tool_choice, parallel: bool, opened: bool = False) -> str:
+    """Lark for one tool call (or several, with parallel) of the allowed tools, in the template's format.
+    opened: the text after the first call's `<tool_call>` (tool_choice "auto", started by that token)."""
     if isinstance(tool_choice, dict):
         tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
     schema = {"anyOf": [call_schema(t) for t in tools], "x-guidance": JSON_OPTIONS}
     more = ' ("\\n" call)*' if parallel else ""
     # the tags are tokens of their own (Qwen2.5's added tokens): llguidance names them <tool_call>, unquoted
-    return f'start: call{more}\ncall: {OPEN} "\\n" %json {json.dumps(schema)} "\\n" {CLOSE}'
+    return (f'start: {"body" if opened else "call"}{more}\ncall: {OPEN} body\n'
+            f'body: "\\n" %json {json.dumps(schema)} "\\n" {CLOSE}')
+
+
+def bare_call_grammar(tools: list[dict]) -> str:
+    """Lark for an answer that is one call's JSON without the tags, bare or in a ```json fence (how small
+    models answer; _bare_call parses it), with the whitespace the model puts (its first token is already
+    out when this starts: tool_choice "auto"'s opening_grammar)."""
+    j = f'%json {json.dumps({"anyOf": [call_schema(t) for t in tools], "x-guidance": {"whitespace_flexible": True}})}'
+    return f'start: {j} | "```" "json"? "\\n" {j} "\\n"? "```"'
 
 
 def new_call(name: str, arguments) -> dict:

@@ -1,0 +1,81 @@
+"""Host time of one step's token masks for B constrained rows (issue 31): the rows one after another
+(Constraint.mask_into, what ModelRunner._masks did before) against constraints.MaskFiller (llguidance's
+LLExecutor: the rows on a thread pool, the GIL released), on the same matchers in the same states. Each
+row follows the bench/structured.py schema, advanced by a random allowed token a step, so the rows sit at
+different places of the grammar, as a batch's do. Prints ms per step (median over the steps) for each, on
+two sets of matchers in the same states (a second mask of one state would find llguidance's caches warm).
+
+    LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/mask_fill.py --batch 1 16 64
+    python bench/mask_fill.py --shape qwen2-0.5b --batch 1 16 64      # no model file (the test tokenizer)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+
+from llaisys_bench.throughput import open_engine  # this folder is sys.path[0] when run as a script
+from structured import SCHEMA
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--shape", default=None, help="a random checkpoint of this shape (the test tokenizer)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=None, help="LLExecutor threads (default: llguidance's)")
+    args = ap.parse_args()
+
+    from llaisys import catalog, constraints
+
+    eng = open_engine(args.shape, None if args.shape else (args.model or catalog.DEFAULT_MODEL), device="cpu",
+                      checkpoint=bool(args.shape))[0]
+    vocab, lltok = eng.config.vocab_size, eng._ll_tokenizer()
+    grammar = constraints.compile_constraint(json_schema=SCHEMA)
+    filler = constraints.MaskFiller(args.threads)
+    W = (vocab + 31) // 32
+    print(f"{os.cpu_count()} CPUs, vocab {vocab}, load average {os.getloadavg()[0]:.2f}")
+    for batch in args.batch:
+        rng = np.random.default_rng(0)
+        # two sets of matchers in the same states, one per method: each state's mask is computed once by each
+        # (a second mask of the same state finds llguidance's caches warm)
+        cs = [constraints.Constraint(lltok, grammar) for _ in range(batch)]
+        ds = [constraints.Constraint(lltok, grammar) for _ in range(batch)]
+        serial, par = [], []
+        for step in range(args.steps):
+            live = [(c, d) for c, d in zip(cs, ds) if not c.done]
+            if not live:
+                break
+            a, b = np.empty((len(live), W), np.int32), np.empty((len(live), W), np.int32)
+
+            def one_by_one():
+                t = time.perf_counter()
+                for j, (c, _) in enumerate(live):
+                    c.mask_into(a[j])
+                serial.append(time.perf_counter() - t)
+
+            def batched():
+                t = time.perf_counter()
+                filler.fill([d for _, d in live], b)
+                par.append(time.perf_counter() - t)
+            for f in ((one_by_one, batched) if step % 2 == 0 else (batched, one_by_one)):
+                f()
+            assert (a == b).all()  # the same masks
+            for j, (c, d) in enumerate(live):  # a random allowed token each
+                bits = np.unpackbits(a[j].view(np.uint8), bitorder="little")[:vocab]
+                tok = int(rng.choice(np.flatnonzero(bits)))
+                c.consume(tok)
+                d.consume(tok)
+        s, p = statistics.median(serial) * 1e3, statistics.median(par) * 1e3
+        print(f"batch {batch:3d}: masks one after another {s:.3f} ms a step, MaskFiller {p:.3f} ms a step "
+              f"(x{s / p:.2f}), {len(serial)} steps", flush=True)
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

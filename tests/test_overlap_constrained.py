@@ -1,0 +1,236 @@
+"""Constrained rows in overlapped decode: a chained step of a constrained row is launched without its
+sampling, and its mask, which needs the token of the step ahead, is computed on the host while the device
+runs the forward (ModelRunner.sample_deferred). Nothing a caller sees may change: with overlap forced on
+(the CPU runs each call synchronously, so the same sequence of calls runs, checked exactly) json schema,
+regex, grammar and choice rows, alone or batched with free rows, greedy and seeded, give the tokens and
+finish reasons they give with overlap off; a row whose grammar completes ends there ("stop"), one that
+cannot complete within max_new_tokens ends with "length"."""
+import json
+import re
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+from tiny_model import make_tiny_qwen2  # noqa: E402
+from utils import DEVICES, f32_engine, token_prompts  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "c": {"enum": ["red", "green", "blue"]},
+                                           "ok": {"type": "boolean"}},
+          "required": ["n", "c", "ok"], "additionalProperties": False}
+DATE = r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_qwen2(tmp_path_factory.mktemp("overlap_constrained"), seed=11, max_position_embeddings=1024)
+
+
+def run_both(tiny, fn, device="cpu", **kw):
+    """fn(engine) with overlap off and on; both results and the chained steps of the second whose sampling
+    waited for their masks."""
+    out = []
+    for overlap in (False, True):
+        eng = f32_engine(tiny, device, overlap, **kw)
+        try:
+            out += [fn(eng), eng.stats()["overlapped_constrained_steps"]]
+        finally:
+            eng.close()
+    plain, n_plain, over, n_over = out
+    assert n_plain == 0
+    return plain, over, n_over
+
+
+def result(rs):
+    return [(r.token_ids, r.finish_reason) for r in rs]
+
+
+def mixed(eng, temperature, seed=None):
+    ps = token_prompts(eng.config.vocab_size, [5, 19, 8, 33, 12, 7], seed=4)
+    return eng.generate(ps, max_new_tokens=[40, 30, 24, 12, 16, 30], temperature=temperature, seed=seed,
+                        ignore_eos=[False, True, False, False, False, False],
+                        json_schema=[SCHEMA, None, None, None, None, True],
+                        regex=[None, None, DATE, None, None, None],
+                        choice=[None, None, None, ["yes", "no", "maybe"], None, None],
+                        grammar=[None, None, None, None, 'start: "a" "b"* "c"', None])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature,seed,threads", [(0.0, None, 1), (0.9, 7, 1), (0.9, 7, 4)])
+def test_constrained_and_free_rows_chained_give_the_same_tokens(tiny, temperature, seed, threads, device):
+    """On CUDA the chained steps replay the decode graph for their forward (sampler off) and sample after
+    it: f32, the same rows in both runs, so the same tokens. threads: EngineConfig.mask_threads (4: the
+    rows' masks on llguidance's thread pool)."""
+    def go(eng):
+        return mixed(eng, temperature, seed)
+    plain, over, n = run_both(tiny, go, device, mask_threads=threads)
+    assert result(over) == result(plain)
+    assert n > 5  # constrained rows ran chained steps
+    date, choice, ab = over[2], over[3], over[4]
+    if date.finish_reason == "stop":
+        assert re.fullmatch(DATE, date.text)
+    assert choice.finish_reason == "stop" and choice.text in ("yes", "no", "maybe")
+    if ab.finish_reason == "stop":
+        assert re.fullmatch("ab*c", ab.text)
+    if over[0].finish_reason == "stop":
+        out = json.loads(over[0].text)
+        assert set(out) == {"n", "c", "ok"} and out["c"] in ("red", "green", "blue")
+
+
+def test_constrained_rows_alone_chain_and_end_where_their_grammar_ends(tiny):
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [9, 14, 3], seed=8)
+        return eng.generate(ps, max_new_tokens=[60, 60, 60], temperature=[0, 0.8, 0], seed=3,
+                            choice=[["alpha", "beta gamma delta"], None, None],
+                            regex=[None, r"[a-z]{3,6}", None], json_schema=[None, None, SCHEMA])
+    plain, over, n = run_both(tiny, go)
+    assert result(over) == result(plain)
+    assert n > 0
+    assert over[0].finish_reason == "stop" and over[0].text in ("alpha", "beta gamma delta")
+    assert over[1].finish_reason in ("stop", "length")
+    if over[1].finish_reason == "stop":
+        assert re.fullmatch(r"[a-z]{3,6}", over[1].text)
+
+
+def test_a_constraint_that_cannot_complete_ends_with_length(tiny):
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [6, 11], seed=9)
+        return eng.generate(ps, max_new_tokens=[5, 9], temperature=[0, 0.7], seed=1,
+                            regex=[r"x{40}", r"[0-9]{50}"], ignore_eos=True)
+    plain, over, n = run_both(tiny, go)
+    assert result(over) == result(plain)
+    assert [r.finish_reason for r in over] == ["length", "length"]
+    assert [len(r.token_ids) for r in over] == [5, 9] and n > 0
+    assert set(over[0].text) <= {"x"} and set(over[1].text) <= set("0123456789")
+
+
+def test_streamed_constrained_request_beside_free_ones(tiny):
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [4, 21], seed=10)
+        free = eng.submit(ps[1], max_new_tokens=30, temperature=0, ignore_eos=True)
+        chunks = list(eng.stream(ps[0], max_new_tokens=40, temperature=0, json_schema=SCHEMA))
+        return [c.token_ids for c in chunks], chunks[-1].finish_reason, free.result().token_ids
+    plain, over, _ = run_both(tiny, go)
+    assert over == plain
+
+
+def test_a_failed_deferred_sampling_drops_only_that_step(tiny, monkeypatch):
+    """A mask that cannot be computed for a chained step drops the step (EngineCore._sample_deferred): its
+    sequences run again from what the host knows, so the tokens are those of the plain run."""
+    from llaisys.constraints import MaskFiller
+
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [7, 13], seed=12)
+        return result(eng.generate(ps, max_new_tokens=20, temperature=[0, 0.9], seed=5, json_schema=SCHEMA,
+                                   ignore_eos=True))
+
+    plain = go_engine(tiny, False, go)
+    fill, calls = MaskFiller.fill, []
+
+    def flaky(self, constraints, mask):
+        calls.append(len(constraints))
+        if len(calls) in (4, 9):
+            raise RuntimeError("injected")
+        return fill(self, constraints, mask)
+    monkeypatch.setattr(MaskFiller, "fill", flaky)
+    assert go_engine(tiny, True, go) == plain
+    assert len(calls) > 9
+
+
+def go_engine(tiny, overlap, fn):
+    eng = f32_engine(tiny, "cpu", overlap)
+    try:
+        return fn(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_triggered_constraint_starts_after_its_token(tiny, temperature):
+    """grammar_trigger (tool_choice "auto"'s mechanism): the output is free up to the trigger token and
+    obeys the constraint after it; a request whose output never reaches the trigger, or whose first token
+    does not begin its opening_grammar, is free throughout.
+    The same with overlap on and off (the step after the trigger's is chained, its sampling deferred)."""
+    def go(eng):
+        p = token_prompts(eng.config.vocab_size, [15], seed=13)[0]
+        kw = dict(max_new_tokens=40, temperature=temperature, seed=21, ignore_eos=True)
+        free = eng.generate(p, **kw)
+        first = 6
+        trigger = eng.tokenizer.id_to_token(free.token_ids[first])
+        first = free.token_ids.index(free.token_ids[first])
+        lazy = eng.generate(p, regex="[0-9]{3}", grammar_trigger=trigger, **kw)
+        never = eng.generate(p, regex="[0-9]{3}", grammar_trigger="<|im_start|>", **kw)
+        # an opening grammar its first token does not start: free throughout
+        unopened = eng.generate(p, opening_grammar='start: "\u00e9\u00e9\u00e9"', **kw)
+        return first, result([free, lazy, never, unopened]), eng.tokenizer.decode(lazy.token_ids[first + 1:])
+    plain, over, _ = run_both(tiny, go)
+    assert over == plain
+    first, (free, lazy, never, unopened), tail = over
+    assert lazy[0][:first + 1] == free[0][:first + 1]
+    assert lazy[1] == "stop" and re.fullmatch("[0-9]{3}", tail)
+    assert never == free and unopened == free
+
+
+def test_a_bad_grammar_trigger_raises_at_submit(tiny):
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        with pytest.raises(ValueError, match="not one token"):
+            eng.generate([5, 6], max_new_tokens=2, regex="a", grammar_trigger="no such token here")
+        with pytest.raises(ValueError, match="grammar_trigger must be"):
+            eng.generate([5, 6], max_new_tokens=2, grammar_trigger="<|im_start|>")
+    finally:
+        eng.close()
+
+
+def test_sample_deferred_without_a_deferred_launch_raises(tiny):
+    eng = f32_engine(tiny, "cpu", True)
+    try:
+        with pytest.raises(ValueError, match="no deferred launch"):
+            eng._core.runner.runner.sample_deferred(None, [], 1)
+        assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
+    finally:
+        eng.close()
+
+
+def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch):
+    """Constrained rows join the persistent decode batch (batch.py): their masks come from their matchers,
+    their tokens advance them, a complete grammar ends its row. The same tokens as overlap off, and as the
+    general path (no row eligible for the batch)."""
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [5, 9, 14, 4], seed=15)
+        out = eng.generate(ps, max_new_tokens=[30, 24, 36, 20], temperature=[0, 0.8, 0, 0.6], seed=2,
+                           ignore_eos=[True, False, False, True], json_schema=[None, SCHEMA, None, None],
+                           choice=[None, None, ["yes", "no"], None], regex=[None, None, None, "[a-z ]{1,40}"])
+        return result(out), eng.stats()["decode_batch_steps"]
+    (tokens, batch_steps), (over, _), n = run_both(tiny, go)
+    assert over == tokens and n > 0
+    assert batch_steps > 10  # overlap off: the rows ran from the batch arrays (chained steps are not counted)
+    assert tokens[2][1] == "stop"  # the choice row ended by its grammar
+    from llaisys.engine import scheduler
+    monkeypatch.setattr(scheduler, "eligible", lambda seq: False)
+    (general, general_steps), (general_over, _), _ = run_both(tiny, go)
+    assert general_steps == 0 and general == tokens and general_over == tokens
+
+
+def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
+    import numpy as np
+
+    from llaisys.constraints import Constraint, MaskFiller, compile_constraint
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        lltok, V = eng._ll_tokenizer(), eng.config.vocab_size
+        grammars = [compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
+                    compile_constraint(choice=["yes", "no"])] * 3
+        cs = [Constraint(lltok, g) for g in grammars]
+        for c, text in zip(cs, ['{"n": 1', "20", "y", '{"n"', "2024-0", "n", "", "", ""]):
+            for t in eng.tokenizer.encode(text):
+                c.consume(t)
+        one = np.empty((len(cs), (V + 31) // 32), np.int32)
+        for c, row in zip(cs, one):
+            c.mask_into(row)
+        pooled = np.full_like(one, 7)
+        MaskFiller(4).fill(cs, pooled)
+        assert (pooled == one).all() and (one != -1).any()
+    finally:
+        eng.close()
