@@ -365,3 +365,67 @@ def test_two_processes_of_two_gpus_equal_one_gpu(tiny_qwen2, tmp_path):
     finally:
         eng.close()
     assert proc.wait(60) == 0, open(tmp_path / "node1.log").read()[-3000:]
+
+
+def test_cli_node_flags_are_checked(capsys):
+    from llaisys.cli import main
+    for argv, match in [(["bench", "--nnodes", "2", "-tp", "3"], "does not split over --nnodes 2"),
+                        (["bench", "--nnodes", "2", "-tp", "2", "--peers"], "not with --peers"),
+                        (["bench", "--node-rank", "-1"], "must be >= 0")]:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert match in capsys.readouterr().err
+
+
+def test_serve_follower_with_no_node_0_exits_with_a_clear_error(tiny_qwen2, tmp_path):
+    """`llaisys serve --node-rank 1` where nobody listens: exit code 2 and one line naming the address."""
+    port = free_port()
+    proc = start_follower(tiny_qwen2, port, tmp_path / "node1.log", timeout=1)
+    assert proc.wait(60) == 2
+    log = open(tmp_path / "node1.log").read()
+    assert f"llaisys: error: node 1 could not reach node 0 at 127.0.0.1:{port} within 1 s" in log, log[-2000:]
+    assert "Traceback" not in log
+
+
+def test_bench_on_two_cpu_nodes(tiny_qwen2, tmp_path):
+    """`llaisys bench --nnodes 2`: node 1 follows (prints nothing, exits 0), node 0 reports."""
+    port = free_port()
+    common = [sys.executable, "-m", "llaisys", "bench", "--model", str(tiny_qwen2), "--device", "cpu", "--dtype",
+              "f32", "--throughput", "6", "--min-len", "4", "--max-len", "12", "-tp", "2", "--nnodes", "2",
+              "--master-port", str(port)]
+    node1 = subprocess.Popen(common + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node0 = subprocess.run(common + ["--node-rank", "0"], capture_output=True, text=True, timeout=300)
+    out1 = node1.communicate(timeout=60)[0]
+    assert node0.returncode == 0 and "tensor parallel 2" in node0.stdout and "batched:" in node0.stdout, node0.stderr
+    assert node1.returncode == 0, out1
+
+
+def test_node_0_serves_http_and_health_turns_503_when_node_1_dies(tiny_qwen2, tmp_path):
+    """`llaisys serve --nnodes 2`: node 0 (the engine in its own process) answers completions with the
+    1-rank engine's text; once node 1 is killed, requests fail and /health answers 503 naming node 1."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from utils import llaisys_server
+
+    port = free_port()
+    follower = start_follower(tiny_qwen2, port, tmp_path / "node1.log", timeout=5)
+    args = ["--model", str(tiny_qwen2), "--device", "cpu", "--dtype", "f32", "--max-seq-len", "256",
+            "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "0", "--master-port", str(port),
+            "--tp-timeout-s", "5", "--served-model-name", "tiny"]
+    try:
+        with llaisys_server(args, tmp_path / "node0.log") as server:
+            body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+            got = httpx.post(server["url"] + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            follower.kill()
+            follower.wait(30)
+            r = httpx.post(server["url"] + "/v1/completions", json=body, timeout=60)
+            assert r.status_code >= 500
+            deadline = time.monotonic() + 20
+            while (health := httpx.get(server["url"] + "/health", timeout=5)).status_code != 503:
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.2)
+            assert "node 1" in health.text
+    finally:
+        follower.kill()
+    with Engine(tiny_qwen2, device="cpu", dtype="f32", progress=False, max_seq_len=256) as eng:
+        assert got == eng.generate("The quick brown fox", max_new_tokens=8, temperature=0).text

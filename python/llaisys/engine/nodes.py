@@ -189,6 +189,7 @@ class Node:
     def close(self) -> None:
         """Node 0: tells the followers to exit (cleanly); every node closes its connections."""
         self.closing = True
+        self.comms = []  # the models hold theirs; this node's threads may outlive it until exit
         for k, conn in self.conns.items():
             if self.rank == 0 and not self.broken:
                 try:
