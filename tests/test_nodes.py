@@ -248,7 +248,18 @@ def generate_all(eng):
     greedy = [r.token_ids for r in eng.generate(prompts, max_new_tokens=24, temperature=0, ignore_eos=True)]
     sampled = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, temperature=0.8, top_p=0.9,
                                                  seed=[1, 2, 3], ignore_eos=True)]
-    return greedy, sampled, eng.score(prompts[1])
+    # penalties and biases (lists in the step's arguments), logprobs (node 0's gathered logits), and
+    # StreamingLLM's evictions (shift_kv calls)
+    extra = [r.token_ids for r in eng.generate(prompts, max_new_tokens=12, temperature=0.7, seed=[4, 5, 6],
+                                               repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
+                                               ignore_eos=True)]
+    lp = eng.generate(prompts[0], max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    extra += [lp.token_ids, [round(x["logprob"], 4) for x in lp.logprobs]]
+    evicted = eng.stats()["kv_blocks_evicted"]
+    extra.append(eng.generate(prompts[2], max_new_tokens=60, temperature=0, ignore_eos=True, kv_window=24,
+                              sink_tokens=4).token_ids)
+    assert eng.stats()["kv_blocks_evicted"] > evicted
+    return greedy, sampled + extra, eng.score(prompts[1])
 
 
 def test_two_cpu_nodes_equal_one_rank(tiny_qwen2, tmp_path):
@@ -294,6 +305,22 @@ def test_a_row_every_node_refuses_fails_alone_and_the_group_goes_on(tiny_qwen2, 
     finally:
         eng.close()
     assert proc.wait(30) == 0, open(tmp_path / "node1.log").read()[-3000:]
+
+
+def test_constrained_rows_on_two_cpu_nodes(tmp_path):
+    """Structured output: the token masks travel with the step (an int32 array) and every node masks alike."""
+    pytest.importorskip("llguidance")
+    from test_tensor_parallel import VOCAB
+    from tiny_model import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path, seed=4, vocab_size=VOCAB)
+    kw = dict(regex=[r"[0-9]{3}-[a-z]{2,4}", None], max_new_tokens=12, temperature=0, ignore_eos=True)
+    with Engine(path, device="cpu", dtype="f32", progress=False, max_seq_len=256) as one:
+        want = [r.text for r in one.generate(["Order number:", "Free text"], **kw)]
+    eng, proc = two_nodes(path, tmp_path)
+    with eng:
+        assert [r.text for r in eng.generate(["Order number:", "Free text"], **kw)] == want
+    assert proc.wait(30) == 0
 
 
 @pytest.mark.parametrize("how", ["kill", "exit mid-step", "raise", "stall"])
@@ -429,3 +456,11 @@ def test_node_0_serves_http_and_health_turns_503_when_node_1_dies(tiny_qwen2, tm
         follower.kill()
     with Engine(tiny_qwen2, device="cpu", dtype="f32", progress=False, max_seq_len=256) as eng:
         assert got == eng.generate("The quick brown fox", max_new_tokens=8, temperature=0).text
+
+
+def test_node_0_on_a_port_in_use_says_so():
+    from llaisys.engine.rendezvous import rendezvous
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"node 0 cannot listen on 127.0.0.1:{port}.*another --master-port"):
+            rendezvous(_config(0, port), HELLO, "cpu", progress=False)

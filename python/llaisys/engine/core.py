@@ -71,7 +71,7 @@ class EngineCore:
         self.runner = ModelRunner(models, self.pools, config.block_size, math.ceil(max_seq_len / config.block_size),
                                   config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s)
         if node is not None and node.rank == 0:  # every call goes to the other nodes first
-            from .nodes import NodeProxy
+            from .node_steps import NodeProxy
             self.runner.runner = NodeProxy(self.runner.runner, node)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap

@@ -168,7 +168,8 @@ class Engine:
         if getattr(self, "_node", None) is None or self._node.rank == 0:
             raise RuntimeError("follow() is for an engine with node_rank > 0 (node 0 schedules and serves)")
         try:
-            self._node.follow(self._core.runner.runner)
+            from .node_steps import follow
+            follow(self._node, self._core.runner.runner)
         finally:
             self.close()
 

@@ -1,20 +1,14 @@
 """Tensor parallelism across hosts (issue 30): `nnodes` processes (one per host, or several on one host), each
-running tensor_parallel_size / nnodes ranks, joined through a TCP rendezvous at node 0's master_addr:port.
+running tensor_parallel_size / nnodes ranks, joined at node 0's master_addr:master_port (engine/rendezvous.py).
 
-Node 0 keeps the only scheduler and step loop (and serves HTTP). Its runner is wrapped in a NodeProxy: each
-call (step, launch, finish, logits, shift_kv) is first sent to every other node (engine/wire.py: arrays,
-lists and numbers, never pickle), then run here; each follower runs it on its own ranks and answers with its
-tokens or its error. The ranks' collectives join the nodes' math (NCCL from a unique id node 0 hands out; on
-the CPU, TCP sockets: comm_socket.cpp), and every rank samples from the same gathered logits with the same
-seeds, so the tokens agree by construction (the answers check that they do). A call that fails on every
-node alike (a bad row) raises as it would at one node; one that fails on some nodes only, a node that does
-not answer within tp_timeout_s, or a connection that closes breaks the group: the communicators are
-aborted (ending waits in collectives), followers are told to exit, and node 0's engine fails (Engine.failure,
-/health 503). A follower whose node 0 goes away aborts its ranks and exits with an error.
+A Node is one process's end of the connections between nodes: the sockets (a reader thread per connection,
+so an answer or a closed connection is seen at once, also while a call runs), the communicators its ranks
+join, a watchdog, and the group's fault state. What travels over it, node 0's calls and the followers'
+answers, is engine/node_steps.py's. Breaking the group (fail) aborts this node's communicators, which ends
+waits in collectives; node 0 then tells the followers to exit.
 """
 from __future__ import annotations
 
-import json
 import queue
 import socket
 import sys
@@ -24,14 +18,11 @@ import time
 from .. import _core
 from .wire import WireError, recv_frame, send_frame
 
-CALLS = ("step", "launch", "finish", "logits", "shift_kv")  # what a follower runs; nothing else
-_CLOSED = object()
+CLOSED = object()  # what a reader thread puts in its inbox when its connection closed
 
 
 class NodeTimeout(TimeoutError, RuntimeError):
     """A node that did not join or answer in time (a RuntimeError too, so the CLI reports it plainly)."""
-
-_RETRY_S = 0.2
 
 
 def _log(node: "Node", text: str) -> None:
@@ -39,41 +30,8 @@ def _log(node: "Node", text: str) -> None:
         print(f"llaisys: node {node.rank}/{node.nnodes}: {text}", file=sys.stderr, flush=True)
 
 
-def _tune(sock: socket.socket, timeout_s: float) -> socket.socket:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a step's frame goes out at once
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    sock.settimeout(timeout_s)
-    return sock
-
-
-def connect_retrying(addr: str, port: int, timeout_s: float, who: str) -> socket.socket:
-    """A connection to addr:port, retried until timeout_s (node 0 may start later); TimeoutError names it."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        try:
-            return socket.create_connection((addr, port), timeout=min(5.0, timeout_s))
-        except OSError as e:
-            last = e
-            time.sleep(_RETRY_S)
-    raise NodeTimeout(f"{who} could not reach node 0 at {addr}:{port} within {timeout_s:g} s ({last}): is node 0 "
-                       f"started with the same --master-addr/--master-port, and reachable from here?")
-
-
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-def hello_mismatch(mine: dict, theirs: dict, who: str) -> str | None:
-    """What differs between node 0's hello and another's (naming the field), else None."""
-    for key in sorted(set(mine) | set(theirs)):
-        a, b = mine.get(key), theirs.get(key)
-        if key == "model_config" and a != b:
-            ca, cb = json.loads(a), json.loads(b)
-            field = next(k for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k))
-            return f"the model differs: config field {field!r} is {ca.get(field)!r} at node 0, {cb.get(field)!r} at {who}"
-        if a != b:
-            return f"{key} is {a!r} at node 0 but {b!r} at {who}: every node must be started with the same settings"
-    return None
 
 
 class Node:
@@ -92,8 +50,8 @@ class Node:
         self._lock = threading.Lock()
         self._send_locks: dict[int, threading.Lock] = {}
         self.fault = ""  # a follower's injected fault for its next call (tests)
-        self._running: tuple[int, str | None] = (0, None)  # (call number, the call running here, or None)
-        self._started = 0.0  # when the running call started (the watchdog's clock)
+        self.running: tuple[int, str | None] = (0, None)  # (call number, the call running here, or None)
+        self.started = 0.0  # when the running call started (the watchdog's clock)
 
     # ---- the communicators and the KV pool's size -------------------------------------------------------
 
@@ -126,13 +84,13 @@ class Node:
         """The KV pool's block count every node gets: the fewest any node's ranks can hold (one block
         manager, at node 0, hands out block ids that must be valid everywhere)."""
         if self.rank > 0:
-            self._send(0, ["blocks", int(blocks)])
+            self.send(0, ["blocks", int(blocks)])
             reply = self._recv_setup(0, "the KV pool's size")
             return int(reply[1])
         for k in self.conns:
             blocks = min(blocks, int(self._recv_setup(k, "the KV pool's size")[1]))
         for k in self.conns:
-            self._send(k, ["blocks", blocks])
+            self.send(k, ["blocks", blocks])
         return blocks
 
     def _recv_setup(self, k: int, what: str):
@@ -157,17 +115,17 @@ class Node:
         connection closing, while this node waits in a collective) breaks the group, which ends the wait."""
         while not self.closing and not self.broken:
             time.sleep(min(1.0, self.timeout_s / 4))
-            call, name = self._running
-            if name is not None and time.monotonic() - self._started > self.timeout_s and self._running == (call, name):
+            call, name = self.running
+            if name is not None and time.monotonic() - self.started > self.timeout_s and self.running == (call, name):
                 self.fail(f"node {self.rank}'s {name} did not finish within {self.timeout_s:g} s (a node that "
                           f"stalled or died, e.g. in a collective)")
 
-    def _begin(self, name: str) -> None:
-        self._started = time.monotonic()
-        self._running = (self._running[0] + 1, name)
+    def begin(self, name: str) -> None:
+        self.started = time.monotonic()
+        self.running = (self.running[0] + 1, name)
 
-    def _end(self) -> None:
-        self._running = (self._running[0], None)
+    def end(self) -> None:
+        self.running = (self.running[0], None)
 
     # ---- faults and closing ---------------------------------------------------------------------------
 
@@ -182,7 +140,7 @@ class Node:
         if self.rank == 0:
             for k in list(self.conns):
                 try:
-                    self._send(k, ["abort", why])
+                    self.send(k, ["abort", why])
                 except OSError:
                     pass
 
@@ -193,7 +151,7 @@ class Node:
         for k, conn in self.conns.items():
             if self.rank == 0 and not self.broken:
                 try:
-                    self._send(k, ["close"])
+                    self.send(k, ["close"])
                 except OSError:
                     pass
             try:
@@ -202,7 +160,7 @@ class Node:
                 pass
             conn.close()
 
-    def _send(self, k: int, msg) -> None:
+    def send(self, k: int, msg) -> None:
         lock = self._send_locks.setdefault(k, threading.Lock())
         with lock:
             send_frame(self.conns[k], msg)
@@ -218,7 +176,7 @@ class Node:
                     lost = ("its connection to node 0 closed (node 0 died or ended)" if self.rank > 0 else
                             f"node {k}'s connection closed (the process died or was stopped)")
                     self.fail(f"node {self.rank}: {lost}: {e!r}")
-                self.inbox[k].put(_CLOSED)
+                self.inbox[k].put(CLOSED)
                 return
             if isinstance(msg, list) and msg and msg[0] == "error":
                 self._fail_fast(k, msg)
@@ -232,163 +190,13 @@ class Node:
     GRACE_S = 2.0
 
     def _fail_fast(self, k: int, msg) -> None:
-        call, name = self._running
+        call, name = self.running
         if name is None:
             return
 
         def check():
-            if self._running == (call, name):
+            if self.running == (call, name):
                 self.fail(f"node {k} failed in {name} while node 0 still ran it: {msg[1]}")
         timer = threading.Timer(min(self.GRACE_S, self.timeout_s), check)
         timer.daemon = True
         timer.start()
-
-    # ---- node 0: one call on every node ---------------------------------------------------------------
-
-    def call(self, name: str, args: tuple, fn):
-        if self.broken:
-            raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-        self._begin(name)  # before sending: a follower's answer may come back at once (_fail_fast)
-        try:
-            for k in self.conns:
-                self._send(k, ["call", name, list(args)])
-        except OSError as e:
-            self._end()
-            self.fail(f"node 0 could not send {name} to a follower: {e!r}")
-            raise RuntimeError(f"tensor-parallel group is broken: {self.broken}") from None
-        error = result = None
-        try:
-            result = fn(*args)
-        except Exception as e:  # noqa: BLE001 - compared with the followers' outcome below
-            error = e
-        finally:
-            self._end()
-        # every node finishes a call within the timeout from its start (as every rank of a RankGroup), and
-        # gets a grace after this node's end, where this node's own wait (a collective's) used it up
-        deadline = self._started + max(self.timeout_s, time.monotonic() - self._started + self.GRACE_S)
-        answers = {k: self._answer(k, name, deadline) for k in self.conns}
-        failed = {k: a[1] for k, a in answers.items() if a[0] != "ok"}
-        if error is not None and len(failed) == len(answers) and set(failed.values()) == {_describe(error)}:
-            raise error  # every node failed alike (a bad row): the group is fine, as at one node
-        if error is None and not failed:
-            for k, a in answers.items():
-                if isinstance(result, list) and a[1] is not None and a[1] != result:
-                    self.fail(f"nodes 0 and {k} sampled different tokens in {name} (their logits differ)")
-                    raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-            return result
-        if error is not None and failed:
-            k = min(failed)
-            self.fail(f"node {k} failed in {name}: {failed[k]}; node 0: {_describe(error)}")
-        elif error is not None:
-            self.fail(f"node 0 failed in {name} and node(s) {sorted(answers)} did not: {error}")
-        else:
-            k = min(failed)
-            self.fail(f"node {k} failed in {name} and node 0 did not: {failed[k]}")
-        raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-
-    def _answer(self, k: int, name: str, deadline: float):
-        try:
-            msg = self.inbox[k].get(timeout=max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-            self.fail(f"node {k} did not finish {name} within {self.timeout_s:g} s (a node that stalled)")
-            raise RuntimeError(f"tensor-parallel group is broken: {self.broken}") from None
-        if msg is _CLOSED:
-            raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-        if not (isinstance(msg, list) and len(msg) == 2 and msg[0] in ("ok", "error")):
-            self.fail(f"node {k} answered {name} with {msg!r:.80}")
-            raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-        return msg
-
-    # ---- a follower: node 0's calls until it ends -----------------------------------------------------
-
-    def follow(self, runner) -> None:
-        """Runs node 0's calls on this node's runner until node 0 closes (returns) or the group breaks
-        (RuntimeError saying why)."""
-        _log(self, "following node 0's steps")
-        while True:
-            msg = self.inbox[0].get()
-            if msg is _CLOSED:
-                raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-            kind = msg[0] if isinstance(msg, list) and msg else None
-            if kind == "close":
-                _log(self, "node 0 closed: exiting")
-                return
-            if kind == "abort":  # _read has aborted this node's ranks already
-                raise RuntimeError(f"tensor-parallel group is broken: {self.broken}")
-            if kind == "fault":
-                self.fault = str(msg[1])
-                continue
-            if kind != "call" or len(msg) != 3 or msg[1] not in CALLS or not isinstance(msg[2], list):
-                self._send(0, ["error", f"node {self.rank}: not a call: {msg!r:.80}"])
-                continue
-            self._send(0, self._run(runner, msg[1], msg[2]))
-
-    def _run(self, runner, name: str, args: list):
-        fault, self.fault = self.fault, ""
-        try:
-            if fault == "exit":  # a process that dies mid-step (tests)
-                import os
-                os._exit(17)
-            if fault == "raise":
-                raise RuntimeError(f"injected fault at node {self.rank}")
-            while fault == "stall" and not (self.broken or self.closing):  # until the group gives up on it
-                time.sleep(0.05)
-            self._begin(name)
-            try:
-                result = getattr(runner, name)(*args)
-            finally:
-                self._end()
-            return ["ok", result if isinstance(result, list) else None]
-        except Exception as e:  # noqa: BLE001 - node 0 decides what it means
-            return ["error", _describe(e)]
-
-
-class NodeProxy:
-    """Node 0's runner: the methods of a Runner / RankGroup, each call run on every node (Node.call)."""
-
-    def __init__(self, runner, node: Node):
-        self._runner, self._node = runner, node
-
-    def step(self, *args):
-        return self._node.call("step", args, self._runner.step)
-
-    def launch(self, *args):
-        return self._node.call("launch", args, self._runner.launch)
-
-    def finish(self):
-        return self._node.call("finish", (), self._runner.finish)
-
-    def logits(self, *args):
-        return self._node.call("logits", args, self._runner.logits)
-
-    def shift_kv(self, *args):
-        return self._node.call("shift_kv", args, self._runner.shift_kv)
-
-    def last_logits(self):
-        return self._runner.last_logits()
-
-    @property
-    def launched(self) -> int:
-        return 0 if self.broken else self._runner.launched
-
-    @property
-    def captured_batch_sizes(self):
-        return self._runner.captured_batch_sizes
-
-    @property
-    def steps_sampled_in_graph(self):
-        return self._runner.steps_sampled_in_graph
-
-    @property
-    def broken(self) -> str:
-        return self._node.broken or getattr(self._runner, "broken", "")
-
-    def inject_fault(self, rank: int, mode: str) -> None:
-        """For fault tests: global rank `rank`'s next call raises / stalls (a local rank: RankGroup's), or
-        at a follower 'raise', 'stall' (until the group breaks) or 'exit' (its process dies mid-step)."""
-        node = rank // self._node.local
-        if node == 0:
-            return self._runner.inject_fault(rank, mode)
-        if mode not in ("raise", "stall", "exit"):
-            raise ValueError(f"a follower's fault is 'raise', 'stall' or 'exit', got {mode!r}")
-        self._node._send(node, ["fault", mode])

@@ -6,12 +6,50 @@ unique id on CUDA; on the CPU each follower then opens a second connection that 
 takes over."""
 from __future__ import annotations
 
+import errno
+import json
 import socket
 import time
 
 from .. import _core
-from .nodes import Node, NodeTimeout, _log, _tune, connect_retrying, hello_mismatch
+from .nodes import Node, NodeTimeout, _log
 from .wire import WireError, recv_frame, send_frame
+
+
+_RETRY_S = 0.2
+
+
+def _tune(sock: socket.socket, timeout_s: float | None) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a step's frame goes out at once
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.settimeout(timeout_s)
+    return sock
+
+
+def connect_retrying(addr: str, port: int, timeout_s: float, who: str) -> socket.socket:
+    """A connection to addr:port, retried until timeout_s (node 0 may start later); NodeTimeout names it."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            return socket.create_connection((addr, port), timeout=min(5.0, timeout_s))
+        except OSError as e:
+            last = e
+            time.sleep(_RETRY_S)
+    raise NodeTimeout(f"{who} could not reach node 0 at {addr}:{port} within {timeout_s:g} s ({last}): is node 0 "
+                      f"started with the same --master-addr/--master-port, and reachable from here?")
+
+
+def hello_mismatch(mine: dict, theirs: dict, who: str) -> str | None:
+    """What differs between node 0's hello and another's (naming the field), else None."""
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if key == "model_config" and a != b:
+            ca, cb = json.loads(a), json.loads(b)
+            field = next(k for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k))
+            return f"the model differs: config field {field!r} is {ca.get(field)!r} at node 0, {cb.get(field)!r} at {who}"
+        if a != b:
+            return f"{key} is {a!r} at node 0 but {b!r} at {who}: every node must be started with the same settings"
+    return None
 
 
 def rendezvous(config, hello: dict, device: str, progress: bool) -> Node:
@@ -29,7 +67,13 @@ def rendezvous(config, hello: dict, device: str, progress: bool) -> Node:
 def _lead(node: Node, config, hello: dict, cuda: bool) -> None:
     addr, port, t = config.master_addr, config.master_port, config.tp_timeout_s
     try:
-        listener = socket.create_server((addr, port), reuse_port=False)
+        try:
+            listener = socket.create_server((addr, port))
+        except OSError as e:  # an address the others reach but this host does not own (NAT): every interface
+            if e.errno != errno.EADDRNOTAVAIL:
+                raise
+            listener = socket.create_server(("", port))
+            _log(node, f"{addr} is not an address of this host: listening on every interface, port {port}")
     except OSError as e:
         raise RuntimeError(f"node 0 cannot listen on {addr}:{port} for the other nodes: {e.strerror or e} "
                            f"(choose another --master-port, or an address of this host)") from None
