@@ -177,16 +177,56 @@ def test_node_0_alone_times_out_naming_the_missing_node():
     assert "for node(s) [1], which never connected" in str(out["error"]) and "--node-rank" in str(out["error"])
 
 
+def _socket_pair(timeout=5.0):
+    """Two nodes (threads here) met at a rendezvous, and their CPU socket communicators."""
+    from llaisys.engine.rendezvous import rendezvous
+    port = free_port()
+    t, out = _lead_in_thread(port, timeout=timeout)
+    n1 = rendezvous(_config(1, port, timeout), HELLO, "cpu", progress=False)
+    t.join(10)
+    n0 = out["node"]
+    return n0, n1, n0.make_comms(["cpu"])[0], n1.make_comms(["cpu"])[0]
+
+
+def _on_both(fn0, fn1):
+    """Runs fn0 and fn1 at once (rank 0's and rank 1's side); what each raised, or None."""
+    errors = [None, None]
+
+    def run(r, fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            errors[r] = e
+    threads = [threading.Thread(target=run, args=(r, fn)) for r, fn in enumerate((fn0, fn1))]
+    [th.start() for th in threads]
+    [th.join(30) for th in threads]
+    return errors
+
+
+def test_socket_group_ranks_that_disagree_break_it():
+    n0, n1, c0, c1 = _socket_pair()
+    a, b = llaisys.tensor(np.ones(5, np.float32)), llaisys.tensor(np.ones(6, np.float32))
+    e0, e1 = _on_both(lambda: _core.ops.all_reduce(a, c0), lambda: _core.ops.all_reduce(b, c1))
+    assert "rank 1 made call 1 with 6 elements" in str(e0) and "rank 0 call 1 with 5" in str(e0)
+    assert isinstance(e1, RuntimeError)
+    with pytest.raises(RuntimeError, match="broken"):
+        _core.ops.all_reduce(a, c0)
+    n0.close(), n1.close()
+
+
+def test_socket_group_a_rank_that_never_comes_times_out():
+    n0, n1, c0, c1 = _socket_pair(timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 waited 0.5 s for rank 1"):
+        _core.ops.all_reduce(llaisys.tensor(np.ones(5, np.float32)), c0)
+    assert time.monotonic() - t0 < 5
+    n0.close(), n1.close()
+
+
 def test_socket_group_all_reduce_all_gather_and_abort():
     """Two nodes' CPU communicators (threads here): sums in f32 in rank order, gathers in rank order; an
     abort at one rank makes the other's collective raise instead of waiting."""
-    from llaisys.engine.rendezvous import rendezvous
-    port = free_port()
-    t, out = _lead_in_thread(port)
-    n1 = rendezvous(_config(1, port), HELLO, "cpu", progress=False)
-    t.join(10)
-    n0 = out["node"]
-    c0, c1 = n0.make_comms(["cpu"])[0], n1.make_comms(["cpu"])[0]
+    n0, n1, c0, c1 = _socket_pair()
     assert (c0.rank, c1.rank, c0.world, c0.backend) == (0, 1, 2, "cpu sockets")
     xs = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) for r in (0, 1)]
     ts = [llaisys.tensor(x.copy()) for x in xs]

@@ -4,8 +4,8 @@
 //
 // Every collective is one round trip: each rank k > 0 sends (op, dtype, numel, its buffer) to rank 0;
 // rank 0 reads them in rank order, sums in f32 in rank order (all_reduce: the same order, hence the same
-// bits, as the in-process CPU group) or concatenates (all_gather), and sends each rank a status byte and
-// the result. Slow for large tensors (rank 0 moves everything) but exact and simple; it is for tests and
+// bits, as the in-process CPU group) or concatenates (all_gather), and sends each rank the result. Ranks
+// that disagree on the call (op, dtype or size) compute different things: the group breaks. Slow for large tensors (rank 0 moves everything) but exact and simple; it is for tests and
 // CPU runs, not for speed. Byte order: the host's (every platform we build for is little-endian).
 //
 // Faults: every wait is bounded by the group's timeout; a closed connection or a timeout breaks the group
@@ -77,9 +77,7 @@ private:
         const size_t bytes = size_t(n) * dtype_size(x.dtype());
         try {
             if (rank() == 0) serve(what, h, x, bytes, out);
-            else join(what, h, x, bytes, out);
-        } catch (const std::invalid_argument &) {
-            throw; // a mismatch every rank saw alike: the streams are still in step
+            else join(h, x, bytes, out);
         } catch (const std::exception &e) {
             abort(e.what());
             throw std::runtime_error(detail::concat(what, ": the tensor-parallel group is broken: ", e.what()));
@@ -90,27 +88,15 @@ private:
     void serve(const char *what, const Header &h, const Tensor &x, size_t bytes, const Tensor *out) {
         const int w = world();
         std::vector<std::vector<char>> bufs(static_cast<size_t>(w));
-        std::string mismatch;
         for (int k = 1; k < w; ++k) {
             Header p{};
             recv_all(k, &p, sizeof p);
-            const size_t pb = size_t(p.numel) * dtype_size(DType(p.dtype));
-            bufs[size_t(k)].resize(pb);
-            recv_all(k, bufs[size_t(k)].data(), pb);
-            if ((p.op != h.op || p.dtype != h.dtype || p.numel != h.numel) && mismatch.empty())
-                mismatch = detail::concat(what, ": rank ", k, " passed ", p.numel, " elements of ",
-                                          dtype_name(DType(p.dtype)), ", rank 0 ", h.numel, " of ",
-                                          dtype_name(x.dtype()), ": every rank must make the same call");
-        }
-        if (!mismatch.empty()) {
-            const uint32_t len = uint32_t(mismatch.size());
-            for (int k = 1; k < w; ++k) {
-                const uint8_t status = 1;
-                send_all(k, &status, 1);
-                send_all(k, &len, sizeof len);
-                send_all(k, mismatch.data(), len);
-            }
-            throw std::invalid_argument(mismatch);
+            LLAISYS_CHECK(p.op == h.op && p.dtype == h.dtype && p.numel == h.numel, std::runtime_error, what,
+                          ": rank ", k, " made call ", int(p.op), " with ", p.numel, " elements of dtype ",
+                          int(p.dtype), ", rank 0 call ", int(h.op), " with ", h.numel, " of ",
+                          dtype_name(x.dtype()), ": the ranks compute different things");
+            bufs[size_t(k)].resize(bytes);
+            recv_all(k, bufs[size_t(k)].data(), bytes);
         }
         std::vector<char> result;
         if (h.op == 1) {
@@ -122,27 +108,13 @@ private:
                 std::memcpy(static_cast<char *>(out->data()) + bytes * size_t(k), bufs[size_t(k)].data(), bytes);
             result.assign(static_cast<const char *>(out->data()), static_cast<const char *>(out->data()) + bytes * w);
         }
-        const uint8_t ok = 0;
-        for (int k = 1; k < w; ++k) {
-            send_all(k, &ok, 1);
-            send_all(k, result.data(), result.size());
-        }
+        for (int k = 1; k < w; ++k) send_all(k, result.data(), result.size());
     }
 
     // rank k > 0: send ours, read the answer
-    void join(const char *, const Header &h, const Tensor &x, size_t bytes, const Tensor *out) {
+    void join(const Header &h, const Tensor &x, size_t bytes, const Tensor *out) {
         send_all(0, &h, sizeof h);
         send_all(0, x.data(), bytes);
-        uint8_t status = 0;
-        recv_all(0, &status, 1);
-        if (status != 0) {
-            uint32_t len = 0;
-            recv_all(0, &len, sizeof len);
-            LLAISYS_CHECK(len < (1u << 20), std::runtime_error, "a malformed answer from rank 0");
-            std::string msg(len, '\0');
-            recv_all(0, msg.data(), len);
-            throw std::invalid_argument(msg);
-        }
         if (h.op == 1) recv_all(0, x.data(), bytes);
         else recv_all(0, out->data(), bytes * size_t(world()));
     }
