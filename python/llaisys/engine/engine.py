@@ -13,6 +13,7 @@ answer. submit() is the request interface for servers (iterate the handle, abort
 from __future__ import annotations
 
 import atexit
+import json
 import random
 import sys
 import threading
@@ -153,7 +154,6 @@ class Engine:
 
     def _hello(self) -> dict:
         """What every node must agree on (engine/rendezvous.py compares it with node 0's)."""
-        import json
         ec = self.engine_config
         return {"version": _core.build_info()["version"], "nnodes": ec.nnodes,
                 "tensor_parallel_size": ec.tensor_parallel_size, "dtype": self.dtype, "quantized": self.quantized,
