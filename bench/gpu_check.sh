@@ -111,10 +111,10 @@ if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k
     --generated 32768 --measure 256 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
 fi
 if has nodes; then # issue 30 across hosts, as 2 processes x 2 GPUs of one 4-GPU host (node 1 on cuda:2-3)
-  log "pytest -m cuda tests/test_nodes.py"
-  timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda tests/test_nodes.py -p no:cacheprovider \
-    >"$OUT/pytest_nodes.log" 2>&1
-  tail -5 "$OUT/pytest_nodes.log" | tee -a "$OUT/summary.txt"
+  log "pytest -m cuda tests/test_nodes.py (a hang records every thread's stack)"
+  watch pytest_nodes ${T_TP:-240} python3 -m pytest -v -x -rs -m cuda -o faulthandler_timeout=120 tests/test_nodes.py \
+    -p no:cacheprovider
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" "$OUT/pytest_nodes.log" | tail -20 | tee -a "$OUT/summary.txt"
   shape=${TP_SHAPE:-qwen2-7b}
   log "llaisys bench --shape $shape -tp 4 --nnodes 2 (2 processes), then -tp 4 in one process"
   common="--shape $shape --prompt-len 128 --new-tokens 256 -tp 4 --nnodes 2 --master-port 29517"
