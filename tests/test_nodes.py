@@ -504,3 +504,20 @@ def test_node_0_on_a_port_in_use_says_so():
         port = busy.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"node 0 cannot listen on 127.0.0.1:{port}.*another --master-port"):
             rendezvous(_config(0, port), HELLO, "cpu", progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_socket_group_sums_the_bits_the_thread_group_sums(dtype):
+    """The socket group's sum (f32 in rank order, rounded once) equals the in-process group's bit for bit."""
+    xs = [np.random.default_rng(r).standard_normal(333).astype(np.float32) * 10 for r in (0, 1)]
+
+    def run(comms):
+        ts = [llaisys.tensor(x).to(dtype) for x in xs]
+        _on_both(lambda: _core.ops.all_reduce(ts[0], comms[0]), lambda: _core.ops.all_reduce(ts[1], comms[1]))
+        return [t.to("f32").numpy() for t in ts]
+    n0, n1, c0, c1 = _socket_pair()
+    got = run([c0, c1])
+    want = run(_core.local_group("cpu", 2, timeout_s=30))
+    n0.close(), n1.close()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
