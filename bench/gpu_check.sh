@@ -3,8 +3,8 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [families] [ab] [breakdown] [bench] [sanitize]
-#   (default: all but steady, structured, tp, ab and families, in this order:
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [bench] [sanitize]
+#   (default: all but steady, structured, tp, nodes, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
 set -uo pipefail
@@ -117,6 +117,22 @@ if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k
   log "bench/streaming_speed.py --shape qwen2-0.5b --window 4096 --generated 32768"
   timeout ${T_STREAM:-400} python3 bench/streaming_speed.py --shape qwen2-0.5b --device cuda --window 4096 \
     --generated 32768 --measure 256 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+fi
+if has nodes; then # issue 30 across hosts, as 2 processes x 2 GPUs of one 4-GPU host (node 1 on cuda:2-3)
+  log "pytest -m cuda tests/test_nodes.py (a hang records every thread's stack)"
+  watch pytest_nodes ${T_TP:-240} python3 -m pytest -v -x -rs -m cuda -o faulthandler_timeout=120 tests/test_nodes.py \
+    -p no:cacheprovider
+  grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" "$OUT/pytest_nodes.log" | tail -20 | tee -a "$OUT/summary.txt"
+  shape=${TP_SHAPE:-qwen2-7b}
+  log "llaisys bench --shape $shape -tp 4 --nnodes 2 (2 processes), then -tp 4 in one process"
+  common="--shape $shape --prompt-len 128 --new-tokens 256 -tp 4 --nnodes 2 --master-port 29517"
+  timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:2 --node-rank 1 >"$OUT/bench_nodes_1.log" 2>&1 &
+  timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:0 --node-rank 0 \
+    --json "$OUT/bench_nodes.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
+  wait
+  tail -3 "$OUT/bench_nodes_1.log" | tee -a "$OUT/summary.txt"
+  timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \
+    -tp 4 --json "$OUT/bench_tp4.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
 fi
 if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 decode and the throughput protocol
   # of the 7B shape at 1 and TP_SIZES ranks on this machine (same call: compare within it)

@@ -101,7 +101,9 @@ void bind_ops(nb::module_ &m) {
         .def_prop_ro("rank", &Communicator::rank)
         .def_prop_ro("world", &Communicator::world)
         .def_prop_ro("device", [](const Communicator &c) { return c.device().str(); })
-        .def_prop_ro("backend", &Communicator::backend);
+        .def_prop_ro("backend", &Communicator::backend)
+        .def("abort", &Communicator::abort, nb::arg("why"), nb::call_guard<nb::gil_scoped_release>(),
+             "Breaks the group: calls blocked in a collective raise, and so does every later one.");
     m.def("local_group", [](const std::string &device, int world, double timeout_s) {
         LLAISYS_CHECK(world >= 1, std::invalid_argument, "local_group: world must be >= 1, got ", world);
         const Device d = Device::parse(device);
@@ -112,6 +114,25 @@ void bind_ops(nb::module_ &m) {
     }, nb::arg("device"), nb::arg("world"), nb::arg("timeout_s") = 300.0,
        "The `world` ranks of one group: on 'cpu' threads of this process, on 'cuda[:i]' GPUs i .. i + world - 1 "
        "(NCCL).");
+    m.def("nccl_unique_id", [] {
+        const std::string id = nccl_unique_id();
+        return nb::bytes(id.data(), id.size());
+    }, "NCCL's unique id (bytes) that global rank 0's process hands every process of a group (group_from_id).");
+    m.def("group_from_id", [](const std::string &device, int local, int first_rank, int world, nb::bytes id) {
+        const Device d = Device::parse(device);
+        LLAISYS_CHECK(d.type == DeviceType::CUDA, std::invalid_argument, "group_from_id: CUDA only (the CPU "
+                      "spans processes with socket_group), got ", device);
+        std::vector<int> devices;
+        for (int r = 0; r < local; ++r) devices.push_back(d.index + r);
+        const std::string raw(id.c_str(), id.size());
+        nb::gil_scoped_release release; // blocks until every process's ranks joined
+        return group_from_id(devices, first_rank, world, raw);
+    }, nb::arg("device"), nb::arg("local"), nb::arg("first_rank"), nb::arg("world"), nb::arg("id"),
+       "This process's GPUs device .. device + local - 1 as global ranks first_rank.. of a group of `world` "
+       "spanning processes, through NCCL's unique id.");
+    m.def("socket_group", &socket_group, nb::arg("rank"), nb::arg("world"), nb::arg("fds"), nb::arg("timeout_s"),
+       "This process as CPU rank `rank` of `world` over connected TCP sockets (rank 0: one per rank, its own "
+       "-1; others: the one to rank 0), which the communicator then owns.");
     o.def("all_reduce", &ops::all_reduce, nb::arg("x"), nb::arg("comm"), G());
     o.def("all_gather", &ops::all_gather, nb::arg("out"), nb::arg("x"), nb::arg("comm"), G());
 }

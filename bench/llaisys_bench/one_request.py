@@ -108,10 +108,13 @@ def engine_weight_bytes(eng, c: dict) -> int:
 
 
 def bench(shape: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "bf16",
-          prompt_len: int = 128, new_tokens: int = 256, tensor_parallel_size: int = 1) -> dict:
+          prompt_len: int = 128, new_tokens: int = 256, tensor_parallel_size: int = 1,
+          nodes: dict | None = None) -> dict | None:
     """One llaisys measurement in this process, through the Engine (scheduler, runner, paged KV cache). `dtype`
     goes to the Engine as given for --model ("quantized" and "auto" keep a GGUF file's block
-    formats); the random --shape model is dense ("auto" = bf16)."""
+    formats); the random --shape model is dense ("auto" = bf16). nodes: EngineConfig's nnodes, node_rank,
+    master_addr, master_port; a node_rank > 0 follows node 0's steps and returns None when node 0 ends."""
+    nodes = nodes or {}
     device = resolve_device(device)
     max_seq_len = max(prompt_len + new_tokens + 16, 256)
     from llaisys.engine import Engine
@@ -119,7 +122,7 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
     t = time.perf_counter()
     if model is not None:
         eng, name = Engine(model, device=device, dtype=dtype, max_seq_len=max_seq_len, progress=False,
-                           tensor_parallel_size=tensor_parallel_size), model
+                           tensor_parallel_size=tensor_parallel_size, **nodes), model
     else:  # random weights of a real shape, through the same Engine
         shape = shape or "qwen2-0.5b"
         if shape not in SHAPES:
@@ -128,8 +131,12 @@ def bench(shape: str | None = None, model: str | None = None, device: str = "aut
             raise ValueError("dtype quantized needs a GGUF file: --model FILE.gguf, or --shape with --gguf-types")
         dtype = "bf16" if dtype == "auto" else dtype
         eng = Engine.from_loaded(random_loaded(SHAPES[shape], dtype, name=shape), device=device, dtype=dtype,
-                                 max_seq_len=max_seq_len, progress=False, tensor_parallel_size=tensor_parallel_size)
+                                 max_seq_len=max_seq_len, progress=False, tensor_parallel_size=tensor_parallel_size,
+                                 **nodes)
         name = shape
+    if nodes.get("node_rank"):
+        eng.follow()
+        return None
     with eng:
         load_s = time.perf_counter() - t
         c = dict(eng.config.core, max_position_embeddings=eng.config.max_position_embeddings)
@@ -196,7 +203,14 @@ def _options(args) -> dict:
     return dict(model=model, shape=shape, label=label, threads=threads, peers=bool(getattr(args, "peers", False)),
                 kw=dict(shape=shape, model=model, device=resolve_device(args.device), dtype=args.dtype,
                         prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1))
+                        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1, **_nodes(args)))
+
+
+def _nodes(args) -> dict:
+    """{"nodes": the node flags given} where any was (--nnodes etc.: bench(nodes=...)), else {}."""
+    nodes = {k: getattr(args, k) for k in ("nnodes", "node_rank", "master_addr", "master_port")
+             if getattr(args, k, None) is not None}
+    return {"nodes": nodes} if nodes else {}
 
 
 def catalog_path(model: str) -> str:
@@ -252,6 +266,8 @@ def main(args) -> int:
     # own processes for fair peak RSS with peers, and for a thread count read once at pool start
     isolated = o["peers"] or o["threads"] is not None
     r = run_isolated(kw, o["threads"]) if isolated else bench(**kw)
+    if r is None:  # a follower node (--node-rank > 0): node 0 reports
+        return 0
     if o["label"]:
         r["model"] = o["label"]
     rows = [r]

@@ -74,7 +74,8 @@ def random_checkpoint(shape: str) -> str:
 
 def open_engine(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,
                 device: str = "auto", dtype: str = "auto", max_seq_len: int = 2064, max_num_seqs: int = 256,
-                checkpoint: bool = False, tensor_parallel_size: int = 1, **engine_kw):
+                checkpoint: bool = False, tensor_parallel_size: int = 1, nodes: dict | None = None,
+                **engine_kw):
     """(engine, path or None, label, dtype). dtype goes to the Engine as given for a file ("quantized" and
     "auto" keep a GGUF's blocks); the random shape is dense ("auto" = bf16). checkpoint: load
     --shape from random_checkpoint (what HF loads too) instead of building it in memory. engine_kw: more
@@ -85,7 +86,7 @@ def open_engine(shape: str | None = None, model: str | None = None, gguf_types: 
         raise ValueError("give --model or --shape (with --gguf-types), not both")
     device = resolve_device(device)
     kw = dict(device=device, max_seq_len=max_seq_len, progress=False, max_num_seqs=max_num_seqs,
-              tensor_parallel_size=tensor_parallel_size, **engine_kw)
+              tensor_parallel_size=tensor_parallel_size, **(nodes or {}), **engine_kw)
     shape = shape or (None if model else "qwen2-0.5b")
     if gguf_types:
         path = random_gguf_module().cached_random_gguf(shape, gguf_types)
@@ -182,14 +183,18 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
                device: str = "auto", dtype: str = "auto", num_requests: int = 256, min_len: int = 100,
                max_len: int = 1024, temperature: float = 0.6, max_num_seqs: int = 256, solo: bool = False,
                peers: bool = False, single: tuple[int, int] | None = None,
-               out: Callable[[str], None] = print, tensor_parallel_size: int = 1) -> dict:
+               out: Callable[[str], None] = print, tensor_parallel_size: int = 1, nodes: dict | None = None) -> dict:
     """Run the protocol (or with `single`, one request's decode instead), printing each result line through
     `out`; returns the result dict (what --json writes)."""
     check(num_requests, min_len, max_len, temperature, max_num_seqs)
     # a prompt and its output at most; one request alone as `llaisys bench` sizes it
     max_seq_len = max(sum(single) + 16, 256) if single else 2 * max_len + 16
     eng, path, label, dtype = open_engine(shape, model, gguf_types, device, dtype, max_seq_len, max_num_seqs,
-                                          checkpoint=peers and not model, tensor_parallel_size=tensor_parallel_size)
+                                          checkpoint=peers and not model, tensor_parallel_size=tensor_parallel_size,
+                                          nodes=nodes)
+    if (nodes or {}).get("node_rank"):  # a follower: node 0's steps until node 0 ends; node 0 reports
+        eng.follow()
+        return {}
     if tensor_parallel_size > 1:
         label = f"{label}, tensor parallel {tensor_parallel_size}"
     import llaisys
@@ -242,7 +247,9 @@ def main(args, num_requests: int) -> int:
     r = throughput(shape=args.shape, model=args.model, gguf_types=args.gguf_types, device=args.device,
                    dtype=args.dtype, num_requests=num_requests, min_len=args.min_len, max_len=args.max_len,
                    temperature=args.temperature, max_num_seqs=args.max_num_seqs, peers=args.peers,
-                   tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1)
+                   tensor_parallel_size=getattr(args, "tensor_parallel_size", 1) or 1,
+                   nodes={k: getattr(args, k) for k in ("nnodes", "node_rank", "master_addr", "master_port")
+                          if getattr(args, k, None) is not None})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -16,7 +16,12 @@ namespace llaisys {
 std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &devices);
 std::string nccl_version_string();
 void nccl_group_calls(const std::function<void()> &fn);
+std::string nccl_make_unique_id();
+std::vector<std::shared_ptr<Communicator>> nccl_group_from_id(const std::vector<int> &devices, int first_rank,
+                                                              int world, const std::string &id);
 #endif
+// cpp/core/comm_socket.cpp
+std::shared_ptr<Communicator> socket_group_rank(int rank, int world, const std::vector<int> &fds, double timeout_s);
 
 namespace {
 
@@ -146,6 +151,16 @@ private:
 
 } // namespace
 
+#ifndef LLAISYS_HAVE_NCCL
+namespace {
+[[noreturn]] void no_nccl() {
+    throw NotCompiledError("tensor parallelism on CUDA needs NCCL, and this build of llaisys has none "
+                           "(install the nvidia-nccl-cu13 wheel, or NCCL itself, and rebuild: "
+                           "llaisys.build_info()['nccl'] says what a build has)");
+}
+} // namespace
+#endif
+
 std::vector<std::shared_ptr<Communicator>> local_group(DeviceType type, const std::vector<int> &devices,
                                                        double timeout_s) {
     LLAISYS_CHECK(!devices.empty(), std::invalid_argument, "local_group: no ranks");
@@ -154,15 +169,38 @@ std::vector<std::shared_ptr<Communicator>> local_group(DeviceType type, const st
 #ifdef LLAISYS_HAVE_NCCL
         return nccl_group(devices);
 #else
-        throw NotCompiledError("tensor parallelism on CUDA needs NCCL, and this build of llaisys has none "
-                               "(install the nvidia-nccl-cu13 wheel, or NCCL itself, and rebuild: "
-                               "llaisys.build_info()['nccl'] says what a build has)");
+        no_nccl();
 #endif
     }
     auto shared = std::make_shared<CpuShared>(int(devices.size()), timeout_s);
     std::vector<std::shared_ptr<Communicator>> out;
     for (int r = 0; r < int(devices.size()); ++r) out.push_back(std::make_shared<CpuCommunicator>(r, shared));
     return out;
+}
+
+std::string nccl_unique_id() {
+#ifdef LLAISYS_HAVE_NCCL
+    return nccl_make_unique_id();
+#else
+    no_nccl();
+#endif
+}
+
+std::vector<std::shared_ptr<Communicator>> group_from_id(const std::vector<int> &devices, int first_rank, int world,
+                                                         const std::string &id) {
+    LLAISYS_CHECK(!devices.empty() && first_rank >= 0 && first_rank + int(devices.size()) <= world,
+                  std::invalid_argument, "group_from_id: ranks ", first_rank, "..", first_rank + int(devices.size()) - 1,
+                  " are not within a world of ", world);
+#ifdef LLAISYS_HAVE_NCCL
+    return nccl_group_from_id(devices, first_rank, world, id);
+#else
+    (void)id;
+    no_nccl();
+#endif
+}
+
+std::shared_ptr<Communicator> socket_group(int rank, int world, const std::vector<int> &fds, double timeout_s) {
+    return socket_group_rank(rank, world, fds, timeout_s);
 }
 
 bool nccl_available() {

@@ -80,12 +80,17 @@ RankGroup::RankGroup(std::vector<Runner *> runners, double timeout_s) : runners_
     LLAISYS_CHECK(world >= 1, std::invalid_argument, "RankGroup: no ranks");
     LLAISYS_CHECK(timeout_s > 0, std::invalid_argument, "RankGroup: timeout_s must be > 0, got ", timeout_s);
     std::set<std::string> devices;
+    // the ranks of this process: consecutive, first.. (0.. when the group is all here; a group spanning
+    // processes, engine/nodes.py, has the others elsewhere)
+    const auto &first_comm = runners_[0] ? runners_[0]->model().communicator() : nullptr;
+    const int first = first_comm ? first_comm->rank() : 0;
     for (int r = 0; r < world; ++r) {
         LLAISYS_CHECK(runners_[size_t(r)] != nullptr, std::invalid_argument, "RankGroup: runner ", r, " is None");
         const models::Model &m = runners_[size_t(r)]->model();
         const auto &comm = m.communicator();
-        LLAISYS_CHECK(world == 1 || (comm && comm->rank() == r && comm->world() == world), std::invalid_argument,
-                      "RankGroup: runner ", r, "'s model must be rank ", r, " of a group of ", world, " (it is ",
+        LLAISYS_CHECK(world == 1 || (comm && comm->rank() == first + r && comm->world() >= first + world),
+                      std::invalid_argument, "RankGroup: runner ", r, "'s model must be rank ", first + r,
+                      " of a group of at least ", first + world, " (it is ",
                       comm ? detail::concat("rank ", comm->rank(), " of ", comm->world()) : std::string("unsplit"), ")");
         LLAISYS_CHECK(m.device().is_cpu() || devices.insert(m.device().str()).second, std::invalid_argument,
                       "RankGroup: two ranks on ", m.device().str());

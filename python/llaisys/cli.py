@@ -167,6 +167,7 @@ def _add_bench(sub, fmt, debug) -> None:
     b.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     b.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N",
                    help="split the model over N GPUs (--device's and the next N - 1; default 1)")
+    add_node_flags(b)
     t = b.add_argument_group("batched throughput (--throughput)")
     t.add_argument("--throughput", nargs="?", const=0, type=_positive,
                    metavar="N", help="run nano-vllm's throughput protocol on N requests (default 256)")
@@ -186,11 +187,47 @@ _THROUGHPUT_ONLY = ("num_requests", "min_len", "max_len", "temperature", "max_nu
 _SINGLE_ONLY = ("prompt_len", "new_tokens", "threads")
 
 
+NODE_FLAGS = ("nnodes", "node_rank", "master_addr", "master_port")
+
+
+def add_node_flags(parser) -> None:
+    """--nnodes/--node-rank/--master-addr/--master-port (torchrun's and SGLang's names; EngineConfig's fields)."""
+    n = parser.add_argument_group("across hosts (torchrun's and SGLang's names): one command per node")
+    n.add_argument("--nnodes", type=_positive, metavar="N", help="processes the model spans (default 1); "
+                   "-tp counts every node's GPUs (N / nnodes a node)")
+    n.add_argument("--node-rank", type=_at_least_zero, metavar="R",
+                   help="this node (default 0); node 0 runs the requests, the others only its steps")
+    n.add_argument("--master-addr", metavar="ADDR", help="node 0's address, reachable from every node (default "
+                   "127.0.0.1)")
+    n.add_argument("--master-port", type=_positive, metavar="PORT",
+                   help="the port node 0 listens on for the other nodes (default 29500)")
+
+
+def node_settings(args) -> dict:
+    """The node flags given (EngineConfig keywords)."""
+    return {k: getattr(args, k) for k in NODE_FLAGS if getattr(args, k, None) is not None}
+
+
+def _at_least_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def check_bench_args(args, parser) -> int | None:
     """Cross-flag checks of `llaisys bench` (parser.error on a bad mix); fills the defaults of the mode in use.
     Returns the number of requests in throughput mode (also set as args.throughput and args.num_requests),
     else None."""
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    if (args.nnodes or 1) > 1 and (args.peers or args.threads is not None):
+        parser.error("--nnodes: not with --peers or --threads (those runs are processes of their own)")
+    if (args.nnodes or 1) > 1 and args.tensor_parallel_size % args.nnodes:
+        parser.error(f"--tensor-parallel-size {args.tensor_parallel_size} does not split over --nnodes "
+                     f"{args.nnodes}: -tp counts every node's GPUs")
     if args.throughput is None:
         given = [flag(k) for k in _THROUGHPUT_ONLY if getattr(args, k) is not None]
         if given:

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -123,6 +124,47 @@ std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &de
     std::vector<std::shared_ptr<Communicator>> out;
     for (size_t r = 0; r < devices.size(); ++r)
         out.push_back(std::make_shared<NcclCommunicator>(int(r), int(devices.size()), devices[r], comms[r]));
+    return out;
+}
+
+std::string nccl_make_unique_id() {
+    ncclUniqueId id;
+    LLAISYS_NCCL_CHECK(ncclGetUniqueId(&id));
+    return std::string(id.internal, sizeof id.internal);
+}
+
+// This process's GPUs as global ranks first_rank.. of `world` (the other ranks in other processes, joined
+// through the same id). One thread inits several GPUs, so the inits are grouped (NCCL requires it).
+std::vector<std::shared_ptr<Communicator>> nccl_group_from_id(const std::vector<int> &devices, int first_rank,
+                                                              int world, const std::string &id) {
+    ncclUniqueId uid;
+    LLAISYS_CHECK(id.size() == sizeof uid.internal, std::invalid_argument, "group_from_id: an NCCL id has ",
+                  sizeof uid.internal, " bytes, got ", id.size());
+    std::memcpy(uid.internal, id.data(), sizeof uid.internal);
+    int count = 0;
+    LLAISYS_CUDA_CHECK(cudaGetDeviceCount(&count));
+    for (int d : devices)
+        LLAISYS_CHECK(d >= 0 && d < count, std::invalid_argument, "group_from_id: no CUDA device ", d,
+                      " (this machine has ", count, ")");
+    std::vector<ncclComm_t> comms(devices.size());
+    int previous = 0;
+    LLAISYS_CUDA_CHECK(cudaGetDevice(&previous));
+    LLAISYS_NCCL_CHECK(ncclGroupStart());
+    for (size_t i = 0; i < devices.size(); ++i) {
+        cudaSetDevice(devices[i]);
+        const ncclResult_t r = ncclCommInitRank(&comms[i], world, uid, first_rank + int(i));
+        if (r != ncclSuccess) {
+            ncclGroupEnd();
+            cudaSetDevice(previous);
+            LLAISYS_NCCL_CHECK(r);
+        }
+    }
+    const ncclResult_t r = ncclGroupEnd();
+    cudaSetDevice(previous);
+    LLAISYS_NCCL_CHECK(r);
+    std::vector<std::shared_ptr<Communicator>> out;
+    for (size_t i = 0; i < devices.size(); ++i)
+        out.push_back(std::make_shared<NcclCommunicator>(first_rank + int(i), world, devices[i], comms[i]));
     return out;
 }
 

@@ -50,6 +50,18 @@ private:
 std::vector<std::shared_ptr<Communicator>> local_group(DeviceType type, const std::vector<int> &devices,
                                                        double timeout_s = 300.0);
 
+// Groups whose ranks span processes (several hosts: engine/nodes.py makes them after its rendezvous).
+// CUDA: the GPUs `devices` of this process are global ranks first_rank .. first_rank + devices.size() - 1
+// of `world`, joined through NCCL's unique id (nccl_unique_id() on global rank 0's process, handed to
+// every process; ncclCommInitRank per GPU inside one ncclGroupStart/End). Blocks until every rank joined.
+std::string nccl_unique_id();
+std::vector<std::shared_ptr<Communicator>> group_from_id(const std::vector<int> &devices, int first_rank, int world,
+                                                         const std::string &id);
+// CPU: this process is rank `rank` of `world`, one rank per process, over connected TCP sockets the caller
+// made (a star around rank 0: rank 0 passes one per rank, its own -1; a rank k > 0 the one to rank 0). The
+// communicator owns (closes) them. comm_socket.cpp says how a collective travels.
+std::shared_ptr<Communicator> socket_group(int rank, int world, const std::vector<int> &fds, double timeout_s);
+
 // Whether this build can make CUDA groups, and NCCL's version ("" when not).
 bool nccl_available();
 std::string nccl_version();

@@ -23,7 +23,8 @@ namespace llaisys::runtime {
 
 class RankGroup {
 public:
-    // runners[r] runs the model whose communicator is rank r of runners.size() (each on its own device).
+    // runners[r] runs the model whose communicator is rank first + r (each on its own device): first = 0 and
+    // the world runners.size() when the whole group is here; the ranks of one process of a wider group else.
     RankGroup(std::vector<Runner *> runners, double timeout_s);
     ~RankGroup();
     RankGroup(const RankGroup &) = delete;

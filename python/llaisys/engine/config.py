@@ -88,11 +88,18 @@ class EngineConfig:
     # structured output: threads computing a step's token masks (llguidance's pool, constraints.MaskFiller);
     # None: 80% of the CPUs, at most 32; 1: one row after another
     mask_threads: int | None = field(default_factory=lambda: _env_int("LLAISYS_MASK_THREADS"))
+    # across hosts (engine/nodes.py; torchrun's and SGLang's names): nnodes processes of
+    # tensor_parallel_size / nnodes ranks each, joined at node 0's master_addr:master_port; node 0 schedules
+    # and serves, the others follow its steps (Engine.follow). tp_timeout_s also bounds the rendezvous.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
 
     def __post_init__(self):
         ints = {"max_num_seqs": 1, "max_num_batched_tokens": 1, "max_prefill_chunk": 1, "block_size": 1,
                 "cpu_kv_cache_bytes": 1, "max_queued_requests": 1, "kv_window": 0, "sink_tokens": 0,
-                "tensor_parallel_size": 1}
+                "tensor_parallel_size": 1, "nnodes": 1, "node_rank": 0, "master_port": 1}
         for name, low in ints.items():
             value = getattr(self, name)
             if value is None and name in _PER_DEVICE:
@@ -108,6 +115,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"EngineConfig.num_kv_blocks must be an int >= 2 (block 0 is reserved), "
                              f"got {self.num_kv_blocks!r}")
+        self._check_nodes()
         t = self.tp_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 < t < float("inf"):
             raise ValueError(f"EngineConfig.tp_timeout_s must be a positive number of seconds, got {t!r}")
@@ -124,6 +132,18 @@ class EngineConfig:
         if sizes is not None and (not isinstance(sizes, (tuple, list)) or
                                   not all(isinstance(s, int) and s >= 1 for s in sizes)):
             raise ValueError(f"EngineConfig.graph_batch_sizes must be a tuple of ints >= 1, got {sizes!r}")
+
+    def _check_nodes(self) -> None:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"EngineConfig.node_rank must be in 0..nnodes - 1 = {self.nnodes - 1}, got {self.node_rank}")
+        if self.master_port > 65535:
+            raise ValueError(f"EngineConfig.master_port must be a TCP port (1..65535), got {self.master_port}")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise ValueError(f"EngineConfig.master_addr must be node 0's host name or address, got {self.master_addr!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"EngineConfig.tensor_parallel_size {self.tensor_parallel_size} does not split over "
+                             f"{self.nnodes} nodes: each node runs tensor_parallel_size / nnodes ranks (e.g. "
+                             f"--nnodes 2 with -tp 4: 2 GPUs a node)")
 
     def for_device(self, device: str) -> "EngineConfig":
         """This config with each setting left as None given the device's default (_PER_DEVICE)."""

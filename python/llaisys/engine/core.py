@@ -52,13 +52,17 @@ def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len
 
 
 class EngineCore:
-    def __init__(self, models: list, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int):
+    def __init__(self, models: list, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int,
+                 node=None):
         """models: one per rank (engine/ranks.py), each sized its KV pool from its own device's free memory
-        and its own share of the KV heads; the block manager is one, so every pool gets the fewest blocks."""
+        and its own share of the KV heads; the block manager is one, so every pool gets the fewest blocks
+        (over every node's ranks too: node, engine/nodes.py, where the group spans processes)."""
         config = config.for_device(device)
         self.config, self.max_seq_len = config, max_seq_len
         shares = [SimpleNamespace(**m.config) for m in models]  # each rank's heads (the vocabulary is whole)
         num_blocks = min(kv_blocks_for(config, c, dtype, m.device, max_seq_len) for m, c in zip(models, shares))
+        if node is not None:
+            num_blocks = node.agree_blocks(num_blocks)
         self.pools = [_core.KVPool(c.num_hidden_layers, num_blocks, config.block_size, c.num_key_value_heads,
                                    c.head_dim, dtype, m.device) for m, c in zip(models, shares)]
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -67,11 +71,14 @@ class EngineCore:
         self.runner = ModelRunner(models, self.pools, config.block_size, math.ceil(max_seq_len / config.block_size),
                                   config.graph_sizes, config.cuda_graphs, mc.vocab_size, config.tp_timeout_s,
                                   config.mask_threads)
+        if node is not None and node.rank == 0:  # every call goes to the other nodes first
+            from .node_steps import NodeProxy
+            self.runner.runner = NodeProxy(self.runner.runner, node)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
         # Tensor parallel: steps are not overlapped. On 2 H100s the chained launches hung (every rank idle,
         # the group timing out) where the same steps run one at a time are right; not understood yet.
-        self._overlap = self._overlap and len(models) == 1
+        self._overlap = self._overlap and len(models) == 1 and node is None
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it

@@ -13,6 +13,7 @@ answer. submit() is the request interface for servers (iterate the handle, abort
 from __future__ import annotations
 
 import atexit
+import json
 import random
 import sys
 import threading
@@ -94,7 +95,11 @@ class Engine:
         self.device = resolve_device(device)
         check_max_seq_len(max_seq_len)
         self.engine_config = _engine_config(config, settings).for_device(self.device)
-        self.devices = rank_devices(self.device, self.engine_config.tensor_parallel_size)
+        ec = self.engine_config
+        self.devices = rank_devices(self.device, ec.tensor_parallel_size // ec.nnodes)
+        if ec.nnodes > 1 and not self.device.startswith("cuda") and len(self.devices) > 1:
+            raise ValueError(f"on the CPU a node runs one rank (the socket group: comm_socket.cpp), so "
+                             f"tensor_parallel_size must equal nnodes ({ec.nnodes}), got {ec.tensor_parallel_size}")
 
     def _start(self, loaded: loader.LoadedModel, generation_defaults: dict, max_seq_len: int | None,
                progress: bool) -> None:
@@ -115,21 +120,58 @@ class Engine:
         # the model is only weights and layer math (one share per rank when split over several devices); the
         # KV pool, graphs and sampling are EngineCore's
         ec = self.engine_config
-        nets = make_models(self.config, self.dtype, self.devices, ec.fused_projections, ec.tp_timeout_s)
-        self._load_weights(nets, loaded.weights, progress)
-        for net in nets:
-            net.prepare()  # before the KV pool takes the free device memory
-        del loaded
-        trim_heap()
-        self._core = EngineCore(nets, self.config, ec, self.dtype, self.device, self.max_seq_len)
+        self._node = None  # a group spanning processes: this one's end (engine/nodes.py)
+        if ec.nnodes > 1:
+            from .rendezvous import rendezvous
+            self._node = rendezvous(ec, self._hello(), self.device, progress)
+        try:
+            nets = make_models(self.config, self.dtype, self.devices, ec.fused_projections, ec.tp_timeout_s,
+                               self._node)
+            self._load_weights(nets, loaded.weights, progress)
+            for net in nets:
+                net.prepare()  # before the KV pool takes the free device memory
+            del loaded
+            trim_heap()
+            self._core = EngineCore(nets, self.config, ec, self.dtype, self.device, self.max_seq_len, self._node)
+        except BaseException:
+            if self._node is not None:  # the other nodes see the connection close, and say so
+                self._node.closing = True
+                self._node.close()
+            raise
         self._model = nets[0]
         self._models = nets
         self._lltok, self._ll_lock = None, threading.Lock()
-        self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
+        if self._node is not None:
+            self._node.start()
+        if ec.node_rank == 0:  # a follower's steps are node 0's (follow())
+            self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
         _OPEN.add(self)
 
     def _load_weights(self, models: list, weights, progress: bool) -> None:
-        load_weights(models, self.config, weights, self.quantized, progress, self.source)
+        node = self._node
+        load_weights(models, self.config, weights, self.quantized, progress, self.source,
+                     node.first_rank if node else 0, node.world if node else None)
+
+    def _hello(self) -> dict:
+        """What every node must agree on (engine/rendezvous.py compares it with node 0's)."""
+        ec = self.engine_config
+        return {"version": _core.build_info()["version"], "nnodes": ec.nnodes,
+                "tensor_parallel_size": ec.tensor_parallel_size, "dtype": self.dtype, "quantized": self.quantized,
+                "device_type": self.device.split(":")[0], "max_seq_len": self.max_seq_len,
+                "block_size": ec.block_size, "graph_sizes": list(ec.graph_sizes), "cuda_graphs": ec.cuda_graphs,
+                "fused_projections": ec.fused_projections,
+                "model_config": json.dumps(self.config.core, sort_keys=True, default=str)}
+
+    def follow(self) -> None:
+        """A follower (node_rank > 0): runs node 0's steps on this node's ranks until node 0 closes
+        (returns) or the group breaks (RuntimeError saying why); the engine is closed after."""
+        if getattr(self, "_node", None) is None or self._node.rank == 0:
+            raise RuntimeError("follow() is for an engine with node_rank > 0 (node 0 schedules and serves)")
+        try:
+            from .node_steps import follow
+            follow(self._node, self._core.runner.runner)
+        finally:
+            self.close()
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -148,7 +190,8 @@ class Engine:
         return {"source": self.source, "device": self.device, "dtype": self.dtype, "quantized": self.quantized,
                 "weight_formats": formats, "weight_bytes": int(sum(m.weight_bytes for m in self._models)),
                 "decode_scratch_bytes": int(self._model.decode_scratch_bytes),
-                "tensor_parallel_size": len(self._models), "devices": list(self.devices)}
+                "tensor_parallel_size": self.engine_config.tensor_parallel_size, "devices": list(self.devices),
+                "nnodes": self.engine_config.nnodes}
 
     def generate(self, prompt, **sampling):
         """Complete a raw prompt (text or token ids), or a list of them (one result each, in order).
@@ -259,10 +302,14 @@ class Engine:
         """Stop the step loop (running requests end with an error), free the model and KV cache. Later calls
         raise RuntimeError; closing twice is fine."""
         loop, self._loop = self._loop, None
-        if loop is None:
+        node, self._node = getattr(self, "_node", None), None
+        if loop is None and node is None:
             return
-        loop.close()  # joins the loop thread and drops its reference to the core
+        if loop is not None:
+            loop.close()  # joins the loop thread and drops its reference to the core
         del loop
+        if node is not None:
+            node.close()  # node 0: the followers exit
         self._core = self._model = self._models = None
         if self.device.startswith("cuda"):
             _core.empty_cache(self.device)  # the pool's memory goes back to the driver, not only our cache
@@ -294,6 +341,9 @@ class Engine:
 
     def _open(self) -> StepLoop:
         loop = self._loop
+        if loop is None and getattr(self, "_node", None) is not None:
+            raise RuntimeError(f"this engine is node {self._node.rank} of {self._node.nnodes}: node 0 schedules "
+                               f"and serves, a follower only runs its steps (follow())")
         if loop is None:
             raise RuntimeError("engine is closed: create a new Engine to generate again")
         return loop

@@ -44,23 +44,26 @@ def rank_devices(device: str, world: int) -> list[str]:
     return [f"cuda:{first + r}" for r in range(world)]
 
 
-def make_models(config, dtype: str, devices: list[str], fused, timeout_s: float) -> list:
-    """One model per rank: the whole model for one rank, else each rank's share (checked before any
-    weight is read: check_tensor_parallel names everything that does not divide)."""
-    world = len(devices)
+def make_models(config, dtype: str, devices: list[str], fused, timeout_s: float, node=None) -> list:
+    """One model per rank of this process: the whole model for one rank, else each rank's share (checked
+    before any weight is read: check_tensor_parallel names everything that does not divide). node: this
+    process's end of a group spanning processes (engine/nodes.py), whose communicators join the others'."""
+    world = node.world if node is not None else len(devices)
     check_tensor_parallel(config, world)
     if world == 1:
         return [_core.create_model(config.core, dtype, devices[0], fused=fused)]
-    comms = _core.local_group(devices[0], world, timeout_s)
+    comms = node.make_comms(devices) if node is not None else _core.local_group(devices[0], world, timeout_s)
     return [_core.create_model(config.core, dtype, d, fused=fused, comm=c) for d, c in zip(devices, comms)]
 
 
-def load_weights(models: list, config, weights, quantized: bool, progress: bool, source: str) -> None:
-    """Uploads every weight to every rank, each rank's cut (a slice of the one tensor the mapping holds at a
-    time: no rank, and not the host, ever holds the whole model); progress per rank when done."""
+def load_weights(models: list, config, weights, quantized: bool, progress: bool, source: str,
+                 first_rank: int = 0, world: int | None = None) -> None:
+    """Uploads every weight to every rank of this process (global ranks first_rank.. of `world`, default
+    all of them), each rank's cut (a slice of the one tensor the mapping holds at a time: no rank, and not
+    the host, ever holds the whole model); progress per rank when done."""
     from tqdm import tqdm
 
-    world = len(models)
+    world = world or len(models)
     table = {e[0]: e for e in _core.weight_table(config.core)}
     names = list(weights)
     devices = ", ".join(dict.fromkeys(m.device for m in models))
@@ -71,7 +74,7 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
         entry = table.get(name)  # None: a name the model does not know, which it rejects (load_weight raises)
         raw = weights.pop_raw(name) if quantized else None
         dense = None if raw is not None else weights.pop(name)
-        for rank, model in enumerate(models):
+        for rank, model in enumerate(models, first_rank):
             cut = rank_cut(entry, config, world, rank) if entry is not None else Cut(-1)
             if raw is not None:  # GGUF blocks as stored (a view of the mapped file), cut along whole blocks
                 model.load_quant_weight(name, quant.from_numpy(*cut_blocks(name, *raw, cut)))
@@ -81,7 +84,7 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
     if missing:
         raise ValueError(f"{source}: missing weights, e.g. {missing[:3]}")
     if progress and not bar:
-        for rank, model in enumerate(models):
+        for rank, model in enumerate(models, first_rank):
             who = f"rank {rank}/{world} " if world > 1 else ""
             print(f"llaisys: {who}uploaded {len(names)} tensors to {model.device} "
                   f"({model.weight_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)

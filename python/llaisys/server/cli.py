@@ -86,7 +86,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="default rolling KV window of requests (StreamingLLM: endless generation; 0 = dense)")
     g.add_argument("--sink-tokens", type=_int_at_least(0), metavar="N", help="first tokens a window keeps (default 4)")
     g.add_argument("--tensor-parallel-size", "-tp", type=_int_at_least(1), metavar="N",
-                   help="split the model over N GPUs (--device's and the next N - 1; default 1)")
+                   help="split the model over N GPUs (--device's and the next N - 1; default 1); with --nnodes, "
+                        "over every node's GPUs together (N / nnodes a node)")
+    g.add_argument("--tp-timeout-s", dest="tp_timeout_s", type=float, metavar="S",
+                   help="a rank or node that does not finish a step, or join, within S seconds fails the engine "
+                        "(default 300)")
+    n = p.add_argument_group("across hosts (torchrun's and SGLang's names): one command per node")
+    n.add_argument("--nnodes", type=_int_at_least(1), metavar="N", help="processes the model spans (default 1)")
+    n.add_argument("--node-rank", type=_int_at_least(0), metavar="R",
+                   help="this node (default 0); node 0 serves HTTP, the others only run its steps")
+    n.add_argument("--master-addr", metavar="ADDR", help="node 0's address, reachable from every node (default "
+                   "127.0.0.1)")
+    n.add_argument("--master-port", type=_int_at_least(1), metavar="PORT",
+                   help="the port node 0 listens on for the other nodes (default 29500)")
     p.set_defaults(func=run_serve)
     return p
 
@@ -94,10 +106,26 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "block_size",
                    "gpu_memory_utilization", "cpu_kv_cache_bytes", "num_kv_blocks", "enable_prefix_caching",
                    "cuda_graphs", "overlap_steps", "max_queued_requests", "kv_window", "sink_tokens",
-                   "tensor_parallel_size")
+                   "tensor_parallel_size", "tp_timeout_s", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+def run_follower(args) -> int:
+    """`llaisys serve --node-rank R` (R > 0): no HTTP; this node runs node 0's steps until node 0 ends."""
+    from .. import catalog
+    from ..engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    settings = {k: getattr(args, k) for k in ENGINE_SETTINGS if getattr(args, k) is not None}
+    engine = Engine(args.model or catalog.DEFAULT_MODEL, device=args.device, dtype=args.dtype,
+                    max_seq_len=args.max_seq_len, **settings)
+    engine.follow()
+    return 0
 
 
 def run_serve(args) -> int:
+    if (args.node_rank or 0) > 0:
+        return run_follower(args)
     try:
         import uvicorn
 
