@@ -250,18 +250,25 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
         });
         return;
     }
-    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call
+    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in
+    // groups of kGroup, each group through one x chunk before the next, so that the chunk (a packed tile of
+    // K = 896: 16 KiB) and the group's weight rows stay in L1 while every row of the group reads them.
+    constexpr int64_t kGroup = 16;
     const ColumnU8Fn fn_u8 = column_u8_fn(w.format());
     const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format());
     const int64_t rows = fn_u8 ? kPackRows : kChunk;
-    parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
-        for (int64_t m0 = 0; m0 < M; m0 += rows) {
-            float col[kChunk];
-            const int64_t mm = std::min(rows, M - m0);
-            if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
-            else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
-            for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
+    parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; g += kGroup) {
+            for (int64_t m0 = 0; m0 < M; m0 += rows) {
+                const int64_t mm = std::min(rows, M - m0);
+                for (int64_t n = g; n < std::min(end, g + kGroup); ++n) {
+                    float col[kChunk];
+                    if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
+                    else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
+                    for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
+                }
+            }
         }
     });
 }
