@@ -219,12 +219,38 @@ def test_linear_matches_float64(fmt, dtype, M, N):
 @pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 17, 64, 200])
 def test_linear_each_cpu_path(cpu_path, fmt, dtype, M):
     """Every path matches the reference, and the SIMD paths give the portable path's bits (isa.hpp);
-    M covers the decode kernel, every tile height with leftovers, and (VNNI, 32-element formats) the
-    16-row packed tiles, full and partial."""
+    M covers the decode kernel, every tile height with leftovers, and the 16-row packed tiles, full and
+    partial (VNNI: the 32-element formats; AVX2: Q4_0 and Q5_0, in passes of 8 rows)."""
     out, ref, tol = run_linear(fmt, dtype, M, 111, 768, seed=M, with_bias=True)
     check(out, ref, tol)
     quant.set_cpu_path("portable")
     portable, _, _ = run_linear(fmt, dtype, M, 111, 768, seed=M, with_bias=True)
+    np.testing.assert_array_equal(bits(out), bits(portable))
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_0", "q8_0"])
+@pytest.mark.parametrize("M", [1, 9, 19])
+def test_linear_extreme_codes_each_cpu_path(cpu_path, fmt, M):
+    """The largest products the integer paths form: every weight code at its lowest or highest value and
+    every x code at +-127 (x = +-1, so each block's d is 1/127). AVX2's prefill
+    kernel sums two (x code + 128) * (weight code - offset) products in int16 (isa.hpp: u8_format_ok);
+    this is where it would saturate. The portable path's bits and the float64 reference."""
+    rng = np.random.default_rng(M)
+    K, N = 19 * 32, 23
+    info = quant.format_info(fmt)
+    lo, hi = CODE_BYTES[fmt]
+    data = np.zeros((N, K // 32, info["block_bytes"]), np.uint8)
+    data[:, :, 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    fill = {"q4_0": (0x00, 0xFF), "q5_0": (0x00, 0xFF), "q8_0": (0x80, 0x7F)}[fmt]  # codes all min / all max
+    data[:, :, lo:hi] = np.where(rng.random((N, K // 32, 1)) < 0.5, *fill).astype(np.uint8)
+    data = data.reshape(N, -1)
+    x = np.where(rng.random((M, K)) < 0.5, -1.0, 1.0).astype(np.float32)
+    out = poisoned((M, N))
+    quant.linear_(out, llaisys.tensor(x), matrix(fmt, data))
+    xq = quantized_x(x, 32)
+    check(out, xq @ gguf.quants.dequantize(data, gtype(fmt)).astype(np.float64).T, linear_tol(fmt, "f32", xq, data))
+    quant.set_cpu_path("portable")
+    portable = quant.linear(llaisys.tensor(x), matrix(fmt, data))
     np.testing.assert_array_equal(bits(out), bits(portable))
 
 

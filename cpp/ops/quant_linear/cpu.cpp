@@ -6,8 +6,9 @@
 // (kernels.inc), compiled three times: portable C++, AVX2 and AVX-512 VNNI, picked at run time.
 // Decode (M = 1) reads each weight byte once, so it is bound by memory bandwidth: the quantized rows
 // are 3.5-7 times fewer bytes than bf16 ones. Prefill (M > 1) is bound by the arithmetic per block: on
-// VNNI the 32-element formats get their own kernel over x packed in 16-row tiles (kernels.inc:
-// column_u8), with the decode kernel's integers and float operations, so a row's bits never depend on M.
+// VNNI the 32-element formats, on AVX2 Q4_0 and Q5_0, get their own kernel over x packed in 16-row tiles
+// (kernels.inc: column_u8), with the decode kernel's integers and float operations, so a row's bits never
+// depend on M.
 //
 // This file is compiled with -ffp-contract=off (CMakeLists.txt), so a*b+c is never fused behind our
 // back: the three paths round the same float operations and return the same bits.
@@ -51,9 +52,10 @@ struct Q8Act<256> {
     float d;
 };
 
-// Prefill's x for the 32-element formats on the VNNI path (kernels.inc: column_u8): tiles of kPackRows x
-// rows; per block the rows' codes + 128 as u8 (VPDPBUSD's unsigned operand) and their d, side by side, so
-// that one vector multiply gives a weight block's scales for the whole tile. Rows past M are 0 (d = 0).
+// Prefill's x for the 32-element formats on the VNNI and AVX2 paths (kernels.inc: column_u8): tiles of
+// kPackRows x rows; per block the rows' codes + 128 as u8 (the unsigned operand of VPDPBUSD or maddubs)
+// and their d, side by side, so that one vector multiply gives a weight block's scales for the whole
+// tile. Rows past M are 0 (d = 0).
 constexpr int kPackRows = 16;
 struct alignas(32) XTile32 {
     uint8_t q[kPackRows][32];
@@ -139,11 +141,13 @@ RowsFn rows_fn(QuantFormat format) {
 
 // The packed-x prefill kernel of this format on the current path, or nullptr (then column_fn's).
 ColumnU8Fn column_u8_fn(QuantFormat format) {
+    switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    if (g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni) return vnni::column_u8_fn(format);
+    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn(format);
+    case QuantCpuPath::Avx2: return avx2::column_u8_fn(format);
 #endif
-    (void)format;
-    return nullptr;
+    default: return nullptr;
+    }
 }
 
 template <int BK, typename T>
@@ -246,18 +250,25 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
         });
         return;
     }
-    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call
+    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in
+    // groups of kGroup, each group through one x chunk before the next, so that the chunk (a packed tile of
+    // K = 896: 16 KiB) and the group's weight rows stay in L1 while every row of the group reads them.
+    constexpr int64_t kGroup = 16;
     const ColumnU8Fn fn_u8 = column_u8_fn(w.format());
     const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format());
     const int64_t rows = fn_u8 ? kPackRows : kChunk;
-    parallel_for(N, M * w.cols() / 4, [&](int64_t n) {
-        for (int64_t m0 = 0; m0 < M; m0 += rows) {
-            float col[kChunk];
-            const int64_t mm = std::min(rows, M - m0);
-            if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
-            else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
-            for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
+    parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; g += kGroup) {
+            for (int64_t m0 = 0; m0 < M; m0 += rows) {
+                const int64_t mm = std::min(rows, M - m0);
+                for (int64_t n = g; n < std::min(end, g + kGroup); ++n) {
+                    float col[kChunk];
+                    if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
+                    else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
+                    for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
+                }
+            }
         }
     });
 }

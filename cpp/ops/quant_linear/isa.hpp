@@ -164,7 +164,7 @@ struct Portable {
 
 struct Avx2 {
     static constexpr int kTileRows = 4; // 16 ymm registers: 4 rows' accumulators and sums fit
-    static constexpr bool kU8Act = false; // maddubs would saturate on u8 x codes up to 255
+    static constexpr bool kU8Act = true; // for the formats whose codes less their offset are small (below)
     using B = __m256i;
     using W = __m256i;
     using I = __m256i;
@@ -240,6 +240,26 @@ struct Avx2 {
         return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
     }
     LLAISYS_TARGET_AVX2 static void prefetch(const void *p) { _mm_prefetch(static_cast<const char *>(p), _MM_HINT_T0); }
+
+    // The packed-x prefill kernel (kernels.inc: column_u8), as Avx512Vnni's but with maddubs + madd for
+    // VPDPBUSD: x's codes + 128 (u8, at most 255) times the weight codes less their offset (s8). maddubs
+    // sums two such products into an int16, exact only while 2 * 255 * |w| <= 32767, i.e. |w| <= 64:
+    // Q4_0 (-8..7) and Q5_0 (-16..15) qualify, Q8_0 (-128..127) does not (kU8Formats). 8 rows a pass:
+    // their 8 accumulators, the codes, the correction and the constants fit 16 ymm registers.
+    static constexpr int kU8Rows = 8;
+    static constexpr bool u8_format_ok(int offset) { return offset <= 64; }
+    LLAISYS_TARGET_AVX2 static B sub_i8(B a, int v) { return _mm256_sub_epi8(a, _mm256_set1_epi8(char(v))); }
+    LLAISYS_TARGET_AVX2 static I dot_ux(I acc, B xu, B ws) {
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xu, ws), _mm256_set1_epi16(1)));
+    }
+    // 128 * (w0 + w1) per pair: at most 128 * 2 * 64 in magnitude, exact in int16 for the formats above.
+    LLAISYS_TARGET_AVX2 static I neg128_lane_sums(B ws) {
+        return _mm256_sub_epi32(_mm256_setzero_si256(), dot_ux(_mm256_setzero_si256(), _mm256_set1_epi8(char(0x80)), ws));
+    }
+    // out[i] = a * v[i] for 8 floats, each rounded once (the scalar product's bits).
+    LLAISYS_TARGET_AVX2 static void scale8(float a, const float *v, float *out) {
+        _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(a), _mm256_load_ps(v)));
+    }
 };
 
 // VPDPBUSD does maddubs + madd + add in one instruction, VPDPWSSD madd + add (256-bit forms, AVX512VL);
@@ -247,6 +267,8 @@ struct Avx2 {
 struct Avx512Vnni : Avx2 {
     static constexpr int kTileRows = 8; // AVX-512VL has 32 ymm registers: 8 rows fit
     static constexpr bool kU8Act = true;
+    static constexpr int kU8Rows = 16; // a whole packed tile a pass (kernels.inc: column_u8)
+    static constexpr bool u8_format_ok(int) { return true; } // VPDPBUSD sums in int32: never saturates
     LLAISYS_TARGET_VNNI static B q5(const uint8_t *qs, uint32_t qh) {
         const __m256i q = nibbles16(qs);
         return _mm256_mask_add_epi8(q, __mmask32(qh), q, _mm256_set1_epi8(0x10));
@@ -263,15 +285,10 @@ struct Avx512Vnni : Avx2 {
     // VPDPBUSD's unsigned operand and the weight codes less their offset (s8) as the signed one; the
     // offset 128 then moves to the weight's side, once per weight block: acc - 128 * (w's lane sums).
     // Every product is at most 255 * 128 in magnitude, four to a lane: exact in int32.
-    LLAISYS_TARGET_VNNI static B sub_i8(B a, int v) { return _mm256_sub_epi8(a, _mm256_set1_epi8(char(v))); }
     LLAISYS_TARGET_VNNI static I dot_ux(I acc, B xu, B ws) { return _mm256_dpbusd_epi32(acc, xu, ws); }
     LLAISYS_TARGET_VNNI static I neg128_lane_sums(B ws) {
         const __m256i zero = _mm256_setzero_si256();
         return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(char(0x80)), ws));
-    }
-    // out[i] = a * v[i] for 8 floats, each rounded once (the scalar product's bits).
-    LLAISYS_TARGET_VNNI static void scale8(float a, const float *v, float *out) {
-        _mm256_store_ps(out, _mm256_mul_ps(_mm256_set1_ps(a), _mm256_load_ps(v)));
     }
 };
 #endif
