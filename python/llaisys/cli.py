@@ -208,14 +208,20 @@ def node_settings(args) -> dict:
     return {k: getattr(args, k) for k in NODE_FLAGS if getattr(args, k, None) is not None}
 
 
-def _at_least_zero(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _whole_at_least(low: int):
+    """An argparse type: a whole number >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_at_least_zero = _whole_at_least(0)
 
 
 def check_bench_args(args, parser) -> int | None:
@@ -268,14 +274,7 @@ def _non_negative(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive = _whole_at_least(1)
 
 
 # ---- commands ---------------------------------------------------------------------------------------------
