@@ -16,6 +16,8 @@ import re
 import socket
 import sys
 
+from ..cli import _whole_at_least as _int_at_least  # one argparse type for both CLIs
+
 SERVE_EPILOG = """\
 examples:
   llaisys serve                                   the default model on http://127.0.0.1:8000/v1
@@ -27,18 +29,6 @@ The API key defaults to $LLAISYS_API_KEY; /health and /metrics need none."""
 
 ENGINE_PROCESS = True  # the default of --engine-process (docs/ARCHITECTURE.md, "Serving over HTTP", has why)
 EXIT_STARTUP_FAILURE = 3  # uvicorn's code for a server that could not start (e.g. the port is in use)
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
 
 
 def _device(text: str) -> str:
