@@ -617,9 +617,13 @@ def test_steady_decode_times_a_step_of_the_whole_batch(monkeypatch, capsys):
 
     monkeypatch.setitem(shapes.SHAPES, "tiny-test", SMALL)
     assert steady_decode.main(["--shape", "tiny-test", "--device", "cpu", "--batch", "1", "3", "--context", "20",
-                               "--steps", "4"]) == 0
+                               "--steps", "32"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
     assert len(rows) == 2 and all(float(r.split("|")[2]) > 0 and r.rstrip().endswith("- | - | - |") for r in rows), out
     with pytest.raises(SystemExit):
         steady_decode.main(["--shape", "tiny-test", "--device", "cpu", "--steps", "0"])
+    # a clock that cannot see the steps (noise as large as the signal) is an error, never a number <= 0
+    monkeypatch.setattr(steady_decode, "_clock", lambda: 1.0)
+    with pytest.raises(SystemExit, match="raise --steps"):
+        steady_decode.main(["--shape", "tiny-test", "--device", "cpu", "--batch", "2", "--context", "8", "--steps", "2"])
