@@ -99,15 +99,20 @@ def post(port: int, body: bytes, chunked: bool = False, path: str = "/v1/complet
     return int(lines[0].split()[1]), rest
 
 
-def poll_health(port: int, stop, out) -> None:
-    """In its own process: /health latencies (s) every 50 ms until stop is set."""
+def poll_health(port: int, stop, ready, out) -> None:
+    """In its own process: /health latencies (s) every 50 ms until stop is set; ready is set once the first
+    poll is answered, so a phase starts only once the poller runs (a busy machine took longer than any fixed
+    wait to start the poller's interpreter, and a short phase then ended with no poll at all)."""
     lat = []
-    while not stop.is_set():
+    while True:
         t = time.perf_counter()
         status, _ = http_get(port, "/health", timeout=600)
         lat.append(time.perf_counter() - t)
         if status != 200:
             lat[-1] = float("inf")
+        ready.set()
+        if stop.is_set():
+            break
         time.sleep(0.05)
     out.put(lat)
 
@@ -125,11 +130,13 @@ def prompt_body(model: str, nbytes: int) -> bytes:
 
 def run_phase(name: str, port: int, pid: int, body: bytes, count: int, chunked: bool) -> dict:
     ctx = multiprocessing.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
-    poller = ctx.Process(target=poll_health, args=(port, stop, out), daemon=True)
+    stop, ready, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    poller = ctx.Process(target=poll_health, args=(port, stop, ready, out), daemon=True)
     before = rss_mib(pid)
     poller.start()
-    time.sleep(0.5)  # the poller's interpreter starts
+    if not ready.wait(120):
+        poller.kill()
+        raise SystemExit("server_bodies: the /health poller got no answer in 120 s")
     statuses: dict[int, int] = {}
     t0 = time.perf_counter()
     for _ in range(count):
