@@ -34,7 +34,7 @@ def main() -> int:
 
     eng = open_engine(args.shape, None if args.shape else (args.model or catalog.DEFAULT_MODEL), device="cpu",
                       checkpoint=bool(args.shape))[0]
-    vocab, lltok = eng.config.vocab_size, eng._ll_tokenizer()
+    vocab, lltok = eng.config.vocab_size, eng._admit.ll_tokenizer()
     grammar = constraints.compile_constraint(json_schema=SCHEMA)
     filler = constraints.MaskFiller(args.threads)
     W = (vocab + 31) // 32

@@ -124,7 +124,7 @@ def main() -> int:
                                            max_num_seqs=max(256, max(args.batch)), checkpoint=bool(args.shape),
                                            overlap_steps=overlap)
         t = time.perf_counter()
-        eng._ll_tokenizer()
+        eng._admit.ll_tokenizer()
         res["ll_tokenizer_s"] = time.perf_counter() - t
         eng.generate(PROMPT, max_new_tokens=8, temperature=0)  # warm-up (graphs, allocator)
         eng.generate(PROMPT, max_new_tokens=8, temperature=0, json_schema=SCHEMA)

@@ -219,7 +219,7 @@ def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
     from llaisys.constraints import Constraint, MaskFiller, compile_constraint
     eng = f32_engine(tiny, "cpu", False)
     try:
-        lltok, V = eng._ll_tokenizer(), eng.config.vocab_size
+        lltok, V = eng._admit.ll_tokenizer(), eng.config.vocab_size
         grammars = [compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
                     compile_constraint(choice=["yes", "no"])] * 3
         cs = [Constraint(lltok, g) for g in grammars]

@@ -162,3 +162,15 @@ class EngineConfig:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def merged(cls, config, settings: dict) -> "EngineConfig":
+        """Engine(config=..., **settings): the settings over config (or over the defaults); a TypeError names
+        a setting that does not exist."""
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        unknown = sorted(set(settings) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"Engine() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} (engine "
+                            f"settings: {', '.join(cls.names())})")
+        return cls(**settings) if config is None else replace(config, **settings)

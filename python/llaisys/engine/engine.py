@@ -13,31 +13,25 @@ answer. submit() is the request interface for servers (iterate the handle, abort
 from __future__ import annotations
 
 import atexit
-import json
-import random
-import sys
-import threading
 import weakref
 from typing import Iterator, Sequence as Seq
 
 import numpy as np
 
-from .. import _core, catalog, loader, quant
+from .. import _core, catalog, loader
 from ..loader.header import context_length
-from .._tensor import _wrap
-from ..chat import render_chat_template
-from ..constraints import Constraint, Trigger, ll_tokenizer
-from ..engine_args import (check_max_seq_len, check_model_arg, check_text, resolve_device, resolve_dtype,
-                           token_sequence, trim_heap, weight_policy)
-from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
+from ..engine_args import (check_max_seq_len, check_model_arg, resolve_device, resolve_dtype, token_sequence,
+                           trim_heap, weight_policy)
+from ..sampling import SamplingParams, check_sampling_names, resolve_sampling
+from .admission import Admission
 from .config import EngineConfig
 from .core import EngineCore, kv_blocks_for
 from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
 from .ranks import load_weights, make_models, rank_devices
-from .request import ChunkSink, GenerationResult, Request, StreamChunk, check_incremental, check_sink
-from .sequence import Sequence
+from .request import (ChunkSink, GenerationResult, Request, StreamChunk, check_incremental, check_sink,
+                      chunks_or_abort, results_or_abort)
 
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()  # closed at exit, before the extension is torn down
 atexit.register(lambda: [e.close() for e in list(_OPEN)])
@@ -45,19 +39,6 @@ atexit.register(lambda: [e.close() for e in list(_OPEN)])
 DEFAULT_MAX_SEQ_LEN = 8192  # context per sequence when the caller does not choose (the model may allow more)
 
 __all__ = ["Engine", "EngineConfig", "GenerationResult", "StreamChunk", "Request", "ChunkSink"]
-
-
-def _engine_config(config, settings: dict) -> EngineConfig:
-    if config is not None and not isinstance(config, EngineConfig):
-        raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
-    unknown = sorted(set(settings) - set(EngineConfig.names()))
-    if unknown:
-        raise TypeError(f"Engine() got unexpected keyword argument(s) {', '.join(map(repr, unknown))} (engine "
-                        f"settings: {', '.join(EngineConfig.names())})")
-    if config is None:
-        return EngineConfig(**settings)
-    import dataclasses
-    return dataclasses.replace(config, **settings)
 
 
 class Engine:
@@ -94,7 +75,7 @@ class Engine:
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
         check_max_seq_len(max_seq_len)
-        self.engine_config = _engine_config(config, settings).for_device(self.device)
+        self.engine_config = EngineConfig.merged(config, settings).for_device(self.device)
         ec = self.engine_config
         self.devices = rank_devices(self.device, ec.tensor_parallel_size // ec.nnodes)
         if ec.nnodes > 1 and not self.device.startswith("cuda") and len(self.devices) > 1:
@@ -112,6 +93,8 @@ class Engine:
         limit = self.config.max_position_embeddings
         check_max_seq_len(max_seq_len, limit)
         self.max_seq_len = int(min(limit, DEFAULT_MAX_SEQ_LEN) if max_seq_len is None else max_seq_len)
+        self._admit = Admission(self.tokenizer, self.config, self.generation_config, self.chat_template,
+                                self.source, self.max_seq_len, self.engine_config)
         # whether a GGUF file's blocks are kept, and the compute dtype: engine_args.weight_policy says why
         self.quantized, self.dtype = weight_policy(self.dtype, self.device, loaded.weights.quantized, loaded.source)
         # the KV budget before the upload, where it does not depend on the memory the weights leave free
@@ -122,8 +105,9 @@ class Engine:
         ec = self.engine_config
         self._node = None  # a group spanning processes: this one's end (engine/nodes.py)
         if ec.nnodes > 1:
-            from .rendezvous import rendezvous
-            self._node = rendezvous(ec, self._hello(), self.device, progress)
+            from .rendezvous import engine_hello, rendezvous
+            hello = engine_hello(ec, self.dtype, self.quantized, self.device, self.max_seq_len, self.config.core)
+            self._node = rendezvous(ec, hello, self.device, progress)
         try:
             nets = make_models(self.config, self.dtype, self.devices, ec.fused_projections, ec.tp_timeout_s,
                                self._node)
@@ -140,7 +124,6 @@ class Engine:
             raise
         self._model = nets[0]
         self._models = nets
-        self._lltok, self._ll_lock = None, threading.Lock()
         if self._node is not None:
             self._node.start()
         if ec.node_rank == 0:  # a follower's steps are node 0's (follow())
@@ -151,16 +134,6 @@ class Engine:
         node = self._node
         load_weights(models, self.config, weights, self.quantized, progress, self.source,
                      node.first_rank if node else 0, node.world if node else None)
-
-    def _hello(self) -> dict:
-        """What every node must agree on (engine/rendezvous.py compares it with node 0's)."""
-        ec = self.engine_config
-        return {"version": _core.build_info()["version"], "nnodes": ec.nnodes,
-                "tensor_parallel_size": ec.tensor_parallel_size, "dtype": self.dtype, "quantized": self.quantized,
-                "device_type": self.device.split(":")[0], "max_seq_len": self.max_seq_len,
-                "block_size": ec.block_size, "graph_sizes": list(ec.graph_sizes), "cuda_graphs": ec.cuda_graphs,
-                "fused_projections": ec.fused_projections,
-                "model_config": json.dumps(self.config.core, sort_keys=True, default=str)}
 
     def follow(self) -> None:
         """A follower (node_rank > 0): runs node 0's steps on this node's ranks until node 0 closes
@@ -203,17 +176,17 @@ class Engine:
             per = split_sampling("generate", sampling, len(prompt))
             for s in per:
                 check_sampling_names("generate", s)
-            reqs = self._submit_all([(self._encode(p), self._params("generate", s)) for p, s in zip(prompt, per)],
+            reqs = self._submit_all([(self._admit.encode(p), self._params("generate", s)) for p, s in zip(prompt, per)],
                                     incremental=False)
-            return self._results(reqs)
-        req = self._submit_ids(self._encode(prompt), self._params("generate", sampling), incremental=False)
-        return self._results([req])[0]
+            return results_or_abort(reqs)
+        req = self._submit_ids(self._admit.encode(prompt), self._params("generate", sampling), incremental=False)
+        return results_or_abort([req])[0]
 
     def stream(self, prompt, **sampling) -> Iterator[StreamChunk]:
         """Like generate() for one prompt, yielding text deltas (always whole UTF-8 characters) as they are
         produced; the last chunk carries finish_reason, usage and timings. Closing the iterator aborts."""
         params = self._params("stream", sampling)
-        return self._chunks(self._submit_ids(self._encode(prompt), params))
+        return chunks_or_abort(self._submit_ids(self._admit.encode(prompt), params))
 
     def submit(self, prompt, sink: ChunkSink | None = None, incremental: bool = True, **sampling) -> Request:
         """The request interface for servers: queue one prompt and return its handle at once. Iterate the
@@ -226,7 +199,7 @@ class Engine:
         text as it grows, to stop where the stop string ends), so it still gives its chunks as they come."""
         check_sink(sink)
         check_incremental(incremental)
-        return self._submit_ids(self._encode(prompt), self._params("submit", sampling), sink, incremental)
+        return self._submit_ids(self._admit.encode(prompt), self._params("submit", sampling), sink, incremental)
 
     def chat(self, messages, stream: bool = False, add_generation_prompt: bool = True, **sampling):
         """Render messages with the model's chat template and generate the assistant's reply; a list of
@@ -239,40 +212,30 @@ class Engine:
         if batch and stream:
             raise ValueError("chat(): stream=True takes one conversation, not a list of them")
         convs = list(messages) if batch else [messages]
-        ids = [self._check_ids(self.render_chat(m, add_generation_prompt), limit=False) for m in convs]
+        ids = [self._admit.check_ids(self.render_chat(m, add_generation_prompt), limit=False) for m in convs]
         per = split_sampling("chat", sampling, len(convs)) if batch else [sampling]
         reqs = self._submit_all([(i, self._params("chat", s)) for i, s in zip(ids, per)], incremental=stream)
         if stream:
-            return self._chunks(reqs[0])
-        results = self._results(reqs)
+            return chunks_or_abort(reqs[0])
+        results = results_or_abort(reqs)
         return results if batch else results[0]
 
     def tokenize(self, prompt) -> list[int]:
         """A raw prompt (text, or token ids) as the token ids a request gets, before the vocabulary and
         context checks of submitting it (text gets BOS when the model wants it)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            check_text("prompt", prompt)
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return token_sequence("prompt", prompt)
+        return self._admit.tokenize(prompt)
 
     def render_chat(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
         """Messages rendered with the model's chat template and tokenized, as chat() submits them; tools
         (OpenAI-style function specs) are rendered by the template where it supports them."""
-        if not self.chat_template:
-            raise ValueError(f"{self.source} has no chat template; use generate() with a raw prompt")
-        text = render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
-                                    tools=tools)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._admit.render_chat(messages, add_generation_prompt, tools)
 
     def score(self, token_ids: Seq[int], kv_window: int | None = None, sink_tokens: int | None = None) -> np.ndarray:
         """Logits for every position of token_ids, [len, vocab] float32 (teacher forcing). kv_window /
         sink_tokens (None: the engine's defaults, EngineConfig): through the rolling cache a windowed
         generation uses (StreamingLLM), in chunks of one block; then token_ids may be longer than the context."""
-        window, sinks = self._window(resolve_sampling({}, kv_window=kv_window, sink_tokens=sink_tokens))
-        ids = self._check_ids(token_sequence("token_ids", token_ids), limit=not window)
+        window, sinks = self._admit.window(resolve_sampling({}, kv_window=kv_window, sink_tokens=sink_tokens))
+        ids = self._admit.check_ids(token_sequence("token_ids", token_ids), limit=not window)
 
         def run():
             logits = score_logits(self._core, ids, window, sinks)
@@ -285,7 +248,7 @@ class Engine:
         """ValueError for a kv_window / sink_tokens a request of this engine could not use (a CLI checks its
         flags with it before the first turn)."""
         params = resolve_sampling({}, kv_window=kv_window, sink_tokens=sink_tokens)
-        window, sinks = self._window(params)
+        window, sinks = self._admit.window(params)
         if window:
             self._open()
             self._core.check_window(window, sinks)
@@ -356,76 +319,14 @@ class Engine:
 
     def _params(self, call: str, sampling: dict) -> SamplingParams:
         self._open()
-        check_sampling_names(call, sampling)
-        params = resolve_sampling(self.generation_config, **sampling)
-        vocab = self.config.vocab_size
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise ValueError(f"stop_token_ids: {t} is not a token id of this model (vocab size {vocab})")
-        return params
-
-    def _encode(self, prompt) -> list[int]:
-        return self._check_ids(self.tokenize(prompt), limit=False)  # the length: _request, by the window
-
-    def _window(self, params: SamplingParams) -> tuple[int, int]:
-        """(kv_window, sink_tokens) of a request: its own, else the engine's; no sinks without a window."""
-        cfg = self.engine_config
-        window = cfg.kv_window if params.kv_window is None else params.kv_window
-        sinks = cfg.sink_tokens if params.sink_tokens is None else params.sink_tokens
-        return window, sinks if window else 0
-
-    def _check_ids(self, ids: list, limit: bool = True) -> list[int]:
-        """ids as ints of the vocabulary; limit: fewer than max_seq_len (a windowed request has no limit)."""
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        vocab = self.config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"token id at position {i} is {t!r}, not an int in [0, {vocab})")
-        if limit and len(ids) >= self.max_seq_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len} "
-                             f"(raise max_seq_len: Engine(max_seq_len=N) or `--max-seq-len N` in the CLI, up to "
-                             f"{self.config.max_position_embeddings} for this model)")
-        return [int(t) for t in ids]
+        return self._admit.params(call, sampling)
 
     def _request(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,
                  incremental: bool = True) -> Request:
         """incremental False: the caller reads only the result (see Request)."""
-        window, sinks = self._window(params)
-        if not window:
-            self._check_ids(ids)  # the context's limit
-        self._core.check_fits(len(ids), params.max_new_tokens, window, sinks)
-        eos = params.stop_token_ids if params.ignore_eos else eos_union(
-            self.generation_config, self.tokenizer.eos_token_ids, params.stop_token_ids)
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(ids, params, seed, frozenset(eos), kv_window=window, sink_tokens=sinks)
-        if params.constraint is not None and params.grammar_trigger is None and params.opening_grammar is None:
-            seq.constraint = Constraint(self._ll_tokenizer(), params.constraint)  # its errors raise at submit
-        elif params.constraint is not None or params.opening_grammar is not None:
-            seq.trigger = self._trigger(params)
+        window, sinks = self._admit.checked(ids, params, self._core)
+        seq = self._admit.sequence(ids, params, window, sinks)
         return Request(seq, self.tokenizer.inner, params.stop, self._open(), sink, incremental)
-
-    def _trigger(self, params: SamplingParams) -> Trigger:
-        """The constraints that start inside the output (grammar_trigger, opening_grammar), built now so a
-        bad one raises at submit."""
-        lltok, token, after, opening = self._ll_tokenizer(), None, None, None
-        if params.grammar_trigger is not None:
-            token = self.tokenizer.token_to_id(params.grammar_trigger)
-            if token is None:
-                raise ValueError(f"grammar_trigger {params.grammar_trigger!r} is not one token of this model's "
-                                 f"vocabulary")
-            after = Constraint(lltok, params.constraint)
-        if params.opening_grammar is not None:
-            opening = Constraint(lltok, params.opening_grammar)
-        return Trigger(token, after, opening, lambda t: not self.tokenizer.decode([t]).strip())
-
-    def _ll_tokenizer(self):
-        """llguidance's view of the vocabulary (structured output), built on first use (~1 s) and kept."""
-        with self._ll_lock:
-            if self._lltok is None:
-                eos = eos_union(self.generation_config, self.tokenizer.eos_token_ids)
-                self._lltok = ll_tokenizer(self.tokenizer, self.config.vocab_size, eos)
-            return self._lltok
 
     def _submit_ids(self, ids: list[int], params: SamplingParams, sink: ChunkSink | None = None,
                     incremental: bool = True) -> Request:
@@ -443,23 +344,3 @@ class Engine:
                 r.abort()
             raise
         return queued
-
-    @staticmethod
-    def _chunks(req: Request) -> Iterator[StreamChunk]:
-        done = False
-        try:
-            for chunk in req:
-                yield chunk
-            done = True
-        finally:
-            if not done:  # the caller stopped reading (break, close, Ctrl-C): free the request's blocks
-                req.abort()
-
-    @staticmethod
-    def _results(reqs: list[Request]) -> list[GenerationResult]:
-        try:
-            return [r.result() for r in reqs]
-        except BaseException:  # an error or Ctrl-C: the requests still running are aborted
-            for r in reqs:
-                r.abort()
-            raise

@@ -29,12 +29,12 @@ import itertools
 import logging
 import multiprocessing
 import queue
-import signal
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
+from .admission import Admission
 from .core import EngineCore
-from .engine import Engine
+from .process_child import child_main
 from .request import StreamChunk, check_incremental, check_sink
 
 log = logging.getLogger("llaisys.engine")
@@ -46,6 +46,7 @@ class _Limits:
     """What EngineCore.check_fits reads, sent by the child once."""
 
     check_window = EngineCore.check_window
+    check_fits = EngineCore.check_fits
 
     def __init__(self, max_seq_len: int, capacity_tokens: int, block_size: int):
         self.max_seq_len = max_seq_len
@@ -94,20 +95,13 @@ class EngineProcess:
     """An Engine running in a child process. Takes Engine's arguments; raises what Engine() raises (its
     type and message) when the child fails to load the model."""
 
-    # the parent's checks are the Engine's own, on the values the child sent
-    tokenize = Engine.tokenize
-    render_chat = Engine.render_chat
-    _params = Engine._params
-    _check_ids = Engine._check_ids
-    _window = Engine._window
-
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", max_seq_len: int | None = None,
                  progress: bool = True, **settings):
         ctx = multiprocessing.get_context("spawn")
         cmd_recv, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_send = ctx.Pipe(duplex=False)
         kwargs = dict(device=device, dtype=dtype, max_seq_len=max_seq_len, progress=progress, **settings)
-        self._proc = ctx.Process(target=_child_main, args=(cmd_recv, out_send, model, kwargs),
+        self._proc = ctx.Process(target=child_main, args=(cmd_recv, out_send, model, kwargs),
                                  name="llaisys-engine-core", daemon=True)
         self._proc.start()
         cmd_recv.close()  # else the parent's copies keep the pipes open after the child is gone: no EOF
@@ -134,6 +128,9 @@ class EngineProcess:
         self._limits = _Limits(info["max_seq_len"], info.pop("capacity_tokens"), info["engine_config"].block_size)
         for k, v in info.items():
             setattr(self, k, v)
+        # the parent's checks are the Engine's own (engine/admission.py), on the values the child sent
+        self._admit = Admission(self.tokenizer, self.config, self.generation_config, self.chat_template,
+                                self.source, self.max_seq_len, self.engine_config)
         self._receiver = threading.Thread(target=self._receive, name="llaisys-engine-receiver", daemon=True)
         self._receiver.start()
 
@@ -151,12 +148,9 @@ class EngineProcess:
         incremental=False: the child sends the request's one last chunk only (Engine.submit's doc)."""
         check_sink(sink)
         check_incremental(incremental)
-        ids = self._check_ids(self.tokenize(prompt), limit=False)
-        params = self._params("submit", sampling)
-        window, sinks = self._window(params)
-        if not window:
-            self._check_ids(ids)  # the context's limit
-        EngineCore.check_fits(self._limits, len(ids), params.max_new_tokens, window, sinks)
+        ids = self._admit.encode(prompt)
+        self._open()
+        self._admit.checked(ids, self._admit.params("submit", sampling), self._limits)
         with self._send_lock:  # the queue check and the send, as one: the limit holds under concurrency
             if self.closed:
                 raise RuntimeError("the engine is closed")
@@ -172,6 +166,12 @@ class EngineProcess:
                 raise RuntimeError("the engine process is not running") from None
         return req
 
+    def tokenize(self, prompt) -> list[int]:
+        return self._admit.tokenize(prompt)
+
+    def render_chat(self, messages, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+        return self._admit.render_chat(messages, add_generation_prompt, tools)
+
     def score(self, token_ids, kv_window=None, sink_tokens=None):
         return self._call("score", list(token_ids), kv_window, sink_tokens)
 
@@ -181,7 +181,7 @@ class EngineProcess:
     def describe(self) -> dict:
         return self._call("describe")
 
-    def _open(self):  # Engine._params's check
+    def _open(self):
         if self.closed:
             raise RuntimeError("engine is closed: create a new Engine to generate again")
 
@@ -322,122 +322,3 @@ class EngineProcess:
                 sink.flush()
             except Exception:
                 log.exception("a chunk sink failed to flush again")
-
-
-# ---- the child ------------------------------------------------------------------------------------------
-
-class _BatchSink:
-    """The child's ChunkSink for every request: a flush sends what the step put, as one message."""
-
-    def __init__(self, out, out_lock: threading.Lock):
-        self.out, self.out_lock = out, out_lock
-        self.lock = threading.Lock()  # rids and reqs: the command thread adds, the step loop removes
-        self.rids: dict = {}  # Request -> rid
-        self.reqs: dict[int, object] = {}  # rid -> Request
-        self.items: list = []
-
-    def put(self, req, item) -> None:
-        self.items.append((req, item))
-
-    def flush(self) -> None:
-        items, self.items = self.items, []
-        batch = []
-        with self.lock:
-            for req, item in items:
-                rid = self.rids.get(req)
-                if isinstance(item, BaseException):
-                    batch.append((rid, _picklable(item)))
-                    last = True
-                else:
-                    batch.append((rid, (item.text, item.token_ids, item.finish_reason, item.usage, item.timings,
-                                        item.logprobs)))
-                    last = item.finish_reason is not None
-                if last:
-                    del self.rids[req]
-                    del self.reqs[rid]
-        self.send(("chunks", batch))
-
-    def send(self, msg) -> None:
-        with self.out_lock:
-            self.out.send(msg)
-
-
-def _picklable(e: BaseException) -> BaseException:
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:
-        return RuntimeError(f"{type(e).__name__}: {e}")
-
-
-def _child_main(cmd, out, model: str, kwargs: dict) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (see the module's docstring)
-    out_lock = threading.Lock()
-    try:
-        eng = Engine(model, **kwargs)
-    except BaseException as e:
-        out.send(("failed", _picklable(e)))
-        return
-    info = dict(source=eng.source, config=eng.config, tokenizer=eng.tokenizer, chat_template=eng.chat_template,
-                generation_config=eng.generation_config, engine_config=eng.engine_config,
-                max_seq_len=eng.max_seq_len, device=eng.device, dtype=eng.dtype,
-                capacity_tokens=eng._core.blocks.capacity_tokens)
-    out.send(("ready", info))
-    sink = _BatchSink(out, out_lock)
-    workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="llaisys-engine-call")
-    calls = {"score": eng.score, "stats": eng.stats, "describe": eng.describe}
-    stop = threading.Event()
-
-    def watch():  # an engine that breaks (Engine.failure) is reported once, so the server's /health says so
-        while not stop.wait(0.5):
-            if eng.failure:
-                try:
-                    sink.send(("failed", eng.failure))
-                except (OSError, ValueError):
-                    pass
-                return
-
-    threading.Thread(target=watch, name="llaisys-engine-watch", daemon=True).start()
-
-    def run_call(cid, name, args):
-        try:
-            value, ok = calls[name](*args), True
-        except BaseException as e:
-            value, ok = _picklable(e), False
-        try:
-            sink.send(("reply", cid, ok, value))
-        except (OSError, ValueError):
-            pass
-
-    try:
-        while True:
-            try:
-                msg = cmd.recv()
-            except (EOFError, OSError):  # the parent is gone
-                break
-            kind = msg[0]
-            if kind == "submit":
-                _, rid, ids, sampling, incremental = msg
-                with sink.lock:  # a step may put this request's chunks before it is named: flush waits
-                    try:
-                        req = eng.submit(ids, sink=sink, incremental=incremental, **sampling)
-                    except Exception as e:  # the parent checked what Engine.submit checks: a race, or a bug
-                        error = _picklable(e)
-                    else:
-                        sink.rids[req], sink.reqs[rid], error = rid, req, None
-                if error is not None:
-                    sink.send(("chunks", [(rid, error)]))
-            elif kind == "abort":
-                req = sink.reqs.get(msg[1])
-                if req is not None:
-                    req.abort()
-            elif kind == "call":
-                workers.submit(run_call, *msg[1:])
-            elif kind == "close":
-                break
-    finally:
-        stop.set()
-        workers.shutdown(wait=True)
-        eng.close()  # running requests end with an error, flushed through the sink

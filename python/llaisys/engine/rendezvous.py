@@ -52,6 +52,16 @@ def hello_mismatch(mine: dict, theirs: dict, who: str) -> str | None:
     return None
 
 
+def engine_hello(ec, dtype: str, quantized: bool, device: str, max_seq_len: int, model_config: dict) -> dict:
+    """What every node must agree on (hello_mismatch compares it with node 0's)."""
+    return {"version": _core.build_info()["version"], "nnodes": ec.nnodes,
+            "tensor_parallel_size": ec.tensor_parallel_size, "dtype": dtype, "quantized": quantized,
+            "device_type": device.split(":")[0], "max_seq_len": max_seq_len,
+            "block_size": ec.block_size, "graph_sizes": list(ec.graph_sizes), "cuda_graphs": ec.cuda_graphs,
+            "fused_projections": ec.fused_projections,
+            "model_config": json.dumps(model_config, sort_keys=True, default=str)}
+
+
 def rendezvous(config, hello: dict, device: str, progress: bool) -> Node:
     """This node, connected to the others (EngineConfig's nnodes, node_rank, master_addr/port, tp_timeout_s)."""
     local = config.tensor_parallel_size // config.nnodes

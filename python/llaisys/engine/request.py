@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from ..stops import StopStringMatcher
 from ..streaming import IncrementalDetokenizer
@@ -72,6 +72,28 @@ def check_incremental(incremental) -> None:
     """TypeError for a submit(incremental=) that is not a bool (1 or "no" would be read as a choice)."""
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be True or False, got {incremental!r}")
+
+
+def chunks_or_abort(req: "Request") -> Iterator[StreamChunk]:
+    """req's chunks; a caller that stops reading (break, close, Ctrl-C) aborts it, so its blocks are freed."""
+    done = False
+    try:
+        for chunk in req:
+            yield chunk
+        done = True
+    finally:
+        if not done:
+            req.abort()
+
+
+def results_or_abort(reqs: list["Request"]) -> list[GenerationResult]:
+    """Every request's result, in order; an error or Ctrl-C aborts those still running."""
+    try:
+        return [r.result() for r in reqs]
+    except BaseException:
+        for r in reqs:
+            r.abort()
+        raise
 
 
 def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
