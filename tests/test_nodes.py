@@ -302,14 +302,50 @@ def generate_all(eng):
     return greedy, sampled + extra, eng.score(prompts[1])
 
 
+CALLERS = [dict(max_new_tokens=10 + k, temperature=0 if k % 2 else 0.9, seed=k, ignore_eos=True,
+                **({"repetition_penalty": 1.2} if k % 3 == 0 else {})) for k in range(6)]
+
+
+def each_caller(eng, concurrent: bool):
+    """Six callers, each its own prompt and sampling, streaming (the even ones) or waiting for the result: run
+    one after another, or all at once from six threads (their requests then share steps)."""
+    import threading
+
+    import arch_check
+    from test_tensor_parallel import VOCAB
+    prompts = [arch_check.prompt(VOCAB, 4 + 3 * k, seed=40 + k) for k in range(len(CALLERS))]
+    out, start = [None] * len(CALLERS), threading.Barrier(len(CALLERS) if concurrent else 1)
+
+    def call(k):
+        start.wait()
+        if k % 2 == 0:
+            out[k] = [t for c in eng.stream(prompts[k], **CALLERS[k]) for t in c.token_ids]
+        else:
+            out[k] = eng.generate(prompts[k], **CALLERS[k]).token_ids
+    if not concurrent:
+        for k in range(len(CALLERS)):
+            call(k)
+        return out
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(len(CALLERS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
 def test_two_cpu_nodes_equal_one_rank(tiny_qwen2, tmp_path):
     with Engine(tiny_qwen2, device="cpu", dtype="f32", progress=False, max_seq_len=256) as one:
         g1, s1, l1 = generate_all(one)
+        solo = each_caller(one, concurrent=False)
     eng, proc = two_nodes(tiny_qwen2, tmp_path)
     try:
         assert eng.describe()["tensor_parallel_size"] == 2 and eng.describe()["nnodes"] == 2
         g2, s2, l2 = generate_all(eng)
         assert (g2, s2) == (g1, s1)
+        # concurrency is input too: six threads at once on the two-process engine each get their own tokens
+        together = each_caller(eng, concurrent=True)
+        assert all(together) and together == solo
         np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
         # a penalty that every node refuses alike fails that request, not the group
         assert eng.failure is None
