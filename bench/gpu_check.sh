@@ -154,6 +154,12 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
       --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
       tee -a "$OUT/summary.txt"
   done
+  for tp in ${TP_SIZES:-2}; do # chained steps under TP (LLAISYS_OVERLAP=1: asked for, not yet the default)
+    log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, chained steps"
+    LLAISYS_OVERLAP=1 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
+      --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp${tp}_chained.json" 2>&1 | grep -v Warning |
+      tail -3 | tee -a "$OUT/summary.txt"
+  done
   fi
   for tp in ${TP_BIG:-}; do # the 72B shape (145 GB in bf16: 4 GPUs at least), batch-1 decode
     log "llaisys bench --shape qwen2-72b --tensor-parallel-size $tp"

@@ -147,7 +147,7 @@ void bind_steps(nb::class_<R> &c) {
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
              "previous launch's tokens, on the device. defer_sampling (a Runner only): the forward alone; "
              "sample_deferred() samples it.")
-        .def("finish", [](Runner &r) {
+        .def("finish", [](R &r) {
             nb::gil_scoped_release release;
             return r.finish();
         }, "The tokens of the oldest unfinished launch (waits for them).")

@@ -268,12 +268,12 @@ def start_follower(path, port, log_path, device="cpu", tp=2, timeout=30):
     return subprocess.Popen(args, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
 
 
-def two_nodes(path, tmp_path, device="cpu", follower_device="cpu", tp=2, timeout=30.0):
+def two_nodes(path, tmp_path, device="cpu", follower_device="cpu", tp=2, timeout=30.0, **settings):
     port = free_port()
     proc = start_follower(path, port, tmp_path / "node1.log", follower_device, tp, timeout)
     try:
         eng = Engine(path, device=device, dtype="f32", progress=False, max_seq_len=256, tensor_parallel_size=tp,
-                     nnodes=2, node_rank=0, master_port=port, tp_timeout_s=timeout)
+                     nnodes=2, node_rank=0, master_port=port, tp_timeout_s=timeout, **settings)
     except BaseException:
         proc.kill()
         print(open(tmp_path / "node1.log").read()[-3000:])
@@ -353,6 +353,21 @@ def test_two_cpu_nodes_equal_one_rank(tiny_qwen2, tmp_path):
         eng.close()
     assert proc.wait(30) == 0, open(tmp_path / "node1.log").read()[-3000:]
     assert "node 0 closed" in open(tmp_path / "node1.log").read()
+
+
+def test_chained_steps_on_two_cpu_nodes_equal_one_rank(tiny_qwen2, tmp_path):
+    """overlap_steps=True across processes: node 0 broadcasts each chained launch and each finish, and the
+    tokens are the one-rank engine's (plain steps in generate_all's penalised and logprobs parts)."""
+    with Engine(tiny_qwen2, device="cpu", dtype="f32", progress=False, max_seq_len=256) as one:
+        g1, s1, _ = generate_all(one)
+    eng, proc = two_nodes(tiny_qwen2, tmp_path, overlap_steps=True)
+    try:
+        g2, s2, _ = generate_all(eng)
+        assert (g2, s2) == (g1, s1)
+        assert eng.stats()["overlapped_steps"] > 20 and eng.failure is None
+    finally:
+        eng.close()
+    assert proc.wait(30) == 0, open(tmp_path / "node1.log").read()[-3000:]
 
 
 def test_a_row_every_node_refuses_fails_alone_and_the_group_goes_on(tiny_qwen2, tmp_path):

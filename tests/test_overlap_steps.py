@@ -143,6 +143,38 @@ def test_nan_logits_mid_decode_name_their_step(tiny, device, tmp_path):
     eng.close()
 
 
+def test_a_finish_that_gets_nowhere_breaks_the_engine_instead_of_spinning(tiny):
+    """A launched step whose finish() raises without finishing anything (the TypeError a mis-bound RankGroup
+    gave) used to be retried forever by the drain after a failed step: the loop spun and the caller waited for
+    good. Now the request fails, and the engine says why it can run no more steps."""
+    import threading
+
+    eng = engine(tiny, "cpu", True)
+    runner = eng._core.runner
+
+    def finish():
+        raise TypeError("finish(): incompatible function arguments")
+    runner.finish = finish
+    p = prompts(eng.config.vocab_size, [9], seed=3)[0]
+    outcome = []
+    t = threading.Thread(target=lambda: outcome.append(_raised(lambda: eng.generate(p, max_new_tokens=8,
+                                                                                  temperature=0))))
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the step loop spun on a finish() that never finishes"
+    assert outcome and isinstance(outcome[0], RuntimeError), outcome
+    assert "could not be finished" in (eng.failure or ""), eng.failure
+    eng.close()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefix_cache_and_a_tiny_pool(tiny, device):
     """Chained steps grow block tables ahead of the host; the prefix cache registers only computed

@@ -76,9 +76,12 @@ class EngineCore:
             self.runner.runner = NodeProxy(self.runner.runner, node)
         overlap = config.overlap_steps
         self._overlap = device.startswith("cuda") if overlap is None else overlap
-        # Tensor parallel: steps are not overlapped. On 2 H100s the chained launches hung (every rank idle,
-        # the group timing out) where the same steps run one at a time are right; not understood yet.
-        self._overlap = self._overlap and len(models) == 1 and node is None
+        # Tensor parallel (several ranks or nodes): chained steps only when asked for (overlap_steps=True). They
+        # "hung" on 2 H100s because RankGroup.finish was bound with Runner's signature: the TypeError made
+        # _drain retry forever. Fixed and checked on CPU ranks and nodes; the default waits for a GPU run.
+        if len(models) > 1 or node is not None:
+            self._overlap = overlap is True
+        self._stuck = ""  # why launched steps could not be drained (then no step can run: broken)
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
@@ -88,8 +91,9 @@ class EngineCore:
 
     @property
     def broken(self) -> str:
-        """Why the tensor-parallel group is broken (a rank failed or stalled); '' while it is not."""
-        return getattr(self.runner.runner, "broken", "")
+        """Why no step can run any more (a tensor-parallel rank failed or stalled, or launched steps could not be
+        finished); '' while steps can run."""
+        return self._stuck or getattr(self.runner.runner, "broken", "")
 
     def check_window(self, kv_window: int, sink_tokens: int) -> None:
         """ValueError for a window whose blocks (sinks + window + one) a step's block table cannot hold."""
@@ -310,10 +314,13 @@ class EngineCore:
         self._inflight, self._waited = None, 0
         self.runner.deferred = None  # finish() samples it unmasked: its token is dropped
         while self.runner.launched:
+            left = self.runner.launched
             try:
                 self.runner.finish()
-            except Exception:
-                pass
+            except Exception as e:
+                if self.runner.launched >= left:  # finish() gets nowhere: retrying would spin forever
+                    self._stuck = f"a launched step could not be finished ({e!r:.200})"
+                    raise RuntimeError(self._stuck) from e
 
     def _account(self, step, tokens, t0: float, t1: float) -> list[tuple[Sequence, int, dict | None]]:
         """Applies a step's tokens: progress, prefix-cache registration, ends; sequences that ended while
