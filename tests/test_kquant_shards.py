@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import arch_check  # noqa: E402
+import llaisys  # noqa: E402
 from llaisys import quant  # noqa: E402
 from llaisys.engine import Engine  # noqa: E402
 from llaisys.loader import shard  # noqa: E402
@@ -53,7 +54,7 @@ def kfiles(tmp_path_factory):
 def run(path, tp, dtype="auto", **kw):
     """(greedy tokens of two prompts, seeded samples, teacher-forced logits of one, describe())."""
     prompts = [arch_check.prompt(VOCAB, k, seed=k) for k in (6, 21)]
-    with Engine(path, device="cpu", dtype=dtype, tensor_parallel_size=tp, **{"progress": False, **kw}) as eng:
+    with Engine(path, dtype=dtype, tensor_parallel_size=tp, **{"progress": False, "device": "cpu", **kw}) as eng:
         greedy = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, temperature=0, ignore_eos=True)]
         sampled = [r.token_ids for r in eng.generate(prompts, max_new_tokens=12, temperature=0.8, seed=[1, 2],
                                                      ignore_eos=True)]
@@ -91,6 +92,23 @@ def test_requantized_parts_compute_the_q8_0_files_math_and_are_named(kfiles, cap
                 f"(tensor_parallel_size 2) do not fall on its 256-column blocks: re-quantized to Q8_0") in log
         assert f"model.layers.{layer}.mlp.down_proj.weight: Q6_K rows cut into 384 columns a rank" in log
     assert log.count("4 of them re-made from blocks the split cuts") == 2  # each rank's summary
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("requant", ["q8_0", None])
+def test_gpus_split_k_quant_files(kfiles, monkeypatch, requant):
+    """On 2 GPUs (bf16 compute): the re-made parts, Q8_0 or dense bf16, against one GPU holding the same
+    weights (the Q8_0 file, or every weight dense in bf16); bf16's rule of test_tensor_parallel (the all-reduce
+    rounds partial sums once more), so logits close rather than equal."""
+    if llaisys.cuda_device_count() < 2 or not llaisys.build_info()["nccl"]:
+        pytest.skip("needs 2 GPUs and a build with NCCL")
+    monkeypatch.setattr(shard, "REQUANT_FORMAT", requant)
+    _, _, l1, _ = run(kfiles["q8"] if requant else kfiles["k"], 1, dtype="auto" if requant else "bf16",
+                      device="cuda")
+    g2, _, l2, d2 = run(kfiles["k"], 2, device="cuda")
+    assert d2["dtype"] == "bf16" and ("q8_0" in d2["weight_formats"]) == bool(requant)
+    assert {"q4_k", "q6_k"}.isdisjoint(d2["weight_formats"])
+    assert rel_err(l2, l1) < 2e-2 and len(g2) == 2
 
 
 # ---- shard_blocks against gguf-py --------------------------------------------------------------------------
