@@ -38,7 +38,8 @@ def logits(model: str, tp: int, dtype: str, requant) -> tuple[np.ndarray, int, d
 
 def accuracy_rows(model: str, tp: int) -> list[str]:
     ref, ref_bytes, _ = logits(model, 1, "f32", "q8_0")
-    rows = ["| variant | weight bytes (all ranks) | rel L2 err | max err / max logit | top-1 agree |", "|---|---|---|---|---|"]
+    rows = ["| variant | weight bytes (all ranks) | rel L2 err | max err / max logit | top-1 agree |",
+            "|---|---|---|---|---|"]
     runs = [("TP 1, file's blocks", 1, "q8_0"), (f"TP {tp}, cut parts as Q8_0 (default)", tp, "q8_0"),
             (f"TP {tp}, cut parts dense f32", tp, None), (f"TP {tp}, cut parts as Q5_0", tp, "q5_0"),
             (f"TP {tp}, cut parts as Q4_0", tp, "q4_0")]

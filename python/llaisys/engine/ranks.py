@@ -78,14 +78,8 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
         dense = None if raw is not None else weights.pop(name)
         for rank, model in enumerate(models, first_rank):
             cut = rank_cut(entry, config, world, rank) if entry is not None else Cut(-1)
-            if raw is not None:  # GGUF blocks as stored (a view of the mapped file), cut along whole blocks
-                part = shard_blocks(name, *raw, cut)
-                if part.remade:
-                    remade[name] = (raw[0], cut.stop - cut.start, part.remade)
-                if part.dense is not None:
-                    model.load_weight(name, _wrap(part.dense))
-                else:
-                    model.load_quant_weight(name, quant.from_numpy(*part.blocks))
+            if raw is not None:
+                _load_blocks(model, name, raw, cut, remade)
             else:  # weights may be read-only views of the mapped checkpoint: the model never writes them
                 model.load_weight(name, _wrap(np.ascontiguousarray(cut_dense(dense, cut))))
     missing = models[0].missing_weights()
@@ -99,6 +93,18 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
             who = f"rank {rank}/{world} " if world > 1 else ""
             print(f"llaisys: {who}uploaded {len(names)} tensors to {model.device} "
                   f"({model.weight_bytes / 2**20:.1f} MiB){again}", file=sys.stderr, flush=True)
+
+
+def _load_blocks(model, name: str, raw: tuple, cut: Cut, remade: dict) -> None:
+    """A GGUF-block weight's part: the file's blocks as stored (a view of the mapped file) where the cut falls
+    on whole blocks, else re-made (shard_blocks says how; noted in `remade`)."""
+    part = shard_blocks(name, *raw, cut)
+    if part.remade:
+        remade[name] = (raw[0], cut.stop - cut.start, part.remade)
+    if part.dense is not None:
+        model.load_weight(name, _wrap(part.dense))
+    else:
+        model.load_quant_weight(name, quant.from_numpy(*part.blocks))
 
 
 def _remade_lines(remade: dict, dtype: str, world: int) -> list[str]:
