@@ -172,10 +172,13 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest]}"
 
 
-def write_tiny_gguf(hf_dir, path, *, qtype: str = "F32", arch: str = "qwen2", drop=(), extra=None) -> str:
+def write_tiny_gguf(hf_dir, path, *, qtype: str = "F32", arch: str = "qwen2", drop=(), extra=None,
+                    blocks=None) -> str:
     """Convert a make_tiny_qwen2 checkpoint to GGUF the way llama.cpp does for Qwen2 (no q/k permutation;
     1-D tensors stay F32; the tokenizer as tokenizer.ggml.* metadata). qtype: F32, F16, BF16, Q8_0, Q4_0 or
-    Q5_0 for the 2-D weights. `drop` (GGUF names) and `extra` ({GGUF name: float32 array}) make broken files."""
+    Q5_0 for the 2-D weights. `drop` (GGUF names) and `extra` ({GGUF name: float32 array}) make broken files;
+    `blocks` ({GGUF name: (GGMLQuantizationType, uint8 [rows, row bytes])}) replaces those weights by ready-made
+    blocks (K-quants, which gguf-py cannot quantize: bench/random_gguf.py makes random ones)."""
     import gguf
     import numpy as np
     import torch
@@ -201,6 +204,9 @@ def write_tiny_gguf(hf_dir, path, *, qtype: str = "F32", arch: str = "qwen2", dr
     q = gguf.GGMLQuantizationType[qtype]
     for name, array in tensors.items():
         if name in drop:
+            continue
+        if name in (blocks or {}):
+            w.add_tensor(name, blocks[name][1], raw_dtype=blocks[name][0])  # shape from the bytes
             continue
         array = np.ascontiguousarray(array, dtype=np.float32)
         if array.ndim == 1 or q == gguf.GGMLQuantizationType.F32:

@@ -12,13 +12,14 @@ what the whole one does.
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 import numpy as np
 
 from .. import _core, quant
 from .._tensor import _wrap
-from ..loader.shard import Cut, check_tensor_parallel, cut_blocks, cut_dense, rank_cut
+from ..loader.shard import Cut, check_tensor_parallel, cut_dense, rank_cut, shard_blocks
 
 
 def rank_devices(device: str, world: int) -> list[str]:
@@ -66,6 +67,7 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
     world = world or len(models)
     table = {e[0]: e for e in _core.weight_table(config.core)}
     names = list(weights)
+    remade = {}  # {name: (file format, a rank's columns, what its part became)}: cuts inside the file's blocks
     devices = ", ".join(dict.fromkeys(m.device for m in models))
     # a terminal gets a bar, erased when done; a log gets one line per rank at the end instead of the redraws
     bar = progress and getattr(sys.stderr, "isatty", lambda: False)()
@@ -76,15 +78,49 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
         dense = None if raw is not None else weights.pop(name)
         for rank, model in enumerate(models, first_rank):
             cut = rank_cut(entry, config, world, rank) if entry is not None else Cut(-1)
-            if raw is not None:  # GGUF blocks as stored (a view of the mapped file), cut along whole blocks
-                model.load_quant_weight(name, quant.from_numpy(*cut_blocks(name, *raw, cut)))
+            if raw is not None:
+                _load_blocks(model, name, raw, cut, remade)
             else:  # weights may be read-only views of the mapped checkpoint: the model never writes them
                 model.load_weight(name, _wrap(np.ascontiguousarray(cut_dense(dense, cut))))
     missing = models[0].missing_weights()
     if missing:
         raise ValueError(f"{source}: missing weights, e.g. {missing[:3]}")
+    for line in _remade_lines(remade, models[0].dtype, world):
+        _say(line, progress)
     if progress and not bar:
+        again = f", {len(remade)} of them re-made from blocks the split cuts" if remade else ""
         for rank, model in enumerate(models, first_rank):
             who = f"rank {rank}/{world} " if world > 1 else ""
             print(f"llaisys: {who}uploaded {len(names)} tensors to {model.device} "
-                  f"({model.weight_bytes / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+                  f"({model.weight_bytes / 2**20:.1f} MiB){again}", file=sys.stderr, flush=True)
+
+
+def _load_blocks(model, name: str, raw: tuple, cut: Cut, remade: dict) -> None:
+    """A GGUF-block weight's part: the file's blocks as stored (a view of the mapped file) where the cut falls
+    on whole blocks, else re-made (shard_blocks says how; noted in `remade`)."""
+    part = shard_blocks(name, *raw, cut)
+    if part.remade:
+        remade[name] = (raw[0], cut.stop - cut.start, part.remade)
+    if part.dense is not None:
+        model.load_weight(name, _wrap(part.dense))
+    else:
+        model.load_quant_weight(name, quant.from_numpy(*part.blocks))
+
+
+def _remade_lines(remade: dict, dtype: str, world: int) -> list[str]:
+    """One line per tensor whose parts were re-made because the split cuts the file's blocks."""
+    lines = []
+    for name, (fmt, width, target) in remade.items():
+        elems = quant.format_info(fmt)["block_elems"]
+        kept = f"kept dense in {dtype}" if target == "dense" else f"re-quantized to {target.upper()}"
+        lines.append(f"{name}: {fmt.upper()} rows cut into {width} columns a rank (tensor_parallel_size {world}) do "
+                     f"not fall on its {elems}-column blocks: {kept} on every rank")
+    return lines
+
+
+def _say(line: str, progress: bool) -> None:
+    """A load note: on stderr with the progress lines, else to the llaisys.engine logger."""
+    if progress:
+        print(f"llaisys: {line}", file=sys.stderr, flush=True)
+    else:
+        logging.getLogger("llaisys.engine").info(line)
