@@ -10,6 +10,13 @@ CPU time measured at another moment (another tenant's working set evicts ours). 
 time, one thread each, so that both see the same neighbours; each prints, per shape, the least and the first
 quartile of the calling thread's CPU time per call (LLAISYS_NUM_THREADS=1: the call runs on the caller). The
 weights are random blocks with d = 0.01, one copy each (prefill is bound by arithmetic, not by reading them).
+
+Decode reads every weight from DRAM once per step, which one copy in the cache does not show:
+
+    LLAISYS_NUM_THREADS=1 python bench/quant_cpu_kernels.py --rows 1 --dram-mb 256
+
+holds enough copies of each matrix (at least --dram-mb MB, more than any L3 here) and calls them in turn, and adds
+the Q8_0 LM head (151936 x 896, 145 MB). Its thread CPU time includes the core's stalls on memory.
 """
 import argparse
 import time
@@ -38,19 +45,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=64, help="x rows (1: decode's GEMV, more: a prefill chunk)")
     p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--dram-mb", type=float, default=0, help="copies of each matrix making at least this many MB, "
+                   "called in turn (decode's weights come from DRAM); also times the Q8_0 LM head")
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    for fmt, n, k in SHAPES:
-        w = random_matrix(fmt, n, k, rng)
+    shapes = SHAPES + ([("q8_0", 151936, 896)] if args.dram_mb > 0 else [])
+    for fmt, n, k in shapes:
+        mb = n * quant.row_bytes(fmt, k) / 1e6
+        ws = [random_matrix(fmt, n, k, rng) for _ in range(max(1, int(np.ceil(args.dram_mb / mb))))]
         x = llaisys.tensor(rng.standard_normal((args.rows, k)).astype(np.float32))
-        quant.linear(x, w)  # first call: page faults, buffers
+        for w in ws:
+            quant.linear(x, w)  # first call: page faults, buffers
         times = []
-        for _ in range(args.calls):
+        for i in range(args.calls):
+            w = ws[i % len(ws)]
             t = time.thread_time()
             quant.linear(x, w)
             times.append(time.thread_time() - t)
         print(f"{fmt} N {n:5d} K {k:5d} M {args.rows}: min {min(times) * 1e3:7.3f} ms  "
-              f"q1 {np.percentile(times, 25) * 1e3:7.3f} ms  ({quant.cpu_path()})", flush=True)
+              f"q1 {np.percentile(times, 25) * 1e3:7.3f} ms  ({quant.cpu_path()}, {len(ws)} x {mb:.1f} MB)", flush=True)
 
 
 if __name__ == "__main__":

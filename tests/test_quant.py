@@ -7,6 +7,7 @@ halves away from zero), so its tolerance covers only the op's f32 accumulation.
 """
 import glob
 import os
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -252,6 +253,47 @@ def test_linear_extreme_codes_each_cpu_path(cpu_path, fmt, M):
     quant.set_cpu_path("portable")
     portable = quant.linear(llaisys.tensor(x), matrix(fmt, data))
     np.testing.assert_array_equal(bits(out), bits(portable))
+
+
+@pytest.fixture
+def guarded_bytes():
+    """make(nbytes) -> a uint8 array whose last byte is the last one before a page the process may not read
+    (PROT_NONE): a kernel that reads past it crashes the test. Linux only (mprotect through ctypes)."""
+    import ctypes
+    import mmap
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("mprotect through ctypes: Linux only")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    maps = []
+
+    def make(nbytes):
+        page = mmap.PAGESIZE
+        data_pages = -(-nbytes // page)
+        m = mmap.mmap(-1, (data_pages + 1) * page)
+        guard = ctypes.addressof(ctypes.c_char.from_buffer(m)) + data_pages * page
+        maps.append((m, guard, page))
+        assert libc.mprotect(guard, page, 0) == 0, os.strerror(ctypes.get_errno())  # PROT_NONE
+        return np.frombuffer(m, np.uint8, nbytes, data_pages * page - nbytes)
+
+    yield make
+    for m, guard, page in maps:
+        libc.mprotect(guard, page, mmap.PROT_READ | mmap.PROT_WRITE)  # the numpy views may outlive m.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_reads_nothing_past_the_matrix(cpu_path, guarded_bytes, fmt):
+    """Decode (M = 1) asks for the bytes ahead of each W row (kernels.inc: rows prefetches 4 KiB ahead):
+    with W ending just before an unreadable page, every path still runs and gives the portable bits."""
+    N, K = 37, 256 * 3
+    data = random_blocks(fmt, N, K, seed=5)
+    w = guarded_bytes(data.nbytes)
+    w[:] = data.reshape(-1)
+    x = llaisys.tensor(np.random.default_rng(6).standard_normal((1, K)).astype(np.float32))
+    out = quant.linear(x, quant.from_numpy(fmt, N, K, w))
+    quant.set_cpu_path("portable")
+    np.testing.assert_array_equal(bits(out), bits(quant.linear(x, matrix(fmt, data))))
 
 
 @pytest.mark.parametrize("fmt", ["q5_0", "q4_k"])
