@@ -240,13 +240,37 @@ void Runner::apply_masks(const Tensor &logits, const std::vector<RowSampling> &r
     ops::token_mask(logits, staging_->upload(mask, DType::I32).view({B, W}));
 }
 
-// Greedy rows take the argmax of every row (one launch); the sampled rows are gathered and drawn in one
-// launch, each from its own request's (seed, step), so its tokens never depend on its row.
+// The processors in order (repetition penalty, biases, token masks), the draw, then each penalised row's
+// token into its seen set (on the device: the next step, chained or not, penalises it).
 void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
-    const int64_t B = int64_t(rows.size());
-    apply_repetition_penalties(logits, rows, *staging_);
+    const Tensor seen_rows = apply_repetition_penalties(logits, rows, seen_, *staging_);
     apply_biases(logits, rows, *staging_);
     apply_masks(logits, rows);
+    draw(out, logits, rows);
+    if (seen_rows.defined()) ops::seen_mark(seen_, seen_rows, out);
+}
+
+void Runner::set_seen(int64_t row, const std::vector<int32_t> &words) {
+    const int64_t W = (model_.config().vocab_size + 31) / 32;
+    LLAISYS_CHECK(int64_t(words.size()) == W, std::invalid_argument, "Runner.set_seen: words has ", words.size(),
+                  " entries; a vocabulary of ", model_.config().vocab_size, " needs ", W);
+    LLAISYS_CHECK(row >= 0 && row < (int64_t(1) << 20), std::out_of_range, "Runner.set_seen: row ", row,
+                  " outside [0, 2^20)");
+    DeviceGuard guard(model_.device());
+    const int64_t S = seen_.defined() ? seen_.size(0) : 0;
+    if (row >= S) { // grown in stream order: launched steps that mark the old rows finish before the copy
+        Tensor grown = Tensor::empty({std::max<int64_t>({row + 1, 2 * S, 16}), W}, DType::I32, model_.device());
+        if (S) runtime::memcpy_async(grown.data(), model_.device(), seen_.data(), model_.device(),
+                                     size_t(S * W) * sizeof(int32_t));
+        seen_ = grown;
+    }
+    staging_->upload_into(seen_.slice(0, row, row + 1), words.data(), words.size() * sizeof(int32_t));
+}
+
+// Greedy rows take the argmax of every row (one launch); the sampled rows are gathered and drawn in one
+// launch, each from its own request's (seed, step), so its tokens never depend on its row.
+void Runner::draw(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
+    const int64_t B = int64_t(rows.size());
     Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
     ops::argmax(out, max_val, logits);
     std::vector<int64_t> sampled, seeds, steps;
@@ -284,7 +308,7 @@ void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<R
 // TODO: a mask buffer among the graph's inputs (all ones for free rows) would keep constrained rows in it.
 static bool samples_in_graph(const std::vector<RowSampling> &rows) {
     return std::none_of(rows.begin(), rows.end(), [](const RowSampling &r) {
-        return (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) || !r.bias_ids.empty() || !r.allowed.empty();
+        return r.seen_row >= 0 || !r.bias_ids.empty() || !r.allowed.empty();
     });
 }
 
