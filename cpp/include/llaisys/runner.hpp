@@ -1,9 +1,9 @@
 // The step runner: takes one step's batch as host arrays (built by the Python scheduler), uploads it in
 // two copies, runs the model over the paged KV pool (replaying a captured CUDA graph for decode
 // batches, padded to the next graph batch size) and samples one token per sequence with that
-// sequence's own parameters and random stream: inside the graph when no row has a repetition penalty,
-// logit biases or a token mask, else after it. The model is only the layer math; the runner owns the graphs, the
-// input staging and sampling (its settings come from the caller: EngineConfig).
+// sequence's own parameters and random stream: inside the graph (repetition penalties included) when no
+// row has logit biases or a token mask, else after it. The model is only the layer math; the runner owns
+// the graphs, the input staging and sampling (its settings come from the caller: EngineConfig).
 #pragma once
 #include "llaisys/graph.hpp"
 #include "llaisys/kv_pool.hpp"
@@ -68,7 +68,8 @@ public:
     // step as step() would, without waiting for its tokens, which finish() returns later (oldest launch
     // first). With chain, the step's input ids are the tokens of the step launched just before it, copied
     // on the device: a decode of the same sequences in the same rows, whose tokens the host does not know
-    // yet (the host's ids are ignored; penalties and biases, applied from host lists, must not need them).
+    // yet (the host's ids are ignored; biases, applied from host lists, must not need them; a repetition
+    // penalty's seen set got them on the device).
     // step() and a graphed logits() raise while launched steps are unfinished.
     //
     // defer_sampling: only the forward is enqueued (a graph's forward, its sampler off); sample_deferred()
@@ -119,6 +120,7 @@ private:
     void draw(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
     void record(const Tensor &ids, const std::vector<RowSampling> &rows);
     void apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows);
+    void reserve_seen(int64_t rows);
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
     std::unique_ptr<Inflight> make_inflight(int64_t capacity) const;

@@ -24,7 +24,8 @@ class ModelRunner:
         self.masks = MaskFiller(mask_threads)
         self.deferred: Step | None = None  # a chained step launched without its sampling (sample_deferred)
         self.deferred_steps = 0  # steps sampled so (stats: overlapped_constrained_steps)
-        self.seen = SeenRows(self.runner, vocab_size)  # the repetition penalty's sets, on the device
+        # the repetition penalty's sets, on the device (self.runner may be replaced: a NodeProxy)
+        self.seen = SeenRows(lambda row, words: self.runner.set_seen(row, words), vocab_size)
 
     def _arrays(self, step: Step, ahead: int = 0):
         """The step's host arrays. ahead = 1: a decode one token past what the host knows (the token it

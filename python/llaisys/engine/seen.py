@@ -21,8 +21,10 @@ def seen_words(tokens, vocab_size: int) -> np.ndarray:
 
 
 class SeenRows:
-    def __init__(self, runner, vocab_size: int):
-        self.runner, self.vocab_size = runner, vocab_size
+    def __init__(self, write, vocab_size: int):
+        """write(row, words): the runner's set_seen (looked up at each call: engine/node_steps.py wraps the
+        runner after it is built)."""
+        self.write, self.vocab_size = write, vocab_size
         self.owner: dict[int, Sequence] = {}  # row -> its sequence
         self.free: list[int] = []
         self.count = 0  # rows named so far (the device tensor holds at least these)
@@ -37,7 +39,7 @@ class SeenRows:
             raise RuntimeError("a chained step for a sequence with no seen row (its first step was not sampled "
                                "with its repetition penalty)")
         r = self._take()
-        self.runner.set_seen(r, seen_words(seq.tokens, self.vocab_size))
+        self.write(r, seen_words(seq.tokens, self.vocab_size))
         self.writes += 1
         seq.seen_row, self.owner[r] = r, seq
         return r
