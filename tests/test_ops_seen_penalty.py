@@ -96,6 +96,10 @@ def test_seen_errors():
         ops.seen_penalty(x, seen, vec([0, 3], "i32", "cpu"), pen)
     with pytest.raises(IndexError, match=r"seen_mark: rows\[0\] = -2"):
         ops.seen_mark(seen, vec([-2, 0], "i32", "cpu"), vec([1, 2], "i64", "cpu"))
+    with pytest.raises(IndexError, match=r"seen_mark: ids\[1\] = 64 is outside the 64 tokens of seen"):
+        ops.seen_mark(seen, rows, vec([1, 64], "i64", "cpu"))
+    with pytest.raises(IndexError, match=r"seen_mark: ids\[0\] = -2"):
+        ops.seen_mark(seen, rows, vec([-2, 1], "i64", "cpu"))
     with pytest.raises(ValueError, match="seen_penalty: seen must have shape"):
         ops.seen_penalty(x, vec(np.zeros((3, 1)), "i32", "cpu"), rows, pen)
     with pytest.raises(TypeError, match="seen_penalty: rows must be i32"):
@@ -113,7 +117,7 @@ def test_seen_cuda_skips_out_of_range_rows_and_ids():
     sets = [[1, 39], [5]]
     seen = vec(bitmask(sets, 40), "i32", "cuda")
     ops.seen_penalty(x, seen, vec([7, 1], "i32", "cuda"), vec([1.5, 1.5], "f32", "cuda"))
-    ops.seen_mark(seen, vec([0, 9], "i32", "cuda"), vec([40, 3], "i64", "cuda"))
+    ops.seen_mark(seen, vec([0, 9], "i32", "cuda"), vec([64, 3], "i64", "cuda"))  # 64: past the 2 words
     llaisys.synchronize("cuda")
     assert_close(x, reference(x64, sets, [-1, 1], [1.5, 1.5]), "f32")
     np.testing.assert_array_equal(seen.to("cpu").numpy(), bitmask(sets, 40))

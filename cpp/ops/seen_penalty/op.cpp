@@ -59,6 +59,12 @@ void seen_mark(const Tensor &seen, const Tensor &rows, const Tensor &ids) {
     if (B == 0) return;
     const Tensor rc = rows.contiguous(), ic = ids.contiguous();
     check_rows(op, rc, seen.size(0));
+    if (ic.device().is_cpu())
+        for (int64_t b = 0; b < B; ++b) {
+            const int64_t id = ic.data_as<int64_t>()[b];
+            LLAISYS_CHECK(id >= -1 && id < 32 * seen.size(1), std::out_of_range, op, ": ids[", b, "] = ", id,
+                          " is outside the ", 32 * seen.size(1), " tokens of seen (-1: no token)");
+        }
     LLAISYS_DEVICE_DISPATCH(op, seen.device(), cpu::seen_mark(seen, rc, ic), cuda::seen_mark(seen, rc, ic));
 }
 
