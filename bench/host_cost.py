@@ -13,6 +13,7 @@ the best of --repeat, interleaved), and the ratio printed (issue 33's target: <=
     LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/host_cost.py            # 1, 64, 256
     python bench/host_cost.py --batches 1 256 --new 64 --repeat 3 --json /tmp/h.json
     python bench/host_cost.py --batches 64 256 --logprobs 5 --repeat 5
+    python bench/host_cost.py --batches 64 256 --prompt 256 --repetition-penalty 1.1   # the model's default
 
 With --arrivals, requests arrive during decode instead (overlap_steps on, as on CUDA; on the CPU nothing
 overlaps in time, but the same steps are chained): a queue (--queue requests at once, --batch of them
@@ -61,10 +62,14 @@ def _clock(eng) -> dict:
     return dict(eng._core.timing, prepare_s=eng._core.runner.prepare_s, wall_s=time.perf_counter())
 
 
+PENALTY = 1.0  # --repetition-penalty of every request (the default model's generation_config.json: 1.1)
+
+
 def _run(eng, prompts, new: int, logprobs: int | None = None) -> dict:
     """What generating 1 + new tokens for every prompt cost, per component (seconds)."""
     t0 = _clock(eng)
-    out = eng.generate(prompts, max_new_tokens=1 + new, temperature=0, ignore_eos=True, logprobs=logprobs)
+    out = eng.generate(prompts, max_new_tokens=1 + new, temperature=0, ignore_eos=True, logprobs=logprobs,
+                       repetition_penalty=PENALTY)
     t1 = _clock(eng)
     assert all(len(r.token_ids) == 1 + new for r in out), "a request ended early"
     return {k: t1[k] - t0[k] for k in (*KEYS, "wall_s")}
@@ -133,6 +138,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--logprobs", type=int, metavar="K", help="also time logprobs=K on every request")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                    help="on every request (the default model's generation config has 1.1)")
     ap.add_argument("--arrivals", action="store_true", help="requests arriving during decode (see above)")
     ap.add_argument("--queue", type=int, default=256)
     ap.add_argument("--requests", type=int, default=128)
@@ -141,6 +148,8 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"),
                     help="new tokens of each --arrivals request, uniform in [LO, HI]")
     args = ap.parse_args()
+    global PENALTY
+    PENALTY = args.repetition_penalty
     if args.arrivals:
         rows = arrivals(args)
         if args.json:

@@ -82,6 +82,9 @@ void bind_ops(nb::module_ &m) {
     o.def("logprobs", &ops::logprobs, nb::arg("chosen_lp"), nb::arg("top_ids"), nb::arg("top_lp"), nb::arg("logits"),
           nb::arg("temperature"), nb::arg("chosen"), nb::arg("rows"), G());
     o.def("repetition_penalty", &ops::repetition_penalty, nb::arg("logits"), nb::arg("ids"), nb::arg("penalty"), G());
+    o.def("seen_penalty", &ops::seen_penalty, nb::arg("logits"), nb::arg("seen"), nb::arg("rows"), nb::arg("penalty"),
+          G());
+    o.def("seen_mark", &ops::seen_mark, nb::arg("seen"), nb::arg("rows"), nb::arg("ids"), G());
     o.def("logit_bias", &ops::logit_bias, nb::arg("logits"), nb::arg("ids"), nb::arg("bias"), G());
     o.def("token_mask", &ops::token_mask, nb::arg("logits"), nb::arg("mask"), G());
     // ---- LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3); bias and delta2 may be None ----

@@ -43,12 +43,12 @@ HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const
 std::vector<RowSampling> row_sampling(const HostBatch &b, const Array<float> &temperature, const Array<int32_t> &top_k,
                                       const Array<float> &top_p, const Array<float> &min_p,
                                       const Array<float> &repetition_penalty, const Array<uint64_t> &seed,
-                                      const Array<uint64_t> &step, std::vector<std::vector<int64_t>> &penalty_ids,
+                                      const Array<uint64_t> &step, const Array<int32_t> &seen_row,
                                       std::vector<std::vector<int64_t>> &bias_ids, std::vector<std::vector<float>> &bias) {
     const size_t B = size_t(b.num_seqs());
     LLAISYS_CHECK(temperature.shape(0) == B && top_k.shape(0) == B && top_p.shape(0) == B && min_p.shape(0) == B &&
                       repetition_penalty.shape(0) == B && seed.shape(0) == B && step.shape(0) == B &&
-                      (penalty_ids.empty() || penalty_ids.size() == B) && bias_ids.size() == bias.size() &&
+                      seen_row.shape(0) == B && bias_ids.size() == bias.size() &&
                       (bias_ids.empty() || bias_ids.size() == B),
                   std::invalid_argument, "Runner.step: need one sampling value per sequence (", B, ")");
     std::vector<RowSampling> rows(B);
@@ -61,7 +61,7 @@ std::vector<RowSampling> row_sampling(const HostBatch &b, const Array<float> &te
         r.repetition_penalty = repetition_penalty.data()[i];
         r.seed = seed.data()[i];
         r.step = step.data()[i];
-        if (!penalty_ids.empty()) r.penalty_ids = std::move(penalty_ids[i]);
+        r.seen_row = seen_row.data()[i];
         if (!bias_ids.empty()) {
             LLAISYS_CHECK(bias_ids[i].size() == bias[i].size(), std::invalid_argument,
                           "Runner.step: bias_ids and bias of row ", i, " differ in length");
@@ -105,18 +105,18 @@ void bind_steps(nb::class_<R> &c) {
         .def("step", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                         Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                         Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
-                        Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
+                        Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                         std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
                         std::optional<Tables> token_mask, std::vector<int64_t> mask_rows) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
-                                                         seed, step, penalty_ids, bias_ids, bias);
+                                                         seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
             nb::gil_scoped_release release;
             return r.step(b, rows);
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
-             nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
+             nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("token_mask").none() = nb::none(),
              nb::arg("mask_rows") = std::vector<int64_t>(),
              "Runs one step and returns one sampled token id per sequence. token_mask [M, ceil(vocab / 32)] (i32): "
@@ -124,13 +124,13 @@ void bind_steps(nb::class_<R> &c) {
         .def("launch", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                           Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
-                          Array<uint64_t> seed, Array<uint64_t> step, std::vector<std::vector<int64_t>> penalty_ids,
+                          Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                           std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
                           bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
                           bool defer_sampling) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
-                                                         seed, step, penalty_ids, bias_ids, bias);
+                                                         seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
             nb::gil_scoped_release release;
             if constexpr (std::is_same_v<R, Runner>) {
@@ -141,7 +141,7 @@ void bind_steps(nb::class_<R> &c) {
             }
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
-             nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("penalty_ids"),
+             nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"), nb::arg("token_mask").none() = nb::none(),
              nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("defer_sampling") = false,
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
@@ -151,6 +151,13 @@ void bind_steps(nb::class_<R> &c) {
             nb::gil_scoped_release release;
             return r.finish();
         }, "The tokens of the oldest unfinished launch (waits for them).")
+        .def("set_seen", [](R &r, int64_t row, Array<int32_t> words) {
+            std::vector<int32_t> w = to_vector(words);
+            nb::gil_scoped_release release;
+            r.set_seen(row, w);
+        }, nb::arg("row"), nb::arg("words"),
+             "Writes row `row` of the repetition penalty's seen sets: words [ceil(vocab / 32)] i32, bit v % 32 of "
+             "word v / 32 = token v seen (a step's seen_row names it; its sampled tokens are added on the device).")
         .def_prop_ro("launched", &R::launched, "Launched steps not finished yet.")
         .def("logits", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, bool all_logits) {

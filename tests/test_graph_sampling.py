@@ -1,6 +1,7 @@
 """Sampling inside the batched CUDA decode graphs (issue 17). A graphed decode step whose rows have no
-repetition penalty and no logit bias samples inside the graph; its tokens must be exactly those of the
-path that samples after the replay (penalties and biases, argmax, sample_rows of the sampled rows), for
+logit bias samples inside the graph (a repetition penalty from the rows' seen sets included); its tokens
+must be exactly those of the path that samples after the replay (penalties and biases, argmax, sample_rows
+of the sampled rows), for
 the same logits and the same (seed, step) of each request. References: that path on the same step (a
 zero logit bias sends a step down it without changing a logit), sample_rows run eagerly on the step's
 logits, and end to end an engine without CUDA graphs. All CUDA: the CPU has no graphs."""
@@ -13,6 +14,7 @@ pytest.importorskip("transformers")
 import llaisys  # noqa: E402
 from llaisys import _core, ops  # noqa: E402
 from llaisys.engine import Engine  # noqa: E402
+from llaisys.engine.seen import seen_words  # noqa: E402
 from test_model import _core_model, _nan_checkpoint, _Paged, prompt_ids  # noqa: E402
 from test_serving_engine import engine, prompts  # noqa: E402
 from tiny_model import make_tiny_qwen2  # noqa: E402
@@ -40,13 +42,19 @@ class _Runner(_Paged):
     def __init__(self, model, config, cuda_graphs=True):
         super().__init__(model, config, num_seqs=8, max_seq_len=64)
         self.runner = _core.Runner(model, self.pool, GRAPH_SIZES, self.per_seq, cuda_graphs)
+        self.vocab = config["vocab_size"]
 
     def step(self, tokens, rows, step, penalty=1.0, zero_bias=False):
         """One step of sequences 0..B-1 (B = len(tokens)); request i is at generation step step + i. With
-        penalty != 1 every row penalises the ids it is fed; zero_bias adds 0.0 to one logit of row 0."""
+        penalty != 1 every row penalises the ids it is fed (its seen set written before the step: the one
+        the step before grew is replaced); zero_bias adds 0.0 to one logit of row 0."""
         B, seqs = len(tokens), list(range(len(tokens)))
         t, k, p, mp, seed = (np.array(c) for c in zip(*rows[:B]))
-        seen = [sorted(set(x)) for x in tokens] if penalty != 1.0 else []
+        seen = np.full(B, -1, np.int32)
+        if penalty != 1.0:
+            for i, x in enumerate(tokens):
+                self.runner.set_seen(i, seen_words(x, self.vocab))
+            seen = np.arange(B, dtype=np.int32)
         bias_ids, bias = ([[0]] + [[]] * (B - 1), [[0.0]] + [[]] * (B - 1)) if zero_bias else ([], [])
         arrays = self._arrays(seqs, tokens)
         try:
@@ -97,23 +105,19 @@ def test_graph_sampling_equals_sampling_after_the_replay(tiny, dtype, B):
     """Each decode step runs twice on the same graph with the same inputs: sampling inside it, then (rewound)
     with a zero logit bias, which samples after the replay as before. Same tokens, same logits, and the same
     tokens as sample_rows run on those logits; steps alternate mixed, all-greedy (the graph's sampler off)
-    and penalised ones (the old path, sampler off) so switching it on and off is covered."""
+    and penalised ones (mixed and all greedy: the penalty's parts on, the sampler on or off) so switching
+    each part on and off is covered."""
     m, vocab = _runner(tiny, dtype)
     feeds = _prefill(m, vocab, B)
-    for step, rows in enumerate([ROWS, GREEDY, ROWS, "penalty", ROWS[::-1], GREEDY], 1):
+    plan = [(ROWS, 1.0), (GREEDY, 1.0), (ROWS, 1.0), (ROWS, 1.3), (GREEDY, 0.8), (ROWS[::-1], 1.0), (GREEDY, 1.0)]
+    for step, (rows, penalty) in enumerate(plan, 1):
         before = m.runner.steps_sampled_in_graph
-        if rows == "penalty":  # never sampled inside the graph; checked against the graph-free runner below
-            m.step(feeds, ROWS, step, penalty=1.3)
-            assert m.runner.steps_sampled_in_graph == before
-            m.rewind(B)
-            feeds = [[t] for t in m.step(feeds, ROWS, step)]
-            continue
-        got = m.step(feeds, rows, step)
+        got = m.step(feeds, rows, step, penalty=penalty)
         assert m.runner.steps_sampled_in_graph == before + 1
         assert _eager_sample_rows(m.runner.last_logits(), rows, m.steps(B, step)) == got
         logits = torch.from_dlpack(m.runner.last_logits()).clone()
         m.rewind(B)
-        assert m.step(feeds, rows, step, zero_bias=True) == got
+        assert m.step(feeds, rows, step, penalty=penalty, zero_bias=True) == got
         assert m.runner.steps_sampled_in_graph == before + 1
         assert torch.equal(torch.from_dlpack(m.runner.last_logits()), logits)
         assert all(0 <= t < vocab for t in got)
@@ -124,8 +128,8 @@ def test_graph_sampling_equals_sampling_after_the_replay(tiny, dtype, B):
 
 @pytest.mark.parametrize("B", [3, 8])
 def test_penalised_steps_equal_a_runner_without_graphs(tiny, B):
-    """A step with a repetition penalty replays the graph (its sampler off) and samples afterwards: the same
-    tokens as a runner that never captures, step after step, mixed with steps that sample in the graph."""
+    """Steps with a repetition penalty sample inside the graph (the penalty from the rows' seen sets, the
+    tokens added to them): the same tokens as a runner that never captures, step after step."""
     (g, vocab), (e, _) = _runner(tiny, "f32"), _runner(tiny, "f32", cuda_graphs=False)
     feeds = _prefill(g, vocab, B)
     assert _prefill(e, vocab, B) == feeds
@@ -133,7 +137,7 @@ def test_penalised_steps_equal_a_runner_without_graphs(tiny, B):
         got = g.step(feeds, ROWS, step, penalty=penalty)
         assert e.step(feeds, ROWS, step, penalty=penalty) == got
         feeds = [[t] for t in got]
-    assert g.runner.steps_sampled_in_graph == 1 and e.runner.steps_sampled_in_graph == 0
+    assert g.runner.steps_sampled_in_graph == 4 and e.runner.steps_sampled_in_graph == 0
     assert e.runner.captured_batch_sizes == []
 
 
@@ -170,7 +174,8 @@ def test_engine_with_graphs_equals_engine_without(tiny, case):
     kw = {"greedy": dict(temperature=0),
           "sampled": dict(temperature=[0.9, 0, 1.2, 0.6, 0], top_k=[0, 0, 30, 0, 5], top_p=[1.0, 1.0, 0.9, 0.8, 1.0],
                           min_p=[0.0, 0.0, 0.0, 0.05, 0.1], seed=[7, 8, 9, 10, 11]),
-          "penalty": dict(temperature=[0.9, 0, 1.2, 0.6, 0], repetition_penalty=1.2, seed=[7, 8, 9, 10, 11])}[case]
+          "penalty": dict(temperature=[0.9, 0, 1.2, 0.6, 0], repetition_penalty=[1.2, 1.0, 1.5, 0.8, 1.2],
+                          seed=[7, 8, 9, 10, 11])}[case]
     outs = [6, 12, 3, 9, 15]
     results = []
     for graphs in (True, False):
@@ -185,4 +190,23 @@ def test_engine_with_graphs_equals_engine_without(tiny, case):
         eng.close()
     assert results[0] == results[1]
     assert [len(r) for r in results[0]] == outs
-    assert (sampled_in_graph > 0) == (case != "penalty")
+    assert sampled_in_graph > 0  # a repetition penalty too: its seen sets are applied and grown in the graph
+
+
+def test_penalised_rows_past_the_first_seen_rows_grow_them(tiny):
+    """More penalised sequences than the runner's first 64 seen rows: the sets grow (kept, and the graphs,
+    which hold their address, captured again) and the tokens stay those of the engine without graphs; the
+    steps are chained and sampled in the graph."""
+    results = []
+    for graphs in (True, False):
+        eng = engine(tiny, "cuda", cuda_graphs=graphs, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+                     max_num_seqs=128, max_seq_len=256)
+        ps = prompts(eng.config.vocab_size, [3 + i % 29 for i in range(100)], seed=4)
+        rs = eng.generate(ps, max_new_tokens=[8 + i % 13 for i in range(100)], temperature=[0, 0.8] * 50,
+                          seed=list(range(100)), repetition_penalty=[1.3, 1.0, 1.1, 0.9] * 25, ignore_eos=True)
+        results.append([r.token_ids for r in rs])
+        if graphs:
+            assert eng._core.runner.seen.count > 64
+            assert eng._core.runner.runner.steps_sampled_in_graph > 0 and eng.stats()["overlapped_steps"] > 0
+        eng.close()
+    assert results[0] == results[1]

@@ -133,7 +133,7 @@ class _Paged:
             return list(self.runner.step(
                 *arrays, np.full(B, temperature, np.float32), np.full(B, top_k, np.int32), np.ones(B, np.float32),
                 np.zeros(B, np.float32), np.ones(B, np.float32), np.full(B, seed, np.uint64),
-                np.full(B, step, np.uint64), [], [], []))
+                np.full(B, step, np.uint64), np.full(B, -1, np.int32), [], []))
         finally:  # a step that fails while sampling has written its keys/values, as any step
             self._advance(seqs, tokens)
 

@@ -2,8 +2,8 @@
 chained on the device, before it reads step n's tokens. Nothing a caller sees may change: the same tokens,
 texts and finish reasons as the plain step loop, for greedy and seeded sampling, EOS, stop strings, length
 limits, aborts, requests arriving mid-stream (steps keep chaining while they wait: they join the next step
-that is not chained, within a bounded number of steps), penalties (which run the plain way) and the prefix
-cache.
+that is not chained, within a bounded number of steps), penalties (a repetition penalty chains; bias
+penalties run the plain way) and the prefix cache.
 On the CPU the step runs on the calling thread, so nothing overlaps in time, but the same code paths run
 (overlap_steps=True forces them); on CUDA the whole engine suite runs overlapped by default."""
 import numpy as np
@@ -82,15 +82,20 @@ def test_length_limits_and_the_context_end(tiny, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_penalties_and_logprobs_run_the_plain_way(tiny, device):
+def test_bias_penalties_and_logprobs_run_the_plain_way(tiny, device):
+    """Presence/frequency penalties (host bias lists) and logprobs keep their steps plain; a repetition
+    penalty chains (its set is on the device: test_overlap_penalty.py)."""
     def go(eng):
         p = prompts(eng.config.vocab_size, [20], seed=4)[0]
-        a = eng.generate(p, max_new_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3)
         b = eng.generate(p, max_new_tokens=20, temperature=0, ignore_eos=True, presence_penalty=0.5)
         c = eng.generate(p, max_new_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
-        return a.token_ids, b.token_ids, c.token_ids
+        return b.token_ids, c.token_ids
     plain, over, n = run_both(tiny, device, go)
     assert over == plain and n == 0
+    a = run_both(tiny, device, lambda eng: eng.generate(prompts(eng.config.vocab_size, [20], seed=4)[0],
+                                                        max_new_tokens=20, temperature=0, ignore_eos=True,
+                                                        repetition_penalty=1.3).token_ids)
+    assert a[1] == a[0] and a[2] > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -24,14 +24,14 @@ void pack(const HostBatch &b, int64_t P, int64_t W, std::vector<int64_t> &h64, s
 }
 
 // Appends what a graph's sampler reads: seed, step [P] to the i64 fields and top_k, temperature, top_p,
-// min_p [P] to the i32 ones (the floats as their bits). Rows past `rows` (padding; all of them without
-// rows) are greedy.
+// min_p, seen_row, repetition_penalty [P] to the i32 ones (the floats as their bits). Rows past `rows`
+// (padding; all of them without rows) are greedy, without a penalty.
 void pack_sampling(const std::vector<RowSampling> *rows, int64_t P, std::vector<int64_t> &h64,
                    std::vector<int32_t> &h32) {
     static const RowSampling greedy{};
     const size_t o64 = h64.size(), o32 = h32.size(), B = rows ? rows->size() : 0;
     h64.resize(o64 + size_t(2 * P));
-    h32.resize(o32 + size_t(4 * P));
+    h32.resize(o32 + size_t(6 * P));
     for (size_t i = 0; i < size_t(P); ++i) {
         const RowSampling &r = i < B ? (*rows)[i] : greedy;
         h64[o64 + i] = int64_t(r.seed);
@@ -39,6 +39,8 @@ void pack_sampling(const std::vector<RowSampling> *rows, int64_t P, std::vector<
         h32[o32 + i] = r.top_k;
         const float f[3] = {r.temperature, r.top_p, r.min_p};
         for (size_t k = 0; k < 3; ++k) std::memcpy(&h32[o32 + (k + 1) * size_t(P) + i], &f[k], sizeof(float));
+        h32[o32 + 4 * size_t(P) + i] = r.seen_row;
+        std::memcpy(&h32[o32 + 5 * size_t(P) + i], &r.repetition_penalty, sizeof(float));
     }
 }
 
@@ -66,6 +68,8 @@ SamplingFields sampling_views(const Tensor &buf64, const Tensor &buf32, int64_t 
     f.temperature = f32(1);
     f.top_p = f32(2);
     f.min_p = f32(3);
+    f.seen_row = buf32.slice(0, o32 + 4 * P, o32 + 5 * P);
+    f.penalty = f32(5);
     return f;
 }
 

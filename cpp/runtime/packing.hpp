@@ -12,12 +12,13 @@ namespace llaisys::runtime {
 // [ids | pos | slots | last] (i64) and [q_start | kv_len | block_tables] (i32), padded to P sequences of
 // block-table width W.
 void pack(const HostBatch &b, int64_t P, int64_t W, std::vector<int64_t> &h64, std::vector<int32_t> &h32);
-// Appends seed, step [P] to h64 and top_k, temperature, top_p, min_p [P] to h32 (rows past `rows` greedy).
+// Appends seed, step [P] to h64 and top_k, temperature, top_p, min_p, seen_row, repetition_penalty [P] to
+// h32 (rows past `rows` greedy, without a penalty).
 void pack_sampling(const std::vector<RowSampling> *rows, int64_t P, std::vector<int64_t> &h64,
                    std::vector<int32_t> &h32);
 // The sampling fields of a decode batch of P sequences (one token each) that pack_sampling appended, [P].
 struct SamplingFields {
-    Tensor temperature, top_k, top_p, min_p, seeds, steps;
+    Tensor temperature, top_k, top_p, min_p, seeds, steps, seen_row, penalty;
 };
 SamplingFields sampling_views(const Tensor &buf64, const Tensor &buf32, int64_t P, int64_t W);
 // The StepBatch over packed buffers of P sequences, Tp tokens and table width W.

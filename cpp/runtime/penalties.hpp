@@ -1,33 +1,45 @@
-// HF's repetition penalty for a batch of rows, each with its own penalty and ids: one repetition_penalty
-// call per distinct penalty value, each covering the rows using that value (ids [B, n] padded with -1,
-// so the other rows are untouched). Row: anything with repetition_penalty and penalty_ids (RowSampling).
+// HF's repetition penalty for a batch of rows from each sequence's "seen" set: a bitmask row of the runner's
+// device tensor seen [S, ceil(vocab / 32)] (RowSampling::seen_row; -1: none). The host writes a row once
+// (Runner::set_seen, from the prompt); each sampled token is then added on the device (seen_mark), so a
+// chained step, whose input token the host does not know yet, penalises it too. Row: RowSampling.
 #pragma once
 #include "llaisys/ops.hpp"
 #include "runtime/staging.hpp"
 
 #include <algorithm>
-#include <set>
 #include <vector>
 
 namespace llaisys::runtime {
 
+// The rows' seen rows ([B], -1 for a row without), or empty when no row has one (nothing to do).
 template <class Row>
-void apply_repetition_penalties(const Tensor &logits, const std::vector<Row> &rows, InputStaging &staging) {
-    std::set<float> penalties;
-    size_t width = 0;
-    for (const Row &r : rows)
-        if (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) {
-            penalties.insert(r.repetition_penalty);
-            width = std::max(width, r.penalty_ids.size());
-        }
-    const int64_t B = int64_t(rows.size());
-    for (float penalty : penalties) {
-        std::vector<int64_t> ids(size_t(B) * width, -1);
-        for (size_t b = 0; b < rows.size(); ++b)
-            if (rows[b].repetition_penalty == penalty)
-                std::copy(rows[b].penalty_ids.begin(), rows[b].penalty_ids.end(), ids.begin() + int64_t(b * width));
-        ops::repetition_penalty(logits, staging.upload(ids, DType::I64).view({B, int64_t(width)}), penalty);
+std::vector<int32_t> seen_rows(const std::vector<Row> &rows, int64_t num_seen) {
+    std::vector<int32_t> out(rows.size(), -1);
+    bool any = false;
+    for (size_t b = 0; b < rows.size(); ++b) {
+        const int32_t r = rows[b].seen_row;
+        if (r < 0) continue;
+        LLAISYS_CHECK(r < num_seen, std::out_of_range, "Runner: row ", b, " names seen row ", r, " but only ",
+                      num_seen, " were set (set_seen)");
+        out[b] = r;
+        any = true;
     }
+    if (!any) out.clear();
+    return out;
+}
+
+// Penalises the logits of rows with a seen row; returns those rows on the device for seen_mark (undefined
+// Tensor: none).
+template <class Row>
+Tensor apply_repetition_penalties(const Tensor &logits, const std::vector<Row> &rows, const Tensor &seen,
+                                  InputStaging &staging) {
+    const std::vector<int32_t> which = seen_rows(rows, seen.defined() ? seen.size(0) : 0);
+    if (which.empty()) return Tensor();
+    std::vector<float> penalty(rows.size());
+    for (size_t b = 0; b < rows.size(); ++b) penalty[b] = rows[b].repetition_penalty;
+    const Tensor rows_d = staging.upload(which, DType::I32);
+    ops::seen_penalty(logits, seen, rows_d, staging.upload(penalty, DType::F32));
+    return rows_d;
 }
 
 } // namespace llaisys::runtime

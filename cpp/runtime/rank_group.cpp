@@ -209,6 +209,10 @@ void RankGroup::launch(const HostBatch &b, const std::vector<RowSampling> &rows,
     run_all("a launch", [&](int r) { runners_[size_t(r)]->launch(b, rows, chain); });
 }
 
+void RankGroup::set_seen(int64_t row, const std::vector<int32_t> &words) {
+    run_all("set_seen", [&](int r) { runners_[size_t(r)]->set_seen(row, words); });
+}
+
 std::vector<int64_t> RankGroup::finish() {
     std::vector<std::vector<int64_t>> ids(static_cast<size_t>(world()));
     run_all("a step's finish", [&](int r) { ids[size_t(r)] = runners_[size_t(r)]->finish(); });

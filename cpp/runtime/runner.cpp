@@ -11,9 +11,10 @@
 
 namespace llaisys::runtime {
 
-// A captured decode step for P sequences of one token each: the forward, the argmax of every row into
-// `ids` and, as a switchable part, sample_rows over all P rows into `ids` (sample_rows gives a greedy row
-// the argmax's token and -1, so its result replaces the argmax's whole). The inputs, sampling fields
+// A captured decode step for P sequences of one token each: the forward, the repetition penalty from the
+// rows' seen sets (switchable), the argmax of every row into `ids`, as a switchable part sample_rows over
+// all P rows into `ids` (sample_rows gives a greedy row the argmax's token and -1, so its result replaces
+// the argmax's whole), and the tokens into the seen sets (switchable, with the penalty). The inputs, sampling fields
 // included, live in two fixed device buffers (i64 and i32 fields) that every replay refills with one copy
 // each. One graph for both kinds of step: a second capture of the forward would hold a second copy of
 // its activations.
@@ -22,9 +23,13 @@ struct Runner::Graphed {
     StepBatch batch;
     SamplingFields fields; // views into buf64 / buf32
     std::unique_ptr<Graph> graph;
-    size_t sampler = 0;     // the switchable part
-    bool sampler_on = true; // as captured
+    size_t sampler = 0, penalty = 0, mark = 0; // the switchable parts
+    bool sampler_on = true, penalty_on = true;  // as captured
 };
+
+// Rows of the seen sets a runner starts with (grown by doubling: a growth recaptures the graphs, which hold
+// the tensor's address).
+constexpr int64_t kMinSeenRows = 64;
 
 // A launched step: its tokens land in `host` (pinned) once `done` has passed on the stream.
 struct Runner::Inflight {
@@ -131,15 +136,21 @@ std::unique_ptr<Runner::Graphed> Runner::capture(const std::vector<int64_t> &h64
     };
     auto forward = [&] { r.logits = model_.forward_step(r.batch, pool_.view()); };
     auto argmax = [&r] { ops::argmax(r.ids, r.max_val, r.logits); };
-    forward();
+    if (!seen_.defined()) reserve_seen(kMinSeenRows);
+    const Tensor seen = seen_; // the graph holds this address: set_seen recaptures when it grows
+    auto penalty = [&r, seen] { ops::seen_penalty(r.logits, seen, r.fields.seen_row, r.fields.penalty); };
+    auto mark = [&r, seen] { ops::seen_mark(seen, r.fields.seen_row, r.ids); };
+    forward(); // the penalty and the marks allocate nothing: the warm-up leaves them out
     r.max_val = Tensor::empty({P}, r.logits.dtype(), model_.device());
     argmax();
     sampler();
     r.graph = std::make_unique<Graph>(model_.device());
     r.graph->capture([&] {
         forward();
+        r.penalty = r.graph->switchable(penalty);
         argmax();
         r.sampler = r.graph->switchable(sampler);
+        r.mark = r.graph->switchable(mark);
     });
     return g;
 }
@@ -167,6 +178,14 @@ const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::
     if (g.sampler_on != on) {
         g.graph->set_enabled(g.sampler, on);
         g.sampler_on = on;
+    }
+    const bool penalised = rows != nullptr && std::any_of(rows->begin(), rows->end(), [](const RowSampling &r) {
+        return r.seen_row >= 0;
+    });
+    if (g.penalty_on != penalised) {
+        g.graph->set_enabled(g.penalty, penalised);
+        g.graph->set_enabled(g.mark, penalised);
+        g.penalty_on = penalised;
     }
     g.graph->replay();
     return g;
@@ -240,13 +259,46 @@ void Runner::apply_masks(const Tensor &logits, const std::vector<RowSampling> &r
     ops::token_mask(logits, staging_->upload(mask, DType::I32).view({B, W}));
 }
 
-// Greedy rows take the argmax of every row (one launch); the sampled rows are gathered and drawn in one
-// launch, each from its own request's (seed, step), so its tokens never depend on its row.
+// The processors in order (repetition penalty, biases, token masks), the draw, then each penalised row's
+// token into its seen set (on the device: the next step, chained or not, penalises it).
 void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
-    const int64_t B = int64_t(rows.size());
-    apply_repetition_penalties(logits, rows, *staging_);
+    const Tensor seen_rows = apply_repetition_penalties(logits, rows, seen_, *staging_);
     apply_biases(logits, rows, *staging_);
     apply_masks(logits, rows);
+    draw(out, logits, rows);
+    if (seen_rows.defined()) ops::seen_mark(seen_, seen_rows, out);
+}
+
+void Runner::set_seen(int64_t row, const std::vector<int32_t> &words) {
+    const int64_t W = (model_.config().vocab_size + 31) / 32;
+    LLAISYS_CHECK(int64_t(words.size()) == W, std::invalid_argument, "Runner.set_seen: words has ", words.size(),
+                  " entries; a vocabulary of ", model_.config().vocab_size, " needs ", W);
+    LLAISYS_CHECK(row >= 0 && row < (int64_t(1) << 20), std::out_of_range, "Runner.set_seen: row ", row,
+                  " outside [0, 2^20)");
+    DeviceGuard guard(model_.device());
+    const int64_t S = seen_.defined() ? seen_.size(0) : 0;
+    if (row >= S) reserve_seen(std::max<int64_t>({row + 1, 2 * S, kMinSeenRows}));
+    staging_->upload_into(seen_.slice(0, row, row + 1), words.data(), words.size() * sizeof(int32_t));
+}
+
+// seen_ with `rows` rows, the old ones kept (copied in stream order, behind the launched steps that mark
+// them). The graphs hold the old tensor's address: they are captured again, so no step may be in flight.
+void Runner::reserve_seen(int64_t rows) {
+    const int64_t W = (model_.config().vocab_size + 31) / 32, S = seen_.defined() ? seen_.size(0) : 0;
+    if (rows <= S) return;
+    LLAISYS_CHECK(S == 0 || launched() == 0, std::invalid_argument, "Runner.set_seen: the seen sets must grow to ",
+                  rows, " rows but ", launched(), " launched step(s) still use them (call finish() first)");
+    Tensor grown = Tensor::empty({rows, W}, DType::I32, model_.device());
+    if (S) runtime::memcpy_async(grown.data(), model_.device(), seen_.data(), model_.device(),
+                                 size_t(S * W) * sizeof(int32_t));
+    seen_ = grown;
+    graphs_.clear();
+}
+
+// Greedy rows take the argmax of every row (one launch); the sampled rows are gathered and drawn in one
+// launch, each from its own request's (seed, step), so its tokens never depend on its row.
+void Runner::draw(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
+    const int64_t B = int64_t(rows.size());
     Tensor max_val = Tensor::empty({B}, logits.dtype(), logits.device());
     ops::argmax(out, max_val, logits);
     std::vector<int64_t> sampled, seeds, steps;
@@ -279,12 +331,12 @@ void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<R
     if (!all) ops::index_copy(out, rows_d, ids);
 }
 
-// Whether a graph can sample the rows itself: none has a penalty, bias or token mask to apply to the logits
-// first (the conditions under which apply_repetition_penalties, apply_biases and apply_masks do nothing).
-// TODO: a mask buffer among the graph's inputs (all ones for free rows) would keep constrained rows in it.
+// Whether a graph can sample the rows itself: none has a bias or token mask to apply to the logits first
+// (the conditions under which apply_biases and apply_masks do nothing; the repetition penalty is in the
+// graph). TODO: a mask buffer among the graph's inputs (all ones for free rows) would keep constrained rows in it.
 static bool samples_in_graph(const std::vector<RowSampling> &rows) {
     return std::none_of(rows.begin(), rows.end(), [](const RowSampling &r) {
-        return (r.repetition_penalty != 1.f && !r.penalty_ids.empty()) || !r.bias_ids.empty() || !r.allowed.empty();
+        return !r.bias_ids.empty() || !r.allowed.empty();
     });
 }
 

@@ -41,6 +41,8 @@ paged_attention = _ops.paged_attention
 swiglu = _ops.swiglu
 sample = _ops.sample
 repetition_penalty = _ops.repetition_penalty
+seen_penalty = _ops.seen_penalty
+seen_mark = _ops.seen_mark
 logit_bias = _ops.logit_bias
 token_mask = _ops.token_mask
 scale = _ops.scale  # (out, x, alpha)
@@ -55,5 +57,5 @@ geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 __all__ = ["add", "scale", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "rope_qkv_cache", "rope_inv_freq", "kv_shift",
            "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "logprobs",
-           "token_mask", "linear_swiglu",
+           "token_mask", "seen_penalty", "seen_mark", "linear_swiglu",
            "layer_norm", "add_layer_norm", "gelu", "geglu"]

@@ -166,6 +166,13 @@ void logprobs(const Tensor &chosen_lp, const Tensor &top_ids, const Tensor &top_
 // HF's repetition penalty in place: for each id in ids [B, n] (i64, -1 = padding, no duplicates per
 // row) logits[b, id] is divided by penalty if positive, multiplied if negative.
 void repetition_penalty(const Tensor &logits, const Tensor &ids, float penalty);
+// The same over bitmasks kept on the device (the runner's per-sequence "seen" sets): row b's logits [B, V]
+// (float, any strides) at every token v whose bit v % 32 of word v / 32 is set in seen[rows[b]] ([S, W = ceil(V
+// / 32)] i32), each once, by penalty[b] ([B] f32, finite > 0); rows[b] = -1 ([B] i32): the row is untouched.
+void seen_penalty(const Tensor &logits, const Tensor &seen, const Tensor &rows, const Tensor &penalty);
+// Adds ids[b] ([B] i64) to the set seen[rows[b]] in place (rows[b] = -1 or ids[b] = -1, no token: skipped):
+// a sampled token joins its sequence's set on the device, so a chained step penalises it unseen by the host.
+void seen_mark(const Tensor &seen, const Tensor &rows, const Tensor &ids);
 // Adds bias [B, n] (f32) to logits [B, V] at ids [B, n] (i64, -1 = padding, no duplicates per row), in
 // place: OpenAI's presence/frequency penalties and logit_bias, and -inf to ban a token (min_tokens).
 void logit_bias(const Tensor &logits, const Tensor &ids, const Tensor &bias);

@@ -1,9 +1,9 @@
 // The step runner: takes one step's batch as host arrays (built by the Python scheduler), uploads it in
 // two copies, runs the model over the paged KV pool (replaying a captured CUDA graph for decode
 // batches, padded to the next graph batch size) and samples one token per sequence with that
-// sequence's own parameters and random stream: inside the graph when no row has a repetition penalty,
-// logit biases or a token mask, else after it. The model is only the layer math; the runner owns the graphs, the
-// input staging and sampling (its settings come from the caller: EngineConfig).
+// sequence's own parameters and random stream: inside the graph (repetition penalties included) when no
+// row has logit biases or a token mask, else after it. The model is only the layer math; the runner owns
+// the graphs, the input staging and sampling (its settings come from the caller: EngineConfig).
 #pragma once
 #include "llaisys/graph.hpp"
 #include "llaisys/kv_pool.hpp"
@@ -39,7 +39,9 @@ struct RowSampling {
     float top_p = 1.f;       // 1 = off
     float min_p = 0.f;       // 0 = off
     float repetition_penalty = 1.f;
-    std::vector<int64_t> penalty_ids; // distinct ids seen so far, penalised when repetition_penalty != 1
+    // The sequence's row of the runner's "seen" bitmasks (set_seen; prompt and output tokens so far), penalised
+    // by repetition_penalty; the token sampled for it is added on the device. -1: none (no penalty).
+    int32_t seen_row = -1;
     uint64_t seed = 0, step = 0;
     // Added to the logits at these ids (distinct) after the repetition penalty: presence/frequency
     // penalties, and -inf for tokens banned this step (EOS before min_tokens).
@@ -66,7 +68,8 @@ public:
     // step as step() would, without waiting for its tokens, which finish() returns later (oldest launch
     // first). With chain, the step's input ids are the tokens of the step launched just before it, copied
     // on the device: a decode of the same sequences in the same rows, whose tokens the host does not know
-    // yet (the host's ids are ignored; penalties and biases, applied from host lists, must not need them).
+    // yet (the host's ids are ignored; biases, applied from host lists, must not need them; a repetition
+    // penalty's seen set got them on the device).
     // step() and a graphed logits() raise while launched steps are unfinished.
     //
     // defer_sampling: only the forward is enqueued (a graph's forward, its sampler off); sample_deferred()
@@ -79,6 +82,11 @@ public:
     // unconstrained). Its tokens come from finish() like any launch's.
     void sample_deferred(std::vector<std::vector<int32_t>> allowed);
     std::vector<int64_t> finish();
+    // Writes a sequence's seen set (for its repetition penalty): row `row` of the device bitmask [S, W]
+    // becomes words ([W = ceil(vocab / 32)] i32, bit v % 32 of word v / 32 = token v), stream-ordered behind
+    // every launched step (a row may be reused: a finished sequence's last step marks it first). S grows
+    // as rows are named (the rows kept).
+    void set_seen(int64_t row, const std::vector<int32_t> &words);
     // Launched steps not finished yet (a deferred one included: finish() samples it unmasked first).
     size_t launched() const { return inflight_.size() + (deferred_ ? 1 : 0); }
     // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
@@ -109,8 +117,10 @@ private:
                                      int64_t size);
     void forward(const HostBatch &batch, int64_t size, bool chain);
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
+    void draw(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
     void record(const Tensor &ids, const std::vector<RowSampling> &rows);
     void apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows);
+    void reserve_seen(int64_t rows);
     static void check_ids(const std::vector<int64_t> &ids, const std::vector<RowSampling> &rows);
     struct Inflight; // a launched step whose tokens are on their way to the host
     std::unique_ptr<Inflight> make_inflight(int64_t capacity) const;
@@ -127,6 +137,7 @@ private:
     std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
     std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
+    Tensor seen_; // i32 [S, ceil(vocab / 32)]: the sequences' seen sets (set_seen), on the model's device
 };
 
 } // namespace llaisys::runtime

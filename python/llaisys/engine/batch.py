@@ -6,9 +6,12 @@ attribute lookups, list building and checks per sequence in the scheduler, the r
 The Sequence objects stay the truth (the block manager, the prefix cache, preemption and the slow path
 read them); the arrays are a cache of them that EngineCore keeps in step and drops whenever something else
 changes the batch (a request admitted, a prefill, a preemption, a failed step). Rows that end leave by
-`condense`. A batch exists only for rows the fast path serves exactly: decodes without penalties or biases,
-past their min_tokens (those run the general path, as they do for overlapped steps). Constrained rows
-(structured output) may join: the rows in `masked` get their matchers' masks and advance them. Rows with logprobs
+`condense`. A batch exists only for rows the fast path serves exactly: decodes without presence/frequency
+penalties or biases, past their min_tokens (those run the general path: their biases are host lists rebuilt
+each step). A repetition penalty joins: its set lives on the device (engine/seen.py), the batch carries only
+each row's penalty and seen row. Constrained rows (structured output) may join: the rows in `masked` get
+their matchers' masks and advance them; rows waiting for their constraint's trigger (`triggers`) check each
+token on the host and move to `masked` when it fires. Rows with logprobs
 may join; a batch holding any runs its steps one at a time (not overlapped: the logprobs are read from the
 step's logits, which a chained step would overwrite)."""
 from __future__ import annotations
@@ -20,12 +23,12 @@ from .sequence import Sequence, Status
 
 def eligible(seq: Sequence) -> bool:
     """Whether seq's next steps can run from the batch arrays: a decode whose sampling needs no per-step
-    host state (penalty ids, biases, the min_tokens ban, a constraint's trigger; logprobs come from one op
-    over the batch, a constrained row's mask from its matcher: DecodeBatch.masked) and
-    whose cache does not slide (a windowed sequence's positions and blocks move with its evictions:
-    block_manager.slide)."""
-    return (len(seq) - seq.num_computed == 1 and seq.seen is None and seq.counts is None and
-            seq.num_output >= seq.params.min_tokens and not seq.kv_window and seq.trigger is None)
+    host lists (the biases of presence/frequency penalties and of the min_tokens ban; logprobs come from one
+    op over the batch, a constrained row's mask from its matcher: DecodeBatch.masked, a repetition penalty's
+    set from the device: seen.py) and whose cache does not slide (a windowed sequence's positions and blocks
+    move with its evictions: block_manager.slide)."""
+    return (len(seq) - seq.num_computed == 1 and seq.counts is None and
+            seq.num_output >= seq.params.min_tokens and not seq.kv_window)
 
 
 class DecodeBatch:
@@ -48,7 +51,8 @@ class DecodeBatch:
         self.top_k = np.array([p.top_k for p in params], np.int32)
         self.top_p = np.array([p.top_p for p in params], np.float32)
         self.min_p = np.array([p.min_p for p in params], np.float32)
-        self.penalty = np.ones(n, np.float32)
+        self.penalty = np.array([p.repetition_penalty for p in params], np.float32)
+        self.seen_row: np.ndarray | None = None  # [n] i32, -1: no penalty; ModelRunner fills it at the first step
         self.seeds = np.array([s.seed for s in self.seqs], np.uint64)
         self.logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64)  # -1: none
         self._constrained()
@@ -57,8 +61,20 @@ class DecodeBatch:
         self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
 
     def _constrained(self) -> None:
-        # rows with a constraint (structured output): masked each step, their matchers advanced by advance()
+        # rows with a constraint (structured output): masked each step, their matchers advanced by advance();
+        # rows whose constraint waits for its trigger: each token checked (EngineCore._account_batch)
         self.masked = [row for row, s in enumerate(self.seqs) if s.constraint is not None]
+        self.triggers = [row for row, s in enumerate(self.seqs) if s.trigger is not None]
+
+    def triggered(self) -> None:
+        """A trigger row's constraint started (its sequence's `constraint` set): it is masked from now on."""
+        self._constrained()
+
+    @property
+    def defers(self) -> bool:
+        """Whether a chained step's sampling waits for the step ahead's tokens (ModelRunner.launch): a row's
+        mask needs them, or a trigger row's constraint may start with one of them."""
+        return bool(self.masked or self.triggers)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -79,8 +95,9 @@ class DecodeBatch:
     def condense(self, keep: np.ndarray) -> None:
         self.seqs = [s for s, k in zip(self.seqs, keep) if k]
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
-                     "min_p", "penalty", "seeds", "logprobs"):
-            setattr(self, name, getattr(self, name)[keep])
+                     "min_p", "penalty", "seeds", "logprobs", "seen_row"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[keep])
         self._constrained()
         self.version += 1
 
@@ -125,7 +142,7 @@ class DecodeBatch:
 
     def sampling(self, ahead: int = 0):
         return (self.temperature, self.top_k, self.top_p, self.min_p, self.penalty, self.seeds,
-                (self.num_output + ahead).astype(np.uint64), [], [], [])
+                (self.num_output + ahead).astype(np.uint64), self.seen_row, [], [])
 
     def advance(self, tokens, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Applies a step's tokens (one per row, every row running): the sequences get them, the arrays

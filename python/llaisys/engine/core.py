@@ -145,8 +145,8 @@ class EngineCore:
         while the device computes, instead of between steps. A step launched so for a sequence that then
         ends (EOS, a stop string, an abort) computes one token nobody reads: its blocks are freed only
         after, in stream order. Requests waiting for admission join the first step that is not chained
-        (_may_chain bounds how long that takes). Anything else (prefill, penalties, biases, logprobs, a
-        sequence about to reach its length limit, no free block) runs the plain way."""
+        (_may_chain bounds how long that takes). Anything else (prefill, presence/frequency penalties,
+        biases, logprobs, a sequence about to reach its length limit, no free block) runs the plain way."""
         t0 = time.perf_counter()
         step = None  # the step whose tokens this call reads, once known
         try:
@@ -231,12 +231,14 @@ class EngineCore:
             return False
         if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs
             return not (step.batch.logprobs >= 0).any()
-        # decodes, no penalties or biases, no logprobs. A constrained row may chain: its next step's sampling
-        # waits for the mask that this step's token decides (ModelRunner.sample_deferred)
+        # decodes, no biases (presence/frequency penalties, min_tokens), no logprobs. A repetition penalty may
+        # chain: the sampler adds each token to the row's set on the device (engine/seen.py). A constrained row
+        # may chain: its next step's sampling waits for the mask that this step's token decides
+        # (ModelRunner.sample_deferred)
         for seq, n in zip(step.seqs, step.num_tokens):
             p = seq.params
-            if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.seen is not None or
-                    seq.counts is not None or seq.num_output < p.min_tokens):
+            if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.counts is not None or
+                    seq.num_output < p.min_tokens):
                 return False
         return True
 
@@ -313,6 +315,7 @@ class EngineCore:
         self.scheduler.batch = None  # rebuilt from the sequences, which a failed step left as they were
         self._inflight, self._waited = None, 0
         self.runner.deferred = None  # finish() samples it unmasked: its token is dropped
+        self.runner.seen.reset()  # the device added tokens of steps the host drops: rewrite the sets
         while self.runner.launched:
             left = self.runner.launched
             try:
@@ -386,12 +389,27 @@ class EngineCore:
         for row in b.masked:  # constrained rows: their matchers advance; a complete grammar ends the row
             if not eos[row] and self._constrained_end(seqs[row], tokens[row]):
                 length[row] = False
+        if b.triggers:
+            self._fire_triggers(b, tokens, eos | length)
         for row in np.flatnonzero(eos).tolist():
             self.finish(seqs[row], "stop")
         for row in np.flatnonzero(length).tolist():
             self.finish(seqs[row], "length")
         self._time(repeat(1, len(seqs)), t0, t1, t2)
         return produced
+
+    @staticmethod
+    def _fire_triggers(b, tokens: list[int], ended: np.ndarray) -> None:
+        """The batch's rows waiting for their constraint's trigger: where this token fires it, the row is
+        constrained (masked) from its next token on, as _account does for a row of the general path."""
+        fired = False
+        for row in b.triggers:
+            seq = b.seqs[row]
+            if not ended[row] and (started := seq.trigger.fire(tokens[row], seq.num_output == 1)):
+                seq.constraint, seq.trigger = started, None
+                fired = True
+        if fired:
+            b.triggered()
 
     def _time(self, num_tokens, t0: float, t1: float, t2: float) -> None:
         t = self.timing

@@ -8,6 +8,7 @@ import numpy as np
 from .. import _core
 from ..constraints import MaskFiller
 from .scheduler import Step
+from .seen import SeenRows
 from .sequence import Status
 
 
@@ -23,6 +24,8 @@ class ModelRunner:
         self.masks = MaskFiller(mask_threads)
         self.deferred: Step | None = None  # a chained step launched without its sampling (sample_deferred)
         self.deferred_steps = 0  # steps sampled so (stats: overlapped_constrained_steps)
+        # the repetition penalty's sets, on the device (self.runner may be replaced: a NodeProxy)
+        self.seen = SeenRows(lambda row, words: self.runner.set_seen(row, words), vocab_size)
 
     def _arrays(self, step: Step, ahead: int = 0):
         """The step's host arrays. ahead = 1: a decode one token past what the host knows (the token it
@@ -63,8 +66,11 @@ class ModelRunner:
         return self.runner.step(*arrays, *sampling, *self._masks(step))
 
     def _inputs(self, step: Step, ahead: int):
-        if step.batch is not None:  # the persistent decode batch keeps its arrays
-            return step.batch.arrays(ahead), step.batch.sampling(ahead)
+        b = step.batch
+        if b is not None:  # the persistent decode batch keeps its arrays
+            if b.seen_row is None:  # first step from it: each penalised row's seen row (written once)
+                b.seen_row = self.seen.rows(b.seqs, ahead)
+            return b.arrays(ahead), b.sampling(ahead)
         return self._arrays(step, ahead), self._sampling(step, ahead)
 
     def launch(self, step: Step, chain: bool) -> None:
@@ -77,7 +83,7 @@ class ModelRunner:
         arrays, sampling = self._inputs(step, int(chain))
         self.prepare_s += time.perf_counter() - t0
         # a row whose constraint waits for its trigger too: the step ahead's token may be that trigger
-        defer = chain and (bool(step.batch.masked) if step.batch is not None else any(
+        defer = chain and (step.batch.defers if step.batch is not None else any(
             s.constraint is not None or s.trigger is not None for s in step.seqs))
         masks = (None, []) if chain else self._masks(step)
         self.runner.launch(*arrays, *sampling, chain, *masks, defer)
@@ -120,8 +126,11 @@ class ModelRunner:
         seqs = step.seqs
         params = [s.params for s in seqs]
         penalty = [p.repetition_penalty for p in params]
-        penalty_ids = [sorted(s.seen) if s.seen is not None else [] for s in seqs] if any(
-            v != 1.0 for v in penalty) else []
+        seen = np.full(len(seqs), -1, np.int32)
+        if any(v != 1.0 for v in penalty):  # rows whose sampled token counts (not a prefill chunk's)
+            for row, (s, n) in enumerate(zip(seqs, step.num_tokens)):
+                if s.penalised and s.num_computed + n >= len(s):
+                    seen[row] = self.seen.row(s, ahead)
         biases = [s.biases() for s in seqs]
         if not any(biases):
             biases = []
@@ -133,7 +142,7 @@ class ModelRunner:
             np.asarray(penalty, dtype=np.float32),
             np.asarray([s.seed for s in seqs], dtype=np.uint64),
             np.asarray([s.num_output + ahead for s in seqs], dtype=np.uint64),
-            penalty_ids, [list(b) for b in biases], [list(b.values()) for b in biases])
+            seen, [list(b) for b in biases], [list(b.values()) for b in biases])
         return sampling
 
     def last_logits(self):

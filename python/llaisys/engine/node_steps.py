@@ -17,7 +17,7 @@ import time
 
 from .nodes import CLOSED, Node, _log, describe
 
-CALLS = ("step", "launch", "finish", "logits", "shift_kv")  # what a follower runs; nothing else
+CALLS = ("step", "launch", "finish", "logits", "shift_kv", "set_seen")  # what a follower runs; nothing else
 
 
 class NodeProxy:
@@ -40,6 +40,9 @@ class NodeProxy:
 
     def shift_kv(self, *args):
         return self._call("shift_kv", args, self._runner.shift_kv)
+
+    def set_seen(self, *args):
+        return self._call("set_seen", args, self._runner.set_seen)
 
     def last_logits(self):
         return self._runner.last_logits()

@@ -39,8 +39,10 @@ class Sequence:
         self.num_cached_prompt = 0  # prompt tokens found in the prefix cache (reported in usage)
         self.finish_reason: str | None = None
         self.error: BaseException | None = None
-        # penalised ids for repetition_penalty (HF: prompt and output), kept only when it is on
-        self.seen: set[int] | None = set(prompt) if params.repetition_penalty != 1.0 else None
+        # repetition_penalty (HF: prompt and output tokens): the runner keeps the set on the device, in its
+        # row seen_row of the seen bitmasks (engine/seen.py; None until its first step samples)
+        self.penalised = params.repetition_penalty != 1.0
+        self.seen_row: int | None = None
         # generated-token counts for the presence/frequency penalties (OpenAI: output tokens only)
         self.counts: dict[int, int] | None = (
             {} if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 else None)
@@ -68,8 +70,6 @@ class Sequence:
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
-        if self.seen is not None:
-            self.seen.add(token)
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
 
