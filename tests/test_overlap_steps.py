@@ -99,6 +99,28 @@ def test_bias_penalties_and_logprobs_run_the_plain_way(tiny, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_ban_chains_and_ends_at_the_same_token(tiny, device):
+    """A row under min_tokens (its stop ids banned) chains: the ban of a chained step is decided by the count
+    of tokens before it (known ahead), not by their values. Stop ids the unbanned run samples early must still
+    be banned until min_tokens, in both modes alike, and the row end at the same token; before, such a row
+    ran every step of its ban the plain way."""
+    def go(eng):
+        p = prompts(eng.config.vocab_size, [14], seed=6)[0]
+        free = eng.generate(p, max_new_tokens=40, temperature=0, ignore_eos=True).token_ids
+        stops = sorted(set(free[1:6]))  # tokens it samples within its first steps: the ban must hold them off
+        before = overlapped_steps(eng)
+        rs = [eng.generate(p, max_new_tokens=40, temperature=t, seed=3, stop_token_ids=stops, min_tokens=25)
+              for t in (0, 0.8)]
+        return [(r.token_ids, r.finish_reason) for r in rs], stops, overlapped_steps(eng) - before
+    (plain, stops, _), (over, _, banned_chained), _ = run_both(tiny, device, go)
+    assert over == plain
+    for ids, _ in over:
+        assert len(ids) >= 25 and not set(ids[:24]) & set(stops)
+    # 2 x 40 steps, 2 x 24 of them banned: before this change only the <= 2 x 15 after the ban could chain
+    assert banned_chained > 50, banned_chained
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_requests_arriving_and_aborted_mid_stream(tiny, device):
     """A second request joins while the first decodes (chained steps in flight), a third is aborted after
     its first text; the others get exactly the tokens they get alone, and every block comes back."""
@@ -305,9 +327,9 @@ def test_no_starvation_behind_long_decodes(tiny):
     """Long decodes chain step after step; a request arriving among them (free room in the step) gets its
     first token at most 1 + MAX_CHAINED_WHILE_WAITING steps later than without overlap, and a request
     waiting for a full step gets in right after one of its sequences ends."""
-    from llaisys.engine.core import EngineCore
+    from llaisys.engine.chaining import Chainer
 
-    bound = 1 + EngineCore.MAX_CHAINED_WHILE_WAITING
+    bound = 1 + Chainer.MAX_CHAINED_WHILE_WAITING
     assert bound <= 2  # chaining on while a request could be admitted would starve it behind the long decodes
     vocab = engine(tiny, "cpu", False).config.vocab_size
     ps = prompts(vocab, [6, 9, 5, 8, 7], seed=22)

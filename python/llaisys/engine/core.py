@@ -12,44 +12,12 @@ import numpy as np
 from .. import _core, ops
 from .._tensor import empty, tensor
 from .block_manager import BlockManager
+from .chaining import Chainer
 from .config import EngineConfig
+from .kv_budget import kv_blocks_for
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
-
-_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
-
-
-def kv_blocks_for(config: EngineConfig, mc, dtype: str, device: str, max_seq_len: int) -> int:
-    """Blocks the pool gets: EngineConfig.num_kv_blocks, else the CPU byte budget, else the CUDA
-    memory fraction minus what is in use and an estimate of the step's activations and graphs; at most
-    what max_num_seqs sequences of max_seq_len tokens can use."""
-    block = _core.KVPool.block_bytes(mc.num_hidden_layers, config.block_size, mc.num_key_value_heads, mc.head_dim,
-                                     dtype)
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if not device.startswith("cuda"):
-        budget = config.cpu_kv_cache_bytes
-    else:
-        _core.empty_cache(device)  # blocks our allocator caches count as used in the driver's figure
-        free, total = _core.device_memory_info(device)
-        dsize = _DTYPE_BYTES[dtype]
-        per_row = (mc.vocab_size + 4 * mc.intermediate_size + 8 * mc.hidden_size) * dsize
-        graphs = sum(config.graph_sizes) * per_row if config.cuda_graphs else 0
-        prefill = config.max_num_batched_tokens * per_row // 4 + config.max_num_seqs * mc.vocab_size * 4
-        budget = int(config.gpu_memory_utilization * total) - (total - free) - graphs - prefill - (256 << 20)
-    per_seq = math.ceil(max_seq_len / config.block_size)
-    need = per_seq + 1
-    # More than every sequence at full length (plus block 0) is never used at once: don't take it from
-    # the device (or from other models sharing it). The prefix cache keeps what fits in this.
-    blocks = min(budget // block, config.max_num_seqs * per_seq + 1)
-    if blocks < need:
-        raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) holds {max(blocks, 0)} blocks of "
-                         f"{config.block_size} tokens; one sequence of max_seq_len {max_seq_len} needs {need}: "
-                         f"raise the budget (EngineConfig.cpu_kv_cache_bytes / gpu_memory_utilization) "
-                         f"or lower max_seq_len")
-    return int(blocks)
-
 
 class EngineCore:
     def __init__(self, models: list, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int,
@@ -75,19 +43,18 @@ class EngineCore:
             from .node_steps import NodeProxy
             self.runner.runner = NodeProxy(self.runner.runner, node)
         overlap = config.overlap_steps
-        self._overlap = device.startswith("cuda") if overlap is None else overlap
+        enabled = device.startswith("cuda") if overlap is None else overlap
         # Tensor parallel (several ranks or nodes): chained steps only when asked for (overlap_steps=True). They
         # "hung" on 2 H100s because RankGroup.finish was bound with Runner's signature: the TypeError made
         # _drain retry forever. Fixed and checked on CPU ranks and nodes; the default waits for a GPU run.
         if len(models) > 1 or node is not None:
-            self._overlap = overlap is True
+            enabled = overlap is True
+        self.chain = Chainer(enabled, self.scheduler, self.blocks, self.runner, max_seq_len)
         self._stuck = ""  # why launched steps could not be drained (then no step can run: broken)
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
-        self.overlapped_steps = 0  # steps launched chained behind the step ahead (overlap_steps)
-        self._waited = 0  # chained steps launched in a row while requests waited for admission (_may_chain)
 
     @property
     def broken(self) -> str:
@@ -145,7 +112,7 @@ class EngineCore:
         while the device computes, instead of between steps. A step launched so for a sequence that then
         ends (EOS, a stop string, an abort) computes one token nobody reads: its blocks are freed only
         after, in stream order. Requests waiting for admission join the first step that is not chained
-        (_may_chain bounds how long that takes). Anything else (prefill, presence/frequency penalties,
+        (Chainer.may_chain bounds how long that takes). Anything else (prefill, presence/frequency penalties,
         biases, logprobs, a sequence about to reach its length limit, no free block) runs the plain way."""
         t0 = time.perf_counter()
         step = None  # the step whose tokens this call reads, once known
@@ -155,14 +122,14 @@ class EngineCore:
                 if not step.seqs:
                     return [], []
                 t1 = time.perf_counter()
-                if not self._may_overlap(step):
+                if not self.chain.may_overlap(step):
                     return self._account(step, self.runner.step(step), t0, t1), []
                 self.runner.launch(step, chain=False)
                 self._inflight = step
             t1 = time.perf_counter()
             step, self._inflight = self._inflight, None
             try:
-                self._inflight = self._launch_next(step)
+                self._inflight = self.chain.launch_next(step)
             except Exception:
                 # a step that could not sample a token (NaN logits) hands the chained one an id of -1: the
                 # step's own error says why, so it goes first
@@ -225,95 +192,10 @@ class EngineCore:
                 produced += self._account(sub_step, tokens, t0, t1)
         return produced, failed
 
-    def _may_overlap(self, step) -> bool:
-        """Whether step may run launched (its tokens read later) with a next step chained behind it."""
-        if not self._overlap:
-            return False
-        if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs
-            return not (step.batch.logprobs >= 0).any()
-        # decodes, no biases (presence/frequency penalties, min_tokens), no logprobs. A repetition penalty may
-        # chain: the sampler adds each token to the row's set on the device (engine/seen.py). A constrained row
-        # may chain: its next step's sampling waits for the mask that this step's token decides
-        # (ModelRunner.sample_deferred)
-        for seq, n in zip(step.seqs, step.num_tokens):
-            p = seq.params
-            if (n != 1 or seq.remaining != 1 or p.logprobs is not None or seq.counts is not None or
-                    seq.num_output < p.min_tokens):
-                return False
-        return True
-
-    # Chained steps launched in a row while requests wait and could be admitted: then one unchained step
-    # (the scheduler's) admits them. 1: a request arriving while a step runs is scheduled at most one step
-    # later than without overlap (the chained step in flight, then at most this many more). More buys little:
-    # on bench/host_cost.py --arrivals the chained share went 80.3% (1) -> 81.0% (2) -> 81.8% (4), the rest
-    # being mostly the admission steps themselves (a prefill is never chained).
-    MAX_CHAINED_WHILE_WAITING = 1
-
-    def _may_chain(self, step) -> bool:
-        """Whether a step may be chained behind `step` although requests wait: the chained step holds the same
-        sequences, and the waiting ones join the first step after it that is not chained (the scheduler runs
-        only when no step is in flight, so an admission or a preemption never meets a chained step). Exact:
-        every row draws from its own (seed, step) and reads only its own cache, so which step a request
-        joins changes no token (the assumption every batch already rests on: a row's result does not depend
-        on the step's other rows, nor, on CUDA, on a pure decode step's kernel against a mixed step's). Bounded (no starvation): a step holding max_num_seqs sequences admits nobody
-        until one of them ends, and an end stops the chain by itself (a length end before it is reached, an
-        EOS, stop string or abort at the next call: the sequence is no longer running), so such steps chain
-        on; otherwise at most MAX_CHAINED_WHILE_WAITING steps are chained in a row while requests wait."""
-        if not self.scheduler.waiting or len(step.seqs) >= self.scheduler.max_num_seqs:
-            return True
-        return self._waited < self.MAX_CHAINED_WHILE_WAITING
-
-    def _launch_next(self, step):
-        """Launches the decode step after `step` (still running) for the same sequences, chained to its
-        tokens; None (nothing launched) where that step is not certain to be wanted as it stands, or where
-        waiting requests must be scheduled now (_may_chain)."""
-        nxt = None
-        if self._may_overlap(step) and self._may_chain(step):
-            nxt = self._launch_next_batch(step) if step.batch is not None else self._launch_next_seqs(step)
-        self._waited = self._waited + 1 if nxt is not None and self.scheduler.waiting else 0
-        return nxt
-
-    def _launch_next_seqs(self, step):
-        """_launch_next for a step of the general path."""
-        bm, need = self.blocks, 0
-        for seq in step.seqs:
-            if (seq.status is not Status.RUNNING or seq.num_output + 1 >= seq.params.max_new_tokens or
-                    (not seq.kv_window and len(seq) + 1 >= self.max_seq_len)):
-                return None  # ended, or about to end by length
-            # a windowed one: its eviction before the token after this one (its keys written by the step ahead)
-            need += bm.need(seq, 1, ahead=1) if seq.kv_window else max(
-                0, bm.blocks_for(len(seq) + 1) - len(seq.block_table))
-        if need > bm.num_free:
-            return None
-        nxt = Step(list(step.seqs), [1] * len(step.seqs))
-        for seq in step.seqs:
-            if not seq.kv_window:
-                bm.grow(seq, len(seq) + 1)
-            elif (shift := bm.slide(seq, 1, ahead=1)) is not None:
-                nxt.shifts.append(shift)
-        self.runner.launch(nxt, chain=True)
-        self.overlapped_steps += 1
-        return nxt
-
-    def _launch_next_batch(self, step):
-        """_launch_next for a step of the persistent batch: the same checks on its arrays."""
-        b = step.batch
-        if (b is not self.scheduler.batch or step.version != b.version or
-                not all(s.status is Status.RUNNING for s in b.seqs)):
-            return None
-        if (b.num_output + 1 >= b.max_new).any() or (b.pos + 2 >= self.max_seq_len).any():
-            return None  # about to end by length
-        if not b.grow(self.blocks, 1):
-            return None
-        nxt = Step(b.seqs, step.num_tokens, batch=b, version=b.step_made())
-        self.runner.launch(nxt, chain=True)
-        self.overlapped_steps += 1
-        return nxt
-
     def _drain(self) -> None:
         """After a failure: waits out every launched step (their tokens dropped)."""
         self.scheduler.batch = None  # rebuilt from the sequences, which a failed step left as they were
-        self._inflight, self._waited = None, 0
+        self._inflight, self.chain.waited = None, 0
         self.runner.deferred = None  # finish() samples it unmasked: its token is dropped
         self.runner.seen.reset()  # the device added tokens of steps the host drops: rewrite the sets
         while self.runner.launched:
@@ -454,6 +336,6 @@ class EngineCore:
         return {"running": len(s.running), "waiting": len(s.waiting), "kv_blocks_used": b.num_used,
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
-                "kv_blocks_evicted": b.evicted_blocks, "overlapped_steps": self.overlapped_steps,
+                "kv_blocks_evicted": b.evicted_blocks, "overlapped_steps": self.chain.overlapped_steps,
                 "overlapped_constrained_steps": self.runner.deferred_steps,
                 "decode_batch_steps": s.batch_steps}

@@ -25,7 +25,8 @@ from ..engine_args import (check_max_seq_len, check_model_arg, resolve_device, r
 from ..sampling import SamplingParams, check_sampling_names, resolve_sampling
 from .admission import Admission
 from .config import EngineConfig
-from .core import EngineCore, kv_blocks_for
+from .core import EngineCore
+from .kv_budget import kv_blocks_for
 from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling

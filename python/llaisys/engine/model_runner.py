@@ -131,7 +131,7 @@ class ModelRunner:
             for row, (s, n) in enumerate(zip(seqs, step.num_tokens)):
                 if s.penalised and s.num_computed + n >= len(s):
                     seen[row] = self.seen.row(s, ahead)
-        biases = [s.biases() for s in seqs]
+        biases = [s.biases(ahead) for s in seqs]
         if not any(biases):
             biases = []
         sampling = (

@@ -73,12 +73,14 @@ class Sequence:
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
 
-    def biases(self) -> dict[int, float]:
+    def biases(self, ahead: int = 0) -> dict[int, float]:
         """Logit biases for this step: -(presence + frequency * count) per generated token, and -inf on
-        EOS / stop_token_ids while fewer than min_tokens have been generated."""
+        EOS / stop_token_ids while fewer than min_tokens have been generated. ahead: a step chained behind
+        `ahead` launched steps whose tokens the host has not read (their count is known, their tokens not:
+        so a chained row may have the min_tokens ban, never counts)."""
         p, out = self.params, {}
         if self.counts:
             out = {t: -(p.presence_penalty + p.frequency_penalty * c) for t, c in self.counts.items()}
-        if self.num_output < p.min_tokens:
+        if self.num_output + ahead < p.min_tokens:
             out.update(dict.fromkeys(self.eos, float("-inf")))
         return out
