@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("llguidance")
 
 from tiny_model import make_tiny_qwen2  # noqa: E402
-from utils import DEVICES, f32_engine, token_prompts  # noqa: E402
+from utils import DEVICES, f32_engine, failing_mask_fills, token_prompts  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "c": {"enum": ["red", "green", "blue"]},
@@ -118,7 +118,6 @@ def test_streamed_constrained_request_beside_free_ones(tiny):
 def test_a_failed_deferred_sampling_drops_only_that_step(tiny, monkeypatch):
     """A mask that cannot be computed for a chained step drops the step (EngineCore._sample_deferred): its
     sequences run again from what the host knows, so the tokens are those of the plain run."""
-    from llaisys.constraints import MaskFiller
 
     def go(eng):
         ps = token_prompts(eng.config.vocab_size, [7, 13], seed=12)
@@ -126,14 +125,7 @@ def test_a_failed_deferred_sampling_drops_only_that_step(tiny, monkeypatch):
                                    ignore_eos=True))
 
     plain = go_engine(tiny, False, go)
-    fill, calls = MaskFiller.fill, []
-
-    def flaky(self, constraints, mask):
-        calls.append(len(constraints))
-        if len(calls) in (4, 9):
-            raise RuntimeError("injected")
-        return fill(self, constraints, mask)
-    monkeypatch.setattr(MaskFiller, "fill", flaky)
+    calls = failing_mask_fills(monkeypatch, (4, 9))
     assert go_engine(tiny, True, go) == plain
     assert len(calls) > 9
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiny_model import make_tiny_qwen2
-from utils import DEVICES, f32_engine, token_prompts
+from utils import DEVICES, f32_engine, failing_mask_fills, token_prompts
 
 PENALTIES = [1.8, 1.0, 1.3, 0.7, 1.0, 1.1]  # 0.7 < 1 rewards repetition; 1.0: no penalty
 LENGTHS = [9, 4, 17, 6, 12, 25]
@@ -110,7 +110,6 @@ def test_a_failed_step_rewrites_the_sets(tiny, monkeypatch):
     that token was added to the rows' sets on the device, so the sets are written again from what the host
     kept; the tokens are those of the plain run."""
     pytest.importorskip("llguidance")
-    from llaisys.constraints import MaskFiller
 
     def go(eng):
         ps = token_prompts(eng.config.vocab_size, [7, 13, 5], seed=12)
@@ -119,14 +118,7 @@ def test_a_failed_step_rewrites_the_sets(tiny, monkeypatch):
         return [(r.token_ids, r.finish_reason) for r in rs]
 
     plain, _ = run(tiny, "cpu", False, go)
-    fill, calls = MaskFiller.fill, []
-
-    def flaky(self, constraints, mask):
-        calls.append(len(constraints))
-        if len(calls) in (4, 9):
-            raise RuntimeError("injected")
-        return fill(self, constraints, mask)
-    monkeypatch.setattr(MaskFiller, "fill", flaky)
+    calls = failing_mask_fills(monkeypatch, (4, 9))
     over, stats = run(tiny, "cpu", True, go)
     assert over == plain
     assert len(calls) > 9 and stats["overlapped_steps"] > 0

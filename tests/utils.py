@@ -125,3 +125,19 @@ def llaisys_server(args: list[str], log_path, timeout: float = 300.0):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def failing_mask_fills(monkeypatch, failing: tuple[int, ...]) -> list[int]:
+    """MaskFiller.fill raises on its calls numbered `failing` (1-based), else fills as usual; the returned
+    list gets each call's row count (tests of a mask failure in a chained step)."""
+    from llaisys.constraints import MaskFiller
+
+    fill, calls = MaskFiller.fill, []
+
+    def flaky(self, constraints, mask):
+        calls.append(len(constraints))
+        if len(calls) in failing:
+            raise RuntimeError("injected")
+        return fill(self, constraints, mask)
+    monkeypatch.setattr(MaskFiller, "fill", flaky)
+    return calls
