@@ -53,8 +53,10 @@ fi
 if has test; then
   log "pytest -m cuda"
   # TESTS narrows the files (default: all of tests/)
-  timeout ${T_TEST:-300} python3 -m pytest -q -rs -m cuda ${TESTS:-tests} -p no:cacheprovider >"$OUT/pytest_cuda.log" 2>&1
-  grep -E "^SKIPPED" "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
+  # SIGINT at the limit: pytest still prints its summary (which tests failed) before it stops
+  timeout -s INT -k 30 ${T_TEST:-300} python3 -m pytest -q -rfEs -m cuda ${TESTS:-tests} -p no:cacheprovider \
+    >"$OUT/pytest_cuda.log" 2>&1
+  grep -E "^(SKIPPED|FAILED|ERROR)" "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
   tail -15 "$OUT/pytest_cuda.log" | tee -a "$OUT/summary.txt"
 fi
 
@@ -110,7 +112,8 @@ if has steady; then # issue 33: steady decode of B rows x 600 cached tokens agai
   for shape in ${STEADY_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
     log "bench/steady_decode.py --shape $shape --batch ${STEADY_BATCH:-64 256}"
     timeout ${T_STEADY:-300} python3 bench/steady_decode.py --shape $shape --device cuda --batch ${STEADY_BATCH:-64 256} \
-      --json "$OUT/steady_$shape.json" 2>&1 | grep -v Warning | grep -E "^\||Error|error" | tee -a "$OUT/summary.txt"
+      --json "$OUT/steady_$shape.json" 2>&1 | tee "$OUT/steady_$shape.log" | grep -v Warning |
+      grep -E "^\||Error|error|failed|Segmentation" | tee -a "$OUT/summary.txt"
   done
 fi
 if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k window vs at 4k context (>= 0.95x)

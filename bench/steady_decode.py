@@ -83,6 +83,22 @@ def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps
         return (time.perf_counter() - t) / steps
 
 
+def peer_step_s(shape: str, device: str, batch: int, context: int, steps: int) -> float | str:
+    """torch_static_step_s in a process of its own: torch.compile's Inductor and llaisys's CUDA context never
+    share a process (on an H200 that pairing segfaulted), and a crash of the peer costs its row only. Returns
+    the seconds, or the reason it failed (the child's last lines)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--peer-only", "--shape", shape, "--device", device, "--batch", str(batch),
+           "--context", str(context), "--steps", str(steps)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("peer_step_s ")]
+    if r.returncode == 0 and lines:
+        return float(lines[-1].split()[1])
+    tail = " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])
+    return f"peer failed (exit {r.returncode}): {tail}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(shapes.SHAPES))
@@ -92,10 +108,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true", help="llaisys only")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the child of peer_step_s
     args = ap.parse_args(argv)
     if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
         ap.error("--batch, --context and --steps must be >= 1")
     cuda = args.device.startswith("cuda")
+    if args.peer_only:
+        print(f"peer_step_s {torch_static_step_s(args.shape, args.device, args.batch[0], args.context, args.steps)}")
+        return 0
     dtype = "bf16" if cuda else "f32"
     rows = []
     print(f"{args.shape} on {args.device} ({dtype}): {args.context} cached tokens a row, {args.steps} steps")
@@ -103,8 +123,10 @@ def main(argv=None) -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for b in args.batch:
         ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype)
-        peer = None if args.no_peer or not cuda else torch_static_step_s(args.shape, args.device, b, args.context,
-                                                                          args.steps)
+        peer = None if args.no_peer or not cuda else peer_step_s(args.shape, args.device, b, args.context, args.steps)
+        if isinstance(peer, str):
+            print(f"batch {b}: {peer}", file=sys.stderr)
+            peer = None
         rows.append(dict(batch=b, llaisys_ms=ours * 1e3, peer_ms=None if peer is None else peer * 1e3))
         peer_cols = "- | - | -" if peer is None else f"{peer * 1e3:.2f} | {b / peer:,.0f} | {peer / ours:.2f}x"
         print(f"| {b} | {ours * 1e3:.2f} | {b / ours:,.0f} | {peer_cols} |", flush=True)

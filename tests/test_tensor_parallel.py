@@ -189,15 +189,14 @@ def test_gpus_equal_one_gpu(tiny, family, tp):
 @pytest.mark.cuda
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gpus_chained_steps_equal_one_gpu(tiny, tp):
-    """overlap_steps=True at 2 and 4 GPUs (CUDA graphs with NCCL inside, chained on each rank's stream): the
-    one-GPU tokens, most decode steps chained. The default turns on under TP once this has passed."""
+    """Chained steps at 2 and 4 GPUs, by default (CUDA graphs with NCCL inside, chained on each rank's stream):
+    the one-GPU tokens, most decode steps chained."""
     if llaisys.cuda_device_count() < tp or not llaisys.build_info()["nccl"]:
         pytest.skip(f"needs {tp} GPUs and a build with NCCL")
     path = tiny("qwen2")
     g1, s1, _ = run(path, 1, device="cuda")
     prompts = [arch_check.prompt(VOCAB, k, seed=k) for k in (5, 17, 30)]
-    with Engine(path, device="cuda", dtype="f32", progress=False, tensor_parallel_size=tp, overlap_steps=True,
-                tp_timeout_s=30) as eng:
+    with Engine(path, device="cuda", dtype="f32", progress=False, tensor_parallel_size=tp, tp_timeout_s=30) as eng:
         g2 = [r.token_ids for r in eng.generate(prompts, max_new_tokens=24, temperature=0, ignore_eos=True)]
         s2 = [r.token_ids for r in eng.generate(prompts, max_new_tokens=16, temperature=0.8, top_p=0.9,
                                                 seed=[1, 2, 3], ignore_eos=True)]
@@ -215,7 +214,7 @@ def test_gpus_batched_equal_alone_and_a_stalled_rank_fails(tiny):
         batched = [r.token_ids for r in eng.generate(prompts, max_new_tokens=30, temperature=0, ignore_eos=True)]
         alone = [eng.generate(p, max_new_tokens=30, temperature=0, ignore_eos=True).token_ids for p in prompts]
         assert batched == alone
-        assert eng.stats()["overlapped_steps"] == 0  # off under tensor parallelism unless asked (core.py says why)
+        assert eng.stats()["overlapped_steps"] > 0  # chained by default: the stall below hits a chained group
         eng._core.runner.runner.inject_fault(1, "stall")
         t = time.monotonic()
         with pytest.raises(RuntimeError, match="rank.* 1"):
