@@ -24,8 +24,10 @@ import llaisys  # noqa: E402
 from llaisys import _core  # noqa: E402
 
 
-def time_ranks(world: int, fn, iters: int) -> float:
-    """Seconds per iteration of fn(rank, comm, i) run on every rank at once (its own thread), after warm-up."""
+def time_ranks(world: int, fn, iters: int, peer: bool = True) -> float:
+    """Seconds per iteration of fn(rank, comm, i) run on every rank at once (its own thread), after warm-up.
+    peer=False: a group whose all-reduces all go through NCCL (LLAISYS_PEER_ALLREDUCE=0)."""
+    os.environ["LLAISYS_PEER_ALLREDUCE"] = "1" if peer else "0"
     comms = _core.local_group("cuda", world)
     spans = [0.0] * world
     barrier = threading.Barrier(world)
@@ -63,7 +65,7 @@ def main() -> int:
     gpus = llaisys.cuda_device_count()
     worlds = args.world or [w for w in (2, 4, 8) if w <= gpus]
     print(f"{args.shape}: hidden {hidden}, {layers} layers, vocab {vocab}; {gpus} GPUs; NCCL "
-          f"{llaisys.build_info()['nccl']}")
+          f"{llaisys.build_info()['nccl']}; all_reduce backend: {_core.local_group('cuda', worlds[0])[0].backend}")
     for world in worlds:
         for batch in args.batch:
             def reduce(r, comm, state):
@@ -84,11 +86,13 @@ def main() -> int:
                     return part, llaisys.tensor(np.ones((batch * world, 2), np.float32)).to(f"cuda:{r}")
                 _core.ops.all_gather(state[1], state[0], comm)
 
+            ar_nccl = time_ranks(world, reduce, args.iters, peer=False)
             ar = time_ranks(world, reduce, args.iters)
             mi = time_ranks(world, pairs, args.iters)
             ag = time_ranks(world, gather, max(20, args.iters // 10))
             step = 2 * layers * ar + ag
-            print(f"world {world} batch {batch:4d}: all_reduce [{batch}, {hidden}] bf16 {ar * 1e6:7.1f} us, "
+            print(f"world {world} batch {batch:4d}: all_reduce [{batch}, {hidden}] bf16 {ar * 1e6:7.1f} us "
+                  f"(NCCL alone {ar_nccl * 1e6:.1f} us), "
                   f"all_gather of the logits {ag * 1e6:7.1f} us; per decode step (2 x {layers} + 1) "
                   f"{step * 1e3:6.3f} ms; all_gather of (max, index) [{batch}, 2] f32 {mi * 1e6:7.1f} us")
     return 0

@@ -150,18 +150,20 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_tp.log" | tail -30 | tee -a "$OUT/summary.txt"
   if [ "${TP_BENCH:-1}" = 1 ]; then
   log "all-reduce alone: 2 per layer of a decode step"
-  timeout 120 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
+  timeout 180 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} --batch 1 16 64 256 2>&1 |
+    tail -9 | tee -a "$OUT/summary.txt"
   for tp in 1 ${TP_SIZES:-2}; do
     log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp"
     timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
       --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
       tee -a "$OUT/summary.txt"
   done
-  for tp in ${TP_SIZES:-2}; do # chained steps under TP (LLAISYS_OVERLAP=1: asked for, not yet the default)
-    log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, chained steps"
-    LLAISYS_OVERLAP=1 timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
-      --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp${tp}_chained.json" 2>&1 | grep -v Warning |
-      tail -3 | tee -a "$OUT/summary.txt"
+  for tp in ${TP_SIZES:-2}; do # A/B of the defaults: all-reduces through NCCL alone; steps not chained
+    for env in LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0; do
+      log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, $env"
+      env $env timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
+        --prompt-len 128 --new-tokens 256 -tp $tp 2>&1 | grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
+    done
   done
   fi
   for tp in ${TP_BIG:-}; do # the 72B shape (145 GB in bf16: 4 GPUs at least), batch-1 decode

@@ -182,3 +182,41 @@ def test_cuda_all_reduce_and_gather_over_nccl(world, dtype):
     for r in range(world):
         np.testing.assert_allclose(out[r][0], np.sum(xs, axis=0), rtol=rtol, atol=atol)
         np.testing.assert_array_equal(out[r][1], np.concatenate([np.arange(16) + 100 * k for k in range(world)]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("peer", [True, False])
+def test_cuda_all_reduce_sizes_peer_memory_and_nccl(world, dtype, peer, monkeypatch):
+    """Sizes that take each path of the one-shot peer-memory kernel (a lone element, odd counts element by
+    element, 16-byte units) and one past its limit (NCCL), each reduced several times in a row (the kernel's two
+    buffers alternate by call): every rank gets the NumPy float64 sum within one rounding, and all ranks the
+    same bits (they must agree on every token). peer=False: LLAISYS_PEER_ALLREDUCE=0, NCCL for all sizes."""
+    if _gpus() < world or llaisys.build_info()["nccl"] is None:
+        pytest.skip(f"needs {world} GPUs and a build with NCCL")
+    monkeypatch.setenv("LLAISYS_PEER_ALLREDUCE", "1" if peer else "0")
+    comms = _core.local_group("cuda", world)
+    if peer and "peer memory" not in comms[0].backend:
+        pytest.skip(f"these GPUs cannot reach each other's memory ({comms[0].backend})")
+    assert peer or "peer memory" not in comms[0].backend
+    rng = np.random.default_rng(7 * world)
+    sizes = [1, 4099, 4096, 3584 * 8, 3 * 2**17 + 5]  # the last is past the kernel's 512 KiB: NCCL
+    cases = [[rounded(rng.standard_normal(n), dtype) for _ in range(world)] for n in sizes for _ in range(3)]
+
+    def fn(r, comm):
+        dev, outs = f"cuda:{r}", []
+        for xs in cases:
+            t = llaisys.tensor(xs[r].astype(np.float32)).to(dev).to(dtype)
+            _core.ops.all_reduce(t, comm)
+            outs.append(t)
+        llaisys.synchronize(dev)
+        return [t.to("f32").to("cpu").numpy().astype(np.float64) for t in outs]
+
+    out, errors = run_ranks(comms, fn)
+    assert errors == [None] * world
+    rtol, atol = TOL[dtype]
+    for k, xs in enumerate(cases):
+        np.testing.assert_allclose(out[0][k], np.sum(xs, axis=0), rtol=rtol, atol=atol, err_msg=f"case {k}")
+        for r in range(1, world):
+            np.testing.assert_array_equal(out[r][k], out[0][k], err_msg=f"case {k}, rank {r}")

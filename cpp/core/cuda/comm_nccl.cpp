@@ -6,6 +6,7 @@
 #include "llaisys/comm.hpp"
 
 #include "core/cuda/check.hpp"
+#include "core/cuda/peer_all_reduce.hpp"
 #include "llaisys/stream.hpp"
 
 #include <nccl.h>
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -42,8 +44,9 @@ ncclDataType_t nccl_type(DType d, const char *what) {
 
 class NcclCommunicator final : public Communicator {
 public:
-    NcclCommunicator(int rank, int world, int device, ncclComm_t comm)
-        : Communicator(rank, world, Device::cuda(device)), comm_(comm) {}
+    NcclCommunicator(int rank, int world, int device, ncclComm_t comm,
+                     std::shared_ptr<runtime::cuda::PeerAllReduce> peer = nullptr)
+        : Communicator(rank, world, Device::cuda(device)), comm_(comm), peer_(std::move(peer)) {}
     ~NcclCommunicator() override {
         if (!aborted_.load()) {
             ncclCommDestroy(comm_);
@@ -60,7 +63,10 @@ public:
         }
     }
 
-    std::string backend() const override { return "nccl " + nccl_version(); }
+    std::string backend() const override {
+        return "nccl " + nccl_version() + (peer_ ? detail::concat(" + peer memory up to ", peer_->max_bytes() / 1024,
+                                                                " KiB") : std::string());
+    }
 
     // ncclCommAbort raises the communicator's abort flag first (its kernels then end), but since NCCL 2.26 it
     // returns only once every CUDA graph that captured the communicator is destroyed, and a rank's runner
@@ -71,6 +77,7 @@ public:
         if (aborted_.load()) return;
         why_ = why;
         aborted_.store(true);
+        if (peer_) peer_->abort(); // its kernels waiting for a peer leave
         abort_thread_ = std::thread([this] {
             ncclCommAbort(comm_); // frees the communicator; its pending kernels end early
             {
@@ -81,9 +88,14 @@ public:
         });
     }
 
+    // Small messages (a decode step's activations) take the one-shot peer-memory kernel, the rest NCCL.
     void all_reduce_sum(const Tensor &x) override {
         check_alive();
         DeviceGuard guard(device());
+        if (peer_ && peer_->takes(x)) {
+            peer_->all_reduce(rank(), x);
+            return;
+        }
         LLAISYS_NCCL_CHECK(ncclAllReduce(x.data(), x.data(), size_t(x.numel()), nccl_type(x.dtype(), "all_reduce"),
                                          ncclSum, comm_, stream()));
     }
@@ -103,6 +115,7 @@ private:
     }
     cudaStream_t stream() const { return static_cast<cudaStream_t>(current_stream(device()).handle()); }
     ncclComm_t comm_;
+    std::shared_ptr<runtime::cuda::PeerAllReduce> peer_; // shared by the group's ranks; null: NCCL alone
     std::atomic<bool> aborted_{false};
     mutable std::mutex abort_mu_;
     std::string why_;
@@ -121,9 +134,14 @@ std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &de
                       count, ")");
     std::vector<ncclComm_t> comms(devices.size());
     LLAISYS_NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
+    // messages up to LLAISYS_PEER_ALLREDUCE_KB (default 512: a decode step's activations up to batch ~64 of a
+    // 7B model) go over peer memory where every pair of GPUs reaches the other's; LLAISYS_PEER_ALLREDUCE=0: never
+    const char *kb = std::getenv("LLAISYS_PEER_ALLREDUCE_KB");
+    const size_t max_bytes = size_t(kb != nullptr && std::atol(kb) > 0 ? std::atol(kb) : 512) * 1024;
+    std::shared_ptr<runtime::cuda::PeerAllReduce> peer = runtime::cuda::PeerAllReduce::create(devices, max_bytes);
     std::vector<std::shared_ptr<Communicator>> out;
     for (size_t r = 0; r < devices.size(); ++r)
-        out.push_back(std::make_shared<NcclCommunicator>(int(r), int(devices.size()), devices[r], comms[r]));
+        out.push_back(std::make_shared<NcclCommunicator>(int(r), int(devices.size()), devices[r], comms[r], peer));
     return out;
 }
 
