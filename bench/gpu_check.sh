@@ -150,7 +150,7 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_tp.log" | tail -30 | tee -a "$OUT/summary.txt"
   if [ "${TP_BENCH:-1}" = 1 ]; then
   log "all-reduce alone: 2 per layer of a decode step"
-  timeout 180 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} --batch 1 16 64 256 2>&1 |
+  timeout 180 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} --batch ${AR_BATCH:-1 16 64 256} 2>&1 |
     tail -9 | tee -a "$OUT/summary.txt"
   for tp in 1 ${TP_SIZES:-2}; do
     log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp"
@@ -159,7 +159,7 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
       tee -a "$OUT/summary.txt"
   done
   for tp in ${TP_SIZES:-2}; do # A/B of the defaults: all-reduces through NCCL alone; steps not chained
-    for env in LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0; do
+    for env in ${TP_AB:-LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0}; do
       log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, $env"
       env $env timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
         --prompt-len 128 --new-tokens 256 -tp $tp 2>&1 | grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
