@@ -158,9 +158,16 @@ void bind_tensor(nb::module_ &m) {
         .def("contiguous", &Tensor::contiguous)
         .def("clone", &Tensor::clone)
         .def("to", [](const Tensor &t, const std::string &target) {
-            // A device ("cpu", "cuda:0") or a dtype ("bf16", "float32").
-            if (target == "cpu" || target.rfind("cuda", 0) == 0) return t.to(Device::parse(target));
-            return ops::to_dtype(t, dtype_from_name(target));
+            // A device ("cpu", "cuda:0") or a dtype ("bf16", "float32"). The copy may wait for the device's
+            // queued work (a collective waiting for another thread's rank, say): that thread needs the GIL.
+            if (target == "cpu" || target.rfind("cuda", 0) == 0) {
+                const Device d = Device::parse(target);
+                nb::gil_scoped_release release;
+                return t.to(d);
+            }
+            const DType d = dtype_from_name(target);
+            nb::gil_scoped_release release;
+            return ops::to_dtype(t, d);
         }, nb::arg("target"))
         .def("view_dtype", [](const Tensor &t, const std::string &d) { return t.view_dtype(dtype_from_name(d)); })
         .def("copy_", [](Tensor &t, const Tensor &src) -> Tensor & { return t.copy_(src); }, nb::arg("src"),

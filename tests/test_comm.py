@@ -192,7 +192,7 @@ def test_cuda_all_reduce_sizes_peer_memory_and_nccl(world, dtype, peer, monkeypa
     """Sizes that take each path of the one-shot peer-memory kernel (a lone element, odd counts element by
     element, 16-byte units) and one past its limit (NCCL), each reduced several times in a row (the kernel's two
     buffers alternate by call): every rank gets the NumPy float64 sum within one rounding, and all ranks the
-    same bits (they must agree on every token). peer=False: LLAISYS_PEER_ALLREDUCE=0, NCCL for all sizes."""
+    same bits (they must agree on every token). peer=False: NCCL for all sizes (the default)."""
     if _gpus() < world or llaisys.build_info()["nccl"] is None:
         pytest.skip(f"needs {world} GPUs and a build with NCCL")
     monkeypatch.setenv("LLAISYS_PEER_ALLREDUCE", "1" if peer else "0")
