@@ -254,3 +254,28 @@ def test_config_values_are_checked_strictly_naming_the_field(change, match):
     assert Qwen2Config.from_hf(GOOD_CONFIG, "config.json").num_hidden_layers == 2
     with pytest.raises(ValueError, match=rf"^config\.json: {match}"):
         Qwen2Config.from_hf({**GOOD_CONFIG, **change}, "config.json")
+
+
+@pytest.mark.parametrize("broken", [True, False])
+def test_a_step_loop_that_ends_logs_it_and_raises_nothing_uncaught(tiny, monkeypatch, caplog, broken):
+    """The loop thread ends when a tensor-parallel group broke (broken) or on a bug of its own; either way
+    every waiting request fails with the reason and the thread's end is logged: never an uncaught exception,
+    which Python prints as a second, bare traceback on stderr."""
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    with Engine(tiny, device="cpu", dtype="f32", progress=False) as e:
+        core = e._core
+
+        def fail(*_):
+            if broken:  # a step that raises with the group broken: the loop ends (EngineCore.broken)
+                core._stuck = "rank 1 stalled (injected)"
+                raise RuntimeError("the step raised")
+            raise KeyError("a bug in the loop itself")  # outside any step's handler
+
+        monkeypatch.setattr(core, "step" if broken else "has_work", fail)
+        with pytest.raises(RuntimeError, match="rank 1 stalled" if broken else "step loop failed.*a bug"):
+            e.generate("hello", **GREEDY)
+        e._loop._thread.join(10)
+        assert not e._loop._thread.is_alive()
+    assert uncaught == []
+    assert any("step loop" in r.getMessage() for r in caplog.records)

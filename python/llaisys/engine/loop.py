@@ -17,6 +17,10 @@ from .request import Request
 log = logging.getLogger("llaisys.engine")
 
 
+class _Broken(RuntimeError):
+    """The loop's end after a rank failed or stalled (EngineCore.broken): expected, and logged once."""
+
+
 class StepLoop:
     def __init__(self, core: EngineCore, max_queued: int):
         self.core, self.max_queued = core, max_queued
@@ -101,6 +105,7 @@ class StepLoop:
         try:
             self._serve()
         except BaseException as e:  # a bug in the loop itself: fail everyone rather than leave them waiting
+            why = str(e) if isinstance(e, _Broken) else repr(e)
             with self._cv:
                 self._closed = True
                 waiting = self._incoming + list(self._live.values())
@@ -108,11 +113,15 @@ class StepLoop:
                 calls = self._calls
                 self._incoming, self._calls = [], []
             for req in waiting:
-                req.fail(RuntimeError(f"the engine's step loop failed: {e!r}"))
+                req.fail(RuntimeError(f"the engine's step loop failed: {why}"))
             for _, fut in calls:
-                fut.set_exception(RuntimeError(f"the engine's step loop failed: {e!r}"))
+                fut.set_exception(RuntimeError(f"the engine's step loop failed: {why}"))
             self._flush()
-            raise
+            # logged, not re-raised: a thread's uncaught exception prints a second, bare traceback to stderr
+            if isinstance(e, _Broken):  # the step's traceback was logged already ("a step failed")
+                log.error("the step loop ends: %s (Engine.failure says so too)", e)
+            else:
+                log.error("the step loop failed", exc_info=e)
 
     def _serve(self) -> None:
         while True:
@@ -178,7 +187,7 @@ class StepLoop:
                 if req.seq in self.core.scheduler.running:
                     self._fail(req, e)
             if self.core.broken:  # a rank failed or stalled: no later step can run, so the loop ends (Engine.failure)
-                raise RuntimeError(f"tensor-parallel group is broken: {self.core.broken}") from e
+                raise _Broken(f"tensor-parallel group is broken: {self.core.broken}") from e
             return
         for seq, error in failed:  # the core finished them; the others of the step went on
             req = self._live.pop(seq.seq_id, None)
