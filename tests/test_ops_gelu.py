@@ -142,9 +142,9 @@ def test_gelu_geglu_strided_unaligned_and_in_place(device, dtype, tanh_approx):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gelu_tanh_relative_accuracy_in_the_negative_tail(device):
     """f32 tanh GELU keeps ~1e-5 relative error where the value is tiny: 0.5 x (1 + tanh(u)) in f32 cancels
-    (13x off at x = -5), so the kernels compute the equal x / (1 + e^(-2u)). The float64 reference uses that
-    form too: 1 + tanh(u) cancels in float64 as well below ~1e-16 |x|. 48,001 points (odd: the last 8-lane
-    block is partial) and values whose x^3 or e^(-2u) overflow."""
+    (up to 13x off for x in [-6, -3]), so the kernels compute the equal x / (1 + e^(-2u)). The float64
+    reference uses that form too: 1 + tanh(u) cancels in float64 as well below ~1e-16 |x|. 48,001 points
+    (odd: the last 8-lane block is partial) and values whose x^3 or e^(-2u) overflow."""
     big = [1e15, -1e15, 3e38, -3e38, 100.0, -100.0]
     xn = np.concatenate([np.linspace(-12, 12, 48001), big]).astype(np.float32).astype(np.float64)
     u = np.sqrt(2.0 / np.pi) * (xn + 0.044715 * xn ** 3)
