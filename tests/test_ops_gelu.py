@@ -139,6 +139,25 @@ def test_gelu_geglu_strided_unaligned_and_in_place(device, dtype, tanh_approx):
     assert_close(g2, ref_gelu(g2r, tanh_approx) * u2r, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_tanh_relative_accuracy_in_the_negative_tail(device):
+    """f32 tanh GELU keeps ~1e-5 relative error where the value is tiny: 0.5 x (1 + tanh(u)) in f32 cancels
+    (up to 13x off for x in [-6, -3]), so the kernels compute the equal x / (1 + e^(-2u)). The float64
+    reference uses that form too: 1 + tanh(u) cancels in float64 as well below ~1e-16 |x|. 48,001 points
+    (odd: the last 8-lane block is partial) and values whose x^3 or e^(-2u) overflow."""
+    big = [1e15, -1e15, 3e38, -3e38, 100.0, -100.0]
+    xn = np.concatenate([np.linspace(-12, 12, 48001), big]).astype(np.float32).astype(np.float64)
+    u = np.sqrt(2.0 / np.pi) * (xn + 0.044715 * xn ** 3)
+    with np.errstate(over="ignore"):
+        ref = xn / (1.0 + np.exp(-2.0 * u))
+    ur = np.linspace(0.5, 1.0, xn.size)  # <= 1: gelu(3e38) * up stays finite
+    x, up = llaisys.tensor(xn.astype(np.float32), device), llaisys.tensor(ur.astype(np.float32), device)
+    # rtol: the f32 rounding of u (~1 ulp) moves e^(-2u) by ~2|u| ulp (|2u| <= 88 before it underflows);
+    # atol: results under FLT_MIN (x < -9.4) are subnormal
+    assert_close(gelu(x, True), ref, "f32", atol=1e-37, rtol=2e-5)
+    assert_close(geglu(x, up, True), ref * ur.astype(np.float32), "f32", atol=1e-37, rtol=2e-5)
+
+
 def test_gelu_errors():
     g, _ = rand((4, 19), "f32")
     with pytest.raises(ValueError, match=r"geglu: up must have shape \[4, 19\], got \[4, 18\]"):
