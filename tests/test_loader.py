@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from llaisys import loader  # noqa: E402
 from llaisys.loader import Qwen2Config, expected_weight_shapes  # noqa: E402
-from tiny_model import make_tiny_qwen2, real_model_path, write_tiny_gguf  # noqa: E402
+from tiny_model import make_tiny_qwen2, write_tiny_gguf  # noqa: E402
 
 _ST_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
              np.dtype(np.int32): "I32", np.dtype(np.int64): "I64"}
@@ -394,8 +394,8 @@ def test_corrupt_gguf_magic(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def real_gguf():
-    return real_model_path()
+def real_gguf(qwen_gguf):
+    return qwen_gguf
 
 
 @pytest.fixture(scope="module")
@@ -404,11 +404,9 @@ def real_loaded(real_gguf):
 
 
 @pytest.fixture(scope="module")
-def hf_real(real_gguf):
-    """transformers' own GGUF load (it dequantizes the whole model: slow, so once per module)."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(real_gguf), gguf_file=os.path.basename(real_gguf), dtype=torch.float32)
-    return model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+def hf_real(qwen_hf32):
+    """transformers' own GGUF load (it dequantizes the whole model: slow, so once per session, conftest.py)."""
+    return qwen_hf32.config, {k: v.numpy() for k, v in qwen_hf32.state_dict().items()}
 
 
 @pytest.mark.slow

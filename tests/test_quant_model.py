@@ -48,23 +48,20 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def path():
-    return real_model_path()
+def path(qwen_gguf):
+    return qwen_gguf
 
 
 @pytest.fixture(scope="module")
-def ids(path):
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
-    return tok(text, add_special_tokens=False)["input_ids"]
+def ids(qwen_hf_tokenizer):  # conftest.py: HF's tokenizer and model of the file, loaded once per session
+    text = qwen_hf_tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    return qwen_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.fixture(scope="module")
-def hf_logits(path, ids):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+def hf_logits(qwen_hf32, ids):
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].double().numpy()
+        return qwen_hf32(torch.tensor([ids])).logits[0].double().numpy()
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,5 @@
 """The real default model (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF from the package index) against HF
 transformers loading the same GGUF file: chat tokens, f32 greedy output, logits, bf16 agreement."""
-import os
-
 import numpy as np
 import pytest
 
@@ -11,7 +9,6 @@ transformers = pytest.importorskip("transformers")
 import llaisys  # noqa: E402
 from llaisys.engine import Engine  # noqa: E402
 from test_model import hf_greedy  # noqa: E402
-from tiny_model import real_model_path  # noqa: E402
 
 pytestmark = pytest.mark.slow  # downloads the default model (once per machine) and runs it on the CPU
 
@@ -30,20 +27,18 @@ EXTRA_CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf():
-    return real_model_path()
+def gguf(qwen_gguf):
+    return qwen_gguf
 
 
 @pytest.fixture(scope="module")
-def hf_tok(gguf):
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
+def hf_tok(qwen_hf_tokenizer):  # conftest.py: one load per session, shared with the other real-model files
+    return qwen_hf_tokenizer
 
 
 @pytest.fixture(scope="module")
-def hf32(gguf):
-    m = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf),
-                                                          dtype=torch.float32)
-    return m.eval()
+def hf32(qwen_hf32):
+    return qwen_hf32
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +61,28 @@ def test_chat_prompt_tokens_equal_transformers(eng32, hf_tok, messages):
     assert eng32.tokenizer.encode(text, add_special_tokens=False) == chat_ids(hf_tok, messages)
 
 
+@pytest.fixture(scope="module")
+def chat_replies(eng32):
+    """CHATS[i] -> eng32.chat's f32 greedy reply (up to EOS, at most 128 tokens), made once for the two tests
+    that use it: the 128-token test holds it to HF's greedy tokens, the bf16 test scores its first 120 tokens
+    (what generate(max_new_tokens=120) gives: each greedy f32 token depends only on the tokens before it)."""
+    replies = {}
+
+    def reply(index):
+        if index not in replies:
+            replies[index] = eng32.chat(CHATS[index], max_new_tokens=128, temperature=0)
+        return replies[index]
+    return reply
+
+
 @pytest.mark.parametrize("index", range(len(CHATS)))
-def test_f32_greedy_equals_hf_for_128_tokens(eng32, hf32, hf_tok, index):
+def test_f32_greedy_equals_hf_for_128_tokens(eng32, hf32, hf_tok, chat_replies, index):
     ids = chat_ids(hf_tok, CHATS[index])
     ref = hf_greedy(hf32, ids, 128)
     got = eng32.generate(ids, max_new_tokens=128, temperature=0, ignore_eos=True)
     assert got.token_ids == ref
     # and the chat API produces the same prompt, so the same reply (up to its EOS)
-    reply = eng32.chat(CHATS[index], max_new_tokens=128, temperature=0)
+    reply = chat_replies(index)
     n = len(reply.token_ids)
     assert reply.token_ids == ref[:n]
     assert reply.finish_reason == ("stop" if n < 128 else "length")
@@ -121,7 +130,7 @@ def _agree_within_ulp(ours, ref_bf16):
     return (ref_bf16[rows, ours.argmax(-1)] >= top - ulp).astype(np.float64)
 
 
-def test_bf16_teacher_forced_top1_agreement_with_hf_bf16(eng32, hf_bf16, eng_bf16, hf_tok):
+def test_bf16_teacher_forced_top1_agreement_with_hf_bf16(eng32, hf_bf16, eng_bf16, hf_tok, chat_replies):
     """Chat prompts followed by the model's own f32 greedy replies (equal to HF's, tested above): the
     text the engine serves. Top-1 agreement of our bf16 with HF bf16, teacher-forced, over >= 500 positions:
     >= 99.5% of picks must be HF's up to a tie at bf16 resolution (where the summation order decides, and
@@ -129,9 +138,11 @@ def test_bf16_teacher_forced_top1_agreement_with_hf_bf16(eng32, hf_bf16, eng_bf1
     this was written on), and >= 98% exactly the same."""
     prompts = CHATS + EXTRA_CHATS + [[{"role": "user", "content": "Write a haiku about the sea."}]]
     agree, agree_ulp = [], []
-    for messages in prompts:
+    for i, messages in enumerate(prompts):
         ids = chat_ids(hf_tok, messages)
-        ids = ids + eng32.generate(ids, max_new_tokens=120, temperature=0).token_ids
+        reply = (chat_replies(i).token_ids[:120] if i < len(CHATS) else
+                 eng32.generate(ids, max_new_tokens=120, temperature=0).token_ids)
+        ids = ids + reply
         ours, ref = eng_bf16.score(ids), _logits(hf_bf16, ids)
         agree.extend(_agree(ours, ref))
         agree_ulp.extend(_agree_within_ulp(ours, ref))

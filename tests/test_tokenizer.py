@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 from llaisys.loader.gguf import load_gguf_tokenizer  # noqa: E402
 from llaisys.tokenizer import Tokenizer, read_tokenizer_config  # noqa: E402
-from tiny_model import make_tiny_qwen2, real_model_path, write_tiny_gguf  # noqa: E402
+from tiny_model import make_tiny_qwen2, write_tiny_gguf  # noqa: E402
 
 FIXED = [
     "", " ", "a", "Hello world", "Hello, world! How are you?", "  leading and trailing  ", "a  b   c    d\t\te",
@@ -162,14 +162,13 @@ def test_add_bos_token_prepends_bos():
 
 
 @pytest.fixture(scope="module")
-def real_gguf():
-    return real_model_path()
+def real_gguf(qwen_gguf):
+    return qwen_gguf
 
 
 @pytest.fixture(scope="module")
-def hf_real(real_gguf):
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(real_gguf),
-                                                      gguf_file=os.path.basename(real_gguf))
+def hf_real(qwen_hf_tokenizer):  # conftest.py: one load per session
+    return qwen_hf_tokenizer
 
 
 @pytest.mark.slow
