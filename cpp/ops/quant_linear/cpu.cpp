@@ -246,7 +246,11 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
                 float row[kChunk];
                 const int64_t nn = std::min(kChunk, end - n);
                 fn(w0 + n * rb, rb, nn, xq.row(0), xq.nb, row);
-                for (int64_t i = 0; i < nn; ++i) put(0, n + i, row[i]);
+                if (split < N || bias) {
+                    for (int64_t i = 0; i < nn; ++i) put(0, n + i, row[i]);
+                } else { // one plane, no bias (the LM head's 151936 rows): a plain loop that vectorizes
+                    for (int64_t i = 0; i < nn; ++i) store(out, n + i, row[i]);
+                }
             }
         });
         return;
