@@ -213,6 +213,21 @@ def test_swiglu_saturation_and_nan(device, dtype):
     assert_close(got, ref, dtype)
 
 
+def test_swiglu_f32_relative_error_near_the_exp_clamps():
+    """The CPU's vectorised e^-g (a polynomial clamped to [-87, 88], swiglu/cpu.cpp) against float64 with
+    no absolute tolerance: every g where the clamps switch, tiny and huge |g|, both signs. A clamp applied
+    where f32 would not saturate shows as a relative error of order 1 (e.g. -1e30 / e^88 instead of -0)."""
+    g = np.concatenate([np.linspace(-90, 90, 3601), [-88.01, -87.99, -87.01, -86.99, 86.99, 87.01, 87.99, 88.01],
+                        [-1e30, -1e38, 1e30, 1e38, -1e-30, 1e-30, 0.0, -0.0], np.geomspace(1e-8, 80, 500),
+                        -np.geomspace(1e-8, 80, 500)]).astype(np.float32)
+    u = np.random.default_rng(8).uniform(0.5, 2.0, g.size).astype(np.float32)
+    got = to_f64(swiglu(llaisys.tensor(g, "cpu"), llaisys.tensor(u, "cpu")))
+    ref = ref_swiglu(g.astype(np.float64), u.astype(np.float64))
+    tiny = np.abs(ref) < 1e-30  # below f32's normal range: f32 gives (-)0 or a denormal
+    np.testing.assert_allclose(got[~tiny], ref[~tiny], rtol=4e-7, atol=0)
+    assert np.all(np.abs(got[tiny]) < 1e-30)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_swiglu_strided_unaligned_and_in_place(device, dtype):

@@ -323,14 +323,15 @@ def test_linear_real_weights(model_tensors, fmt):
 @pytest.mark.parametrize("fmt", ["q5_0", "q6_k"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M", [1, 9])
-def test_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M):
-    data = random_blocks(fmt, 2 * 37, 512, seed=8)
+@pytest.mark.parametrize("I", [37, 301])  # 301: decode's fused path (M = 1) over several tasks and a partial chunk
+def test_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M, I):
+    data = random_blocks(fmt, 2 * I, 512, seed=8)
     w = matrix(fmt, data)
     x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]))
-    out = poisoned((M, 37), dtype)
+    out = poisoned((M, I), dtype)
     quant.linear_swiglu_(out, x, w)
-    g, u = quant.linear(x, w.slice_rows(0, 37)), quant.linear(x, w.slice_rows(37, 74))
-    ref = poisoned((M, 37), dtype)
+    g, u = quant.linear(x, w.slice_rows(0, I)), quant.linear(x, w.slice_rows(I, 2 * I))
+    ref = poisoned((M, I), dtype)
     llaisys.ops.swiglu(ref, g, u)
     np.testing.assert_array_equal(bits(out), bits(ref))
 

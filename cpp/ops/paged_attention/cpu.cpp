@@ -2,6 +2,7 @@
 
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
+#include "ops/common/vexp.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -79,11 +80,14 @@ void fold_tile(RowState &st, const float *q, const float *kT, const float *v, in
     for (int64_t c = 0; c < n; ++c) mx = std::max(mx, scores[c]); // skips a NaN score; the sum keeps it
     const float m_new = std::max(st.m, mx);
     const float m_ref = m_new == -std::numeric_limits<float>::infinity() ? 0.f : m_new; // avoid -inf - -inf
-    const float corr = std::exp(st.m - m_ref);
+    const float corr = exp_nonpositive(st.m - m_ref);
     st.l *= corr;
     for (int64_t d = 0; d < hd; ++d) st.acc[d] *= corr;
+    // the tile's weights in one vectorised pass (vexp.hpp; a libm call per key kept it scalar), then summed
+    // in key order as before
+    for (int64_t c = 0; c < n; ++c) scores[c] = exp_nonpositive(scores[c] - m_ref);
     for (int64_t c = 0; c < n; ++c) {
-        const float p = std::exp(scores[c] - m_ref);
+        const float p = scores[c];
         st.l += p;
         const float *vc = v + c * hd;
 #pragma omp simd
