@@ -27,9 +27,11 @@ inline float exp_clamped(float x) {
     return y * scale;
 }
 
-// e^d for d <= 0 (a score minus its running max): 0 below -87 (e^-87 ~ 1.6e-38) and for -inf; NaN stays NaN.
+// e^d for d <= 0 (a score or logit minus its running max): 0 below -87 (e^-87 ~ 1.6e-38) and for -inf; NaN
+// stays NaN. The clamp first: a vectorized select computes both sides, and exp_clamped's 2^n needs n >= -126.
 inline float exp_nonpositive(float d) {
-    return d < -87.f ? 0.f : exp_clamped(d);
+    const float y = exp_clamped(d < -87.f ? -87.f : d);
+    return d < -87.f ? 0.f : y;
 }
 
 } // namespace llaisys::ops::cpu

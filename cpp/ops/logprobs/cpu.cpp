@@ -2,6 +2,7 @@
 
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
+#include "ops/common/vexp.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -22,26 +23,9 @@ constexpr int64_t kBlock = 64;
 // in float before the chunk's sum goes into the double total.
 constexpr int64_t kChunk = 1024;
 
-// e^d for d <= 0 (a logit minus its row's max, scaled): Cephes' expf (range reduction by ln 2, a degree-6
-// polynomial, 2^n from the exponent bits), ~1 ulp; 0 below -87 (e^-87 ~ 1.6e-38, and -inf); NaN stays NaN.
-// Plain arithmetic, so the loops below vectorize (std::exp is a scalar libm call); CMake builds this file
-// with -fno-trapping-math, without which GCC keeps the float selects here and in row_max as branches.
-inline float exp_nonpositive(float d) {
-    const float x = d < -87.f ? -87.f : d;
-    const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.f;
-    const int32_t bits = (int32_t(n) + 127) << 23; // n >= -126: a normal power of two
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return d < -87.f ? 0.f : y * scale;
-}
+// e^d for d <= 0: exp_nonpositive (ops/common/vexp.hpp), plain arithmetic, so the loops below vectorize;
+// CMake builds this file with -fno-trapping-math, without which GCC keeps the float selects here and in
+// row_max as branches.
 
 // Max of x [V] over its non-NaN values (-inf if none), and whether it holds a NaN.
 template <typename T>
