@@ -64,6 +64,7 @@ def main() -> int:
     hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     gpus = llaisys.cuda_device_count()
     worlds = args.world or [w for w in (2, 4, 8) if w <= gpus]
+    os.environ["LLAISYS_PEER_ALLREDUCE"] = "1"  # the backend line says whether these GPUs take the peer path
     print(f"{args.shape}: hidden {hidden}, {layers} layers, vocab {vocab}; {gpus} GPUs; NCCL "
           f"{llaisys.build_info()['nccl']}; all_reduce backend: {_core.local_group('cuda', worlds[0])[0].backend}")
     for world in worlds:

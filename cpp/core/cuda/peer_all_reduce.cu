@@ -113,15 +113,6 @@ void launch(const Tensor &x, const Peers &p, uint32_t *counters, int rank, int w
     LLAISYS_CUDA_CHECK(cudaGetLastError());
 }
 
-// cudaSetDevice for a scope.
-struct SetDevice {
-    int previous = 0;
-    explicit SetDevice(int d) {
-        LLAISYS_CUDA_CHECK(cudaGetDevice(&previous));
-        LLAISYS_CUDA_CHECK(cudaSetDevice(d));
-    }
-    ~SetDevice() { cudaSetDevice(previous); }
-};
 } // namespace
 
 struct PeerAllReduce::Rank {
@@ -149,7 +140,7 @@ std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &dev
                                      cudaHostAllocMapped | cudaHostAllocPortable));
     g->host_flags_[0] = g->host_flags_[1] = 0;
     for (int d : devices) {
-        SetDevice on(d);
+        DeviceGuard on(Device::cuda(d));
         for (int peer : devices) {
             if (peer == d) continue;
             const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
