@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Interleaved CPU rounds on the catalog's gemma-3-270m: one or more llaisys builds (label=BUILD_DIR, each run
+"""Interleaved CPU rounds on a catalog model (gemma-3-270m, or $MODEL, e.g. the default
+qwen2.5-coder-0.5b-instruct): one or more llaisys builds (label=BUILD_DIR, each run
 with LLAISYS_BUILD_DIR set) and llama.cpp, each in its own process, on the same prompt ids; prints per-round rows
 and medians (ranges) with ratios to llama.cpp. For a shared box, where only side-by-side runs compare.
 
@@ -11,21 +12,26 @@ from llaisys_bench.one_request import run_isolated, catalog_path
 from llaisys_bench.peers import run_llama_cpp
 threads, rounds, new = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 builds = dict(a.split("=", 1) for a in sys.argv[4:])  # label=build_dir
-path = catalog_path("gemma-3-270m")
-kw = dict(shape=None, model="gemma-3-270m", device="cpu", dtype="auto", prompt_len=128, new_tokens=new)
+model = os.environ.get("MODEL", "gemma-3-270m")
+path = catalog_path(model)
+kw = dict(shape=None, model=model, device="cpu", dtype="auto", prompt_len=128, new_tokens=new)
 rows = {k: [] for k in list(builds) + ["llama.cpp"]}
+ref = None
 loads = []
 for r in range(rounds):
     la = os.getloadavg()[0]
     line = []
-    for label, bdir in builds.items():
-        os.environ["LLAISYS_BUILD_DIR"] = bdir
-        ours = run_isolated(kw, threads)
-        rows[label].append(ours)
-        line.append(f"{label} {ours['prefill_tok_s']:.1f}/{ours['decode_tok_s']:.1f}/{ours['peak_rss_mb']:.0f}")
-    peer = run_llama_cpp(ours, path, threads)
-    rows["llama.cpp"].append(peer)
-    line.append(f"llama.cpp {peer['prefill_tok_s']:.1f}/{peer['decode_tok_s']:.1f}/{peer['peak_rss_mb']:.0f}")
+    order = list(builds) + ["llama.cpp"]
+    if r % 2:  # odd rounds run in reverse order: whoever runs first in a round gets no systematic advantage
+        order.reverse()
+    for label in order:
+        if label == "llama.cpp":  # needs one llaisys row (vocab, prompt length): round 0 runs llaisys first
+            res = run_llama_cpp(ref, path, threads)
+        else:
+            os.environ["LLAISYS_BUILD_DIR"] = builds[label]
+            res = ref = run_isolated(kw, threads)
+        rows[label].append(res)
+        line.append(f"{label} {res['prefill_tok_s']:.1f}/{res['decode_tok_s']:.1f}/{res['peak_rss_mb']:.0f}")
     loads.append((la, os.getloadavg()[0]))
     print(f"round {r} load {la:.1f}-{loads[-1][1]:.1f}: " + " | ".join(line), flush=True)
 if os.environ.get("ROUNDS_JSON"):

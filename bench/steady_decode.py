@@ -43,11 +43,15 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
             assert all(len(r.token_ids) == n for r in out)
             return _clock() - t
 
+        t0 = _clock()
         timed(1 + steps)  # warm-up: graphs, allocator, pools
+        print(f"batch {batch}: engine up, warm-up run {_clock() - t0:.2f} s", file=sys.stderr, flush=True)
         # the least of each time separately: the least of paired differences can pair a quiet short run
         # with a disturbed long one (and went negative on a busy 2-core machine)
         long_s = min(timed(1 + steps) for _ in range(3))
         short_s = min(timed(1) for _ in range(3))
+    print(f"batch {batch}: {1 + steps} tokens {long_s * 1e3:.1f} ms, 1 token {short_s * 1e3:.1f} ms",
+          file=sys.stderr, flush=True)
     if long_s <= short_s:
         raise SystemExit(f"steady_decode: {steps} steps of batch {batch} took no measurable time over the prefill "
                          f"({long_s * 1e3:.2f} ms vs {short_s * 1e3:.2f} ms): noise exceeds the signal, "
@@ -62,7 +66,12 @@ def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps
 
     from llaisys_bench.peers import _hf_model
 
+    def note(what):
+        print(f"peer batch {batch}: {what} at {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+
+    t_start = time.perf_counter()
     m = _hf_model(shape, None, torch.bfloat16, device)
+    note(f"model built (torch {torch.__version__})")
     m.config._attn_implementation = "sdpa"
     cache = StaticCache(config=m.config, max_batch_size=batch, max_cache_len=context + steps + 8, device=device,
                         dtype=m.dtype)
@@ -77,13 +86,17 @@ def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps
                 token = out.logits[:, -1:].argmax(-1)
             torch.cuda.synchronize()
 
-        run(context, 3)  # compile and record the graphs outside the timed region
+        run(context, 1)
+        note("first step compiled")
+        run(context + 1, 2)  # compile and record the graphs outside the timed region
+        note("warm")
         t = time.perf_counter()
         run(context + 3, steps)
         return (time.perf_counter() - t) / steps
 
 
-def peer_step_s(shape: str, device: str, batch: int, context: int, steps: int) -> float | str:
+def peer_step_s(shape: str, device: str, batch: int, context: int, steps: int,
+                timeout: float = 600) -> float | str:
     """torch_static_step_s in a process of its own: torch.compile's Inductor and llaisys's CUDA context never
     share a process (on an H200 that pairing segfaulted), and a crash of the peer costs its row only. Returns
     the seconds, or the reason it failed (the child's last lines)."""
@@ -91,11 +104,15 @@ def peer_step_s(shape: str, device: str, batch: int, context: int, steps: int) -
 
     cmd = [sys.executable, __file__, "--peer-only", "--shape", shape, "--device", device, "--batch", str(batch),
            "--context", str(context), "--steps", str(steps)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    # the child's stderr (its progress lines) passes through; past `timeout` its row is given up, not the run
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"peer gave no time within {timeout:.0f} s (--peer-timeout)"
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("peer_step_s ")]
     if r.returncode == 0 and lines:
         return float(lines[-1].split()[1])
-    tail = " | ".join((r.stdout + r.stderr).strip().splitlines()[-3:])
+    tail = " | ".join(r.stdout.strip().splitlines()[-3:])
     return f"peer failed (exit {r.returncode}): {tail}"
 
 
@@ -107,9 +124,14 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=600)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--no-peer", action="store_true", help="llaisys only")
+    ap.add_argument("--peer-timeout", type=float, default=600, metavar="S",
+                    help="seconds the torch.compile peer may take for one batch (compile included) before its "
+                         "row is given up (default 600)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the child of peer_step_s
     args = ap.parse_args(argv)
+    import faulthandler
+    faulthandler.enable()  # a native crash prints every thread's Python stack (the GPU runs died without one)
     if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
         ap.error("--batch, --context and --steps must be >= 1")
     cuda = args.device.startswith("cuda")
@@ -123,7 +145,8 @@ def main(argv=None) -> int:
     print("|---:|---:|---:|---:|---:|---:|")
     for b in args.batch:
         ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype)
-        peer = None if args.no_peer or not cuda else peer_step_s(args.shape, args.device, b, args.context, args.steps)
+        peer = None if args.no_peer or not cuda else peer_step_s(args.shape, args.device, b, args.context, args.steps,
+                                                                            args.peer_timeout)
         if isinstance(peer, str):
             print(f"batch {b}: {peer}", file=sys.stderr)
             peer = None

@@ -36,6 +36,15 @@ template <> __device__ __forceinline__ float from_f<float>(float v) { return v; 
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+__device__ __forceinline__ void st_release_sys(uint32_t *addr, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *addr) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+    return v;
+}
+
 // A unit is one element, or (Vec) 16 bytes of them: the loads of a large message go 16 bytes at a time.
 template <typename T, bool Vec> struct Unit {
     static constexpr int kElems = Vec ? int(16 / sizeof(T)) : 1;
@@ -56,22 +65,22 @@ __global__ void __launch_bounds__(PAR::kThreads)
     Raw *xs = reinterpret_cast<Raw *>(x);
     Raw *mine = static_cast<Raw *>(p.buf[parity][rank]);
     for (int64_t i = lo + t; i < hi; i += blockDim.x) mine[i] = xs[i];
-    __threadfence_system(); // this chunk is visible to the peers before they see the flag
-    __syncthreads();
+    __syncthreads(); // the block's copy is done; the signalling thread's release below carries it to the peers
     if (t < world && t != rank) {
-        volatile uint32_t *theirs = p.flags[t] + b * PAR::kMaxRanks + rank;
-        *theirs = epoch;
-        volatile uint32_t *from = p.flags[rank] + b * PAR::kMaxRanks + t;
+        __threadfence_system();
+        st_release_sys(p.flags[t] + b * PAR::kMaxRanks + rank, epoch);
+        const uint32_t *from = p.flags[rank] + b * PAR::kMaxRanks + t;
         const uint64_t start = now_ns();
-        // >= (wrapping): a fast peer may already have moved on to epoch + 1, never further (it waits for us)
-        while (int32_t(*from - epoch) < 0) {
+        // >= (wrapping): a fast peer may already have moved on to epoch + 1, never further (it waits for us).
+        // The abort flag lives in mapped host memory (a PCIe round trip a read): looked at every 256 spins
+        for (uint32_t spin = 1; int32_t(ld_acquire_sys(from) - epoch) < 0; ++spin) {
+            if ((spin & 255u) != 0) continue;
             if (host[0] != 0) break; // the group was aborted
             if (now_ns() - start > uint64_t(PAR::kTimeoutNs)) {
                 host[1] = 1;
                 break;
             }
         }
-        __threadfence_system();
     }
     __syncthreads();
     for (int64_t i = lo + t; i < hi; i += blockDim.x) {
