@@ -29,6 +29,13 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dequantize(const QuantMatrix &m, int6
     return nb::ndarray<nb::numpy, float, nb::ndim<2>>(buf, 2, shape, owner);
 }
 
+const char *layout_name(QuantLayout l) { return l == QuantLayout::Q5Split ? "q5_split" : "file"; }
+QuantLayout layout_from_name(const std::string &name) {
+    if (name == "file") return QuantLayout::File;
+    if (name == "q5_split") return QuantLayout::Q5Split;
+    throw std::invalid_argument("QuantMatrix: layout must be 'file' or 'q5_split', got '" + name + "'");
+}
+
 nb::dict format_info(const std::string &name) {
     const QuantFormatInfo &f = quant_format_info(quant_format_from_name(name));
     nb::dict d;
@@ -46,10 +53,11 @@ void bind_quant(nb::module_ &m) {
     using G = nb::call_guard<nb::gil_scoped_release>;
 
     nb::class_<QuantMatrix>(q, "QuantMatrix")
-        .def("__init__", [](QuantMatrix *self, const std::string &format, int64_t rows, int64_t cols, const Tensor &bytes) {
-            new (self) QuantMatrix(quant_format_from_name(format), rows, cols, bytes);
-        }, nb::arg("format"), nb::arg("rows"), nb::arg("cols"), nb::arg("bytes"),
-             "Wraps bytes (u8 tensor [rows, row_bytes], contiguous) without copying.")
+        .def("__init__", [](QuantMatrix *self, const std::string &format, int64_t rows, int64_t cols, const Tensor &bytes,
+                            const std::string &layout) {
+            new (self) QuantMatrix(quant_format_from_name(format), rows, cols, bytes, layout_from_name(layout));
+        }, nb::arg("format"), nb::arg("rows"), nb::arg("cols"), nb::arg("bytes"), nb::arg("layout") = "file",
+             "Wraps bytes (u8 tensor [rows, row_bytes], contiguous, in `layout`) without copying.")
         .def_prop_ro("format", [](const QuantMatrix &w) { return std::string(quant_format_info(w.format()).name); })
         .def_prop_ro("rows", &QuantMatrix::rows)
         .def_prop_ro("cols", &QuantMatrix::cols)
@@ -61,6 +69,10 @@ void bind_quant(nb::module_ &m) {
         .def("slice_rows", &QuantMatrix::slice_rows, nb::arg("start"), nb::arg("end"))
         .def("to", [](const QuantMatrix &w, const std::string &d) { return w.to(Device::parse(d)); }, nb::arg("device"))
         .def_static("concat_rows", &QuantMatrix::concat_rows, nb::arg("parts"))
+        .def_prop_ro("layout", [](const QuantMatrix &w) { return std::string(layout_name(w.layout())); },
+                     "'file' (GGUF's blocks) or 'q5_split' (Q5_0's scales, fifth bits and nibbles apart: quant.hpp).")
+        .def("with_layout", [](const QuantMatrix &w, const std::string &l) { return w.with_layout(layout_from_name(l)); },
+             nb::arg("layout"), "The same weights in layout 'file' or 'q5_split' (self if already; else a host copy).")
         .def("dequantize", &dequantize, nb::arg("row0") = 0, nb::arg("n") = nb::none(),
              "Rows [row0, row0 + n) as a new f32 NumPy array [n, cols] (host matrices only).")
         .def("__repr__", [](const QuantMatrix &w) {
@@ -76,6 +88,8 @@ void bind_quant(nb::module_ &m) {
     q.def("set_cpu_path", [](const std::string &p) { set_quant_cpu_path(quant_cpu_path_from_name(p)); },
           nb::arg("path"), "Force the CPU kernels: 'auto', 'portable', 'avx2' or 'avx512vnni' (for A/B tests).");
     q.def("cpu_path", [] { return std::string(quant_cpu_path_name(quant_cpu_path())); });
+    q.def("cpu_layout", [](const std::string &f) { return std::string(layout_name(quant_cpu_layout(quant_format_from_name(f)))); },
+          nb::arg("format"), "The layout a CPU model keeps weights of this format in ('file' or 'q5_split').");
     q.def("cpu_path_supported", [](const std::string &p) { return quant_cpu_path_supported(quant_cpu_path_from_name(p)); },
           nb::arg("path"));
 

@@ -71,4 +71,14 @@ LLAISYS_QUANT_HD inline void scale_min_k4(const uint8_t *s, int j, uint8_t &sc, 
     }
 }
 
+// QuantLayout::Q5Split (llaisys/quant.hpp): a Q5_0 row of nb blocks stored as [nb f16 d][nb x 4 bytes of
+// fifth bits][nb x 16 bytes qs], the same 22 bytes a block, so that an AVX2 decode step converts 8 scales
+// with one instruction and takes the fifth bits with shifts instead of a shuffle (ops/quant_linear/isa.hpp:
+// q5_split). Blocks 2p and 2p + 1 share the 8 fifth-bit bytes at 8p: the bit of code j (L = j / 4,
+// i = j % 4) is bit q5_split_bit(j, odd) of them (odd: the second block). When nb is odd the last block's
+// 4 bytes are its qh as in the file.
+constexpr int q5_split_bit(int j, bool odd) { return 32 * ((j / 4) & 1) + 8 * (j % 4) + (odd ? 0 : 4) + j / 8; }
+void q5_split_row(const uint8_t *file_row, int64_t nb, uint8_t *split_row);
+void q5_unsplit_row(const uint8_t *split_row, int64_t nb, uint8_t *file_row);
+
 } // namespace llaisys::quant

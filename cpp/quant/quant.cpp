@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cctype>
+#include <string>
+#include <vector>
 
 namespace llaisys {
 
@@ -45,8 +47,8 @@ int64_t quant_row_bytes(QuantFormat format, int64_t cols) {
     return cols / f.block_elems * f.block_bytes;
 }
 
-QuantMatrix::QuantMatrix(QuantFormat format, int64_t rows, int64_t cols, Tensor bytes)
-    : format_(format), rows_(rows), cols_(cols), bytes_(std::move(bytes)) {
+QuantMatrix::QuantMatrix(QuantFormat format, int64_t rows, int64_t cols, Tensor bytes, QuantLayout layout)
+    : layout_(layout), format_(format), rows_(rows), cols_(cols), bytes_(std::move(bytes)) {
     const int64_t rb = quant_row_bytes(format, cols);
     LLAISYS_CHECK(rows >= 0, std::invalid_argument, "QuantMatrix: rows must be >= 0, got ", rows);
     LLAISYS_CHECK(bytes_.defined() && bytes_.dtype() == DType::U8, TypeError, "QuantMatrix: bytes must be a u8 tensor");
@@ -54,6 +56,9 @@ QuantMatrix::QuantMatrix(QuantFormat format, int64_t rows, int64_t cols, Tensor 
                   "QuantMatrix: ", quant_format_info(format).name, " [", rows, ", ", cols,
                   "] needs contiguous bytes of shape ", shape_str({rows, rb}), ", got ", shape_str(bytes_.shape()),
                   bytes_.is_contiguous() ? "" : " (not contiguous)");
+    LLAISYS_CHECK(layout == QuantLayout::File || (format == QuantFormat::Q5_0 && bytes_.device().is_cpu()),
+                  std::invalid_argument, "QuantMatrix: the split layout is for Q5_0 in host memory, not ",
+                  quant_format_info(format).name, " on ", bytes_.device().str());
 }
 
 QuantMatrix QuantMatrix::concat_rows(const std::vector<QuantMatrix> &parts) {
@@ -62,8 +67,8 @@ QuantMatrix QuantMatrix::concat_rows(const std::vector<QuantMatrix> &parts) {
     int64_t rows = 0;
     for (const QuantMatrix &p : parts) {
         LLAISYS_CHECK(p.defined() && p.format() == first.format() && p.cols() == first.cols() &&
-                          p.device() == first.device(),
-                      std::invalid_argument, "QuantMatrix::concat_rows: parts must share format, cols and device (",
+                          p.device() == first.device() && p.layout() == first.layout(),
+                      std::invalid_argument, "QuantMatrix::concat_rows: parts must share format, cols, layout and device (",
                       quant_format_info(first.format()).name, " x ", first.cols(), " on ", first.device().str(),
                       "), got ", quant_format_info(p.format()).name, " x ", p.cols(), " on ", p.device().str());
         rows += p.rows();
@@ -74,17 +79,34 @@ QuantMatrix QuantMatrix::concat_rows(const std::vector<QuantMatrix> &parts) {
         bytes.slice(0, r, r + p.rows()).copy_(p.bytes());
         r += p.rows();
     }
-    return QuantMatrix(first.format(), rows, first.cols(), bytes);
+    return QuantMatrix(first.format(), rows, first.cols(), bytes, first.layout());
 }
 
 QuantMatrix QuantMatrix::slice_rows(int64_t start, int64_t end) const {
     LLAISYS_CHECK(0 <= start && start <= end && end <= rows_, std::out_of_range, "QuantMatrix::slice_rows: [", start,
                   ", ", end, ") is outside the ", rows_, " rows");
-    return QuantMatrix(format_, end - start, cols_, bytes_.slice(0, start, end));
+    return QuantMatrix(format_, end - start, cols_, bytes_.slice(0, start, end), layout_);
 }
 
 QuantMatrix QuantMatrix::to(Device device) const {
-    return device == this->device() ? *this : QuantMatrix(format_, rows_, cols_, bytes_.to(device));
+    if (device == this->device()) return *this;
+    const QuantMatrix file = with_layout(QuantLayout::File); // only the host reads the split layout
+    return QuantMatrix(format_, rows_, cols_, file.bytes_.to(device));
+}
+
+QuantMatrix QuantMatrix::with_layout(QuantLayout layout) const {
+    if (layout == layout_) return *this;
+    LLAISYS_CHECK(defined() && format_ == QuantFormat::Q5_0 && device().is_cpu(), std::invalid_argument,
+                  "QuantMatrix.with_layout: only a Q5_0 matrix in host memory has a split layout, this is ",
+                  quant_format_info(format_).name, defined() ? " on " + device().str() : std::string(" undefined"));
+    Tensor out = Tensor::empty({rows_, row_bytes()}, DType::U8, device());
+    const int64_t nb = cols_ / quant::kQK, rb = row_bytes();
+    uint8_t *o = out.data_as<uint8_t>();
+    for (int64_t r = 0; r < rows_; ++r) {
+        if (layout == QuantLayout::Q5Split) quant::q5_split_row(row(r), nb, o + r * rb);
+        else quant::q5_unsplit_row(row(r), nb, o + r * rb);
+    }
+    return QuantMatrix(format_, rows_, cols_, out, layout);
 }
 
 // ---- Reference decoding: one block into `out` [block elems], the f32 operations of gguf-py's
@@ -159,8 +181,10 @@ void dequantize_rows(const QuantMatrix &m, int64_t row0, int64_t n, float *out) 
                   ", ", row0 + n, ") are outside the ", m.rows(), " rows");
     const int be = quant_format_info(m.format()).block_elems;
     const int64_t nb = m.cols() / be;
+    std::vector<uint8_t> file_row(m.layout() == QuantLayout::File ? 0 : size_t(m.row_bytes()));
     for (int64_t r = 0; r < n; ++r) {
         const uint8_t *row = m.row(row0 + r);
+        if (!file_row.empty()) quant::q5_unsplit_row(row, nb, file_row.data()), row = file_row.data();
         float *o = out + r * m.cols();
         switch (m.format()) {
         case QuantFormat::Q4_0: decode_row<BlockQ4_0>(row, nb, o, be); break;

@@ -21,6 +21,7 @@ format_from_gguf = _q.format_from_gguf
 set_cpu_path = _q.set_cpu_path
 cpu_path = _q.cpu_path
 cpu_path_supported = _q.cpu_path_supported
+cpu_layout = _q.cpu_layout  # (format) -> 'file' or 'q5_split': how a CPU model keeps that format's weights
 linear_ = _q.linear  # out-parameter forms
 linear_swiglu_ = _q.linear_swiglu
 embedding_ = _q.embedding
@@ -30,12 +31,13 @@ add_rms_norm_linear_fused = _q.add_rms_norm_linear_fused  # (dtype, device, rows
 dequantize_ = _q.dequantize
 
 
-def from_numpy(format: str, rows: int, cols: int, data: np.ndarray) -> QuantMatrix:
-    """A QuantMatrix viewing ``data`` (uint8, C-contiguous: [rows, row_bytes(format, cols)], or flat)."""
+def from_numpy(format: str, rows: int, cols: int, data: np.ndarray, layout: str = "file") -> QuantMatrix:
+    """A QuantMatrix viewing ``data`` (uint8, C-contiguous: [rows, row_bytes(format, cols)], or flat), whose
+    rows are in ``layout`` ('file', or 'q5_split': what QuantMatrix.with_layout('q5_split') makes)."""
     if data.dtype != np.uint8 or not data.flags.c_contiguous:
         raise TypeError(f"QuantMatrix.from_numpy: data must be a C-contiguous uint8 array, got {data.dtype}"
                         f"{'' if data.flags.c_contiguous else ' (not contiguous)'}")
-    return QuantMatrix(format, rows, cols, _wrap(data if data.ndim == 2 else data.reshape(rows, -1)))
+    return QuantMatrix(format, rows, cols, _wrap(data if data.ndim == 2 else data.reshape(rows, -1)), layout)
 
 
 QuantMatrix.from_numpy = staticmethod(from_numpy)
@@ -71,5 +73,5 @@ def dequantize(weight: QuantMatrix, dtype: str = "f32") -> Tensor:
 
 
 __all__ = ["QuantMatrix", "from_numpy", "row_bytes", "format_info", "format_from_gguf", "set_cpu_path", "cpu_path",
-           "cpu_path_supported", "linear", "linear_swiglu", "embedding", "dequantize", "linear_", "linear_swiglu_",
+           "cpu_path_supported", "cpu_layout", "linear", "linear_swiglu", "embedding", "dequantize", "linear_", "linear_swiglu_",
            "embedding_", "dequantize_", "add_rms_norm_linear_", "add_rms_norm_linear_fused"]

@@ -28,12 +28,18 @@ QuantFormat quant_format_from_gguf(int gguf_type);           // ValueError for t
 // Bytes of one row of `cols` weights; ValueError unless cols is a positive multiple of the block size.
 int64_t quant_row_bytes(QuantFormat format, int64_t cols);
 
+// How a matrix's rows hold their blocks. File: as GGUF stores them, one block after another. Q5Split (Q5_0
+// in host memory only): each row's scales, then its fifth bits, then its nibbles (quant/formats.hpp), the
+// same bytes a row; the AVX2 decode kernel runs it ~1.25x faster (bench/RESULTS.md, session 28). Every
+// op gives the same bits for both layouts.
+enum class QuantLayout : uint8_t { File, Q5Split };
+
 class QuantMatrix {
 public:
     QuantMatrix() = default; // undefined: defined() is false
     // Wraps `bytes` (u8 [rows, quant_row_bytes(format, cols)], contiguous) without copying; a view of
     // a mapped file keeps the file alive through the tensor's storage (Tensor::from_blob's on_free).
-    QuantMatrix(QuantFormat format, int64_t rows, int64_t cols, Tensor bytes);
+    QuantMatrix(QuantFormat format, int64_t rows, int64_t cols, Tensor bytes, QuantLayout layout = QuantLayout::File);
     // Rows of `parts` stacked in order (fused q/k/v, gate/up): same format, cols and device; a copy.
     static QuantMatrix concat_rows(const std::vector<QuantMatrix> &parts);
 
@@ -47,10 +53,16 @@ public:
     const Tensor &bytes() const { return bytes_; }
     const uint8_t *row(int64_t r) const { return bytes_.data_as<uint8_t>() + r * row_bytes(); }
 
+    QuantLayout layout() const { return layout_; }
+
     QuantMatrix slice_rows(int64_t start, int64_t end) const; // a view of rows [start, end)
-    QuantMatrix to(Device device) const;                       // a copy on `device` (self if already there)
+    // A copy on `device` (self if already there); a Q5Split matrix goes to another device in the file layout.
+    QuantMatrix to(Device device) const;
+    // The same weights in `layout` (self if already in it): a host copy. Q5Split only for Q5_0.
+    QuantMatrix with_layout(QuantLayout layout) const;
 
 private:
+    QuantLayout layout_ = QuantLayout::File;
     QuantFormat format_ = QuantFormat::Q8_0;
     int64_t rows_ = 0, cols_ = 0;
     Tensor bytes_; // u8 [rows, row_bytes]
@@ -67,6 +79,9 @@ void set_quant_cpu_path(QuantCpuPath path);
 QuantCpuPath quant_cpu_path();               // what runs now (never Auto)
 bool quant_cpu_path_supported(QuantCpuPath path);
 const char *quant_cpu_path_name(QuantCpuPath path);
+// The layout a model on the CPU keeps a weight of this format in: Q5Split for Q5_0 where the best path is
+// AVX2 (AVX-512 VNNI adds the fifth bit with one masked add and keeps the file's blocks), else File.
+QuantLayout quant_cpu_layout(QuantFormat format);
 QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "portable", "avx2", "avx512vnni"
 
 // CUDA's quant_linear runs its int8 GEMV for up to this many rows of x; above, it decodes the weight.

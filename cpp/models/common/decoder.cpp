@@ -245,7 +245,7 @@ void Decoder::load_quant_weight(const std::string &name, const QuantMatrix &valu
             for (int64_t h = 0; h < nh; ++h) rows.push_back(value.slice_rows((3 * h + p) * hd, (3 * h + p + 1) * hd));
         Layer &L = *s.layer;
         const int64_t q = nh * hd, kv = config_.num_key_value_heads * hd;
-        L.wqkv = {Tensor(), QuantMatrix::concat_rows(rows).to(device_)};
+        L.wqkv = {Tensor(), on_device(QuantMatrix::concat_rows(rows))};
         L.wq = rows_of(L.wqkv, 0, q);
         L.wk = rows_of(L.wqkv, q, q + kv);
         L.wv = rows_of(L.wqkv, q + kv, q + 2 * kv);
@@ -254,8 +254,15 @@ void Decoder::load_quant_weight(const std::string &name, const QuantMatrix &valu
     }
     // The part stands alone until fuse_layer stacks it with its siblings; a dense fused matrix it was a slice
     // of stays for its other parts.
-    *s.linear = {Tensor(), value.to(device_)};
+    *s.linear = {Tensor(), on_device(value)};
     loaded_.insert(name);
+}
+
+// A quantized weight as this model keeps it: on its device; on the CPU in the layout the CPU kernels run
+// fastest (quant_cpu_layout: a host copy where that is not the file's).
+QuantMatrix Decoder::on_device(const QuantMatrix &value) const {
+    if (!device_.is_cpu()) return value.to(device_);
+    return value.to(device_).with_layout(quant_cpu_layout(value.format()));
 }
 
 // Runs fused only where every part is in the fused matrix: dense parts are its slices already; quantized

@@ -49,6 +49,7 @@ public:
     };
 
 private:
+    QuantMatrix on_device(const QuantMatrix &value) const;
     // Where a checkpoint name goes: a tensor or a projection, its shape, its layer and fusion group.
     struct Slot {
         Tensor *tensor = nullptr;

@@ -120,32 +120,32 @@ QuantCpuPath detect_best() {
 const QuantCpuPath kBest = detect_best();
 std::atomic<QuantCpuPath> g_path{kBest};
 
-ColumnFn column_fn(QuantFormat format) {
+ColumnFn column_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_fn(format);
-    case QuantCpuPath::Avx2: return avx2::column_fn(format);
+    case QuantCpuPath::Avx512Vnni: return vnni::column_fn(format, layout);
+    case QuantCpuPath::Avx2: return avx2::column_fn(format, layout);
 #endif
-    default: return portable::column_fn(format);
+    default: return portable::column_fn(format, layout);
     }
 }
 
-RowsFn rows_fn(QuantFormat format) {
+RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::rows_fn(format);
-    case QuantCpuPath::Avx2: return avx2::rows_fn(format);
+    case QuantCpuPath::Avx512Vnni: return vnni::rows_fn(format, layout);
+    case QuantCpuPath::Avx2: return avx2::rows_fn(format, layout);
 #endif
-    default: return portable::rows_fn(format);
+    default: return portable::rows_fn(format, layout);
     }
 }
 
 // The packed-x prefill kernel of this format on the current path, or nullptr (then column_fn's).
-ColumnU8Fn column_u8_fn(QuantFormat format) {
+ColumnU8Fn column_u8_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn(format);
-    case QuantCpuPath::Avx2: return avx2::column_u8_fn(format);
+    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn(format, layout);
+    case QuantCpuPath::Avx2: return avx2::column_u8_fn(format, layout);
 #endif
     default: return nullptr;
     }
@@ -240,7 +240,7 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
         store(o + m * ld, n < split ? n : n - split, bias ? v + load(bias, n) : v);
     };
     if (M == 1) { // decode: each range of W rows goes to the kernel 64 rows per call
-        const RowsFn fn = rows_fn(w.format());
+        const RowsFn fn = rows_fn(w.format(), w.layout());
         parallel_ranges(N, w.cols() / 4, [&](int64_t begin, int64_t end) {
             for (int64_t n = begin; n < end; n += kChunk) {
                 float row[kChunk];
@@ -259,9 +259,9 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
     // groups of kGroup, each group through one x chunk before the next, so that the chunk (a packed tile of
     // K = 896: 16 KiB) and the group's weight rows stay in L1 while every row of the group reads them.
     constexpr int64_t kGroup = 16;
-    const ColumnU8Fn fn_u8 = column_u8_fn(w.format());
+    const ColumnU8Fn fn_u8 = column_u8_fn(w.format(), w.layout());
     const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
-    const ColumnFn fn = column_fn(w.format());
+    const ColumnFn fn = column_fn(w.format(), w.layout());
     const int64_t rows = fn_u8 ? kPackRows : kChunk;
     parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
         for (int64_t g = begin; g < end; g += kGroup) {
@@ -286,7 +286,7 @@ void decode_swiglu(const QuantizedX &xq, const QuantMatrix &w, T *out) {
     constexpr int64_t kChunk = 64;
     const int64_t I = w.rows() / 2, rb = w.row_bytes();
     const uint8_t *w0 = w.row(0);
-    const RowsFn fn = rows_fn(w.format());
+    const RowsFn fn = rows_fn(w.format(), w.layout());
     parallel_ranges(I, 2 * w.cols() / 4, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; n += kChunk) {
             float g[kChunk], u[kChunk];
@@ -379,6 +379,10 @@ void set_quant_cpu_path(QuantCpuPath path) {
 }
 
 QuantCpuPath quant_cpu_path() { return ops::cpu::g_path.load(); }
+
+QuantLayout quant_cpu_layout(QuantFormat format) {
+    return format == QuantFormat::Q5_0 && ops::cpu::kBest == QuantCpuPath::Avx2 ? QuantLayout::Q5Split : QuantLayout::File;
+}
 
 const char *quant_cpu_path_name(QuantCpuPath path) {
     switch (path) {

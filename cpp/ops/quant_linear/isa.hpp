@@ -11,6 +11,7 @@
 // them; cpu.cpp only calls them after checking the CPU at run time.
 #pragma once
 #include "llaisys/dtype.hpp"
+#include "quant/formats.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -66,6 +67,23 @@ struct Portable {
         B r = nibbles16(qs);
         for (int j = 0; j < 32; ++j) r.b[j] |= uint8_t(((qh >> j) & 1) << 4);
         return r;
+    }
+    // Q5_0's codes in QuantLayout::Q5Split: nibbles16(qs), the fifth bits from the 8 bytes of their block
+    // pair (quant::q5_split_bit says where each bit is; odd: the pair's second block).
+    static B q5_split(const uint8_t *qs, const uint8_t *pair, bool odd) {
+        uint64_t p;
+        std::memcpy(&p, pair, 8);
+        B r = nibbles16(qs);
+        for (int j = 0; j < 32; ++j) r.b[j] |= uint8_t(((p >> quant::q5_split_bit(j, odd)) & 1) << 4);
+        return r;
+    }
+    // out[i] = fp16(d[i]) * xd[i] for 8 blocks (d: 8 f16 bits), each product rounded once.
+    static void scales8(const uint8_t *d, const float *xd, float *out) {
+        for (int i = 0; i < 8; ++i) {
+            f16_t h;
+            std::memcpy(&h, d + 2 * i, 2);
+            out[i] = fp16(h) * xd[i];
+        }
     }
     // ((v >> shift) & mask) << up in each byte (the result fits in the byte).
     static B field(B v, int shift, uint8_t mask, int up) {
@@ -188,6 +206,22 @@ struct Avx2 {
         const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
                                               _mm256_set1_epi64x(-1));
         return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+    }
+    // The pair's 8 bytes in every 64-bit lane: 32-bit lane L holds their dword L % 2, whose byte i has the
+    // bit of code 4L + i at 4 + L / 2 (first block) or L / 2 (second): one shift per lane puts it at bit 4
+    // (quant::q5_split_bit). 3 operations for the fifth bit instead of q5's 5, and no shuffle.
+    LLAISYS_TARGET_AVX2 static B q5_split(const uint8_t *qs, const uint8_t *pair, bool odd) {
+        long long p;
+        std::memcpy(&p, pair, 8);
+        const __m256i t = _mm256_set1_epi64x(p);
+        const __m256i h = odd ? _mm256_sllv_epi32(t, _mm256_set_epi32(1, 1, 2, 2, 3, 3, 4, 4))
+                              : _mm256_srlv_epi32(t, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+        return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    }
+    // 8 f16 -> f32 (exact) times 8 floats: the products scalar code rounds, lane by lane.
+    LLAISYS_TARGET_AVX2 static void scales8(const uint8_t *d, const float *xd, float *out) {
+        const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(d)));
+        _mm256_storeu_ps(out, _mm256_mul_ps(w, _mm256_loadu_ps(xd)));
     }
     // 16-bit shifts move bits across bytes, but only into positions the mask clears.
     LLAISYS_TARGET_AVX2 static B field(B v, int shift, uint8_t mask, int up) {
