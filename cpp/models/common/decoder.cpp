@@ -254,7 +254,10 @@ void Decoder::load_quant_weight(const std::string &name, const QuantMatrix &valu
     }
     // The part stands alone until fuse_layer stacks it with its siblings; a dense fused matrix it was a slice
     // of stays for its other parts.
-    *s.linear = {Tensor(), on_device(value)};
+    // An untied embedding is only ever read a few rows a step (quant_embedding): it stays as it is, so that a
+    // mapped file's pages of it are read only where a token asks for them.
+    const bool lookup_only = s.linear == &embed_ && !config_.tie_word_embeddings;
+    *s.linear = {Tensor(), lookup_only ? value.to(device_) : on_device(value)};
     loaded_.insert(name);
 }
 

@@ -59,6 +59,7 @@ class LazyWeights(Mapping):
     def __init__(self, makers: dict[str, Callable[[], np.ndarray]], spans: dict[str, FileSpan],
                  raw: dict[str, Callable[[], tuple]] | None = None):
         self._makers, self._spans, self._raw = dict(makers), spans, dict(raw or {})
+        self._raw_spans: dict[str, FileSpan] = {}  # pop_raw's weights' spans, for release_raw
         self._previous: str | None = None
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -87,9 +88,19 @@ class LazyWeights(Mapping):
         if name not in self._raw:
             return None
         self._makers.pop(name)
-        self._spans.pop(name, None)  # the model keeps reading these pages: never released
+        span = self._spans.pop(name, None)  # the model may keep reading these pages: kept unless release_raw
+        if span is not None:
+            self._raw_spans[name] = span
         self._release_previous(name)
         return self._raw.pop(name)()
+
+    def release_raw(self, name: str) -> None:
+        """Drop the file pages of a weight taken with pop_raw, for a consumer that made its own copy of it (a CPU
+        model's Q5_0 in the split layout): they are no longer part of the model, and no longer count in the
+        process's resident memory. Reading the pop_raw view again faults them back in from the file."""
+        span = self._raw_spans.pop(name, None)
+        if span is not None:
+            span.release()
 
     def _release_previous(self, name: str) -> None:
         if self._previous in self._spans:
