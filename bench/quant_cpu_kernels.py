@@ -16,7 +16,8 @@ Decode reads every weight from DRAM once per step, which one copy in the cache d
     LLAISYS_NUM_THREADS=1 python bench/quant_cpu_kernels.py --rows 1 --dram-mb 256
 
 holds enough copies of each matrix (at least --dram-mb MB, more than any L3 here) and calls them in turn, and adds
-the Q8_0 LM head (151936 x 896, 145 MB). Its thread CPU time includes the core's stalls on memory.
+the Q8_0 LM head (151936 x 896, 145 MB). Its thread CPU time includes the core's stalls on memory. --layout file
+runs Q5_0 in the file's blocks where a model would split it (an A/B of the layouts in one build).
 """
 import argparse
 import time
@@ -38,7 +39,11 @@ def random_matrix(fmt: str, n: int, k: int, rng) -> quant.QuantMatrix:
     blocks[:, :, 0:2] = d
     if fmt in ("q4_k", "q5_k"):
         blocks[:, :, 2:4] = d  # dmin
-    return quant.from_numpy(fmt, n, k, np.ascontiguousarray(blocks.reshape(n, -1)))
+    w = quant.from_numpy(fmt, n, k, np.ascontiguousarray(blocks.reshape(n, -1)))
+    return w if LAYOUT == "file" or not hasattr(quant, "cpu_layout") else w.with_layout(quant.cpu_layout(fmt))
+
+
+LAYOUT = "cpu"  # --layout
 
 
 def main() -> None:
@@ -47,7 +52,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--dram-mb", type=float, default=0, help="copies of each matrix making at least this many MB, "
                    "called in turn (decode's weights come from DRAM); also times the Q8_0 LM head")
+    p.add_argument("--layout", choices=["cpu", "file"], default="cpu", help="cpu: each format in the layout a CPU "
+                   "model keeps it in (quant.cpu_layout: Q5_0 split where AVX2 is the best path); file: GGUF's blocks")
     args = p.parse_args()
+    global LAYOUT
+    LAYOUT = args.layout
     rng = np.random.default_rng(0)
     shapes = SHAPES + ([("q8_0", 151936, 896)] if args.dram_mb > 0 else [])
     for fmt, n, k in shapes:
@@ -63,7 +72,7 @@ def main() -> None:
             quant.linear(x, w)
             times.append(time.thread_time() - t)
         print(f"{fmt} N {n:5d} K {k:5d} M {args.rows}: min {min(times) * 1e3:7.3f} ms  "
-              f"q1 {np.percentile(times, 25) * 1e3:7.3f} ms  ({quant.cpu_path()}, {len(ws)} x {mb:.1f} MB)", flush=True)
+              f"q1 {np.percentile(times, 25) * 1e3:7.3f} ms  ({quant.cpu_path()}, {getattr(ws[0], 'layout', 'file')}, {len(ws)} x {mb:.1f} MB)", flush=True)
 
 
 if __name__ == "__main__":
