@@ -209,13 +209,16 @@ struct Avx2 {
     }
     // The pair's 8 bytes in every 64-bit lane: 32-bit lane L holds their dword L % 2, whose byte i has the
     // bit of code 4L + i at 4 + L / 2 (first block) or L / 2 (second): one shift per lane puts it at bit 4
-    // (quant::q5_split_bit). 3 operations for the fifth bit instead of q5's 5, and no shuffle.
+    // (quant::q5_split_bit). 3 operations for the fifth bit instead of q5's 5, and no shuffle. The decode
+    // kernel passes odd as a constant; the prefill kernel's passes take one parity each (a branch that
+    // never changes within a pass).
     LLAISYS_TARGET_AVX2 static B q5_split(const uint8_t *qs, const uint8_t *pair, bool odd) {
         long long p;
         std::memcpy(&p, pair, 8);
         const __m256i t = _mm256_set1_epi64x(p);
-        const __m256i h = odd ? _mm256_sllv_epi32(t, _mm256_set_epi32(1, 1, 2, 2, 3, 3, 4, 4))
-                              : _mm256_srlv_epi32(t, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+        __m256i h;
+        if (odd) h = _mm256_sllv_epi32(t, _mm256_set_epi32(1, 1, 2, 2, 3, 3, 4, 4));
+        else h = _mm256_srlv_epi32(t, _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
         return _mm256_or_si256(nibbles16(qs), _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
     }
     // 8 f16 -> f32 (exact) times 8 floats: the products scalar code rounds, lane by lane.
