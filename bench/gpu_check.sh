@@ -111,7 +111,7 @@ fi
 if has steady; then # issue 33: steady decode of B rows x 600 cached tokens against a static-batch torch.compile model
   for shape in ${STEADY_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
     log "bench/steady_decode.py --shape $shape --batch ${STEADY_BATCH:-64 256}"
-    timeout ${T_STEADY:-300} python3 bench/steady_decode.py --shape $shape --device cuda --batch ${STEADY_BATCH:-64 256} \
+    timeout ${T_STEADY:-300} python3 bench/steady_decode.py --shape $shape --device cuda --batch ${STEADY_BATCH:-64 256} --peer-timeout ${T_PEER:-600} \
       --json "$OUT/steady_$shape.json" 2>&1 | tee "$OUT/steady_$shape.log" | grep -v Warning |
       grep -E "^\||Error|error|failed|Segmentation" | tee -a "$OUT/summary.txt"
   done
