@@ -130,10 +130,24 @@ class MaskFiller:
             for c, row in zip(constraints, mask):
                 c.mask_into(row)
             return
+        self._pool().unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)],
+                                             mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
+
+    def advance(self, constraints: list[Constraint], tokens: list[int]) -> None:
+        """Consumes tokens[j] in constraints[j], on the same pool as fill() (consume_token_par: one call, the
+        GIL released, the same states as one consume after another; a token a matcher refuses leaves it in
+        its error state either way). A consume costs about what a mask does (bench/mask_fill.py), so at a
+        large batch one after another took as long as the masks, on the host's path to the next sampling."""
+        if len(constraints) <= 1 or self.num_threads < 2:
+            for c, t in zip(constraints, tokens):
+                c.consume(t)
+            return
+        self._pool().consume_token_par([(c.matcher, int(t)) for c, t in zip(constraints, tokens)])
+
+    def _pool(self):
         if self._executor is None:
             self._executor = _llg().LLExecutor(self.num_threads)
-        self._executor.unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)],
-                                               mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
+        return self._executor
 
 
 class Trigger:
