@@ -185,6 +185,55 @@ def test_sample_deferred_without_a_deferred_launch_raises(tiny):
         eng.close()
 
 
+def deferred_launch(eng, n=2, temperature=0.0):
+    """An n-row decode at position 0 (blocks 1..n) launched with its sampling deferred, on the binding."""
+    import numpy as np
+    runner, bs = eng._core.runner.runner, eng._core.config.block_size
+    f32, i32, u64 = (lambda v: np.array(v, np.float32)), (lambda v: np.array(v, np.int32)), np.uint64
+    runner.launch(np.arange(5, 5 + n), np.zeros(n, np.int64), np.arange(1, n + 1) * bs, i32(range(n + 1)),
+                  i32([1] * n), i32([[r + 1] for r in range(n)]), f32([temperature] * n), i32([0] * n),
+                  f32([1.0] * n), f32([0.0] * n), f32([1.0] * n), np.arange(n, dtype=u64), np.zeros(n, u64),
+                  i32([-1] * n), [[]] * n, [[]] * n, False, None, [], True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, device):
+    """sample_deferred's masks: every row masked in order (uploaded straight from the array) or some rows
+    (scattered into a batch mask): a mask that allows one token is that row's token, greedy or sampled. Bad
+    arguments raise naming the problem (the launch is then lost: finish() has nothing of it)."""
+    import numpy as np
+    eng = f32_engine(tiny, device, True)
+    try:
+        r, W = eng._core.runner.runner, (eng.config.vocab_size + 31) // 32
+
+        def only(*tokens):
+            m = np.zeros((len(tokens), W), np.int32)
+            for j, t in enumerate(tokens):
+                m[j, t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            return m
+        for temperature in (0.0, 0.9):
+            deferred_launch(eng, temperature=temperature)
+            r.sample_deferred(only(40, 77), [0, 1], 2)
+            assert r.finish() == [40, 77]
+            deferred_launch(eng, temperature=temperature)
+            r.sample_deferred(only(33), [1], 2)
+            assert r.finish()[1] == 33
+            deferred_launch(eng, temperature=temperature)
+            r.sample_deferred(only(12, 19), [1, 0], 2)  # rows out of order
+            assert r.finish() == [19, 12]
+        for args, match in [((only(4), [0, 1], 2), "has 1 rows but mask_rows names 2"),
+                            ((only(4), [2], 2), "mask row 2 outside the batch of 2"),
+                            ((None, [], 3), "num_rows 3 for a launch of 2 rows"),
+                            ((np.zeros((1, W + 1), np.int32), [0], 2), f"{W + 1} words a row")]:
+            deferred_launch(eng)
+            with pytest.raises((ValueError, IndexError), match=match):
+                r.sample_deferred(*args)
+            assert r.launched == 0
+        assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("threads", [1, 4])
 def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch, threads):
     """Constrained rows join the persistent decode batch (batch.py): their masks come from their matchers,
