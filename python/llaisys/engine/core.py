@@ -55,12 +55,14 @@ class EngineCore:
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
-        # the host's path between a step's tokens and the device's next work, on steps with a deferred sampling
-        # (a constrained row chained): tokens read -> the next step's masked sampling enqueued ("to_sample_s"),
-        # and the time outside step() from its return to the next call (the loop's delivery: "between_s"). The
-        # device idles where the first exceeds the next forward (read by bench/structured.py)
-        self.timing.update(dict.fromkeys(("deferred", "to_sample_s", "between_s", "consume_s"), 0))
-        self._returned = None  # when step() last returned with a deferred sampling done (for between_s)
+        # the host's path on overlapped steps, between a step's tokens and the device's next work: tokens read ->
+        # step() returns ("to_return_s", over "overlapped" steps), of which, where a constrained row's sampling was
+        # deferred, tokens -> that sampling enqueued ("to_sample_s", over "deferred" steps; the device idles where
+        # it exceeds the forward); and the time outside step() until the next call launches the step after (the
+        # loop's delivery: "between_s"). Read by bench/structured.py
+        self.timing.update(dict.fromkeys(("overlapped", "to_return_s", "deferred", "to_sample_s", "between_s",
+                                          "consume_s"), 0))
+        self._returned = None  # when an overlapped step() last returned (for between_s)
 
     @property
     def broken(self) -> str:
@@ -157,6 +159,10 @@ class EngineCore:
         produced = self._account(step, tokens, t0, t1)
         if self.runner.deferred is not None:
             self._sample_deferred(t_tokens)
+        t = self.timing
+        self._returned = time.perf_counter()
+        t["overlapped"] += 1
+        t["to_return_s"] += self._returned - t_tokens
         return produced, []
 
     def _sample_deferred(self, t_tokens: float) -> None:
@@ -168,10 +174,8 @@ class EngineCore:
         except Exception:
             self._drain()
             return
-        t = self.timing
-        self._returned = time.perf_counter()
-        t["deferred"] += 1
-        t["to_sample_s"] += self._returned - t_tokens
+        self.timing["deferred"] += 1
+        self.timing["to_sample_s"] += time.perf_counter() - t_tokens
 
     def _isolate(self, step, error: Exception, t0: float):
         """A step raised: one row's values (a penalty, say, that the sampler refuses or that makes its
