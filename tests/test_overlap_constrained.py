@@ -237,8 +237,8 @@ def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, d
 @pytest.mark.parametrize("threads", [1, 4])
 def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch, threads):
     """Constrained rows join the persistent decode batch (batch.py): their masks come from their matchers,
-    their tokens advance them (threads 4: all the step's rows in one call on llguidance's pool,
-    MaskFiller.advance), a complete grammar ends its row. The same tokens as overlap off, and as the
+    their tokens advance them (MaskFiller.advance; threads 4: the masks on llguidance's pool), a complete
+    grammar ends its row. The same tokens as overlap off, and as the
     general path (no row eligible for the batch: one consume after another)."""
     def go(eng):
         ps = token_prompts(eng.config.vocab_size, [5, 9, 14, 4], seed=15)
@@ -280,7 +280,7 @@ def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
 
 
 def test_mask_filler_advance_gives_the_states_of_one_consume_at_a_time(tiny):
-    """MaskFiller.advance (llguidance's consume_token_par on its pool) against each matcher's own consume:
+    """MaskFiller.advance pooled (llguidance's consume_token_par on its pool) against each matcher's own consume:
     the same masks after, the same done/error states, a refused token an error either way."""
     import numpy as np
 
@@ -298,7 +298,7 @@ def test_mask_filler_advance_gives_the_states_of_one_consume_at_a_time(tiny):
             live = [j for j, s in enumerate(streams) if i < len(s)]
             for j in live:
                 one[j].consume(streams[j][i])
-            pool.advance([par[j] for j in live], [streams[j][i] for j in live])
+            pool.advance([par[j] for j in live], [streams[j][i] for j in live], pooled=True)
             a, b = (np.empty((len(live), (V + 31) // 32), np.int32) for _ in range(2))
             ok = [j for j in live if one[j].error is None]
             for j, row in zip(ok, a):

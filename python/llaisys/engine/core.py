@@ -320,10 +320,10 @@ class EngineCore:
         t["postprocess_s"] += time.perf_counter() - t2
 
     def _advance_constrained(self, b, tokens: list[int], eos: np.ndarray, length: np.ndarray) -> None:
-        """The batch's constrained rows: their matchers advance with the step's tokens, all in one call
-        (MaskFiller.advance: on llguidance's pool where the masks are), except where the token is an EOS (the
-        row ends "stop" without it, as _account does); a row whose grammar completes or fails ends here (then
-        not by length). On the host's path between the tokens and the next step's masked sampling."""
+        """The batch's constrained rows: their matchers advance with the step's tokens (MaskFiller.advance),
+        except where the token is an EOS (the row ends "stop" without it, as _account does); a row whose
+        grammar completes or fails ends here (then not by length). On the host's path between the tokens and
+        the next step's masked sampling (EngineCore.timing's consume_s)."""
         t = time.perf_counter()
         rows = [row for row in b.masked if not eos[row]]
         seqs = [b.seqs[row] for row in rows]
