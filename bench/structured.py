@@ -52,7 +52,7 @@ PROMPT = "Write one user record for our admin panel as JSON:\n"
 def run(eng, batch: int, constrained: bool, max_new: int, lengths=None) -> tuple[list, float, dict]:
     """(outputs, wall seconds, the engine's counters over the run)."""
     core = eng._core
-    host = ("overlapped", "to_return_s", "between_s", "deferred", "to_sample_s", "consume_s")  # EngineCore.timing
+    host = ("overlapped", "to_return_s", "betweens", "between_s", "deferred", "to_sample_s", "consume_s")
     before = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps,
               *(core.timing[k] for k in host))
     prompts = [PROMPT + f"(record {i})" for i in range(batch)]
@@ -68,10 +68,10 @@ def run(eng, batch: int, constrained: bool, max_new: int, lengths=None) -> tuple
     wall = time.perf_counter() - t
     after = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps,
              *(core.timing[k] for k in host))
-    mask_s, rows, steps, deferred, n, to_return, between, n_def, to_sample, consume = (
+    mask_s, rows, steps, deferred, n, to_return, n_between, between, n_def, to_sample, consume = (
         a - b for a, b in zip(after, before))
     return out, wall, dict(mask_s=mask_s, rows=rows, steps=steps, deferred=deferred,
-                           to_return_ms=to_return / max(n, 1) * 1e3, between_ms=between / max(n, 1) * 1e3,
+                           to_return_ms=to_return / max(n, 1) * 1e3, between_ms=between / max(n_between, 1) * 1e3,
                            to_sample_ms=to_sample / max(n_def, 1) * 1e3, consume_ms=consume / max(steps, 1) * 1e3)
 
 

@@ -59,9 +59,10 @@ class EngineCore:
         # step() returns ("to_return_s", over "overlapped" steps), of which, where a constrained row's sampling was
         # deferred, tokens -> that sampling enqueued ("to_sample_s", over "deferred" steps; the device idles where
         # it exceeds the forward); and the time outside step() until the next call launches the step after (the
-        # loop's delivery: "between_s"). Read by bench/structured.py
-        self.timing.update(dict.fromkeys(("overlapped", "to_return_s", "deferred", "to_sample_s", "between_s",
-                                          "consume_s"), 0))
+        # loop's delivery: "between_s", over "betweens" calls that found a step in flight). Read by
+        # bench/structured.py
+        self.timing.update(dict.fromkeys(("overlapped", "to_return_s", "deferred", "to_sample_s", "betweens",
+                                          "between_s", "consume_s"), 0))
         self._returned = None  # when an overlapped step() last returned (for between_s)
 
     @property
@@ -123,9 +124,10 @@ class EngineCore:
         (Chainer.may_chain bounds how long that takes). Anything else (prefill, presence/frequency penalties,
         biases, logprobs, a sequence about to reach its length limit, no free block) runs the plain way."""
         t0 = time.perf_counter()
-        if self._returned is not None:
+        if self._returned is not None and self._inflight is not None:  # not an idle engine's wait
             self.timing["between_s"] += t0 - self._returned
-            self._returned = None
+            self.timing["betweens"] += 1
+        self._returned = None
         step = None  # the step whose tokens this call reads, once known
         try:
             if self._inflight is None:  # the scheduler (admissions, preemptions) never runs with a step in flight
