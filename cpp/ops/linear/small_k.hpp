@@ -23,16 +23,43 @@ constexpr int64_t kMaxK = 64; // above this the tiles' horizontal sums are a sma
 // for transposing W.
 inline bool fits(int64_t M, int64_t K) { return K % 8 == 0 && K <= kMaxK && M >= 8; }
 
-// One output vector: out[m, n0 .. n0 + 8) from x row xm [K] and W's columns n0 .. n0 + 8 transposed, wT [K, 8].
-inline __m256 dot8(const float *xm, const float *wT, int64_t K) {
-    __m256 lane[8];
-    for (int l = 0; l < 8; ++l) lane[l] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += 8)
-        for (int l = 0; l < 8; ++l)
-            lane[l] = _mm256_fmadd_ps(_mm256_broadcast_ss(xm + k0 + l), _mm256_loadu_ps(wT + (k0 + l) * 8), lane[l]);
-    const __m256 a = _mm256_add_ps(lane[0], lane[4]), b = _mm256_add_ps(lane[2], lane[6]);
-    const __m256 c = _mm256_add_ps(lane[1], lane[5]), d = _mm256_add_ps(lane[3], lane[7]);
-    return _mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d));
+// Lane l of G output vectors (G groups of 8 columns, wT [G, K, 8]): the products k = l, l + 8, ... in order.
+template <int G>
+inline void lane_sums(const float *xm, const float *wT, int64_t K, int l, __m256 (&acc)[G]) {
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t k = l; k < K; k += 8) {
+        const __m256 xk = _mm256_broadcast_ss(xm + k);
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_fmadd_ps(xk, _mm256_loadu_ps(wT + (g * K + k) * 8), acc[g]);
+    }
+}
+
+// (lane a + lane b) of G output vectors, each lane summed by lane_sums.
+template <int G>
+inline void lane_pair(const float *xm, const float *wT, int64_t K, int a, int b, __m256 (&out)[G]) {
+    __m256 la[G], lb[G];
+    lane_sums<G>(xm, wT, K, a, la);
+    lane_sums<G>(xm, wT, K, b, lb);
+    for (int g = 0; g < G; ++g) out[g] = _mm256_add_ps(la[g], lb[g]);
+}
+
+// G output vectors of x row xm [K]: out[m, n0 .. n0 + 8G) from W's columns transposed, wT [G, K, 8]. One
+// lane at a time (each a chain of K / 8 FMAs), so that few sums are live and each x broadcast feeds G FMAs.
+template <int G>
+inline void dot8(const float *xm, const float *wT, int64_t K, __m256 (&y)[G]) {
+    __m256 p04[G], p26[G], p15[G], p37[G];
+    lane_pair<G>(xm, wT, K, 0, 4, p04);
+    lane_pair<G>(xm, wT, K, 2, 6, p26);
+    lane_pair<G>(xm, wT, K, 1, 5, p15);
+    lane_pair<G>(xm, wT, K, 3, 7, p37);
+    for (int g = 0; g < G; ++g) y[g] = _mm256_add_ps(_mm256_add_ps(p04[g], p26[g]), _mm256_add_ps(p15[g], p37[g]));
+}
+
+// Stores y + bias (valid columns of the last, partial group only).
+inline void store8(float *om, __m256 y, int64_t valid) {
+    if (valid >= 8) return _mm256_storeu_ps(om, y);
+    alignas(32) float tail[8];
+    _mm256_store_ps(tail, y);
+    std::copy(tail, tail + valid, om);
 }
 
 // out [m_begin, m_end) x [n_begin, n_end) = x @ w^T + bias (0 without: the tiles add it too, which turns
@@ -50,19 +77,23 @@ inline void task(float *out, const float *x, int64_t ldx, const float *w, int64_
         for (int64_t k = 0; k < K; ++k) col[k * 8] = n < nc ? wn[k] : 0.f;
         b[n] = bias && n < nc ? bias[n_begin + n] : 0.f;
     }
-    for (int64_t g = 0; g < groups; ++g) {
-        const int64_t n0 = g * 8, valid = std::min<int64_t>(8, nc - n0);
-        const __m256 bg = _mm256_loadu_ps(b + n0);
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) { // two groups per pass: each x broadcast feeds 2 FMAs
+        const __m256 b0 = _mm256_loadu_ps(b + g * 8), b1 = _mm256_loadu_ps(b + g * 8 + 8);
         for (int64_t m = m_begin; m < m_end; ++m) {
-            const __m256 y = _mm256_add_ps(dot8(x + m * ldx, wT + g * 8 * K, K), bg);
-            float *om = out + m * N + n_begin + n0;
-            if (valid == 8) {
-                _mm256_storeu_ps(om, y);
-            } else { // the last, partial group
-                alignas(32) float tail[8];
-                _mm256_store_ps(tail, y);
-                std::copy(tail, tail + valid, om);
-            }
+            __m256 y[2];
+            dot8<2>(x + m * ldx, wT + g * 8 * K, K, y);
+            float *om = out + m * N + n_begin + g * 8;
+            store8(om, _mm256_add_ps(y[0], b0), 8);
+            store8(om + 8, _mm256_add_ps(y[1], b1), nc - g * 8 - 8);
+        }
+    }
+    if (g < groups) {
+        const __m256 b0 = _mm256_loadu_ps(b + g * 8);
+        for (int64_t m = m_begin; m < m_end; ++m) {
+            __m256 y[1];
+            dot8<1>(x + m * ldx, wT + g * 8 * K, K, y);
+            store8(out + m * N + n_begin + g * 8, _mm256_add_ps(y[0], b0), nc - g * 8);
         }
     }
 }
