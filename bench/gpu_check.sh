@@ -111,7 +111,7 @@ fi
 if has steady; then # issue 33: steady decode of B rows x 600 cached tokens against a static-batch torch.compile model
   for shape in ${STEADY_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
     log "bench/steady_decode.py --shape $shape --batch ${STEADY_BATCH:-64 256}"
-    timeout ${T_STEADY:-300} python3 bench/steady_decode.py --shape $shape --device cuda --batch ${STEADY_BATCH:-64 256} \
+    timeout ${T_STEADY:-300} python3 bench/steady_decode.py --shape $shape --device cuda --batch ${STEADY_BATCH:-64 256} --peer-timeout ${T_PEER:-600} ${STEADY_ARGS:-} \
       --json "$OUT/steady_$shape.json" 2>&1 | tee "$OUT/steady_$shape.log" | grep -v Warning |
       grep -E "^\||Error|error|failed|Segmentation" | tee -a "$OUT/summary.txt"
   done
@@ -158,8 +158,8 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
       --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
       tee -a "$OUT/summary.txt"
   done
-  for tp in ${TP_SIZES:-2}; do # A/B against the default: small all-reduces over peer memory; steps not chained
-    for env in ${TP_AB:-LLAISYS_PEER_ALLREDUCE=1 LLAISYS_OVERLAP=0}; do
+  for tp in ${TP_SIZES:-2}; do # A/B against the default: NCCL alone (no peer path); steps not chained
+    for env in ${TP_AB:-LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0}; do
       log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, $env"
       env $env timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
         --prompt-len 128 --new-tokens 256 -tp $tp 2>&1 | grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
@@ -197,10 +197,14 @@ fi
 if has breakdown; then # per-kernel time of a decode step of the batched engine (PDL off: durations add up)
   # BREAKDOWNS: the runs, ';'-separated (default: both shapes in bf16, the 1.5B Q4_K_M GGUF, 0.5B at batch 256)
   IFS=';' read -ra runs <<<"${BREAKDOWNS:---shape qwen2-0.5b;--shape qwen2-1.5b;--shape qwen2-1.5b --gguf-types q4_k_m;--shape qwen2-0.5b --batch 256 --steps 8}"
+  # BREAKDOWN_ENVS: space-separated VAR=value settings, each run of every BREAKDOWNS entry (an A/B; default: none)
   for args in "${runs[@]}"; do
-    log "decode breakdown $args"
-    LLAISYS_PDL=0 timeout 180 python3 bench/decode_breakdown.py $args --json "$OUT/breakdown_$(echo $args | tr -d ' -').json" \
-      2>&1 | grep -v Warning | head -24 | tee -a "$OUT/summary.txt"
+    for setting in ${BREAKDOWN_ENVS:-LLAISYS_PDL=0}; do
+      log "decode breakdown $args ($setting)"
+      env LLAISYS_PDL=0 $setting timeout 180 python3 bench/decode_breakdown.py $args \
+        --json "$OUT/breakdown_$(echo $args $setting | tr -d ' =-').json" 2>&1 | grep -v Warning | head -${BREAKDOWN_LINES:-24} |
+        tee -a "$OUT/summary.txt"
+    done
   done
 fi
 if has bench; then

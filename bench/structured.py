@@ -4,7 +4,11 @@ requests against unconstrained ones of the same length, at batch 1 and a larger 
 steps on and/or off. With overlap on, a constrained step's masks are computed while the device runs its
 forward (ModelRunner.sample_deferred); "hidden" is the share of the host's mask time that did not add to
 the wall time: 1 - max(0, constrained - unconstrained) / mask time (0 on the CPU, which runs every call
-synchronously).
+synchronously). With overlap on it prints the host's path per overlapped step (EngineCore.timing), for the
+constrained run and its free twin: from a step's tokens on the host to the next step's masked sampling
+enqueued (accounting, the matchers' consumes, the masks, the sampling's launch: on a GPU the device idles
+where this exceeds the forward; on the CPU the call also runs the sampling), to step()'s return, and the
+time outside EngineCore.step (the loop's delivery) before the step after is launched.
 
     LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/structured.py                 # default model, CPU
     python bench/structured.py --device cuda --batch 1 64 --repeat 3 --json $OUT/structured.json      # GPU, real model
@@ -48,7 +52,9 @@ PROMPT = "Write one user record for our admin panel as JSON:\n"
 def run(eng, batch: int, constrained: bool, max_new: int, lengths=None) -> tuple[list, float, dict]:
     """(outputs, wall seconds, the engine's counters over the run)."""
     core = eng._core
-    before = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps)
+    host = ("overlapped", "to_return_s", "betweens", "between_s", "deferred", "to_sample_s", "consume_s")
+    before = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps,
+              *(core.timing[k] for k in host))
     prompts = [PROMPT + f"(record {i})" for i in range(batch)]
     # repetition_penalty 1: the default model's generation_config asks 1.1, and a penalised row is never
     # overlapped (its penalty ids change every step), which would hide what this measures
@@ -60,9 +66,13 @@ def run(eng, batch: int, constrained: bool, max_new: int, lengths=None) -> tuple
     t = time.perf_counter()
     out = eng.generate(prompts, **kw)
     wall = time.perf_counter() - t
-    after = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps)
-    mask_s, rows, steps, deferred = (a - b for a, b in zip(after, before))
-    return out, wall, dict(mask_s=mask_s, rows=rows, steps=steps, deferred=deferred)
+    after = (core.runner.mask_s, core.runner.mask_rows, core.timing["steps"], core.runner.deferred_steps,
+             *(core.timing[k] for k in host))
+    mask_s, rows, steps, deferred, n, to_return, n_between, between, n_def, to_sample, consume = (
+        a - b for a, b in zip(after, before))
+    return out, wall, dict(mask_s=mask_s, rows=rows, steps=steps, deferred=deferred,
+                           to_return_ms=to_return / max(n, 1) * 1e3, between_ms=between / max(n_between, 1) * 1e3,
+                           to_sample_ms=to_sample / max(n_def, 1) * 1e3, consume_ms=consume / max(steps, 1) * 1e3)
 
 
 def valid_json(text: str) -> bool:
@@ -78,13 +88,16 @@ def measure(eng, batch: int, repeat: int, max_new: int) -> dict:
     for _ in range(repeat):
         out, wall_c, c = run(eng, batch, True, max_new)
         lengths = [len(r.token_ids) for r in out]
-        _, wall_u, _ = run(eng, batch, False, max_new, lengths)
-        if not best or wall_c < best["constrained_s"]:
+        _, wall_u, u = run(eng, batch, False, max_new, lengths)
+        if wall_u < best.get("unconstrained_s", float("inf")):  # the free twin's host path, as it ran best
+            best.update(free_to_return_ms=u["to_return_ms"], free_between_ms=u["between_ms"])
+        if wall_c < best.get("constrained_s", float("inf")):
             best.update(constrained_s=wall_c, tokens=sum(lengths), steps=c["steps"],
                         complete=sum(r.finish_reason == "stop" and valid_json(r.text) for r in out),
                         mask_ms_per_token=c["mask_s"] / max(c["rows"], 1) * 1e3,
                         mask_ms_per_step=c["mask_s"] / max(c["steps"], 1) * 1e3, mask_s=c["mask_s"],
-                        overlapped_share=c["deferred"] / max(c["steps"], 1))
+                        overlapped_share=c["deferred"] / max(c["steps"], 1),
+                        **{k: c[k] for k in ("to_return_ms", "to_sample_ms", "between_ms", "consume_ms")})
         best["unconstrained_s"] = min(best.get("unconstrained_s", float("inf")), wall_u)
     best["ratio"] = best["constrained_s"] / best["unconstrained_s"]
     extra = max(0.0, best["constrained_s"] - best["unconstrained_s"])
@@ -136,7 +149,12 @@ def main() -> int:
                   f"({best['complete']}/{batch} complete JSON), constrained {best['constrained_s']:.3f} s vs "
                   f"unconstrained {best['unconstrained_s']:.3f} s (x{best['ratio']:.3f}); mask "
                   f"{best['mask_ms_per_token']:.3f} ms a token, {best['mask_ms_per_step']:.3f} ms a step, "
-                  f"{best['overlapped_share']:.0%} of steps overlapped, hidden {best['hidden']:.0%}", flush=True)
+                  f"{best['overlapped_share']:.0%} of steps overlapped, hidden {best['hidden']:.0%}; consumes "
+                  f"{best['consume_ms']:.3f} ms a step" + (f"; host per overlapped step, constrained vs free: "
+                  f"tokens -> masked sampling {best['to_sample_ms']:.3f} ms, tokens -> step() returns "
+                  f"{best['to_return_ms']:.3f} vs {best['free_to_return_ms']:.3f} ms, outside step() "
+                  f"{best['between_ms']:.3f} vs {best['free_between_ms']:.3f} ms"
+                  if best["overlapped_share"] else ""), flush=True)
         eng.close()
     print(f"schema compile: {res['compile_cold_ms']:.1f} ms cold, {res['compile_cached_ms']:.3f} ms cached; "
           f"llguidance tokenizer {res['ll_tokenizer_s']:.2f} s (once per engine)")

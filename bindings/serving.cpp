@@ -208,10 +208,11 @@ void bind_serving(nb::module_ &m) {
              nb::arg("cuda_graphs"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>());
     bind_steps(runner);
     runner.def("sample_deferred", [](Runner &r, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
-                                     size_t num_rows) {
-        std::vector<std::vector<int32_t>> masks = row_masks(num_rows, token_mask, mask_rows);
-        nb::gil_scoped_release release;
-        r.sample_deferred(std::move(masks));
+                                     int64_t num_rows) {
+        const int64_t M = token_mask ? int64_t(token_mask->shape(0)) : 0;
+        const int64_t W = token_mask ? int64_t(token_mask->shape(1)) : 0;
+        nb::gil_scoped_release release; // the array is read in the call (token_mask keeps it alive)
+        r.sample_deferred(token_mask ? token_mask->data() : nullptr, M, W, mask_rows, num_rows);
     }, nb::arg("token_mask").none(), nb::arg("mask_rows"), nb::arg("num_rows"),
        "Samples the deferred launch (launch(defer_sampling=True)) of num_rows rows, rows mask_rows masked by "
        "token_mask [M, ceil(vocab / 32)] (i32).");

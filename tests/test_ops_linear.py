@@ -34,6 +34,7 @@ SHAPES = [  # (M, K, N)
     (8, 1030, 77), (9, 67, 100), (2, 8961, 13),  # the GEMV's last M, cuBLASLt's first, a multi-chunk K
     (1, 4104, 1111),  # M = 1, x loaded next to W in 3 batches on a lane (9 vectors; 2 warps per row on an H100)
     (1, 896, 1152), (1, 2048, 300),  # M = 1, 3.5 and 8 vectors a lane (test_linear_constant_weight has them too)
+    (256, 32, 512), (9, 64, 19), (8, 8, 3),  # f32 at K <= 64 with M >= 8: the CPU's small-K path (N along vectors)
 ]
 
 
@@ -111,6 +112,27 @@ def test_linear_noncontiguous_operands(device, dtype, M):
     wt, wt64 = rand((K, N), dtype, device, seed=10)
     out2 = run_linear(x, wt.transpose(0, 1), None, (M, N), dtype, device)
     assert_close(out2, ref_linear(x64, wt64.T), dtype, **tol(dtype, K))
+
+
+@pytest.mark.parametrize("K,N", [(8, 3), (32, 512), (24, 77), (64, 9), (72, 16), (19, 40)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_cpu_row_bits_independent_of_batch(K, N, with_bias):
+    """A row's output bits do not depend on how many rows share the call: on the CPU, f32 at K <= 64 (K a
+    multiple of 8) takes another kernel from M = 8 on (outputs along N), which must add each output's
+    products exactly as the one-row kernel does. Signed zeros, Inf and NaN included."""
+    M = 37
+    x, _ = rand((M, K + 3), "f32", seed=11, scale=3.0)
+    x = x.slice(1, 2, 2 + K)  # rows K + 3 apart
+    xa = x.to("cpu").numpy()
+    xa[0, :] = 0.0
+    xa[1, :] = -0.0
+    xa[2, 1], xa[3, 2] = np.inf, np.nan
+    w, _ = rand((N, K), "f32", seed=12)
+    b = rand((N,), "f32", seed=13)[0] if with_bias else None
+    whole = run_linear(x, w, b, (M, N), "f32", "cpu")
+    for m in range(M):
+        one = run_linear(x.slice(0, m, m + 1), w, b, (1, N), "f32", "cpu")
+        np.testing.assert_array_equal(bits(one)[0], bits(whole)[m], err_msg=f"row {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -105,6 +105,20 @@ def test_argmax_rows_without_a_finite_max_give_minus_one(device, dtype, V):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_argmax_signed_zero_ties_take_the_first_index(device):
+    """-0 and +0 are equal: the first of them wins wherever it sits (the CPU compares f32 rows 8 at a time,
+    so before, inside and after a block of 8, and in the tail)."""
+    a = np.full((4, 37), -1.0, dtype=np.float32)
+    a[0, [3, 9]] = [-0.0, 0.0]
+    a[1, [9, 3]] = [-0.0, 0.0]
+    a[2, [17, 35]] = [0.0, -0.0]
+    a[3, [33, 36]] = [-0.0, 0.0]
+    idx, val = run_argmax(vec(a, "f32", device), device)
+    np.testing.assert_array_equal(idx, [3, 3, 17, 33])
+    np.testing.assert_array_equal(np.signbit(val), [True, False, False, True])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_argmax_single_values(device):
     a = np.array([[np.nan], [np.inf], [-np.inf], [-3.0]])
     idx, val = run_argmax(vec(a, "f32", device), device)

@@ -185,23 +185,74 @@ def test_sample_deferred_without_a_deferred_launch_raises(tiny):
         eng.close()
 
 
-def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch):
+def deferred_launch(eng, n=2, temperature=0.0):
+    """An n-row decode at position 0 (blocks 1..n) launched with its sampling deferred, on the binding."""
+    import numpy as np
+    runner, bs = eng._core.runner.runner, eng._core.config.block_size
+    f32, i32, u64 = (lambda v: np.array(v, np.float32)), (lambda v: np.array(v, np.int32)), np.uint64
+    runner.launch(np.arange(5, 5 + n), np.zeros(n, np.int64), np.arange(1, n + 1) * bs, i32(range(n + 1)),
+                  i32([1] * n), i32([[r + 1] for r in range(n)]), f32([temperature] * n), i32([0] * n),
+                  f32([1.0] * n), f32([0.0] * n), f32([1.0] * n), np.arange(n, dtype=u64), np.zeros(n, u64),
+                  i32([-1] * n), [[]] * n, [[]] * n, False, None, [], True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, device):
+    """sample_deferred's masks: every row masked in order (uploaded straight from the array) or some rows
+    (scattered into a batch mask): a mask that allows one token is that row's token, greedy or sampled. Bad
+    arguments raise naming the problem (the launch is then lost: finish() has nothing of it)."""
+    import numpy as np
+    eng = f32_engine(tiny, device, True)
+    try:
+        r, W = eng._core.runner.runner, (eng.config.vocab_size + 31) // 32
+
+        def only(*tokens):
+            m = np.zeros((len(tokens), W), np.int32)
+            for j, t in enumerate(tokens):
+                m[j, t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            return m
+        for temperature in (0.0, 0.9):
+            deferred_launch(eng, temperature=temperature)
+            r.sample_deferred(only(40, 77), [0, 1], 2)
+            assert r.finish() == [40, 77]
+            deferred_launch(eng, temperature=temperature)
+            r.sample_deferred(only(33), [1], 2)
+            assert r.finish()[1] == 33
+            deferred_launch(eng, temperature=temperature)
+            r.sample_deferred(only(12, 19), [1, 0], 2)  # rows out of order
+            assert r.finish() == [19, 12]
+        for args, match in [((only(4), [0, 1], 2), "has 1 rows but mask_rows names 2"),
+                            ((only(4), [2], 2), "mask row 2 outside the batch of 2"),
+                            ((None, [], 3), "num_rows 3 for a launch of 2 rows"),
+                            ((np.zeros((1, W + 1), np.int32), [0], 2), f"{W + 1} words a row")]:
+            deferred_launch(eng)
+            with pytest.raises((ValueError, IndexError), match=match):
+                r.sample_deferred(*args)
+            assert r.launched == 0
+        assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch, threads):
     """Constrained rows join the persistent decode batch (batch.py): their masks come from their matchers,
-    their tokens advance them, a complete grammar ends its row. The same tokens as overlap off, and as the
-    general path (no row eligible for the batch)."""
+    their tokens advance them (MaskFiller.advance; threads 4: the masks on llguidance's pool), a complete
+    grammar ends its row. The same tokens as overlap off, and as the
+    general path (no row eligible for the batch: one consume after another)."""
     def go(eng):
         ps = token_prompts(eng.config.vocab_size, [5, 9, 14, 4], seed=15)
         out = eng.generate(ps, max_new_tokens=[30, 24, 36, 20], temperature=[0, 0.8, 0, 0.6], seed=2,
                            ignore_eos=[True, False, False, True], json_schema=[None, SCHEMA, None, None],
                            choice=[None, None, ["yes", "no"], None], regex=[None, None, None, "[a-z ]{1,40}"])
         return result(out), eng.stats()["decode_batch_steps"]
-    (tokens, batch_steps), (over, _), n = run_both(tiny, go)
+    (tokens, batch_steps), (over, _), n = run_both(tiny, go, mask_threads=threads)
     assert over == tokens and n > 0
     assert batch_steps > 10  # overlap off: the rows ran from the batch arrays (chained steps are not counted)
     assert tokens[2][1] == "stop"  # the choice row ended by its grammar
     from llaisys.engine import scheduler
     monkeypatch.setattr(scheduler, "eligible", lambda seq: False)
-    (general, general_steps), (general_over, _), _ = run_both(tiny, go)
+    (general, general_steps), (general_over, _), _ = run_both(tiny, go, mask_threads=threads)
     assert general_steps == 0 and general == tokens and general_over == tokens
 
 
@@ -224,5 +275,40 @@ def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
         pooled = np.full_like(one, 7)
         MaskFiller(4).fill(cs, pooled)
         assert (pooled == one).all() and (one != -1).any()
+    finally:
+        eng.close()
+
+
+def test_mask_filler_advance_gives_the_states_of_one_consume_at_a_time(tiny):
+    """MaskFiller.advance pooled (llguidance's consume_token_par on its pool) against each matcher's own consume:
+    the same masks after, the same done/error states, a refused token an error either way."""
+    import numpy as np
+
+    from llaisys.constraints import Constraint, MaskFiller, compile_constraint
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        lltok, V, enc = eng._admit.ll_tokenizer(), eng.config.vocab_size, eng.tokenizer.encode
+        grammars = [compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
+                    compile_constraint(choice=["yes", "no"]), compile_constraint(regex="[0-9]+")]
+        texts = ['{"n": 12, "c": "red", "ok": true}', "2024-01-31", "yes", "12x"]  # "x": refused
+        streams = [enc(t) for t in texts]
+        one, par = ([Constraint(lltok, g) for g in grammars] for _ in range(2))
+        pool = MaskFiller(4)
+        for i in range(max(map(len, streams))):
+            live = [j for j, s in enumerate(streams) if i < len(s)]
+            for j in live:
+                one[j].consume(streams[j][i])
+            pool.advance([par[j] for j in live], [streams[j][i] for j in live], pooled=True)
+            a, b = (np.empty((len(live), (V + 31) // 32), np.int32) for _ in range(2))
+            ok = [j for j in live if one[j].error is None]
+            for j, row in zip(ok, a):
+                one[j].mask_into(row)
+            pool.fill([par[j] for j in ok], b[:len(ok)])
+            assert (a[:len(ok)] == b[:len(ok)]).all()
+            # (an error's text carries llguidance's timings: whether there is one is what must agree)
+            assert [(one[j].done, one[j].error is None) for j in live] == [(par[j].done, par[j].error is None)
+                                                                          for j in live]
+        # complete, or failed (a failed matcher is stopped too: _constrained_end looks at the error first)
+        assert all(c.done for c in par) and [c.error is None for c in par] == [True, True, True, False]
     finally:
         eng.close()

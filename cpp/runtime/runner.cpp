@@ -8,6 +8,7 @@
 #include "runtime/staging.hpp"
 
 #include <algorithm>
+#include <cstring>
 
 namespace llaisys::runtime {
 
@@ -261,10 +262,15 @@ void Runner::apply_masks(const Tensor &logits, const std::vector<RowSampling> &r
 
 // The processors in order (repetition penalty, biases, token masks), the draw, then each penalised row's
 // token into its seen set (on the device: the next step, chained or not, penalises it).
-void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows) {
+void Runner::sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows,
+                    const Tensor *masks) {
     const Tensor seen_rows = apply_repetition_penalties(logits, rows, seen_, *staging_);
     apply_biases(logits, rows, *staging_);
-    apply_masks(logits, rows);
+    if (masks) {
+        ops::token_mask(logits, *masks);
+    } else {
+        apply_masks(logits, rows);
+    }
     draw(out, logits, rows);
     if (seen_rows.defined()) ops::seen_mark(seen_, seen_rows, out);
 }
@@ -380,17 +386,43 @@ void Runner::forward(const HostBatch &b, int64_t size, bool chain) {
     last_logits_ = model_.forward_step(s, pool_.view());
 }
 
-void Runner::sample_deferred(std::vector<std::vector<int32_t>> allowed) {
+void Runner::sample_deferred(const int32_t *mask, int64_t M, int64_t W, const std::vector<int64_t> &mask_rows,
+                             int64_t num_rows) {
     LLAISYS_CHECK(deferred_ != nullptr, std::invalid_argument, "Runner.sample_deferred: no deferred launch");
     std::vector<RowSampling> rows = std::move(*deferred_);
     deferred_.reset(); // taken even if what follows raises: the step is then lost, never half-sampled twice
-    LLAISYS_CHECK(allowed.size() == rows.size(), std::invalid_argument, "Runner.sample_deferred: ", allowed.size(),
-                  " masks for a launch of ", rows.size(), " rows");
-    for (size_t i = 0; i < rows.size(); ++i) rows[i].allowed = std::move(allowed[i]);
+    const int64_t B = int64_t(rows.size());
+    LLAISYS_CHECK(num_rows == B, std::invalid_argument, "Runner.sample_deferred: num_rows ", num_rows,
+                  " for a launch of ", B, " rows");
     DeviceGuard guard(model_.device());
-    const Tensor ids = Tensor::empty({int64_t(rows.size())}, DType::I64, model_.device());
-    sample(ids, last_logits_, rows);
+    const Tensor masks = upload_masks(mask, M, W, mask_rows, B);
+    const Tensor ids = Tensor::empty({B}, DType::I64, model_.device());
+    sample(ids, last_logits_, rows, masks.defined() ? &masks : nullptr);
     record(ids, rows);
+}
+
+// sample_deferred's masks as one [B, W] device tensor (an unmasked row's words all ones), or undefined when
+// M = 0. Every row masked in order (a batch of constrained rows): one copy, from `mask` itself.
+Tensor Runner::upload_masks(const int32_t *mask, int64_t M, int64_t W, const std::vector<int64_t> &mask_rows,
+                            int64_t B) {
+    LLAISYS_CHECK(M == int64_t(mask_rows.size()), std::invalid_argument, "Runner.sample_deferred: token_mask has ",
+                  M, " rows but mask_rows names ", mask_rows.size());
+    if (M == 0) return Tensor();
+    const int64_t words = (last_logits_.size(1) + 31) / 32;
+    LLAISYS_CHECK(W == words, std::invalid_argument, "Runner.sample_deferred: the token masks have ", W,
+                  " words a row; a vocabulary of ", last_logits_.size(1), " needs ", words);
+    bool in_order = M == B;
+    for (int64_t j = 0; j < M; ++j) {
+        LLAISYS_CHECK(mask_rows[size_t(j)] >= 0 && mask_rows[size_t(j)] < B, std::out_of_range,
+                      "Runner.sample_deferred: mask row ", mask_rows[size_t(j)], " outside the batch of ", B);
+        in_order = in_order && mask_rows[size_t(j)] == j;
+    }
+    const size_t row_bytes = size_t(W) * sizeof(int32_t);
+    if (in_order) return staging_->upload_bytes(mask, size_t(B) * row_bytes, {B, W}, DType::I32);
+    masks_host_.assign(size_t(B * W), -1);
+    for (int64_t j = 0; j < M; ++j)
+        std::memcpy(masks_host_.data() + mask_rows[size_t(j)] * W, mask + j * W, row_bytes);
+    return staging_->upload_bytes(masks_host_.data(), size_t(B) * row_bytes, {B, W}, DType::I32);
 }
 
 // The launch's tokens `ids` (on the device) on their way to the host: an event finish() waits for.
@@ -419,7 +451,7 @@ void Runner::chain_ids(const Tensor &dst, const Tensor &from) {
 }
 
 std::vector<int64_t> Runner::finish() {
-    if (inflight_.empty() && deferred_) sample_deferred(std::vector<std::vector<int32_t>>(deferred_->size()));
+    if (inflight_.empty() && deferred_) sample_deferred(nullptr, 0, 0, {}, int64_t(deferred_->size()));
     LLAISYS_CHECK(!inflight_.empty(), std::invalid_argument, "Runner.finish: no launched step to finish");
     std::unique_ptr<Inflight> f = std::move(inflight_.front());
     inflight_.pop_front();

@@ -134,7 +134,7 @@ std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &de
                       count, ")");
     std::vector<ncclComm_t> comms(devices.size());
     LLAISYS_NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
-    // LLAISYS_PEER_ALLREDUCE=1: messages up to LLAISYS_PEER_ALLREDUCE_KB (default 512: a decode step's
+    // The peer path (on by default for 2 ranks, LLAISYS_PEER_ALLREDUCE; peer_all_reduce.hpp): messages up to LLAISYS_PEER_ALLREDUCE_KB (default 512: a decode step's
     // activations up to batch ~64 of a 7B model) go over peer memory where every pair of GPUs reaches the other's
     const char *kb = std::getenv("LLAISYS_PEER_ALLREDUCE_KB");
     const size_t max_bytes = size_t(kb != nullptr && std::atol(kb) > 0 ? std::atol(kb) : 512) * 1024;

@@ -78,9 +78,12 @@ public:
     // Until then no other launch, step or logits call is taken; finish() of the step ahead is.
     void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain,
                 bool defer_sampling = false);
-    // Completes the deferred launch: allowed[b] is row b's token bitmask ([ceil(vocab / 32)] words; empty:
-    // unconstrained). Its tokens come from finish() like any launch's.
-    void sample_deferred(std::vector<std::vector<int32_t>> allowed);
+    // Completes the deferred launch of num_rows rows: row mask_rows[j] gets the token bitmask mask[j]
+    // (mask: [M, W] i32, C-contiguous, W = ceil(vocab / 32); M = 0: no row masked). The masks reach the
+    // device in one copy (straight from `mask` when every row is masked, in order): on the host's path from
+    // the step ahead's tokens to this sampling. Its tokens come from finish() like any launch's.
+    void sample_deferred(const int32_t *mask, int64_t M, int64_t W, const std::vector<int64_t> &mask_rows,
+                         int64_t num_rows);
     std::vector<int64_t> finish();
     // Writes a sequence's seen set (for its repetition penalty): row `row` of the device bitmask [S, W]
     // becomes words ([W = ceil(vocab / 32)] i32, bit v % 32 of word v / 32 = token v), stream-ordered behind
@@ -116,7 +119,11 @@ private:
     std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
                                      int64_t size);
     void forward(const HostBatch &batch, int64_t size, bool chain);
-    void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
+    // masks: [B, W] token bitmasks on the device for every row, instead of the rows' `allowed` (sample_deferred)
+    void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows,
+                const Tensor *masks = nullptr);
+    Tensor upload_masks(const int32_t *mask, int64_t M, int64_t W, const std::vector<int64_t> &mask_rows,
+                        int64_t B);
     void draw(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows);
     void record(const Tensor &ids, const std::vector<RowSampling> &rows);
     void apply_masks(const Tensor &logits, const std::vector<RowSampling> &rows);
@@ -137,6 +144,7 @@ private:
     std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
     std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
+    std::vector<int32_t> masks_host_; // sample_deferred's [B, W] masks when only some rows are masked (reused)
     Tensor seen_; // i32 [S, ceil(vocab / 32)]: the sequences' seen sets (set_seen), on the model's device
 };
 

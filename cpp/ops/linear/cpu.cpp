@@ -6,12 +6,14 @@
 // so every loaded vector feeds 4 FMAs, and tasks of [MC x NC] outputs keep their W rows in L2 while
 // all their x rows pass over them.
 #include "ops/linear/linear.hpp"
+#include "ops/linear/small_k.hpp"
 
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cpu.hpp"
 
 #include <memory>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -269,6 +271,12 @@ void linear_tiled(const TiledArgs<S, T> &a) {
     const int64_t n_tasks = (a.N + nc - 1) / nc, tasks = m_tasks * n_tasks;
     run_tasks(tasks, a.M * a.N * a.K >= (1 << 16), [&](int64_t t) {
         const int64_t m = t / n_tasks * mc, n = t % n_tasks * nc;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        if constexpr (std::is_same_v<S, Avx2F32>)
+            if (small_k::fits(a.M, a.K))
+                return small_k::task(a.out, a.x, a.ldx, a.w, a.ldw, a.bias, a.N, a.K, m, std::min(a.M, m + mc), n,
+                                     std::min(a.N, n + nc));
+#endif
         run_task(a, m, std::min(a.M, m + mc), n, std::min(a.N, n + nc));
     });
 }

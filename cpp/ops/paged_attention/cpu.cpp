@@ -7,7 +7,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace llaisys::ops::cpu {
 
@@ -66,16 +71,79 @@ struct RowState {
     float *acc;
 };
 
-// Folds the first n keys of a gathered tile into a row's state. q [hd] is pre-scaled, kT [hd, kKeyTile]
-// (transposed: one vectorised loop accumulates the scores of many keys), v [n, hd].
-void fold_tile(RowState &st, const float *q, const float *kT, const float *v, int64_t n, int64_t hd,
-               float *scores) {
-    std::fill(scores, scores + n, 0.f);
-    for (int64_t d = 0; d < hd; ++d) {
-        const float qd = q[d], *kd = kT + d * kKeyTile;
-#pragma omp simd
-        for (int64_t c = 0; c < n; ++c) scores[c] += qd * kd[c];
+// a * b + c rounded once where the build has FMA (as the vectorised loops below compute it), else twice.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+    return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+// The two sums of a tile, each element summed in the same order as a plain loop would (scores over d, the
+// output over keys), with the running sums in registers: summed through memory, each step of a row waited
+// for the previous step's store (FMA + store-forwarding latency per key).
+
+// scores[c] = q . kT[:, c] for c < n, each over d in order.
+void tile_scores(const float *q, const float *kT, int64_t n, int64_t hd, float *scores) {
+    int64_t c0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; c0 + 16 <= n; c0 += 16) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; ++d) {
+            const __m256 qd = _mm256_broadcast_ss(q + d);
+            const float *kd = kT + d * kKeyTile + c0;
+            s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), s0);
+            s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), s1);
+        }
+        _mm256_storeu_ps(scores + c0, s0);
+        _mm256_storeu_ps(scores + c0 + 8, s1);
     }
+    for (; c0 + 8 <= n; c0 += 8) {
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; ++d) s = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), _mm256_loadu_ps(kT + d * kKeyTile + c0), s);
+        _mm256_storeu_ps(scores + c0, s);
+    }
+#endif
+    for (; c0 < n; ++c0) {
+        float s = 0.f;
+        for (int64_t d = 0; d < hd; ++d) s = madd(q[d], kT[d * kKeyTile + c0], s);
+        scores[c0] = s;
+    }
+}
+
+// acc[d] += p[c] * v[c][d] for c < n, each over c in key order (v[c]: key c's row [hd]).
+void tile_values(float *acc, const float *p, const float *const *v, int64_t n, int64_t hd) {
+    int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d0 + 16 <= hd; d0 += 16) {
+        __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
+        for (int64_t c = 0; c < n; ++c) {
+            const __m256 pc = _mm256_broadcast_ss(p + c);
+            a0 = _mm256_fmadd_ps(pc, _mm256_loadu_ps(v[c] + d0), a0);
+            a1 = _mm256_fmadd_ps(pc, _mm256_loadu_ps(v[c] + d0 + 8), a1);
+        }
+        _mm256_storeu_ps(acc + d0, a0);
+        _mm256_storeu_ps(acc + d0 + 8, a1);
+    }
+    for (; d0 + 8 <= hd; d0 += 8) {
+        __m256 a = _mm256_loadu_ps(acc + d0);
+        for (int64_t c = 0; c < n; ++c) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + c), _mm256_loadu_ps(v[c] + d0), a);
+        _mm256_storeu_ps(acc + d0, a);
+    }
+#endif
+    for (; d0 < hd; ++d0) {
+        float a = acc[d0];
+        for (int64_t c = 0; c < n; ++c) a = madd(p[c], v[c][d0], a);
+        acc[d0] = a;
+    }
+}
+
+// Folds the first n keys of a gathered tile into a row's state. q [hd] is pre-scaled, kT [hd, kKeyTile]
+// (transposed: one vectorised loop accumulates the scores of many keys), v [n] the keys' value rows [hd].
+void fold_tile(RowState &st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
+               float *scores) {
+    tile_scores(q, kT, n, hd, scores);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < n; ++c) mx = std::max(mx, scores[c]); // skips a NaN score; the sum keeps it
     const float m_new = std::max(st.m, mx);
@@ -86,19 +154,78 @@ void fold_tile(RowState &st, const float *q, const float *kT, const float *v, in
     // the tile's weights in one vectorised pass (vexp.hpp; a libm call per key kept it scalar), then summed
     // in key order as before
     for (int64_t c = 0; c < n; ++c) scores[c] = exp_nonpositive(scores[c] - m_ref);
-    for (int64_t c = 0; c < n; ++c) {
-        const float p = scores[c];
-        st.l += p;
-        const float *vc = v + c * hd;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) st.acc[d] += p * vc[d];
-    }
+    for (int64_t c = 0; c < n; ++c) st.l += scores[c];
+    tile_values(st.acc, scores, v, n, hd);
     st.m = m_new;
 }
 
 // A work item: queries [i0, i1) of sequence b with the heads of kv head kvh.
 struct Item {
     int64_t b, kvh, i0, i1;
+};
+
+// kT[d * kKeyTile + r] = k[r * row + d] for r < keys, d < hd: keys (rows `row` elements apart) transposed,
+// 8 x 8 at a time in registers where f32 allows (scalar stores 16 floats apart cost most of a decode
+// row's gather).
+template <typename T>
+void transpose_keys(const T *k, int64_t row, int64_t keys, int64_t hd, float *kT) {
+    int64_t r0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<T, float>)
+        if (hd % 8 == 0)
+            for (; r0 + 8 <= keys; r0 += 8)
+                for (int64_t d0 = 0; d0 < hd; d0 += 8) {
+                    __m256 r[8], t[8];
+                    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(k + (r0 + i) * row + d0);
+                    for (int i = 0; i < 8; i += 2) {
+                        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+                    }
+                    for (int i = 0; i < 8; i += 4) {
+                        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+                        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+                        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+                        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+                    }
+                    for (int i = 0; i < 4; ++i) { // column d0 + i in the low halves, d0 + 4 + i in the high
+                        _mm256_storeu_ps(kT + (d0 + i) * kKeyTile + r0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+                        _mm256_storeu_ps(kT + (d0 + 4 + i) * kKeyTile + r0, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+                    }
+                }
+#endif
+    for (; r0 < keys; ++r0)
+        for (int64_t d = 0; d < hd; ++d) kT[d * kKeyTile + r0] = load(k + r0 * row, d);
+}
+
+// Keys [j0, j0 + n) of the item's sequence: kT [hd, kKeyTile] (transposed, f32) and each key's value row
+// vrows[c] (the cache's own row for f32, else converted into vt [n, hd]). One block-table lookup per run of
+// keys inside a block (a division per key cost as much as a decode row's arithmetic at head_dim 16).
+template <typename T>
+void gather_tile(const Paged<T> &p, const Item &it, int64_t j0, int64_t n, float *kT, float *vt,
+                 const float **vrows) {
+    const int64_t hd = p.hd, row = p.nkvh * hd; // a cache row holds every kv head of one position
+    for (int64_t c = 0; c < n;) {
+        const int64_t j = j0 + c, run = std::min(n - c, p.block_size - j % p.block_size);
+        const int64_t o = p.kv_offset(it.b, j, it.kvh);
+        transpose_keys(p.k + o, row, run, hd, kT + c);
+        const T *v = p.v + o;
+        for (int64_t r = 0; r < run; ++r, ++c, v += row) {
+            if constexpr (std::is_same_v<T, float>) {
+                vrows[c] = v;
+            } else {
+                for (int64_t d = 0; d < hd; ++d) vt[c * hd + d] = load(v, d);
+                vrows[c] = vt + c * hd;
+            }
+        }
+    }
+}
+
+// An item's working memory, kept per thread: a decode batch runs B * nkvh items, and two heap allocations
+// per item cost about as much as its arithmetic at small head dims.
+struct Scratch {
+    std::vector<float> buf;
+    std::vector<RowState> st;
+    const float *vrows[kKeyTile];
 };
 
 // Runs one item: each tile of the sequence's keys is gathered through the block table and converted
@@ -111,35 +238,33 @@ void attend_item(const Paged<T> &p, const Item &it) {
     const int64_t kv_end = it.i1 + off, row0 = p.q_start[it.b] + it.i0;
     // first key query i sees
     const auto first_key = [&](int64_t i) { return p.window > 0 ? std::max<int64_t>(0, i + off - p.window + 1) : 0; };
-    std::vector<float> buf(size_t(2 * rows * hd + 2 * kKeyTile * hd + kKeyTile));
-    float *qs = buf.data(), *acc = qs + rows * hd, *kT = acc + rows * hd, *vt = kT + kKeyTile * hd,
+    static thread_local Scratch scratch;
+    const size_t need = size_t(2 * rows * hd + 2 * kKeyTile * hd + kKeyTile);
+    if (scratch.buf.size() < need) scratch.buf.resize(need);
+    if (scratch.st.size() < size_t(rows)) scratch.st.resize(size_t(rows));
+    float *qs = scratch.buf.data(), *acc = qs + rows * hd, *kT = acc + rows * hd, *vt = kT + kKeyTile * hd,
           *scores = vt + kKeyTile * hd;
-    std::vector<RowState> st(static_cast<size_t>(rows)); // row r = (query i0 + r / group, head kvh * group + r % group)
+    std::fill(acc, acc + rows * hd, 0.f);
+    RowState *st = scratch.st.data(); // row r = (query i0 + r / group, head kvh * group + r % group)
     for (int64_t r = 0; r < rows; ++r) {
         const T *src = p.q + (row0 + r / group) * p.q_s0 + (it.kvh * group + r % group) * p.q_s1;
         for (int64_t d = 0; d < hd; ++d) qs[r * hd + d] = load(src, d) * p.scale;
-        st[size_t(r)].acc = acc + r * hd;
+        st[r] = RowState{};
+        st[r].acc = acc + r * hd;
     }
     for (int64_t j0 = first_key(it.i0); j0 < kv_end; j0 += kKeyTile) {
         const int64_t n = std::min(kKeyTile, kv_end - j0);
-        for (int64_t c = 0; c < n; ++c) {
-            const int64_t o = p.kv_offset(it.b, j0 + c, it.kvh);
-            for (int64_t d = 0; d < hd; ++d) {
-                kT[d * kKeyTile + c] = load(p.k + o, d);
-                vt[c * hd + d] = load(p.v + o, d);
-            }
-        }
+        gather_tile(p, it, j0, n, kT, vt, scratch.vrows);
         for (int64_t r = 0; r < rows; ++r) { // the row sees the tile's keys [c0, visible)
             const int64_t i = it.i0 + r / group, visible = std::min(n, i + off + 1 - j0);
             const int64_t c0 = std::max<int64_t>(0, first_key(i) - j0);
-            if (visible > c0)
-                fold_tile(st[size_t(r)], qs + r * hd, kT + c0, vt + c0 * hd, visible - c0, hd, scores);
+            if (visible > c0) fold_tile(st[r], qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
         }
     }
     for (int64_t r = 0; r < rows; ++r) {
         T *dst = p.out + (row0 + r / group) * p.o_s0 + (it.kvh * group + r % group) * p.o_s1;
-        const float inv = 1.f / st[size_t(r)].l;
-        for (int64_t d = 0; d < hd; ++d) store(dst, d, st[size_t(r)].acc[d] * inv);
+        const float inv = 1.f / st[r].l;
+        for (int64_t d = 0; d < hd; ++d) store(dst, d, st[r].acc[d] * inv);
     }
 }
 

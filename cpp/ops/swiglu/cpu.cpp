@@ -16,7 +16,9 @@ namespace {
 // overflows and g / inf is -0 (g * 0 here; -inf * 0 is NaN as -inf / inf was). NaN in g or up propagates.
 inline float swiglu1(float g, float u) {
     const float x = g > 87.f ? -87.f : g < -88.f ? 88.f : -g;
-    const float s = g / (1.f + exp_clamped(x));
+    // g > 87: 1 + e^-87 rounds to 1, so the quotient is g itself; written as the division, GCC computed
+    // g / (1 + e^-87) as a second division a vector, and this loop was division-bound
+    const float s = g > 87.f ? g : g / (1.f + exp_clamped(x));
     return u * (g < -88.f ? g * 0.f : s);
 }
 

@@ -55,6 +55,15 @@ class EngineCore:
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
         self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
+        # the host's path on overlapped steps, between a step's tokens and the device's next work: tokens read ->
+        # step() returns ("to_return_s", over "overlapped" steps), of which, where a constrained row's sampling was
+        # deferred, tokens -> that sampling enqueued ("to_sample_s", over "deferred" steps; the device idles where
+        # it exceeds the forward); and the time outside step() until the next call launches the step after (the
+        # loop's delivery: "between_s", over "betweens" calls that found a step in flight). Read by
+        # bench/structured.py
+        self.timing.update(dict.fromkeys(("overlapped", "to_return_s", "deferred", "to_sample_s", "betweens",
+                                          "between_s", "consume_s"), 0))
+        self._returned = None  # when an overlapped step() last returned (for between_s)
 
     @property
     def broken(self) -> str:
@@ -115,6 +124,10 @@ class EngineCore:
         (Chainer.may_chain bounds how long that takes). Anything else (prefill, presence/frequency penalties,
         biases, logprobs, a sequence about to reach its length limit, no free block) runs the plain way."""
         t0 = time.perf_counter()
+        if self._returned is not None and self._inflight is not None:  # not an idle engine's wait
+            self.timing["between_s"] += t0 - self._returned
+            self.timing["betweens"] += 1
+        self._returned = None
         step = None  # the step whose tokens this call reads, once known
         try:
             if self._inflight is None:  # the scheduler (admissions, preemptions) never runs with a step in flight
@@ -136,6 +149,7 @@ class EngineCore:
                 self.runner.finish()
                 raise
             tokens = self.runner.finish()
+            t_tokens = time.perf_counter()
         except Exception as e:
             self._drain()
             if step is None:  # scheduling failed: not any one row's doing
@@ -146,10 +160,14 @@ class EngineCore:
             raise
         produced = self._account(step, tokens, t0, t1)
         if self.runner.deferred is not None:
-            self._sample_deferred()
+            self._sample_deferred(t_tokens)
+        t = self.timing
+        self._returned = time.perf_counter()
+        t["overlapped"] += 1
+        t["to_return_s"] += self._returned - t_tokens
         return produced, []
 
-    def _sample_deferred(self) -> None:
+    def _sample_deferred(self, t_tokens: float) -> None:
         """Completes the chained step launched without its sampling (a constrained row): its masks are
         computed now, from the matchers this step's tokens advanced, while the device runs its forward. A
         failure drops that step (its sequences run again from what the host knows: nothing of it was kept)."""
@@ -157,6 +175,9 @@ class EngineCore:
             self.runner.sample_deferred()
         except Exception:
             self._drain()
+            return
+        self.timing["deferred"] += 1
+        self.timing["to_sample_s"] += time.perf_counter() - t_tokens
 
     def _isolate(self, step, error: Exception, t0: float):
         """A step raised: one row's values (a penalty, say, that the sampler refuses or that makes its
@@ -268,9 +289,8 @@ class EngineCore:
             for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
                 self.blocks.register_full(seqs[row])
         produced = list(zip(seqs, tokens, entries))
-        for row in b.masked:  # constrained rows: their matchers advance; a complete grammar ends the row
-            if not eos[row] and self._constrained_end(seqs[row], tokens[row]):
-                length[row] = False
+        if b.masked:
+            self._advance_constrained(b, tokens, eos, length)
         if b.triggers:
             self._fire_triggers(b, tokens, eos | length)
         for row in np.flatnonzero(eos).tolist():
@@ -301,11 +321,27 @@ class EngineCore:
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
 
-    def _constrained_end(self, seq: Sequence, token: int) -> bool:
-        """Advances the sequence's matcher; ends the sequence ("stop") once its grammar is complete and
-        nothing may follow, or with an error if the matcher failed (a resource limit, a grammar bug)."""
+    def _advance_constrained(self, b, tokens: list[int], eos: np.ndarray, length: np.ndarray) -> None:
+        """The batch's constrained rows: their matchers advance with the step's tokens (MaskFiller.advance),
+        except where the token is an EOS (the row ends "stop" without it, as _account does); a row whose
+        grammar completes or fails ends here (then not by length). On the host's path between the tokens and
+        the next step's masked sampling (EngineCore.timing's consume_s)."""
+        t = time.perf_counter()
+        rows = [row for row in b.masked if not eos[row]]
+        seqs = [b.seqs[row] for row in rows]
+        self.runner.masks.advance([s.constraint for s in seqs], [tokens[row] for row in rows])
+        for row, seq in zip(rows, seqs):
+            if self._constrained_end(seq):
+                length[row] = False
+        self.timing["consume_s"] += time.perf_counter() - t
+
+    def _constrained_end(self, seq: Sequence, token: int | None = None) -> bool:
+        """Advances the sequence's matcher by `token` (None: advanced already); ends the sequence ("stop") once
+        its grammar is complete and nothing may follow, or with an error if the matcher failed (a resource
+        limit, a grammar bug)."""
         c = seq.constraint
-        c.consume(token)
+        if token is not None:
+            c.consume(token)
         if c.error is not None:
             seq.error = RuntimeError(f"structured output: {c.error}")
             self.finish(seq, "error")
