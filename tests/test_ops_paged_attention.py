@@ -381,27 +381,6 @@ def test_cuda_large(qlens, kvlens, block_size, heads, dtype, device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("lane_bytes", ["0", "8", "16"])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128), (8, 8, 64), (4, 2, 32), (6, 1, 64)],
-                         ids=["0.5B", "1.5B", "g1", "hd32", "g6"])
-@pytest.mark.parametrize("window", [0, 20])
-def test_cuda_decode_lane_layouts(heads, dtype, lane_bytes, window, monkeypatch):
-    """The decode kernel's lane layouts (LLAISYS_DECODE_LANE_BYTES: a key's head over 8 or 16 lanes with
-    8- or 16-byte loads, or over the whole warp): each against the float64 reference on decode batches of
-    lengths around its 8- and 32-key steps, split and unsplit, with and without a window; and the settled
-    history path gives the same bits as the plain one."""
-    monkeypatch.setenv("LLAISYS_DECODE_LANE_BYTES", lane_bytes)
-    kvlens = [1, 2, 7, 8, 9, 31, 33, 64, 65, 300, 1000, 0, 4100]
-    b = Batch([1 if kv else 0 for kv in kvlens], kvlens, 16, heads, dtype, "cuda", seed=21 + window, window=window)
-    scale = heads[2] ** -0.5
-    plain = check(b, scale)
-    settled = poisoned(b.shape, dtype, "cuda")
-    llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True, window=window)
-    np.testing.assert_array_equal(bits(settled), bits(plain))
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("heads", [(12, 2, 128), (14, 2, 64), (8, 8, 64)], ids=["1.5B", "0.5B", "g1"])
 def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype):

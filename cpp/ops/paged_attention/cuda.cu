@@ -15,8 +15,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <type_traits>
 
 namespace llaisys::ops::cuda {
 
@@ -258,51 +256,39 @@ struct Dims {
     __device__ __forceinline__ float operator[](int e) const { return to_f32(reinterpret_cast<const T *>(&raw)[e]); }
 };
 
-// v[r] holds this lane's part of row r's dot product (r < 8) over the G lanes of its key (G = 8, 16 or
-// 32: a lane group of the warp); returns the group's sum of row (lane % G) / (G / 8). A reduce-scatter:
-// each exchange hands the partner the half of the rows it keeps, 4 + 2 + 1 shuffles, then log2(G / 8) more
-// to sum the lanes left holding the same row: at G = 32, 9 instead of 8 x 5.
-template <int G>
+// v[r] holds this lane's part of row r's dot product (r < 8); returns the whole warp's sum of row
+// (lane >> 2) & 7 (four lanes hold each row). A reduce-scatter: each exchange hands the partner the half
+// of the rows it keeps, 4 + 2 + 1 shuffles, then 2 more to sum the last four lanes: 9 instead of 8 x 5.
 __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int lane) {
-    static_assert(G == 8 || G == 16 || G == 32, "a key's lanes: 8, 16 or 32");
     constexpr unsigned all = 0xffffffffu;
-    constexpr int m1 = G / 2, m2 = G / 4, m3 = G / 8;
-    const bool b1 = lane & m1, b2 = lane & m2, b3 = lane & m3;
+    const bool b16 = lane & 16, b8 = lane & 8, b4 = lane & 4;
     float v4[4], v2[2];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v4[i] = (b1 ? v[i + 4] : v[i]) + __shfl_xor_sync(all, b1 ? v[i] : v[i + 4], m1);
+    for (int i = 0; i < 4; ++i) v4[i] = (b16 ? v[i + 4] : v[i]) + __shfl_xor_sync(all, b16 ? v[i] : v[i + 4], 16);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) v2[i] = (b2 ? v4[i + 2] : v4[i]) + __shfl_xor_sync(all, b2 ? v4[i] : v4[i + 2], m2);
-    float x = (b3 ? v2[1] : v2[0]) + __shfl_xor_sync(all, b3 ? v2[0] : v2[1], m3);
-#pragma unroll
-    for (int m = G / 16; m >= 1; m /= 2) x += __shfl_xor_sync(all, x, m);
-    return x;
+    for (int i = 0; i < 2; ++i) v2[i] = (b8 ? v4[i + 2] : v4[i]) + __shfl_xor_sync(all, b8 ? v4[i] : v4[i + 2], 8);
+    float x = (b4 ? v2[1] : v2[0]) + __shfl_xor_sync(all, b4 ? v2[0] : v2[1], 4);
+    x += __shfl_xor_sync(all, x, 2);
+    return x + __shfl_xor_sync(all, x, 1);
 }
 
 // Decode steps (one query per sequence). The split kernel's blocks each walk 64 keys with a serial
 // instruction stream (thread = key, then thread = dim over every key) and at batch 1 only a dozen exist.
 // Here grid (nsplit, B * nkvh), 4 warps: a block takes one chunk (a multiple of 32 keys) of one kv head's
-// keys for the group's query heads (<= 8), and every warp walks its own 8 keys a step with no barrier.
-// A key's head is spread over G lanes, DPL = hd / G dims each (a load of up to 16 bytes); the warp's
-// 32 / G lane groups ("slots") take KS = 8 G / 32 of the step's keys each:
-//   a lane holds its dims of all 8 query rows (q), loads those dims of its slot's K and V rows (one
-//   block-table lookup per key, by lanes 0-7), forms 8 partial dot products per key and reduce-scatters
-//   them within its slot, so lane l ends with row (l % G) / (G / 8)'s scores for its slot's keys; the
+// keys for the group's query heads (<= 8), and every warp walks its own 8 keys a step with no barrier:
+//   lane = DPL = hd / 32 dims: the lane holds those dims of all 8 query rows (q), loads those dims of
+//   its warp's 8 K and 8 V rows at once (one block-table lookup per key, by lanes 0-7), forms 8 partial
+//   dot products per key and reduce-scatters them, so lane l ends with row (l >> 2)'s scores; the
 //   online softmax of that row runs in the lane, and P @ V takes each row's probability by a shuffle.
-// G = 32 (one key at a time over the whole warp) is the general layout; with 16-byte loads a head of 64
-// or 128 dims takes G = 8 or 16: 4x or 2x fewer shuffles a key and full-width loads (a 4-byte load a lane
-// kept head dim 64 near 1 TB/s on an H200, session 28).
-// The (warp, slot) partial states merge through shared memory; the chunk's result goes to out (one split)
-// or to the partials paged_combine_kernel merges (the same layout as the split kernel's). With settled
+// The 4 warps' (max, sum, acc) merge through shared memory; the chunk's result goes to out (one split) or
+// to the partials paged_combine_kernel merges (the same layout as the split kernel's). With settled
 // history (a model's step) the block reads its sequence's metadata, block table and first keys before
 // pdl_wait, so only q and this step's own keys wait for the kernels ahead.
-template <typename T, int DPL, int G, bool WINDOW>
+template <typename T, int DPL, bool WINDOW>
 __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
-    constexpr int kSlots = 32 / G, KS = kDecKeys / kSlots, kParts = kDecWarps * kSlots, HD = G * DPL;
-    constexpr int kRowLanes = G / 8; // lanes of a slot holding the same row's scores
-    __shared__ float wm[kParts][kDecRows], wl[kParts][kDecRows];
-    __shared__ __align__(16) float wacc[kParts][kDecRows][HD];
+    __shared__ float wm[kDecWarps][kDecRows], wl[kDecWarps][kDecRows];
+    __shared__ __align__(16) float wacc[kDecWarps][kDecRows][32 * DPL];
     pdl_trigger();
     if (!a.settled) pdl_wait();
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
@@ -311,28 +297,25 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     const int base = span_base<WINDOW>(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kDecTile);
     const int kb = base + blockIdx.x * L, ke = min(kb + L, s.kv);
     const bool empty = s.qlen == 0 || kb >= ke;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = s.q0;
-    const int slot = lane / G, sub = lane % G, own = sub / kRowLanes, row_lane0 = slot * G; // row r: + r kRowLanes
-    const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + sub * DPL;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
+    const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + lane * DPL;
     const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
-    // Keys [t0, t0 + n) of a step, this warp's; this slot's are t0 + slot KS + j, j < KS: lanes 0..n-1 look
-    // up the step's cache rows, then every load of the step is in flight at once. Only keys in [lo, hi)
-    // are loaded by a call; past the chunk (key >= n): no read, and V = 0 so that p = 0 adds nothing (not
-    // 0 * NaN).
-    Dims<T, DPL> kd[KS], vd[KS];
+    // Keys [t0, t0 + n) of a step, this warp's: lanes 0..n-1 look up their cache rows, then every load of
+    // the step is in flight at once. Only keys in [lo, hi) are loaded by a call; past the chunk (k >= n):
+    // no read, and V = 0 so that p = 0 adds nothing (not 0 * NaN).
+    Dims<T, DPL> kd[kDecKeys], vd[kDecKeys];
     int t0 = kb + warp * kDecKeys, n = empty ? 0 : max(0, min(kDecKeys, ke - t0));
     const auto load_keys = [&](int lo, int hi) {
-        const int row = lane < n ? cache_row(a, table, t0 + lane) : 0;
+        const int slot = lane < n ? cache_row(a, table, t0 + lane) : 0;
 #pragma unroll
-        for (int j = 0; j < KS; ++j) {
-            const int k = slot * KS + j;
-            const int64_t at = int64_t(__shfl_sync(all, row, k)) * row_elems + head;
+        for (int k = 0; k < kDecKeys; ++k) {
+            const int64_t at = int64_t(__shfl_sync(all, slot, k)) * row_elems + head;
             if (k < n && t0 + k >= lo && t0 + k < hi) {
-                kd[j].load(a.k + at);
-                vd[j].load(a.v + at);
+                kd[k].load(a.k + at);
+                vd[k].load(a.v + at);
             } else if (k >= n) {
-                kd[j].zero();
-                vd[j].zero();
+                kd[k].zero();
+                vd[k].zero();
             }
         }
     };
@@ -347,7 +330,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 #pragma unroll
     for (int r = 0; r < kDecRows; ++r) {
         Dims<T, DPL> qd;
-        if (r < group) qd.load(a.q + t * a.q_s0 + (kvh * group + r) * a.q_s1 + sub * DPL);
+        if (r < group) qd.load(a.q + t * a.q_s0 + (kvh * group + r) * a.q_s1 + lane * DPL);
         else qd.zero(); // padding rows score 0 and are never written
 #pragma unroll
         for (int e = 0; e < DPL; ++e) {
@@ -355,66 +338,64 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
             acc[r][e] = 0.f;
         }
     }
-    float m = -INFINITY, l = 0.f; // row own's running max and sum (base 2) over this slot's keys
+    float m = -INFINITY, l = 0.f; // row own's running max and sum (base 2)
     while (n > 0) {
-        float sc[KS], mx = -INFINITY;
+        float sc[kDecKeys], mx = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < KS; ++j) {
+        for (int k = 0; k < kDecKeys; ++k) {
             float part[kDecRows];
 #pragma unroll
             for (int r = 0; r < kDecRows; ++r) {
                 part[r] = 0.f;
 #pragma unroll
-                for (int e = 0; e < DPL; ++e) part[r] += q[r][e] * kd[j][e];
+                for (int e = 0; e < DPL; ++e) part[r] += q[r][e] * kd[k][e];
             }
-            const float x = reduce_scatter8<G>(part, lane); // every lane takes part: the shuffles span the warp
-            sc[j] = slot * KS + j < n ? x : -INFINITY;
-            mx = fmaxf(mx, sc[j]); // fmaxf skips NaN scores; exp2f below turns them into NaN
+            sc[k] = k < n ? reduce_scatter8(part, lane) : -INFINITY;
+            mx = fmaxf(mx, sc[k]); // fmaxf skips NaN scores; exp2f below turns them into NaN
         }
         const float m_new = fmaxf(m, mx), m_ref = m_new == -INFINITY ? 0.f : m_new; // avoid -inf - -inf
         const float corr = exp2f(m - m_ref);
-        float p[KS], psum = 0.f;
+        float p[kDecKeys], psum = 0.f;
 #pragma unroll
-        for (int j = 0; j < KS; ++j) {
-            p[j] = exp2f(sc[j] - m_ref);
-            psum += p[j];
+        for (int k = 0; k < kDecKeys; ++k) {
+            p[k] = exp2f(sc[k] - m_ref);
+            psum += p[k];
         }
         l = l * corr + psum;
         m = m_new;
 #pragma unroll
         for (int r = 0; r < kDecRows; ++r) {
-            const float c = __shfl_sync(all, corr, row_lane0 + r * kRowLanes);
+            const float c = __shfl_sync(all, corr, 4 * r);
 #pragma unroll
             for (int e = 0; e < DPL; ++e) acc[r][e] *= c;
         }
 #pragma unroll
-        for (int j = 0; j < KS; ++j)
+        for (int k = 0; k < kDecKeys; ++k)
 #pragma unroll
             for (int r = 0; r < kDecRows; ++r) {
-                const float pr = __shfl_sync(all, p[j], row_lane0 + r * kRowLanes);
+                const float pr = __shfl_sync(all, p[k], 4 * r);
 #pragma unroll
-                for (int e = 0; e < DPL; ++e) acc[r][e] += pr * vd[j][e];
+                for (int e = 0; e < DPL; ++e) acc[r][e] += pr * vd[k][e];
             }
         t0 += kDecTile;
         n = max(0, min(kDecKeys, ke - t0));
         if (n > 0) load_keys(INT_MIN, INT_MAX);
     }
-    const int part_id = warp * kSlots + slot;
-    if (sub % kRowLanes == 0) wm[part_id][own] = m, wl[part_id][own] = l;
+    if ((lane & 3) == 0) wm[warp][own] = m, wl[warp][own] = l;
 #pragma unroll
     for (int r = 0; r < kDecRows; ++r)
 #pragma unroll
-        for (int e = 0; e < DPL; ++e) wacc[part_id][r][sub * DPL + e] = acc[r][e];
+        for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
     __syncthreads();
     for (int idx = threadIdx.x; idx < group * a.hd; idx += kDecWarps * 32) {
         const int r = idx / a.hd, d = idx % a.hd, h = kvh * group + r;
         float mm = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < kParts; ++w) mm = fmaxf(mm, wm[w][r]);
+        for (int w = 0; w < kDecWarps; ++w) mm = fmaxf(mm, wm[w][r]);
         const float m_ref = mm == -INFINITY ? 0.f : mm;
         float o = 0.f, sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < kParts; ++w) { // a part that saw no key has m = -inf: weight 0
+        for (int w = 0; w < kDecWarps; ++w) { // a warp that saw no key has m = -inf: weight 0
             const float wt = exp2f(wm[w][r] - m_ref);
             o += wt * wacc[w][r][d];
             sum += wt * wl[w][r];
@@ -508,9 +489,9 @@ void launch(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-template <typename T, int DPL, int G, bool WINDOW>
+template <typename T, int DPL, bool WINDOW>
 void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    launch_pdl(paged_decode_kernel<T, DPL, G, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kDecWarps * 32), 0,
+    launch_pdl(paged_decode_kernel<T, DPL, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)), dim3(kDecWarps * 32), 0,
                stream, device.index, a);
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
@@ -538,18 +519,6 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                         nh / nkvh <= kDecRows &&
                         aligned(q, piece) && aligned(k_cache, piece) && aligned(v_cache, piece) &&
                         (q.stride(0) * elem) % piece == 0 && (q.stride(1) * elem) % piece == 0;
-    // The decode kernel's lane pieces (LLAISYS_DECODE_LANE_BYTES: 16, the default, or 8 bytes a lane with
-    // 8 or 16 lanes a key where the head allows; 0: one key over the whole warp, the general layout)
-    const int lane_bytes_env = [] { // read at every call: a test or an A/B sets it per process or per case
-        const char *e = std::getenv("LLAISYS_DECODE_LANE_BYTES");
-        const int v = e != nullptr && *e != '\0' ? std::atoi(e) : 16;
-        return v == 8 || v == 16 ? v : 0;
-    }();
-    const int lane_bytes = lane_bytes_env > 0 && aligned(q, lane_bytes_env) && aligned(k_cache, lane_bytes_env) &&
-                                   aligned(v_cache, lane_bytes_env) && (q.stride(0) * elem) % lane_bytes_env == 0 &&
-                                   (q.stride(1) * elem) % lane_bytes_env == 0 && (hd * elem) % lane_bytes_env == 0
-                               ? lane_bytes_env
-                               : 0;
     const int granule = decode ? kDecTile : kTile;
     const int64_t blocks = decode ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
@@ -572,32 +541,11 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
         const int bi = int(B);
         const auto go = [&](auto window) {
             constexpr bool W = decltype(window)::value;
-            // pieces of lane_bytes where the head allows G = hd / DPL = 8 or 16 lanes a key; else one key
-            // over the whole warp (G = 32)
-            if (decode && lane_bytes > 0) {
-                const int dw = lane_bytes / int(sizeof(D)), g = dw > 0 ? int(hd) / dw : 0;
-                const auto wide = [&](auto dpl_tag, auto g_tag) {
-                    constexpr int DW = decltype(dpl_tag)::value, GW = decltype(g_tag)::value;
-                    if constexpr (DW * sizeof(D) <= 16) {
-                        if (dw != DW || g != GW) return false;
-                        launch_decode<D, DW, GW, W>(a, bi, out.device(), stream);
-                        return true;
-                    }
-                    return false;
-                };
-                using I2 = std::integral_constant<int, 2>;
-                using I4 = std::integral_constant<int, 4>;
-                using I8 = std::integral_constant<int, 8>;
-                using I16 = std::integral_constant<int, 16>;
-                if (wide(I2{}, I8{}) || wide(I2{}, I16{}) || wide(I4{}, I8{}) || wide(I4{}, I16{}) || wide(I8{}, I8{}) ||
-                    wide(I8{}, I16{}))
-                    return;
-            }
-            if (decode && dpl == 1) return launch_decode<D, 1, 32, W>(a, bi, out.device(), stream);
-            if (decode && dpl == 2) return launch_decode<D, 2, 32, W>(a, bi, out.device(), stream);
-            if (decode && dpl == 4) return launch_decode<D, 4, 32, W>(a, bi, out.device(), stream);
+            if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
+            if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
+            if (decode && dpl == 4) return launch_decode<D, 4, W>(a, bi, out.device(), stream);
             if constexpr (sizeof(D) == 2) // head dim 256 (Gemma 3): 8 dims of 2 bytes a lane
-                if (decode) return launch_decode<D, 8, 32, W>(a, bi, out.device(), stream);
+                if (decode) return launch_decode<D, 8, W>(a, bi, out.device(), stream);
             if (vec && hd <= kThreads) return launch<D, 1, true, W>(a, bi, out.device(), stream);
             if (vec) return launch<D, 2, true, W>(a, bi, out.device(), stream);
             if (hd <= kThreads) return launch<D, 1, false, W>(a, bi, out.device(), stream);
