@@ -90,6 +90,8 @@ void bind_quant(nb::module_ &m) {
     q.def("cpu_path", [] { return std::string(quant_cpu_path_name(quant_cpu_path())); });
     q.def("cpu_layout", [](const std::string &f) { return std::string(layout_name(quant_cpu_layout(quant_format_from_name(f)))); },
           nb::arg("format"), "The layout a CPU model keeps weights of this format in ('file' or 'q5_split').");
+    q.def("set_cpu_split", &set_quant_cpu_split, nb::arg("on"),
+          "A/B switch, not a user setting: False makes models loaded afterwards keep Q5_0 in the file layout.");
     q.def("cpu_path_supported", [](const std::string &p) { return quant_cpu_path_supported(quant_cpu_path_from_name(p)); },
           nb::arg("path"));
 

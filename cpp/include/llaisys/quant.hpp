@@ -82,6 +82,8 @@ const char *quant_cpu_path_name(QuantCpuPath path);
 // The layout a model on the CPU keeps a weight of this format in: Q5Split for Q5_0 where the best path is
 // AVX2 (AVX-512 VNNI adds the fifth bit with one masked add and keeps the file's blocks), else File.
 QuantLayout quant_cpu_layout(QuantFormat format);
+// For A/B runs, not a user setting: off, quant_cpu_layout says File for every format (models loaded after).
+void set_quant_cpu_split(bool on);
 QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "portable", "avx2", "avx512vnni"
 
 // CUDA's quant_linear runs its int8 GEMV for up to this many rows of x; above, it decodes the weight.
