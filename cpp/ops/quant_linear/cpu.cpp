@@ -386,8 +386,9 @@ std::atomic<bool> g_cpu_split{true};
 
 void set_quant_cpu_split(bool on) { g_cpu_split = on; }
 
-QuantLayout quant_cpu_layout(QuantFormat format) {
-    const bool split = g_cpu_split.load() && format == QuantFormat::Q5_0 && ops::cpu::kBest == QuantCpuPath::Avx2;
+QuantLayout quant_cpu_layout(QuantFormat format, int64_t cols) {
+    const bool split = g_cpu_split.load() && format == QuantFormat::Q5_0 && cols <= kQuantCpuSplitMaxCols &&
+                       ops::cpu::kBest == QuantCpuPath::Avx2;
     return split ? QuantLayout::Q5Split : QuantLayout::File;
 }
 
