@@ -40,7 +40,7 @@ def random_matrix(fmt: str, n: int, k: int, rng) -> quant.QuantMatrix:
     if fmt in ("q4_k", "q5_k"):
         blocks[:, :, 2:4] = d  # dmin
     w = quant.from_numpy(fmt, n, k, np.ascontiguousarray(blocks.reshape(n, -1)))
-    return w if LAYOUT == "file" or not hasattr(quant, "cpu_layout") else w.with_layout(quant.cpu_layout(fmt))
+    return w if LAYOUT == "file" or not hasattr(quant, "cpu_layout") else w.with_layout(quant.cpu_layout(fmt, k))
 
 
 LAYOUT = "cpu"  # --layout

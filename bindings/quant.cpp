@@ -88,8 +88,12 @@ void bind_quant(nb::module_ &m) {
     q.def("set_cpu_path", [](const std::string &p) { set_quant_cpu_path(quant_cpu_path_from_name(p)); },
           nb::arg("path"), "Force the CPU kernels: 'auto', 'portable', 'avx2' or 'avx512vnni' (for A/B tests).");
     q.def("cpu_path", [] { return std::string(quant_cpu_path_name(quant_cpu_path())); });
-    q.def("cpu_layout", [](const std::string &f) { return std::string(layout_name(quant_cpu_layout(quant_format_from_name(f)))); },
-          nb::arg("format"), "The layout a CPU model keeps weights of this format in ('file' or 'q5_split').");
+    q.def("cpu_layout", [](const std::string &f, int64_t cols) {
+        return std::string(layout_name(quant_cpu_layout(quant_format_from_name(f), cols)));
+    }, nb::arg("format"), nb::arg("cols"), "The layout a CPU model keeps a weight of this format and width in "
+                                           "('file' or 'q5_split').");
+    q.def("set_cpu_split", &set_quant_cpu_split, nb::arg("on"),
+          "A/B switch, not a user setting: False makes models loaded afterwards keep Q5_0 in the file layout.");
     q.def("cpu_path_supported", [](const std::string &p) { return quant_cpu_path_supported(quant_cpu_path_from_name(p)); },
           nb::arg("path"));
 

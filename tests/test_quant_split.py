@@ -131,10 +131,12 @@ def test_split_rows_slices_and_devices():
         quant.from_numpy("q8_0", 2, 32, np.zeros((2, 34), np.uint8), layout="q5_split")
 
 
-def test_cpu_layout_by_best_path():
-    """A CPU model keeps Q5_0 split where AVX2 is the best path (AVX-512 VNNI keeps its own, file-layout
-    kernel: one masked add for the fifth bit), and every other format as the file has it."""
+def test_cpu_layout_by_best_path_and_width():
+    """A CPU model keeps Q5_0 rows of up to 2048 columns split where AVX2 is the best path (AVX-512 VNNI keeps
+    its own, file-layout kernel: one masked add for the fifth bit; longer rows ran slower split), and every
+    other format as the file has it."""
     avx2_only = quant.cpu_path_supported("avx2") and not quant.cpu_path_supported("avx512vnni")
-    assert quant.cpu_layout("q5_0") == ("q5_split" if avx2_only else "file")
+    assert quant.cpu_layout("q5_0", 896) == quant.cpu_layout("q5_0", 2048) == ("q5_split" if avx2_only else "file")
+    assert quant.cpu_layout("q5_0", 4864) == "file"
     for fmt in ["q4_0", "q4_k", "q5_k", "q6_k", "q8_0"]:
-        assert quant.cpu_layout(fmt) == "file"
+        assert quant.cpu_layout(fmt, 896) == "file"

@@ -21,7 +21,8 @@ format_from_gguf = _q.format_from_gguf
 set_cpu_path = _q.set_cpu_path
 cpu_path = _q.cpu_path
 cpu_path_supported = _q.cpu_path_supported
-cpu_layout = _q.cpu_layout  # (format) -> 'file' or 'q5_split': how a CPU model keeps that format's weights
+cpu_layout = _q.cpu_layout  # (format, cols) -> 'file' or 'q5_split': how a CPU model keeps such a weight
+set_cpu_split = _q.set_cpu_split  # (on): A/B switch for models loaded afterwards, not a user setting
 linear_ = _q.linear  # out-parameter forms
 linear_swiglu_ = _q.linear_swiglu
 embedding_ = _q.embedding
@@ -73,5 +74,5 @@ def dequantize(weight: QuantMatrix, dtype: str = "f32") -> Tensor:
 
 
 __all__ = ["QuantMatrix", "from_numpy", "row_bytes", "format_info", "format_from_gguf", "set_cpu_path", "cpu_path",
-           "cpu_path_supported", "cpu_layout", "linear", "linear_swiglu", "embedding", "dequantize", "linear_", "linear_swiglu_",
+           "cpu_path_supported", "cpu_layout", "set_cpu_split", "linear", "linear_swiglu", "embedding", "dequantize", "linear_", "linear_swiglu_",
            "embedding_", "dequantize_", "add_rms_norm_linear_", "add_rms_norm_linear_fused"]

@@ -79,9 +79,14 @@ void set_quant_cpu_path(QuantCpuPath path);
 QuantCpuPath quant_cpu_path();               // what runs now (never Auto)
 bool quant_cpu_path_supported(QuantCpuPath path);
 const char *quant_cpu_path_name(QuantCpuPath path);
-// The layout a model on the CPU keeps a weight of this format in: Q5Split for Q5_0 where the best path is
-// AVX2 (AVX-512 VNNI adds the fifth bit with one masked add and keeps the file's blocks), else File.
-QuantLayout quant_cpu_layout(QuantFormat format);
+// The layout a model on the CPU keeps a weight of this format and width in: Q5Split for Q5_0 rows of up to
+// kQuantCpuSplitMaxCols where the best path is AVX2 (AVX-512 VNNI adds the fifth bit with one masked add and
+// keeps the file's blocks), else File. Longer rows ran slower split (K = 4864: 0.83-0.89x; K = 896: 1.04-1.3x;
+// bench/RESULTS.md, session 28): a row is then three long streams instead of one.
+constexpr int64_t kQuantCpuSplitMaxCols = 2048;
+QuantLayout quant_cpu_layout(QuantFormat format, int64_t cols);
+// For A/B runs, not a user setting: off, quant_cpu_layout says File for every format (models loaded after).
+void set_quant_cpu_split(bool on);
 QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "portable", "avx2", "avx512vnni"
 
 // CUDA's quant_linear runs its int8 GEMV for up to this many rows of x; above, it decodes the weight.

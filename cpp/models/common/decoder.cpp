@@ -265,7 +265,7 @@ void Decoder::load_quant_weight(const std::string &name, const QuantMatrix &valu
 // fastest (quant_cpu_layout: a host copy where that is not the file's).
 QuantMatrix Decoder::on_device(const QuantMatrix &value) const {
     if (!device_.is_cpu()) return value.to(device_);
-    return value.to(device_).with_layout(quant_cpu_layout(value.format()));
+    return value.to(device_).with_layout(quant_cpu_layout(value.format(), value.cols()));
 }
 
 // Runs fused only where every part is in the fused matrix: dense parts are its slices already; quantized

@@ -380,8 +380,16 @@ void set_quant_cpu_path(QuantCpuPath path) {
 
 QuantCpuPath quant_cpu_path() { return ops::cpu::g_path.load(); }
 
-QuantLayout quant_cpu_layout(QuantFormat format) {
-    return format == QuantFormat::Q5_0 && ops::cpu::kBest == QuantCpuPath::Avx2 ? QuantLayout::Q5Split : QuantLayout::File;
+namespace {
+std::atomic<bool> g_cpu_split{true};
+}
+
+void set_quant_cpu_split(bool on) { g_cpu_split = on; }
+
+QuantLayout quant_cpu_layout(QuantFormat format, int64_t cols) {
+    const bool split = g_cpu_split.load() && format == QuantFormat::Q5_0 && cols <= kQuantCpuSplitMaxCols &&
+                       ops::cpu::kBest == QuantCpuPath::Avx2;
+    return split ? QuantLayout::Q5Split : QuantLayout::File;
 }
 
 const char *quant_cpu_path_name(QuantCpuPath path) {

@@ -82,7 +82,7 @@ def load_weights(models: list, config, weights, quantized: bool, progress: bool,
                 _load_blocks(model, name, raw, cut, remade)
             else:  # weights may be read-only views of the mapped checkpoint: the model never writes them
                 model.load_weight(name, _wrap(np.ascontiguousarray(cut_dense(dense, cut))))
-        if raw is not None and entry is not None and _copied(models, raw[0], entry, config):
+        if raw is not None and entry is not None and _copied(models, raw[0], raw[2], entry, config):
             weights.release_raw(name)
     missing = models[0].missing_weights()
     if missing:
@@ -109,12 +109,12 @@ def _load_blocks(model, name: str, raw: tuple, cut: Cut, remade: dict) -> None:
         model.load_quant_weight(name, quant.from_numpy(*part.blocks))
 
 
-def _copied(models: list, fmt: str, entry: tuple, config) -> bool:
+def _copied(models: list, fmt: str, cols: int, entry: tuple, config) -> bool:
     """Whether every model keeps its own copy of a block weight, so that the file's pages of it can be dropped:
     CPU models hold the projections of a format in the split layout where quant.cpu_layout says so (a host
     copy; Decoder::load_quant_weight), all but an untied embedding, which they read from the file's blocks."""
     lookup_only = entry[5] == "embed" and not config.tie_word_embeddings
-    return not lookup_only and all(str(m.device) == "cpu" for m in models) and quant.cpu_layout(fmt) != "file"
+    return not lookup_only and all(str(m.device) == "cpu" for m in models) and quant.cpu_layout(fmt, cols) != "file"
 
 
 def _remade_lines(remade: dict, dtype: str, world: int) -> list[str]:
