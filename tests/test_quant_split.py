@@ -10,16 +10,7 @@ from llaisys import quant
 from utils import bits, poisoned
 
 gguf = pytest.importorskip("gguf")
-PATHS = ["portable", "avx2", "avx512vnni"]
-
-
-@pytest.fixture(params=PATHS)
-def cpu_path(request):
-    if not quant.cpu_path_supported(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} path")
-    quant.set_cpu_path(request.param)
-    yield request.param
-    quant.set_cpu_path("auto")
+from test_quant import PATHS, cpu_path  # noqa: F401 (the fixture: each CPU path this machine can run)
 
 
 def q5_blocks(rows, cols, seed, from_floats=True):
