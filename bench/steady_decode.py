@@ -130,8 +130,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the child of peer_step_s
     args = ap.parse_args(argv)
-    import faulthandler
-    faulthandler.enable()  # a native crash prints every thread's Python stack (the GPU runs died without one)
     if min(args.batch) < 1 or args.context < 1 or args.steps < 1:
         ap.error("--batch, --context and --steps must be >= 1")
     cuda = args.device.startswith("cuda")
@@ -160,4 +158,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable()  # a native crash prints every thread's Python stack (the GPU runs died without one)
     sys.exit(main())
