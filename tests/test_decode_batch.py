@@ -145,6 +145,65 @@ def test_generate_decodes_once_what_stream_decodes_piece_by_piece(tiny):
     eng.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_quiet_rows_are_listed_only_when_they_end(tiny, overlap):
+    """generate()'s rows (ids read at the end, no logprobs: Sequence.quiet) are left out of a batch step's
+    produced tokens until they end, so the step loop does nothing for them per token; their results (ids,
+    text, end, usage) equal the streamed ones, which get every token, also for rows that end by EOS while
+    the others go on."""
+    eng = engine(tiny, "cpu", overlap)
+    listed, step = [], eng._core.step
+
+    def counting():  # what each step hands the step loop
+        produced, failed = step()
+        listed.append(len(produced))
+        return produced, failed
+    eng._core.step = counting
+    ps = prompts(eng.config.vocab_size, [3, 17, 40, 9], seed=4)
+    kw = dict(max_new_tokens=[30, 5, 47, 60], temperature=0)
+    greedy = eng.generate(ps, ignore_eos=True, **kw)
+    stop_at = greedy[3].token_ids[20]  # a token the last row samples mid-way: it ends there, the others go on
+    ended = eng.generate(ps, stop_token_ids=[stop_at], **kw)
+    assert ended[3].finish_reason == "stop" and len(ended[3].token_ids) <= 21
+    results = greedy + ended
+    assert sum(listed) < sum(len(r.token_ids) for r in results) / 2
+    for i, r in enumerate(results):
+        chunks = list(eng.stream(ps[i % 4], max_new_tokens=kw["max_new_tokens"][i % 4], temperature=0,
+                                 **(dict(ignore_eos=True) if i < 4 else dict(stop_token_ids=[stop_at]))))
+        assert r.token_ids == [t for c in chunks for t in c.token_ids]
+        assert (r.text, r.finish_reason) == ("".join(c.text for c in chunks), chunks[-1].finish_reason)
+        assert r.usage["completion_tokens"] == len(r.token_ids)  # cached_tokens: the prefix cache's by now
+        assert r.timings["ttft_s"] > 0
+    assert eng.stats()["kv_blocks_used"] == 0
+    eng.close()
+
+
+def test_grow_gives_rows_several_blocks_in_row_order():
+    """Rows short of one or several blocks (tokens appended without them) get them from DecodeBatch.grow in
+    one write: the same block ids in the same order as BlockManager.grow row by row (the general path), and
+    tables equal to the sequences' own."""
+    worlds = []
+    for _ in range(2):
+        rng = np.random.default_rng(3)
+        bm = BlockManager(400, 4, enable_prefix_caching=False)
+        seqs = _random_seqs(rng, 23, 4, bm)
+        for s in seqs:  # 0 to 9 tokens with no blocks: up to 3 blocks short
+            s.tokens += [1] * int(rng.integers(0, 10))
+            s.num_computed = len(s) - 1
+        worlds.append((bm, seqs))
+    (bm, seqs), (ref_bm, ref_seqs) = worlds
+    b = DecodeBatch(seqs, 4)
+    assert b.grow(bm, 1)
+    for s in ref_seqs:
+        ref_bm.grow(s, s.num_computed + 2)
+    assert [s.block_table for s in seqs] == [s.block_table for s in ref_seqs]
+    assert max(len(s.block_table) for s in seqs) - min(len(s.block_table) for s in seqs) >= 3
+    for row, s in enumerate(seqs):
+        assert b.tables[row, :len(s.block_table)].tolist() == s.block_table and b.nblk[row] == len(s.block_table)
+    assert b.tables.shape[1] == max(len(s.block_table) for s in seqs)
+    assert not b.grow(bm, 400) and [s.block_table for s in seqs] == [s.block_table for s in ref_seqs]
+
+
 def _random_seqs(rng, n, block_size, bm):
     params = resolve_sampling({}, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=500)
     seqs = []

@@ -43,9 +43,11 @@ class DecodeBatch:
         self.num_output = np.fromiter((s.num_output for s in self.seqs), np.int64, n)
         self.max_new = np.fromiter((s.params.max_new_tokens for s in self.seqs), np.int64, n)
         self.nblk = np.fromiter((len(s.block_table) for s in self.seqs), np.int64, n)
-        self.tables = np.zeros((n, max(1, int(self.nblk.max(initial=1)))), np.int32)
+        # [n, the widest row's blocks] i32: exactly that wide, so a step hands it over without a copy
+        self.tables = np.zeros((n, int(self.nblk.max(initial=1))), np.int32)
         for row, s in enumerate(self.seqs):
             self.tables[row, :len(s.block_table)] = s.block_table
+        self._fixed = None  # arrays() parts that change only with the rows or the tables' width (_layout)
         params = [s.params for s in self.seqs]
         self.temperature = np.array([p.temperature for p in params], np.float32)
         self.top_k = np.array([p.top_k for p in params], np.int32)
@@ -55,6 +57,10 @@ class DecodeBatch:
         self.seen_row: np.ndarray | None = None  # [n] i32, -1: no penalty; ModelRunner fills it at the first step
         self.seeds = np.array([s.seed for s in self.seqs], np.uint64)
         self.logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64)  # -1: none
+        # rows whose tokens nobody reads before they end (Sequence.quiet), past their first token (its time is
+        # taken when it is delivered) and with no constraint (whose ends the accounting does not see as masks)
+        self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None
+                                  for s in self.seqs), bool, n)
         self._constrained()
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
@@ -95,45 +101,69 @@ class DecodeBatch:
     def condense(self, keep: np.ndarray) -> None:
         self.seqs = [s for s, k in zip(self.seqs, keep) if k]
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
-                     "min_p", "penalty", "seeds", "logprobs", "seen_row"):
+                     "min_p", "penalty", "seeds", "logprobs", "seen_row", "quiet"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[keep])
+        width = int(self.nblk.max(initial=1))
+        if width < self.tables.shape[1]:  # the widest row left
+            self.tables = np.ascontiguousarray(self.tables[:, :width])
+        self._fixed = None
         self._constrained()
         self.version += 1
 
     def grow(self, blocks, ahead: int) -> bool:
         """Gives every row the blocks that a decode `ahead` steps past the host's knowledge needs; False
-        (nothing taken) when the pool has too few free: the general path then preempts."""
+        (nothing taken) when the pool has too few free: the general path then preempts. The rows' new blocks
+        are taken in row order (as BlockManager.grow row by row would) and written into the table at once."""
         need = -(-(self.pos + ahead + 1) // self.block_size) - self.nblk
         rows = np.flatnonzero(need > 0)
         if rows.size == 0:
             return True
-        if int(need[rows].sum()) > blocks.num_free:
+        counts = need[rows]
+        total = int(counts.sum())
+        if total > blocks.num_free:
             return False
-        width = int((self.nblk + np.maximum(need, 0)).max())
+        new = blocks.take(total)
+        first = self.nblk[rows]  # each row's first new table column
+        width = int((first + counts).max())
         if width > self.tables.shape[1]:
-            grown = np.zeros((len(self), max(width, 2 * self.tables.shape[1])), np.int32)
+            grown = np.zeros((len(self), width), np.int32)
             grown[:, :self.tables.shape[1]] = self.tables
-            self.tables = grown
-        for row in rows.tolist():
-            seq = self.seqs[row]
-            blocks.grow(seq, int(self.pos[row]) + ahead + 1)
-            n = len(seq.block_table)
-            self.tables[row, :n] = seq.block_table
-            self.nblk[row] = n
+            self.tables, self._fixed = grown, None
+        if total == rows.size:  # one block a row (a decode crossed a block's end): the usual case
+            for row, b in zip(rows.tolist(), new):
+                self.seqs[row].block_table.append(b)
+            self.tables[rows, first] = new
+        else:
+            ends = np.cumsum(counts)
+            for row, a, z in zip(rows.tolist(), (ends - counts).tolist(), ends.tolist()):
+                self.seqs[row].block_table.extend(new[a:z])
+            self.tables[np.repeat(rows, counts), np.repeat(first - ends + counts, counts) + np.arange(total)] = new
+        self.nblk[rows] += counts
         return True
+
+    def _layout(self):
+        """(row offsets into the flat tables, q_start, placeholder ids): fixed while the rows and the tables'
+        width are."""
+        n, width = len(self), self.tables.shape[1]
+        if self._fixed is None or self._fixed[0] != width:
+            self._fixed = (width, np.arange(n, dtype=np.int64) * width, np.arange(n + 1, dtype=np.int32),
+                           np.zeros(n, np.int64))
+        return self._fixed[1:]
 
     def arrays(self, ahead: int = 0):
         """The runner's host arrays (ids, pos, slots, q_start, kv_len, tables), as ModelRunner._arrays
         builds them for one-token rows. ahead 1: the step after the one still running (ids are placeholders
-        the runner takes from that step's tokens on the device)."""
-        n, bs = len(self), self.block_size
+        the runner takes from that step's tokens on the device). The runner copies them: the batch may
+        change them in place afterwards."""
+        bs = self.block_size
+        offsets, q_start, zeros = self._layout()
         pos = self.pos + ahead
-        rows = np.arange(n)
-        slots = self.tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        ids = np.zeros(n, np.int64) if ahead else self.last
-        tables = np.ascontiguousarray(self.tables[:, :int(self.nblk.max())])
-        return (ids, pos, slots, np.arange(n + 1, dtype=np.int32), (pos + 1).astype(np.int32), tables)
+        blk = pos // bs
+        slots = self.tables.ravel()[offsets + blk].astype(np.int64)  # each row's block of pos
+        slots *= bs
+        slots += pos - blk * bs
+        return (zeros if ahead else self.last, pos, slots, q_start, (pos + 1).astype(np.int32), self.tables)
 
     def step_made(self) -> int:
         """Counts a step made from the arrays (advance() counts it back); its version."""
@@ -156,8 +186,10 @@ class DecodeBatch:
         self.pos += 1
         self.num_output += 1
         self.last = tok
-        if self.eos is not None:
-            eos = np.isin(tok, self.eos)
+        if self.eos is not None:  # a compare per EOS id: np.isin sorts, ~9x slower at 256 rows
+            eos = np.zeros(len(tok), bool)
+            for e in self.eos.tolist():
+                eos |= tok == e
         else:
             eos = np.array([t in s.eos for s, t in zip(self.seqs, tokens)], bool)
         length = ~eos & ((self.num_output >= self.max_new) | (self.pos + 1 >= max_seq_len))

@@ -156,6 +156,11 @@ class BlockManager:
         while self.blocks_for(len(seq) if tokens is None else tokens) > len(seq.block_table):
             seq.block_table.append(self._take())
 
+    def take(self, n: int) -> list[int]:
+        """n blocks for the caller to append to tables itself (DecodeBatch.grow: many rows at once), in the
+        order n calls of grow's would take them."""
+        return [self._take() for _ in range(n)]
+
     def register_full(self, seq: Sequence) -> None:
         """After a step: blocks completely computed become findable by their token chain (not once seq has
         evicted: its keys sit at positions within its cache, not at those of its chain)."""

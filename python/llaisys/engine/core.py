@@ -265,12 +265,16 @@ class EngineCore:
             entries = self._logprobs(np.array([r for r, _ in want], np.int64), temperature, chosen, ks)
             for (_, i), entry in zip(want, entries):
                 produced[i] = (produced[i][0], produced[i][1], entry)
-        self._time(step.num_tokens, t0, t1, t2)
+        self._time(sum(step.num_tokens), t0, t1, t2)
         return produced
 
     def _account_batch(self, b, tokens, t0: float, t1: float, t2: float):
-        """_account for a step of the persistent batch: the same effects, vectorised over its rows."""
-        live = [s.status is Status.RUNNING for s in b.seqs]
+        """_account for a step of the persistent batch: the same effects, vectorised over its rows. Its
+        produced list leaves out the quiet rows (DecodeBatch.quiet) that go on: their tokens are read from
+        their sequences at the end."""
+        # Rows leave `running` only (nothing joins it before the next schedule(), which rebuilds or checks the
+        # batch): as many running as rows means none ended while the step ran, and no pass over the rows
+        live = None if len(self.scheduler.running) == len(b) else [s.status is Status.RUNNING for s in b.seqs]
         entries = repeat(None)
         want = np.flatnonzero(b.logprobs >= 0)
         if want.size:  # from the step's logits rows, before rows leave
@@ -278,7 +282,7 @@ class EngineCore:
             found = self._logprobs(want, b.temperature, np.asarray(tokens, np.int64), b.logprobs[want].tolist())
             for row, entry in zip(want.tolist(), found):
                 entries[row] = entry
-        if not all(live):  # ended while the step ran (an abort, a stop string): their tokens are dropped
+        if live is not None:  # ended while the step ran (an abort, a stop string): their tokens are dropped
             tokens = [t for t, keep in zip(tokens, live) if keep]
             if want.size:
                 entries = [e for e, keep in zip(entries, live) if keep]
@@ -288,7 +292,12 @@ class EngineCore:
         if self.blocks.caching:
             for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
                 self.blocks.register_full(seqs[row])
-        produced = list(zip(seqs, tokens, entries))
+        if b.quiet.any():
+            listed = np.flatnonzero(~b.quiet | eos | length).tolist()
+            produced = [(seqs[row], tokens[row], None) for row in listed] if want.size == 0 else [
+                (seqs[row], tokens[row], entries[row]) for row in listed]
+        else:
+            produced = list(zip(seqs, tokens, entries))
         if b.masked:
             self._advance_constrained(b, tokens, eos, length)
         if b.triggers:
@@ -297,7 +306,7 @@ class EngineCore:
             self.finish(seqs[row], "stop")
         for row in np.flatnonzero(length).tolist():
             self.finish(seqs[row], "length")
-        self._time(repeat(1, len(seqs)), t0, t1, t2)
+        self._time(len(seqs), t0, t1, t2)
         return produced
 
     @staticmethod
@@ -313,10 +322,10 @@ class EngineCore:
         if fired:
             b.triggered()
 
-    def _time(self, num_tokens, t0: float, t1: float, t2: float) -> None:
+    def _time(self, num_tokens: int, t0: float, t1: float, t2: float) -> None:
         t = self.timing
         t["steps"] += 1
-        t["tokens"] += sum(num_tokens)
+        t["tokens"] += num_tokens
         t["schedule_s"] += t1 - t0
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2

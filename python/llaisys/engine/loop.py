@@ -199,8 +199,7 @@ class StepLoop:
             if req is None:
                 continue
             if req.keeps_ids and seq.finish_reason is None and req.first is not None:
-                req.ids_kept.append(token)  # a request read only at its end, mid-way: all there is to do
-                if logprobs is not None:
-                    req.lps_kept.append(logprobs)
+                if logprobs is not None:  # a request read only at its end, mid-way: all there is to do
+                    req.lps_kept.append(logprobs)  # (its ids are its sequence's output: Request.finish)
             else:
                 self._deliver(req, self._token, req, seq, token, logprobs)

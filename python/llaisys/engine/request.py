@@ -121,10 +121,12 @@ class Request:
         # no stop string needs the text as it grows, so the ids are kept and decoded once when the request
         # ends: the step loop's work per token is an append (issue 33: host work per sequence and step)
         self.keeps_ids = not incremental and not stops
+        # its ids are seq.output at the end (every token the core gave it): the step loop hands it its tokens
+        # only for the first one's time and the logprobs entries, and a quiet row not even that (Sequence.quiet)
+        seq.quiet = self.keeps_ids and seq.params.logprobs is None
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
-        self.ids_kept = self._pending  # the step loop appends a keeps_ids request's ids here directly
         self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self.lps_kept = self._pending_lp  # and their logprobs entries (None: the request asked for none)
@@ -143,10 +145,12 @@ class Request:
         """Queues the text the token completes; True when a stop string was hit (the text before it is
         queued and the request must end)."""
         self.first = self.first or time.perf_counter()
-        self._pending.append(token)  # ids travel with the next chunk that carries text
         if self._pending_lp is not None:
             self._pending_lp.append(logprobs)
-        if self.keeps_ids or token in self.seq.eos:
+        if self.keeps_ids:  # its ids are the sequence's output, read once at the end
+            return False
+        self._pending.append(token)  # ids travel with the next chunk that carries text
+        if token in self.seq.eos:
             return False
         text, hit = self._stops.feed(self._detok.step(token))
         if hit:
@@ -179,6 +183,7 @@ class Request:
         tail = self._tail
         if self.keeps_ids:  # one decode of every id but EOS (which never reaches the text, as in on_token)
             eos = self.seq.eos
+            self._pending = self.seq.output  # every token the core gave it (the step loop kept none)
             tail = self._detok.decode_all([t for t in self._pending if t not in eos])
         elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())

@@ -51,6 +51,10 @@ class Sequence:
         # a constraints.Trigger: the constraint that becomes `constraint` where the output begins it
         # (SamplingParams.grammar_trigger / opening_grammar); None once it fired
         self.trigger = None
+        # quiet: its consumer reads its output from `tokens` once it ends (a Request that keeps its ids, asks
+        # for no logprobs). A step of the persistent batch lists a quiet row's token only when the row ends
+        # (DecodeBatch.quiet): no per-token delivery for it (issue 33)
+        self.quiet = False
 
     def __len__(self) -> int:
         return len(self.tokens)
