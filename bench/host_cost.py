@@ -15,6 +15,13 @@ the best of --repeat, interleaved), and the ratio printed (issue 33's target: <=
     python bench/host_cost.py --batches 64 256 --logprobs 5 --repeat 5
     python bench/host_cost.py --batches 64 256 --prompt 256 --repetition-penalty 1.1   # the model's default
 
+With --cpu the same split is also taken in CPU time of the step loop's thread (time.pthread_getcpuclockid),
+which does not count the time a busy machine keeps it waiting for a core: run it with LLAISYS_NUM_THREADS=1
+so the C++ step's work is on that thread too (cpu_kernels: the Runner's calls; cpu_host: the rest).
+On a shared 2-core box, compare two trees by this rather than by wall time.
+
+    LLAISYS_NUM_THREADS=1 python bench/host_cost.py --batches 1 256 --repeat 3 --cpu
+
 With --arrivals, requests arrive during decode instead (overlap_steps on, as on CUDA; on the CPU nothing
 overlaps in time, but the same steps are chained): a queue (--queue requests at once, --batch of them
 running, the others waiting while full steps decode) and arrivals (--requests requests, one
@@ -58,8 +65,33 @@ def tiny_loaded():
 KEYS = ("schedule_s", "prepare_s", "run_s", "postprocess_s")
 
 
+class _CpuRunner:
+    """The C++ Runner with its step/launch/finish timed in CPU time of the calling thread (--cpu)."""
+
+    def __init__(self, inner):
+        self._inner, self.cpu_s = inner, 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in ("step", "launch", "finish", "sample_deferred"):
+            return attr
+
+        def timed(*args, **kw):
+            t = time.thread_time()
+            try:
+                return attr(*args, **kw)
+            finally:
+                self.cpu_s += time.thread_time() - t
+        return timed
+
+
 def _clock(eng) -> dict:
-    return dict(eng._core.timing, prepare_s=eng._core.runner.prepare_s, wall_s=time.perf_counter())
+    d = dict(eng._core.timing, prepare_s=eng._core.runner.prepare_s, wall_s=time.perf_counter())
+    runner = eng._core.runner.runner
+    if isinstance(runner, _CpuRunner):  # --cpu: the step loop thread's CPU clock, and the C++ calls' share
+        d["cpu_s"] = time.clock_gettime(time.pthread_getcpuclockid(eng._loop._thread.ident))
+        d["cpu_kernels_s"] = runner.cpu_s
+    return d
 
 
 PENALTY = 1.0  # --repetition-penalty of every request (the default model's generation_config.json: 1.1)
@@ -72,7 +104,7 @@ def _run(eng, prompts, new: int, logprobs: int | None = None) -> dict:
                        repetition_penalty=PENALTY)
     t1 = _clock(eng)
     assert all(len(r.token_ids) == 1 + new for r in out), "a request ended early"
-    return {k: t1[k] - t0[k] for k in (*KEYS, "wall_s")}
+    return {k: t1[k] - t0[k] for k in t1 if k in (*KEYS, "wall_s", "cpu_s", "cpu_kernels_s")}
 
 
 def step_ms(eng, batch: int, prompt: int, new: int, repeat: int, variants=(None,)) -> list[dict]:
@@ -80,16 +112,22 @@ def step_ms(eng, batch: int, prompt: int, new: int, repeat: int, variants=(None,
     1 + new and 1 tokens, over new; the best of `repeat` by wall time (the variants interleaved, so a
     noisy machine hits them alike). kernels: the C++ step (model, sampling, the one sync) = run - prepare."""
     prompts = [[(7 * b + i) % 500 + 1 for i in range(prompt)] for b in range(batch)]
-    best = [None] * len(variants)
+    best, cpu = [None] * len(variants), [None] * len(variants)
     for _ in range(repeat):
         for j, lp in enumerate(variants):
             one, many = _run(eng, prompts, 0, lp), _run(eng, prompts, new, lp)
             d = {k: (many[k] - one[k]) / new * 1e3 for k in many}
             if best[j] is None or d["wall_s"] < best[j]["wall_s"]:
                 best[j] = d
-    for d in best:
+            if "cpu_s" in d and (cpu[j] is None or d["cpu_s"] < cpu[j]["cpu_s"]):
+                cpu[j] = d  # the CPU split: of the run with the least CPU time (chosen apart from the wall's)
+    for d, c in zip(best, cpu):
+        if c is not None:
+            d.update(cpu_s=c["cpu_s"], cpu_kernels_s=c["cpu_kernels_s"])
         d["kernels_s"] = d["run_s"] - d["prepare_s"]
         d["host_s"] = d["wall_s"] - d["kernels_s"]
+        if "cpu_s" in d:
+            d["cpu_host_s"] = d["cpu_s"] - d["cpu_kernels_s"]
     return best
 
 
@@ -138,6 +176,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--logprobs", type=int, metavar="K", help="also time logprobs=K on every request")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--cpu", action="store_true", help="also the step loop thread's CPU time (see above)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                     help="on every request (the default model's generation config has 1.1)")
     ap.add_argument("--arrivals", action="store_true", help="requests arriving during decode (see above)")
@@ -163,6 +202,8 @@ def main() -> int:
                                      # every prompt in one step: t(1) is one prefill step, the rest decodes
                                      max_num_batched_tokens=max(args.batches) * args.prompt,
                                      max_prefill_chunk=args.prompt)
+    if args.cpu:
+        eng._core.runner.runner = _CpuRunner(eng._core.runner.runner)
     eng.generate([[1, 2, 3]] * 4, max_new_tokens=4, temperature=0, ignore_eos=True)  # warm-up
     rows = []
     for b in args.batches:
@@ -173,6 +214,9 @@ def main() -> int:
               f"(schedule {d['schedule_s']:.3f}, arrays {d['prepare_s']:.3f}, postprocess {d['postprocess_s']:.3f}, "
               f"delivery and the rest {d['host_s'] - d['schedule_s'] - d['prepare_s'] - d['postprocess_s']:.3f})",
               flush=True)
+        if args.cpu:
+            print(f"batch {b:4d}: step loop thread CPU {d['cpu_s']:7.3f} ms a step = C++ step {d['cpu_kernels_s']:.3f} "
+                  f"+ host {d['cpu_host_s']:.3f}", flush=True)
         if with_lp:
             lp = with_lp[0]
             rows[-1].update(logprobs=args.logprobs, logprobs_wall_ms=round(lp["wall_s"], 4),
@@ -182,9 +226,13 @@ def main() -> int:
                   f"{lp['postprocess_s']:.3f} vs {d['postprocess_s']:.3f})", flush=True)
     lo, hi = rows[0], rows[-1]
     if hi["batch"] > lo["batch"]:
-        per = {k: (hi[k] - lo[k]) / (hi["batch"] - lo["batch"]) * 1e3 for k in ("wall_ms", "host_ms", "kernels_ms")}
+        keys = ("wall_ms", "host_ms", "kernels_ms") + (("cpu_ms", "cpu_host_ms", "cpu_kernels_ms") if args.cpu else ())
+        per = {k: (hi[k] - lo[k]) / (hi["batch"] - lo["batch"]) * 1e3 for k in keys}
         print(f"per extra sequence per step (batch {lo['batch']} -> {hi['batch']}): {per['wall_ms']:.2f} us wall = "
               f"{per['kernels_ms']:.2f} us in the C++ step + {per['host_ms']:.2f} us of host work")
+        if args.cpu:
+            print(f"per extra sequence per step, CPU: {per['cpu_ms']:.2f} us = {per['cpu_kernels_ms']:.2f} us in the "
+                  f"C++ step + {per['cpu_host_ms']:.2f} us of host work")
         rows.append({f"per_extra_seq_{k.replace('_ms', '_us')}": round(v, 3) for k, v in per.items()})
     if args.json:
         with open(args.json, "w") as f:
