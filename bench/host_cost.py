@@ -22,6 +22,11 @@ On a shared 2-core box, compare two trees by this rather than by wall time.
 
     LLAISYS_NUM_THREADS=1 python bench/host_cost.py --batches 1 256 --repeat 3 --cpu
 
+With --stream every request is submitted as the server submits a streamed one (Engine.submit with a ChunkSink,
+incremental): each token is detokenized and delivered as a chunk, the per-token work that generate() skips.
+
+    python bench/host_cost.py --batches 1 256 --stream --cpu
+
 With --arrivals, requests arrive during decode instead (overlap_steps on, as on CUDA; on the CPU nothing
 overlaps in time, but the same steps are chained): a queue (--queue requests at once, --batch of them
 running, the others waiting while full steps decode) and arrivals (--requests requests, one
@@ -95,15 +100,42 @@ def _clock(eng) -> dict:
 
 
 PENALTY = 1.0  # --repetition-penalty of every request (the default model's generation_config.json: 1.1)
+STREAM = False  # --stream
+
+
+class _CountingSink:
+    """A ChunkSink (engine/request.py) that keeps each request's token ids, as a server's would its chunks."""
+
+    def __init__(self):
+        self.ids: dict = {}
+
+    def put(self, req, item) -> None:
+        if isinstance(item, BaseException):
+            raise item
+        self.ids.setdefault(id(req), []).extend(item.token_ids)
+
+    def flush(self) -> None:
+        pass
+
+
+def _generate(eng, prompts, new: int, logprobs):
+    """The token ids of each prompt's 1 + new tokens: generate(), or with --stream submit() to a sink."""
+    kw = dict(max_new_tokens=1 + new, temperature=0, ignore_eos=True, logprobs=logprobs, repetition_penalty=PENALTY)
+    if not STREAM:
+        return [r.token_ids for r in eng.generate(prompts, **kw)]
+    sink = _CountingSink()
+    reqs = [eng.submit(p, sink=sink, **kw) for p in prompts]
+    for r in reqs:
+        r._ended.wait()
+    return [sink.ids[id(r)] for r in reqs]
 
 
 def _run(eng, prompts, new: int, logprobs: int | None = None) -> dict:
     """What generating 1 + new tokens for every prompt cost, per component (seconds)."""
     t0 = _clock(eng)
-    out = eng.generate(prompts, max_new_tokens=1 + new, temperature=0, ignore_eos=True, logprobs=logprobs,
-                       repetition_penalty=PENALTY)
+    out = _generate(eng, prompts, new, logprobs)
     t1 = _clock(eng)
-    assert all(len(r.token_ids) == 1 + new for r in out), "a request ended early"
+    assert all(len(ids) == 1 + new for ids in out), "a request ended early"
     return {k: t1[k] - t0[k] for k in t1 if k in (*KEYS, "wall_s", "cpu_s", "cpu_kernels_s")}
 
 
@@ -177,6 +209,7 @@ def main() -> int:
     ap.add_argument("--logprobs", type=int, metavar="K", help="also time logprobs=K on every request")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--cpu", action="store_true", help="also the step loop thread's CPU time (see above)")
+    ap.add_argument("--stream", action="store_true", help="requests streamed to a sink, as the server's (see above)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                     help="on every request (the default model's generation config has 1.1)")
     ap.add_argument("--arrivals", action="store_true", help="requests arriving during decode (see above)")
@@ -187,8 +220,8 @@ def main() -> int:
     ap.add_argument("--lengths", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"),
                     help="new tokens of each --arrivals request, uniform in [LO, HI]")
     args = ap.parse_args()
-    global PENALTY
-    PENALTY = args.repetition_penalty
+    global PENALTY, STREAM
+    PENALTY, STREAM = args.repetition_penalty, args.stream
     if args.arrivals:
         rows = arrivals(args)
         if args.json:

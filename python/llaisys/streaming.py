@@ -44,9 +44,11 @@ class IncrementalDetokenizer:
         self._started = True
         text = self._stream.step(self._tok, token_id)
         self._pending.append(token_id)
-        if text:
-            self._context = (self._context + self._pending)[-_CONTEXT:]
-            self._pending = []
+        if text:  # the context's last ids, in place (this runs per token of every streamed request)
+            context = self._context
+            context += self._pending
+            del context[:-_CONTEXT]
+            self._pending.clear()
             return text
         return ""
 

@@ -168,15 +168,13 @@ class StepLoop:
             log.exception("request %d failed while its output was delivered", req.seq.seq_id)
             self._fail(req, e)
 
-    def _token(self, req: Request, seq, token: int, logprobs) -> None:
-        if req.on_token(token, logprobs):
-            self._end(req, "stop")
-        elif seq.finish_reason is not None:
-            self._live.pop(seq.seq_id)
-            if seq.error is not None:  # the core ended it with an error (a structured-output matcher's)
-                req.fail(seq.error)
-            else:
-                req.finish(seq.finish_reason)
+    def _ended(self, req: Request, seq) -> None:
+        """req after its last token: the core ended its sequence (EOS, length, an error)."""
+        self._live.pop(seq.seq_id)
+        if seq.error is not None:  # the core ended it with an error (a structured-output matcher's)
+            req.fail(seq.error)
+        else:
+            req.finish(seq.finish_reason)
 
     def _step(self) -> None:
         try:
@@ -194,12 +192,19 @@ class StepLoop:
             if req is not None:
                 req.fail(error)
         live = self._live
-        for seq, token, logprobs in produced:
+        for seq, token, logprobs in produced:  # _deliver's isolation inlined: this runs per token per request
             req = live.get(seq.seq_id)
             if req is None:
                 continue
             if req.keeps_ids and seq.finish_reason is None and req.first is not None:
                 if logprobs is not None:  # a request read only at its end, mid-way: all there is to do
                     req.lps_kept.append(logprobs)  # (its ids are its sequence's output: Request.finish)
-            else:
-                self._deliver(req, self._token, req, seq, token, logprobs)
+                continue
+            try:
+                if req.on_token(token, logprobs):
+                    self._end(req, "stop")
+                elif seq.finish_reason is not None:
+                    self._ended(req, seq)
+            except Exception as e:
+                log.exception("request %d failed while its output was delivered", req.seq.seq_id)
+                self._fail(req, e)

@@ -144,7 +144,8 @@ class Request:
     def on_token(self, token: int, logprobs: dict | None = None) -> bool:
         """Queues the text the token completes; True when a stop string was hit (the text before it is
         queued and the request must end)."""
-        self.first = self.first or time.perf_counter()
+        if self.first is None:
+            self.first = time.perf_counter()
         if self._pending_lp is not None:
             self._pending_lp.append(logprobs)
         if self.keeps_ids:  # its ids are the sequence's output, read once at the end
@@ -152,10 +153,12 @@ class Request:
         self._pending.append(token)  # ids travel with the next chunk that carries text
         if token in self.seq.eos:
             return False
-        text, hit = self._stops.feed(self._detok.step(token))
-        if hit:
-            self._tail = text
-            return True
+        text = self._detok.step(token)
+        if self._stops.stops:  # without stop strings feed() returns the text as it is
+            text, hit = self._stops.feed(text)
+            if hit:
+                self._tail = text
+                return True
         if text:
             self._emit(StreamChunk(text, self._pending, logprobs=self._take_lp()))
             self._pending = []
