@@ -87,8 +87,8 @@ class Chainer:
     def _next_batch(self, step):
         """launch_next for a step of the persistent batch: the same checks on its arrays."""
         b = step.batch
-        if (b is not self.scheduler.batch or step.version != b.version or
-                not all(s.status is Status.RUNNING for s in b.seqs)):
+        # a row ended (rows only leave `running` while a batch's steps run: EngineCore._account_batch)
+        if b is not self.scheduler.batch or step.version != b.version or len(self.scheduler.running) != len(b):
             return None
         if (b.num_output + 1 >= b.max_new).any() or (b.pos + 2 >= self.max_seq_len).any():
             return None  # about to end by length
