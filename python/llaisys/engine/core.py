@@ -302,10 +302,11 @@ class EngineCore:
             self._advance_constrained(b, tokens, eos, length)
         if b.triggers:
             self._fire_triggers(b, tokens, eos | length)
-        for row in np.flatnonzero(eos).tolist():
-            self.finish(seqs[row], "stop")
-        for row in np.flatnonzero(length).tolist():
-            self.finish(seqs[row], "length")
+        if eos.any() or length.any():  # most steps end no row
+            for row in np.flatnonzero(eos).tolist():
+                self.finish(seqs[row], "stop")
+            for row in np.flatnonzero(length).tolist():
+                self.finish(seqs[row], "length")
         self._time(len(seqs), t0, t1, t2)
         return produced
 
