@@ -111,7 +111,7 @@ class EngineCore:
 
     def step(self) -> tuple[list[tuple[Sequence, int, dict | None]], list[tuple[Sequence, BaseException]]]:
         """One step. Returns (produced, failed): (sequence, new token, its logprobs or None) for each
-        sequence that produced one, and (sequence, error) for each whose row made the step raise (see
+        sequence that produced one (a quiet one of the persistent batch, Sequence.quiet: only its last), and (sequence, error) for each whose row made the step raise (see
         _isolate: the other rows are run again without it). Sequences that end (EOS, max_new_tokens,
         max_seq_len, an error) are finished, their blocks freed.
 

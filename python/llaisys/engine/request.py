@@ -118,8 +118,8 @@ class Request:
         self.seq, self._loop, self.sink = seq, loop, sink
         # incremental False: nobody reads the chunks before the end (generate(), chat() without a stream, the
         # server's non-streaming responses: Engine.submit(incremental=False)) and
-        # no stop string needs the text as it grows, so the ids are kept and decoded once when the request
-        # ends: the step loop's work per token is an append (issue 33: host work per sequence and step)
+        # no stop string needs the text as it grows, so the ids are decoded once when the request ends: the
+        # step loop does nothing for it per token (issue 33: host work per sequence and step)
         self.keeps_ids = not incremental and not stops
         # its ids are seq.output at the end (every token the core gave it): the step loop hands it its tokens
         # only for the first one's time and the logprobs entries, and a quiet row not even that (Sequence.quiet)
