@@ -178,6 +178,30 @@ def test_quiet_rows_are_listed_only_when_they_end(tiny, overlap):
     eng.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_quiet_row_aborted_mid_batch_keeps_what_it_got(tiny, overlap):
+    """A request read only at its end (incremental=False: a quiet row) aborted while the batch runs: its
+    result holds the tokens it got before the abort (a prefix of what it gets alone, as many as its usage
+    says), and the rows beside it go on with their own tokens."""
+    eng = engine(tiny, "cpu", overlap)
+    ps = prompts(eng.config.vocab_size, [6, 21], seed=12)
+    kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True)
+    alone = [eng.generate(p, **kw).token_ids for p in ps]
+    quiet = eng.submit(ps[0], incremental=False, **kw)
+    streamed = eng.submit(ps[1], **kw)
+    ids = []
+    for chunk in streamed:
+        ids += chunk.token_ids
+        if len(ids) >= 30 and not quiet.done:
+            quiet.abort()
+    got = quiet.result()
+    assert got.finish_reason == "abort" and 0 < len(got.token_ids) < 80
+    assert got.token_ids == alone[0][:len(got.token_ids)] and got.usage["completion_tokens"] == len(got.token_ids)
+    assert got.text == eng.tokenizer.decode(got.token_ids, skip_special_tokens=True)
+    assert ids == alone[1] and eng.stats()["kv_blocks_used"] == 0
+    eng.close()
+
+
 def test_grow_gives_rows_several_blocks_in_row_order():
     """Rows short of one or several blocks (tokens appended without them) get them from DecodeBatch.grow in
     one write: the same block ids in the same order as BlockManager.grow row by row (the general path), and
