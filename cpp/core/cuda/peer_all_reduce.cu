@@ -133,10 +133,10 @@ struct PeerAllReduce::Rank {
 
 std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &devices, size_t max_bytes) {
     const int world = int(devices.size());
-    // Default: on for 2 ranks (measured faster than NCCL, session 28: 8.2 against 12.4 us, TP 2 decode +4.5%),
-    // off for more until a run of the current kernel measures it there; LLAISYS_PEER_ALLREDUCE=1/0 forces it.
+    // Default: on for 2 to 4 ranks, where it was measured faster than NCCL (bench/RESULTS.md, sessions 28 and
+    // 29), off for more until a run measures it there; LLAISYS_PEER_ALLREDUCE=1/0 forces it.
     const char *env = std::getenv("LLAISYS_PEER_ALLREDUCE");
-    const bool on = env != nullptr && *env != '\0' ? std::strcmp(env, "0") != 0 : world == 2;
+    const bool on = env != nullptr && *env != '\0' ? std::strcmp(env, "0") != 0 : world <= 4;
     if (world < 2 || world > kMaxRanks || !on) return nullptr;
     for (int a : devices)
         for (int b : devices) {
