@@ -441,11 +441,12 @@ __device__ __forceinline__ void load_words(uint32_t (&w)[N], const void *p) { //
 }
 
 template <typename T, int HD, bool WINDOW>
-__global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_mma_kernel(const PagedArgs<T> a) {
+__global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode_mma_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
     constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
     __shared__ float wm[kMmaWarps][kMmaRows], wl[kMmaWarps][kMmaRows];
     __shared__ __align__(16) float wacc[kMmaWarps][kMmaRows][HD];
+    __shared__ uint4 qfrag[KS][32];
     pdl_trigger();
     if (!a.settled) pdl_wait();
     const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
@@ -462,61 +463,80 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_mma_kernel(const 
     // past the chunk are never read and are zero (V = 0 so that p = 0 adds nothing, not 0 * NaN).
     uint32_t kr[2][KW], vr[4][VW];
     int t0 = kb + warp * kMmaKeys;
-    const auto load_keys = [&](int lo, int hi) {
-        const int mine = t0 + (lane & 15);
-        const int slot = mine < ke ? cache_row(a, table, mine) : 0;
+    const auto slot_of = [&](int t) {
+        const int mine = t + (lane & 15);
+        return mine < ke ? cache_row(a, table, mine) : 0;
+    };
+    const auto load_k = [&](int t, int slot, int lo, int hi) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int key = 8 * j + g, row = __shfl_sync(all, slot, key);
-            if (t0 + key >= ke) {
+            if (t + key >= ke) {
 #pragma unroll
                 for (int w = 0; w < KW; ++w) kr[j][w] = 0;
-            } else if (t0 + key >= lo && t0 + key < hi) {
+            } else if (t + key >= lo && t + key < hi) {
                 load_words(kr[j], kp + int64_t(row) * row_elems);
             }
         }
+    };
+    const auto load_v = [&](int t, int slot, int lo, int hi) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int key = 2 * c + (i & 1) + 8 * (i >> 1), row = __shfl_sync(all, slot, key);
-            if (t0 + key >= ke) {
+            if (t + key >= ke) {
 #pragma unroll
                 for (int w = 0; w < VW; ++w) vr[i][w] = 0;
-            } else if (t0 + key >= lo && t0 + key < hi) {
+            } else if (t + key >= lo && t + key < hi) {
                 load_words(vr[i], vp + int64_t(row) * row_elems);
             }
         }
     };
     // The first step's keys from before this step: with settled history they load while the kernel ahead
     // (the one that writes this step's keys) still runs.
-    const int settled_end = s.kv - s.qlen;
-    load_keys(INT_MIN, settled_end);
+    const int settled_end = s.kv - s.qlen, slot0 = slot_of(t0);
+    load_k(t0, slot0, INT_MIN, settled_end);
+    load_v(t0, slot0, INT_MIN, settled_end);
     if (a.settled) pdl_wait();
     if (empty) return;
-    load_keys(settled_end, INT_MAX);
-    // Q's A fragments: rows g and g + 8 of the group (zero past it), the lane's dims of every k-step
-    uint32_t qa[KS][4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = g + 8 * h;
-        const T *qr = a.q + t * a.q_s0 + int64_t(kvh * group + r) * a.q_s1 + c * (HD / 4);
+    load_k(t0, slot0, settled_end, INT_MAX);
+    load_v(t0, slot0, settled_end, INT_MAX);
+    // Q's A fragments (rows g and g + 8 of the group, zero past it; the lane's dims of every k-step), the
+    // same for every warp: written once to shared memory and read there each step (registers are what
+    // limits how many blocks an SM holds)
+    if (warp == 0) {
 #pragma unroll
         for (int st = 0; st < KS; ++st) {
-            qa[st][h] = r < group ? *reinterpret_cast<const uint32_t *>(qr + 4 * st) : 0u;
-            qa[st][2 + h] = r < group ? *reinterpret_cast<const uint32_t *>(qr + 4 * st + 2) : 0u;
+            uint32_t f[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const T *qr = a.q + t * a.q_s0 + int64_t(kvh * group + r) * a.q_s1 + c * (HD / 4) + 4 * st;
+                f[h] = r < group ? *reinterpret_cast<const uint32_t *>(qr) : 0u;
+                f[2 + h] = r < group ? *reinterpret_cast<const uint32_t *>(qr + 2) : 0u;
+            }
+            qfrag[st][lane] = make_uint4(f[0], f[1], f[2], f[3]);
         }
     }
+    __syncthreads();
     float acc[NT][4];
 #pragma unroll
     for (int d = 0; d < NT; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; // rows g, g + 8: running max and this lane's sum
+    // A step's loads overlap the step before: the next keys' cache rows are looked up first, their K rows
+    // load once Q K^T has consumed kr, their V rows once P V has consumed vr (no extra registers).
     while (t0 < ke) {
+        const int tn = t0 + kMmaTile, slot_n = slot_of(tn);
         float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+        for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
 #pragma unroll
-            for (int st = 0; st < KS; ++st) mma16816<T>(sc[j], qa[st], kr[j][2 * st], kr[j][2 * st + 1]);
+        for (int st = 0; st < KS; ++st) {
+            const uint4 q4 = qfrag[st][lane];
+            const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma16816<T>(sc[j], qa, kr[j][2 * st], kr[j][2 * st + 1]);
         }
+        if (tn < ke) load_k(tn, slot_n, INT_MIN, INT_MAX);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -555,8 +575,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_mma_kernel(const 
             const uint32_t b1 = __byte_perm(vr[2][d / 2], vr[3][d / 2], sel);
             mma16816<T>(acc[d], pa, b0, b1);
         }
-        t0 += kMmaTile;
-        if (t0 < ke) load_keys(INT_MIN, INT_MAX);
+        if (tn < ke) load_v(tn, slot_n, INT_MIN, INT_MAX);
+        t0 = tn;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) { // a row's sum over the four lanes of its keys
