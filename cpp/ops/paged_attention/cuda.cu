@@ -666,8 +666,14 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
 
 // Splits each sequence's keys until about four blocks per SM are busy (a decode batch smaller than the
 // GPU); a large batch or a prefill has blocks enough already. Planned from the host-known sizes only.
+// LLAISYS_SPLIT_BLOCKS_PER_SM overrides the 4 (read once; an A/B knob for benchmarks).
 int plan_splits(int64_t blocks, int64_t capacity, int granule, int device) {
-    const int64_t want = 4 * int64_t(sm_count(device));
+    static const int64_t per_sm = [] {
+        const char *e = std::getenv("LLAISYS_SPLIT_BLOCKS_PER_SM");
+        const long v = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+        return v > 0 ? int64_t(v) : int64_t(4);
+    }();
+    const int64_t want = per_sm * int64_t(sm_count(device));
     if (blocks >= want) return 1;
     return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, granule)})));
 }
