@@ -82,7 +82,8 @@ def main() -> int:
         s, p = statistics.median(serial) * 1e3, statistics.median(par) * 1e3
         sc = statistics.median(serial_c) * 1e3
         print(f"batch {batch:3d}: masks one after another {s:.3f} ms a step, MaskFiller {p:.3f} ms a step "
-              f"(x{s / p:.2f}); consumes {sc:.3f} ms a step; {len(serial)} steps, {filler.num_threads} threads", flush=True)
+              f"(x{s / p:.2f}); consumes {sc:.3f} ms a step; {len(serial)} steps, {filler.num_threads} threads",
+              flush=True)
     eng.close()
     return 0
 

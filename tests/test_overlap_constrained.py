@@ -289,7 +289,7 @@ def test_mask_filler_start_gives_the_masks_of_fill_on_its_worker(tiny):
     eng = f32_engine(tiny, "cpu", False)
     try:
         lltok, V = eng._admit.ll_tokenizer(), eng.config.vocab_size
-        cs = [Constraint(lltok, compile_constraint(json_schema=SCHEMA)), Constraint(lltok, compile_constraint(regex=DATE))]
+        cs = [Constraint(lltok, compile_constraint(**kw)) for kw in ({"json_schema": SCHEMA}, {"regex": DATE})]
         for t in eng.tokenizer.encode('{"n": 1'):
             cs[0].consume(t)
         one = np.empty((2, (V + 31) // 32), np.int32)
