@@ -11,6 +11,7 @@ With --logprobs K every batch is timed twice, without logprobs and with logprobs
 the best of --repeat, interleaved), and the ratio printed (issue 33's target: <= 1.10 for K = 5).
 
     LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/host_cost.py            # 1, 64, 256
+    python bench/host_cost.py --device cuda   # the GPU host (issue 33: <= 2 us per sequence per step)
     python bench/host_cost.py --batches 1 256 --new 64 --repeat 3 --json /tmp/h.json
     python bench/host_cost.py --batches 64 256 --logprobs 5 --repeat 5
     python bench/host_cost.py --batches 64 256 --prompt 256 --repetition-penalty 1.1   # the model's default
@@ -171,7 +172,7 @@ def arrivals(args) -> list[dict]:
 
     rows = []
     for mode in ("queue", "arrivals"):
-        eng = llaisys.Engine.from_loaded(tiny_loaded(), device="cpu", dtype="f32", max_seq_len=1024,
+        eng = llaisys.Engine.from_loaded(tiny_loaded(), device=args.device, dtype="f32", max_seq_len=1024,
                                          max_num_seqs=args.batch, overlap_steps=True, progress=False)
         rng = random.Random(0)
         t0, steps0 = time.perf_counter(), eng._core.timing["steps"]
@@ -210,6 +211,8 @@ def main() -> int:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--cpu", action="store_true", help="also the step loop thread's CPU time (see above)")
     ap.add_argument("--stream", action="store_true", help="requests streamed to a sink, as the server's (see above)")
+    ap.add_argument("--device", default="cpu", help="cuda: the GPU machine's host (the tiny model's kernels "
+                    "cost microseconds, so a step is the host's work; overlapped steps as the engine runs them)")
     ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                     help="on every request (the default model's generation config has 1.1)")
     ap.add_argument("--arrivals", action="store_true", help="requests arriving during decode (see above)")
@@ -230,7 +233,7 @@ def main() -> int:
         return 0
     import llaisys
 
-    eng = llaisys.Engine.from_loaded(tiny_loaded(), device="cpu", dtype="f32", max_seq_len=1024,
+    eng = llaisys.Engine.from_loaded(tiny_loaded(), device=args.device, dtype="f32", max_seq_len=1024,
                                      max_num_seqs=max(args.batches), progress=False,
                                      # every prompt in one step: t(1) is one prefill step, the rest decodes
                                      max_num_batched_tokens=max(args.batches) * args.prompt,

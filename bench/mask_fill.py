@@ -1,9 +1,9 @@
 """Host time of one step's token masks for B constrained rows (issue 31): the rows one after another
 (Constraint.mask_into, what ModelRunner._masks did before) against constraints.MaskFiller (llguidance's
 LLExecutor: the rows on a thread pool, the GIL released), on the same matchers in the same states; and
-the same for advancing the matchers with the step's tokens: each row's consume and its done/error checks
-one after another (what the engine does) against MaskFiller.advance(pooled=True) (the executor's
-consume_token_par, then the checks). Each row follows the bench/structured.py schema, advanced by a random
+the time of advancing the matchers with the step's tokens: each row's consume and its done/error checks one
+after another (what the engine does; llguidance's pooled consume_token_par was 0.45-0.68x as fast with two
+threads here, session 29, and was removed). Each row follows the bench/structured.py schema, advanced by a random
 allowed token a step, so the rows sit at different places of the grammar, as a batch's do. Prints ms per step (median over the steps) for each, on
 two sets of matchers in the same states (a second mask of one state would find llguidance's caches warm).
 
@@ -47,7 +47,7 @@ def main() -> int:
         # (a second mask of the same state finds llguidance's caches warm)
         cs = [constraints.Constraint(lltok, grammar) for _ in range(batch)]
         ds = [constraints.Constraint(lltok, grammar) for _ in range(batch)]
-        serial, par, serial_c, par_c = [], [], [], []
+        serial, par, serial_c = [], [], []
         for step in range(args.steps):
             live = [(c, d) for c, d in zip(cs, ds) if not c.done]
             if not live:
@@ -72,27 +72,18 @@ def main() -> int:
                 bits = np.unpackbits(a[j].view(np.uint8), bitorder="little")[:vocab]
                 toks.append(int(rng.choice(np.flatnonzero(bits))))
 
-            def consume_one_by_one():  # EngineCore._constrained_end's calls, row after row
-                t = time.perf_counter()
-                for (c, _), tok in zip(live, toks):
-                    c.consume(tok)
-                    c.error is None and c.done
-                serial_c.append(time.perf_counter() - t)
-
-            def consume_batched():
-                t = time.perf_counter()
-                filler.advance([d for _, d in live], toks, pooled=True)
-                for _, d in live:
-                    d.error is None and d.done
-                par_c.append(time.perf_counter() - t)
-            for f in ((consume_one_by_one, consume_batched) if step % 2 else (consume_batched, consume_one_by_one)):
-                f()
-            assert [c.done for c, _ in live] == [d.done for _, d in live]
+            t = time.perf_counter()  # EngineCore._advance_constrained's calls, row after row
+            for (c, _), tok in zip(live, toks):
+                c.consume(tok)
+                c.error is None and c.done
+            serial_c.append(time.perf_counter() - t)
+            for (_, d), tok in zip(live, toks):
+                d.consume(tok)
         s, p = statistics.median(serial) * 1e3, statistics.median(par) * 1e3
-        sc, pc = statistics.median(serial_c) * 1e3, statistics.median(par_c) * 1e3
+        sc = statistics.median(serial_c) * 1e3
         print(f"batch {batch:3d}: masks one after another {s:.3f} ms a step, MaskFiller {p:.3f} ms a step "
-              f"(x{s / p:.2f}); consumes one after another {sc:.3f} ms a step, pooled {pc:.3f} "
-              f"ms (x{sc / pc:.2f}); {len(serial)} steps, {filler.num_threads} threads", flush=True)
+              f"(x{s / p:.2f}); consumes {sc:.3f} ms a step; {len(serial)} steps, {filler.num_threads} threads",
+              flush=True)
     eng.close()
     return 0
 

@@ -156,15 +156,17 @@ def test_decode_batch_of_mixed_lengths(heads, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("heads", [(16, 2, 128), (8, 8, 64), (6, 2, 32), (5, 1, 128)], ids=["g8", "g1", "hd32", "g5"])
+@pytest.mark.parametrize("heads", [(16, 2, 128), (8, 8, 64), (6, 2, 32), (5, 1, 128), (24, 2, 64), (16, 1, 128),
+                                   (20, 1, 64)], ids=["g8", "g1", "hd32", "g5", "g12", "g16", "g20"])
 def test_decode_steps_group_sizes_and_idle_sequences(heads, dtype, device):
-    """Steps of one query per sequence (CUDA's decode kernel: lanes over the head dims, a GQA group of up to
-    8 rows): every group size it takes, sequences without a query in the step, lengths around its 8- and
-    32-key steps, and keys split over many chunks; the unused cache rows are NaN, so a masked key that
-    reached a sum would show."""
-    kvlens = [1, 7, 8, 9, 31, 32, 33, 0, 65, 1000, 5]
+    """Steps of one query per sequence (CUDA's decode kernels: in f32 lanes over the head dims for a GQA group
+    of up to 8 rows; in 16-bit types and head dim 64/128 tensor cores for groups of up to 16 rows; larger
+    groups take the split kernel): group sizes on both sides of those limits, sequences without a query in
+    the step, lengths around the kernels' 8-, 16-, 32- and 64-key steps, and keys split over many chunks; the
+    unused cache rows are NaN, so a masked key that reached a sum would show."""
+    kvlens = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 0, 63, 64, 65, 129, 1000, 5]
     qlens = [1 if kv else 0 for kv in kvlens]
-    qlens[4] = 0  # a sequence with keys but no query in this step
+    qlens[7] = 0  # a sequence with keys but no query in this step
     check(Batch(qlens, kvlens, 16, heads, dtype, device, seed=11), max_q_len=1)
 
 

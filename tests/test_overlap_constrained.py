@@ -279,36 +279,57 @@ def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
         eng.close()
 
 
-def test_mask_filler_advance_gives_the_states_of_one_consume_at_a_time(tiny):
-    """MaskFiller.advance pooled (llguidance's consume_token_par on its pool) against each matcher's own consume:
-    the same masks after, the same done/error states, a refused token an error either way."""
+def test_mask_filler_start_gives_the_masks_of_fill_on_its_worker(tiny):
+    """MaskFiller.start computes on a worker thread what fill computes (one row and several, one thread and a
+    pool); wait() returns once written, re-raises what the fill raised, and a second start before wait()
+    raises rather than write one buffer twice."""
     import numpy as np
 
     from llaisys.constraints import Constraint, MaskFiller, compile_constraint
     eng = f32_engine(tiny, "cpu", False)
     try:
-        lltok, V, enc = eng._admit.ll_tokenizer(), eng.config.vocab_size, eng.tokenizer.encode
-        grammars = [compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
-                    compile_constraint(choice=["yes", "no"]), compile_constraint(regex="[0-9]+")]
-        texts = ['{"n": 12, "c": "red", "ok": true}', "2024-01-31", "yes", "12x"]  # "x": refused
-        streams = [enc(t) for t in texts]
-        one, par = ([Constraint(lltok, g) for g in grammars] for _ in range(2))
-        pool = MaskFiller(4)
-        for i in range(max(map(len, streams))):
-            live = [j for j, s in enumerate(streams) if i < len(s)]
-            for j in live:
-                one[j].consume(streams[j][i])
-            pool.advance([par[j] for j in live], [streams[j][i] for j in live], pooled=True)
-            a, b = (np.empty((len(live), (V + 31) // 32), np.int32) for _ in range(2))
-            ok = [j for j in live if one[j].error is None]
-            for j, row in zip(ok, a):
-                one[j].mask_into(row)
-            pool.fill([par[j] for j in ok], b[:len(ok)])
-            assert (a[:len(ok)] == b[:len(ok)]).all()
-            # (an error's text carries llguidance's timings: whether there is one is what must agree)
-            assert [(one[j].done, one[j].error is None) for j in live] == [(par[j].done, par[j].error is None)
-                                                                          for j in live]
-        # complete, or failed (a failed matcher is stopped too: _constrained_end looks at the error first)
-        assert all(c.done for c in par) and [c.error is None for c in par] == [True, True, True, False]
+        lltok, V = eng._admit.ll_tokenizer(), eng.config.vocab_size
+        cs = [Constraint(lltok, compile_constraint(**kw)) for kw in ({"json_schema": SCHEMA}, {"regex": DATE})]
+        for t in eng.tokenizer.encode('{"n": 1'):
+            cs[0].consume(t)
+        one = np.empty((2, (V + 31) // 32), np.int32)
+        for c, row in zip(cs, one):
+            c.mask_into(row)
+        for threads, rows in ((1, 1), (1, 2), (4, 2)):
+            filler, got = MaskFiller(threads), np.full((rows, one.shape[1]), 7, np.int32)
+            assert filler.wait() == 0.0  # nothing pending
+            filler.start(cs[:rows], got)
+            with pytest.raises(RuntimeError, match="not waited for"):
+                filler.start(cs[:rows], got)
+            assert filler.wait() >= 0.0 and (got == one[:rows]).all()
+        broken = MaskFiller(1)
+        broken.start(cs, np.empty((1, one.shape[1]), np.int32)[:, :-1])  # a row too short: mask_into refuses
+        with pytest.raises(Exception):
+            broken.wait()
+        assert broken.wait() == 0.0  # the failure was handed over once
     finally:
         eng.close()
+
+
+def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
+    """A chained constrained step's masks are written on the MaskFiller's worker thread (the loop delivers
+    meanwhile), the masks of a plain step on the caller's; the tokens are those of the plain run."""
+    import threading
+
+    from llaisys.constraints import MaskFiller
+
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [7, 13, 9], seed=3)
+        return result(eng.generate(ps, max_new_tokens=24, temperature=[0, 0.9, 0], seed=5, ignore_eos=True,
+                                   json_schema=[SCHEMA, None, SCHEMA], regex=[None, DATE, None]))
+
+    plain = go_engine(tiny, False, go)
+    fill, threads = MaskFiller.fill, []
+
+    def recorded(self, constraints, mask):
+        threads.append(threading.current_thread().name)
+        return fill(self, constraints, mask)
+    monkeypatch.setattr(MaskFiller, "fill", recorded)
+    assert go_engine(tiny, True, go) == plain
+    off_loop = [n for n in threads if n.startswith("llaisys-masks")]
+    assert len(off_loop) > 10 and len(off_loop) < len(threads)  # the first step's masks: a plain step's

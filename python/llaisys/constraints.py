@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -117,12 +119,15 @@ class Constraint:
 class MaskFiller:
     """Writes the masks of several constraints at once: on llguidance's thread pool (LLExecutor, which
     releases the GIL; the same masks as one at a time) where it has two threads or more, else one row after
-    another (on a 2-core box the pool's one thread made 16 rows 1.5x slower: bench/mask_fill.py)."""
+    another (on a 2-core box the pool's one thread made 16 rows 1.5x slower: bench/mask_fill.py). start()
+    runs the same fill on a worker thread, so the caller's Python work goes on while llguidance writes."""
 
     def __init__(self, num_threads: int | None = None):
         # None: llguidance's own default, 80% of the CPUs, at most 32
         self.num_threads = num_threads if num_threads is not None else min(32, int(0.8 * (os.cpu_count() or 1)))
         self._executor = None  # started on the first batch of two or more
+        self._worker = None  # start()'s thread, made on its first use
+        self._pending = None  # start()'s fill not waited for yet (a Future)
 
     def fill(self, constraints: list[Constraint], mask: np.ndarray) -> None:
         """mask: C-contiguous int32 [len(constraints), ceil(vocab / 32)]; row j gets constraints[j]'s."""
@@ -130,25 +135,30 @@ class MaskFiller:
             for c, row in zip(constraints, mask):
                 c.mask_into(row)
             return
-        self._pool().unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)],
-                                             mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
-
-    def advance(self, constraints: list[Constraint], tokens: list[int], pooled: bool = False) -> None:
-        """Consumes tokens[j] in constraints[j]. One after another unless `pooled` (and fill() uses the pool):
-        then llguidance's consume_token_par in one call, the same states. A consume is ~50x cheaper than a
-        mask (bench/mask_fill.py: 64 rows ~0.3-0.6 ms on a 2-core EPYC), so the pool's dispatch is most of its
-        cost: 0.65-0.72x as fast as one after another with 2 threads on that box, and 0.04-0.09x while other
-        work held its cores. The engine consumes one after another; the bench times both."""
-        if not pooled or len(constraints) <= 1 or self.num_threads < 2:
-            for c, t in zip(constraints, tokens):
-                c.consume(t)
-            return
-        self._pool().consume_token_par([(c.matcher, int(t)) for c, t in zip(constraints, tokens)])
-
-    def _pool(self):
         if self._executor is None:
             self._executor = _llg().LLExecutor(self.num_threads)
-        return self._executor
+        self._executor.unsafe_compute_mask_ptr([(c.matcher, j) for j, c in enumerate(constraints)],
+                                               mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
+
+    def start(self, constraints: list[Constraint], mask: np.ndarray) -> None:
+        """fill() on a worker thread; returns at once. Until wait() returns, the caller touches neither these
+        matchers (llguidance holds them) nor `mask`. Both fill paths release the GIL while they compute."""
+        if self._pending is not None:
+            raise RuntimeError("MaskFiller.start: the last fill was not waited for")
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="llaisys-masks")
+        self._pending = self._worker.submit(self._timed_fill, constraints, mask)
+
+    def wait(self) -> float:
+        """Returns once start()'s fill is written (at once when none is pending): the seconds it took on the
+        worker. Raises what the fill raised."""
+        pending, self._pending = self._pending, None
+        return 0.0 if pending is None else pending.result()
+
+    def _timed_fill(self, constraints, mask) -> float:
+        t = time.perf_counter()
+        self.fill(constraints, mask)
+        return time.perf_counter() - t
 
 
 class Trigger:

@@ -87,17 +87,25 @@ __global__ void __launch_bounds__(PAR::kThreads)
         float acc[U::kElems];
 #pragma unroll
         for (int j = 0; j < U::kElems; ++j) acc[j] = 0.f;
-        for (int r = 0; r < world; ++r) {
-            Raw v;
+        // every rank's unit is requested before any is summed: the NVLink reads' latencies overlap instead of
+        // adding up one rank after another (at 4 ranks the loop form took 22.6 us against 9.4 at 2)
+        Raw v[PAR::kMaxRanks];
+#pragma unroll
+        for (int r = 0; r < PAR::kMaxRanks; ++r) {
+            if (r >= world) break;
             if constexpr (Vec) {
-                v = __ldcg(static_cast<const uint4 *>(p.buf[parity][r]) + i);
+                v[r] = __ldcg(static_cast<const uint4 *>(p.buf[parity][r]) + i);
             } else if constexpr (sizeof(T) == 2) { // past L1: the peers wrote it after this SM last looked
                 const unsigned short bits = __ldcg(static_cast<const unsigned short *>(p.buf[parity][r]) + i);
-                memcpy(&v, &bits, 2);
+                memcpy(&v[r], &bits, 2);
             } else {
-                v = __ldcg(static_cast<const float *>(p.buf[parity][r]) + i);
+                v[r] = __ldcg(static_cast<const float *>(p.buf[parity][r]) + i);
             }
-            const T *e = reinterpret_cast<const T *>(&v);
+        }
+#pragma unroll
+        for (int r = 0; r < PAR::kMaxRanks; ++r) { // in rank order: every rank gets the same bits
+            if (r >= world) break;
+            const T *e = reinterpret_cast<const T *>(&v[r]);
 #pragma unroll
             for (int j = 0; j < U::kElems; ++j) acc[j] += to_f(e[j]);
         }
@@ -133,10 +141,10 @@ struct PeerAllReduce::Rank {
 
 std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &devices, size_t max_bytes) {
     const int world = int(devices.size());
-    // Default: on for 2 ranks (measured faster than NCCL, session 28: 8.2 against 12.4 us, TP 2 decode +4.5%),
-    // off for more until a run of the current kernel measures it there; LLAISYS_PEER_ALLREDUCE=1/0 forces it.
+    // Default: on for 2 to 4 ranks, where it was measured faster than NCCL (bench/RESULTS.md, sessions 28 and
+    // 29), off for more until a run measures it there; LLAISYS_PEER_ALLREDUCE=1/0 forces it.
     const char *env = std::getenv("LLAISYS_PEER_ALLREDUCE");
-    const bool on = env != nullptr && *env != '\0' ? std::strcmp(env, "0") != 0 : world == 2;
+    const bool on = env != nullptr && *env != '\0' ? std::strcmp(env, "0") != 0 : world <= 4;
     if (world < 2 || world > kMaxRanks || !on) return nullptr;
     for (int a : devices)
         for (int b : devices) {

@@ -10,11 +10,14 @@
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/mma.cuh"
 #include "ops/common/split_kv.cuh"
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace llaisys::ops::cuda {
 
@@ -410,6 +413,205 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     }
 }
 
+// Decode steps on tensor cores (16-bit K/V, head dim 64 or 128, a GQA group of at most 16 query heads).
+// The kernel above spends ~17 shuffles and ~64 FMAs a key on CUDA cores and moved ~1 TB/s at batch 256
+// (session 28); here each warp takes 16 keys a step and does Q K^T and P V as mma.sync m16n8k16 (the group's
+// query rows are the M = 16 rows, padded with zero rows), so a key costs a few instructions and the loads
+// are 16-byte pieces of K/V rows straight into the fragments (no shared memory):
+//   lane (g = lane / 4, c = lane % 4). Q K^T: the k index is a permutation of the head's dims (the dot
+//   product is the same in any order): k-step s takes dims c * HD/4 + 4 s + 0..3 at lane c, so a lane's B
+//   fragments for key n = g of n-tile j (key 8 j + g of the step) are one contiguous HD/4-dim piece of that
+//   K row, and its A fragments the same dims of query rows g and g + 8.
+//   P V: S's accumulator layout is P's A fragment (keys 2c, 2c+1 | 8+2c, 9+2c); output column n of n-tile
+//   d is dim n * HD/8 + d, so a lane's V loads are the HD/8-dim piece at g * HD/8 of its four keys' rows,
+//   paired into B fragments with a byte permute.
+// The online softmax keeps f32 (max, sum) per row; P is rounded to the 16-bit type for the P V product (as
+// flash attention does). The 4 warps' results merge through shared memory as in paged_decode_kernel, into
+// out or the partials paged_combine_kernel merges.
+constexpr int kMmaWarps = 4, kMmaKeys = 16, kMmaTile = kMmaWarps * kMmaKeys, kMmaRows = 16;
+
+template <int N>
+__device__ __forceinline__ void load_words(uint32_t (&w)[N], const void *p) { // N / 4 16-byte loads
+    static_assert(N % 4 == 0, "16-byte pieces");
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p) + i);
+        w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
+    }
+}
+
+template <typename T, int HD, bool WINDOW>
+__global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode_mma_kernel(const PagedArgs<T> a) {
+    constexpr unsigned all = 0xffffffffu;
+    constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
+    __shared__ float wm[kMmaWarps][kMmaRows], wl[kMmaWarps][kMmaRows];
+    __shared__ __align__(16) float wacc[kMmaWarps][kMmaRows][HD];
+    __shared__ uint4 qfrag[KS][32];
+    pdl_trigger();
+    if (!a.settled) pdl_wait();
+    const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
+    const Seq s = load_seq(a, b);
+    const int base = span_base<WINDOW>(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kMmaTile);
+    const int kb = base + blockIdx.x * L, ke = min(kb + L, s.kv);
+    const bool empty = s.qlen == 0 || kb >= ke;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3, t = s.q0;
+    const int64_t row_elems = int64_t(a.nkvh) * HD;
+    const T *kp = a.k + int64_t(kvh) * HD + c * (HD / 4), *vp = a.v + int64_t(kvh) * HD + g * (HD / 8);
+    const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
+    // This warp's keys [t0, t0 + 16) of a step: lane l looks up key l % 16's cache row; a lane reads K of
+    // keys g and 8 + g, V of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. Only keys in [lo, hi) are read by a call; keys
+    // past the chunk are never read and are zero (V = 0 so that p = 0 adds nothing, not 0 * NaN).
+    uint32_t kr[2][KW], vr[4][VW];
+    int t0 = kb + warp * kMmaKeys;
+    const auto slot_of = [&](int t) {
+        const int mine = t + (lane & 15);
+        return mine < ke ? cache_row(a, table, mine) : 0;
+    };
+    const auto load_k = [&](int t, int slot, int lo, int hi) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int key = 8 * j + g, row = __shfl_sync(all, slot, key);
+            if (t + key >= ke) {
+#pragma unroll
+                for (int w = 0; w < KW; ++w) kr[j][w] = 0;
+            } else if (t + key >= lo && t + key < hi) {
+                load_words(kr[j], kp + int64_t(row) * row_elems);
+            }
+        }
+    };
+    const auto load_v = [&](int t, int slot, int lo, int hi) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = 2 * c + (i & 1) + 8 * (i >> 1), row = __shfl_sync(all, slot, key);
+            if (t + key >= ke) {
+#pragma unroll
+                for (int w = 0; w < VW; ++w) vr[i][w] = 0;
+            } else if (t + key >= lo && t + key < hi) {
+                load_words(vr[i], vp + int64_t(row) * row_elems);
+            }
+        }
+    };
+    // The first step's keys from before this step: with settled history they load while the kernel ahead
+    // (the one that writes this step's keys) still runs.
+    const int settled_end = s.kv - s.qlen, slot0 = slot_of(t0);
+    load_k(t0, slot0, INT_MIN, settled_end);
+    load_v(t0, slot0, INT_MIN, settled_end);
+    if (a.settled) pdl_wait();
+    if (empty) return;
+    load_k(t0, slot0, settled_end, INT_MAX);
+    load_v(t0, slot0, settled_end, INT_MAX);
+    // Q's A fragments (rows g and g + 8 of the group, zero past it; the lane's dims of every k-step), the
+    // same for every warp: written once to shared memory and read there each step (registers are what
+    // limits how many blocks an SM holds)
+    if (warp == 0) {
+#pragma unroll
+        for (int st = 0; st < KS; ++st) {
+            uint32_t f[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const T *qr = a.q + t * a.q_s0 + int64_t(kvh * group + r) * a.q_s1 + c * (HD / 4) + 4 * st;
+                f[h] = r < group ? *reinterpret_cast<const uint32_t *>(qr) : 0u;
+                f[2 + h] = r < group ? *reinterpret_cast<const uint32_t *>(qr + 2) : 0u;
+            }
+            qfrag[st][lane] = make_uint4(f[0], f[1], f[2], f[3]);
+        }
+    }
+    __syncthreads();
+    float acc[NT][4];
+#pragma unroll
+    for (int d = 0; d < NT; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; // rows g, g + 8: running max and this lane's sum
+    // A step's loads overlap the step before: the next keys' cache rows are looked up first, their K rows
+    // load once Q K^T has consumed kr, their V rows once P V has consumed vr (no extra registers).
+    while (t0 < ke) {
+        const int tn = t0 + kMmaTile, slot_n = slot_of(tn);
+        float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+        for (int st = 0; st < KS; ++st) {
+            const uint4 q4 = qfrag[st][lane];
+            const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma16816<T>(sc[j], qa, kr[j][2 * st], kr[j][2 * st + 1]);
+        }
+        if (tn < ke) load_k(tn, slot_n, INT_MIN, INT_MAX);
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool in = t0 + 8 * j + 2 * c + (e & 1) < ke;
+                sc[j][e] = in ? sc[j][e] * a.scale_log2 : -INFINITY;
+                mx[e >> 1] = fmaxf(mx[e >> 1], sc[j][e]); // fmaxf skips NaN scores; exp2f turns them into NaN
+            }
+        float corr[2], m_ref[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(all, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(all, mx[h], 2));
+            const float m_new = fmaxf(m[h], mx[h]);
+            m_ref[h] = m_new == -INFINITY ? 0.f : m_new; // avoid -inf - -inf
+            corr[h] = exp2f(m[h] - m_ref[h]);
+            m[h] = m_new;
+            l[h] *= corr[h];
+        }
+        float p[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                p[j][e] = exp2f(sc[j][e] - m_ref[e >> 1]);
+                l[e >> 1] += p[j][e];
+            }
+        const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
+                                pack2<T>(p[1][2], p[1][3])};
+#pragma unroll
+        for (int d = 0; d < NT; ++d) {
+            acc[d][0] *= corr[0], acc[d][1] *= corr[0], acc[d][2] *= corr[1], acc[d][3] *= corr[1];
+            const unsigned sel = d & 1 ? 0x7632u : 0x5410u; // dim d of the pieces: high or low halves
+            const uint32_t b0 = __byte_perm(vr[0][d / 2], vr[1][d / 2], sel);
+            const uint32_t b1 = __byte_perm(vr[2][d / 2], vr[3][d / 2], sel);
+            mma16816<T>(acc[d], pa, b0, b1);
+        }
+        if (tn < ke) load_v(tn, slot_n, INT_MIN, INT_MAX);
+        t0 = tn;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) { // a row's sum over the four lanes of its keys
+        l[h] += __shfl_xor_sync(all, l[h], 1);
+        l[h] += __shfl_xor_sync(all, l[h], 2);
+    }
+    if (c == 0) wm[warp][g] = m[0], wl[warp][g] = l[0], wm[warp][g + 8] = m[1], wl[warp][g + 8] = l[1];
+#pragma unroll
+    for (int d = 0; d < NT; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < group * HD; idx += kMmaWarps * 32) {
+        const int r = idx / HD, d = idx % HD, h = kvh * group + r;
+        float mm = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) mm = fmaxf(mm, wm[w][r]);
+        const float m_ref = mm == -INFINITY ? 0.f : mm;
+        float o = 0.f, sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) { // a warp that saw no key has m = -inf: weight 0
+            const float wt = exp2f(wm[w][r] - m_ref);
+            o += wt * wacc[w][r][d];
+            sum += wt * wl[w][r];
+        }
+        if (a.nsplit == 1) {
+            a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
+        } else {
+            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
+            dst[d] = o;
+            if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
+        }
+    }
+}
+
 // Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
 // row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
@@ -464,8 +666,14 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
 
 // Splits each sequence's keys until about four blocks per SM are busy (a decode batch smaller than the
 // GPU); a large batch or a prefill has blocks enough already. Planned from the host-known sizes only.
+// LLAISYS_SPLIT_BLOCKS_PER_SM overrides the 4 (read once; an A/B knob for benchmarks).
 int plan_splits(int64_t blocks, int64_t capacity, int granule, int device) {
-    const int64_t want = 4 * int64_t(sm_count(device));
+    static const int64_t per_sm = [] {
+        const char *e = std::getenv("LLAISYS_SPLIT_BLOCKS_PER_SM");
+        const long v = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+        return v > 0 ? int64_t(v) : int64_t(4);
+    }();
+    const int64_t want = per_sm * int64_t(sm_count(device));
     if (blocks >= want) return 1;
     return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, granule)})));
 }
@@ -496,6 +704,23 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
+template <typename T, int HD, bool WINDOW>
+void launch_decode_mma(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
+    launch_pdl(paged_decode_mma_kernel<T, HD, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
+               dim3(kMmaWarps * 32), 0, stream, device.index, a);
+    launch_combine<T, WINDOW>(a, B, device, stream);
+}
+
+// The tensor-core decode kernel is the default where it applies; LLAISYS_DECODE_MMA=0 keeps the CUDA-core one
+// (an A/B switch for benchmarks, read once).
+bool decode_mma_enabled() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_DECODE_MMA");
+        return e == nullptr || std::strcmp(e, "0") != 0;
+    }();
+    return on;
+}
+
 } // namespace
 
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
@@ -519,8 +744,13 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                         nh / nkvh <= kDecRows &&
                         aligned(q, piece) && aligned(k_cache, piece) && aligned(v_cache, piece) &&
                         (q.stride(0) * elem) % piece == 0 && (q.stride(1) * elem) % piece == 0;
-    const int granule = decode ? kDecTile : kTile;
-    const int64_t blocks = decode ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
+    // Tensor cores for 16-bit decode of head dim 64 or 128 and groups of up to 16 query heads (16-byte K/V
+    // pieces, q read in 4-byte pairs)
+    const bool mma = mq == 1 && elem == 2 && (hd == 64 || hd == 128) && nh / nkvh <= kMmaRows && decode_mma_enabled() &&
+                     aligned(k_cache, 16) && aligned(v_cache, 16) && aligned(q, 4) && (q.stride(0) * elem) % 4 == 0 &&
+                     (q.stride(1) * elem) % 4 == 0;
+    const int granule = mma ? kMmaTile : decode ? kDecTile : kTile;
+    const int64_t blocks = decode || mma ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
@@ -541,6 +771,10 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
         const int bi = int(B);
         const auto go = [&](auto window) {
             constexpr bool W = decltype(window)::value;
+            if constexpr (sizeof(D) == 2) {
+                if (mma && hd == 64) return launch_decode_mma<D, 64, W>(a, bi, out.device(), stream);
+                if (mma) return launch_decode_mma<D, 128, W>(a, bi, out.device(), stream);
+            }
             if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
             if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
             if (decode && dpl == 4) return launch_decode<D, 4, W>(a, bi, out.device(), stream);

@@ -7,6 +7,7 @@
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/mma.cuh"
 #include "ops/common/split_kv.cuh"
 
 #include <algorithm>
@@ -81,36 +82,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(smem_u32(p))
                  : "memory");
-}
-
-// d += a (16x16, row) * b (16x8, col); f32 accumulators.
-template <typename T>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                     "{%8, %9}, {%0, %1, %2, %3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
-
-// Two floats -> one register of two 16-bit values, `lo` in the low half (the lower column).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    uint32_t r;
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-        memcpy(&r, &h, 4);
-    } else {
-        __half2 h = __floats2half2_rn(lo, hi);
-        memcpy(&r, &h, 4);
-    }
-    return r;
 }
 
 // Starts copying rows [row0, row0 + ROWS) of one head (row r at g + r * s0, HD contiguous elements)

@@ -64,6 +64,7 @@ class EngineCore:
         self.timing.update(dict.fromkeys(("overlapped", "to_return_s", "deferred", "to_sample_s", "betweens",
                                           "between_s", "consume_s"), 0))
         self._returned = None  # when an overlapped step() last returned (for between_s)
+        self._t_tokens = 0.0  # when the tokens that started the pending deferred masks came (for to_sample_s)
 
     @property
     def broken(self) -> str:
@@ -111,9 +112,10 @@ class EngineCore:
 
     def step(self) -> tuple[list[tuple[Sequence, int, dict | None]], list[tuple[Sequence, BaseException]]]:
         """One step. Returns (produced, failed): (sequence, new token, its logprobs or None) for each
-        sequence that produced one (a quiet one of the persistent batch, Sequence.quiet: only its last), and (sequence, error) for each whose row made the step raise (see
-        _isolate: the other rows are run again without it). Sequences that end (EOS, max_new_tokens,
-        max_seq_len, an error) are finished, their blocks freed.
+        sequence that produced one (a quiet one of the persistent batch, Sequence.quiet: only its last), and
+        (sequence, error) for each whose row made the step raise (see _isolate: the other rows are run again
+        without it). Sequences that end (EOS, max_new_tokens, max_seq_len, an error) are finished, their
+        blocks freed.
 
         Overlapped decode (EngineConfig.overlap_steps): a graphed decode step is launched without waiting,
         and before its tokens are read the next step of the same sequences is launched behind it, its
@@ -130,6 +132,8 @@ class EngineCore:
         self._returned = None
         step = None  # the step whose tokens this call reads, once known
         try:
+            if self.runner.deferred is not None:  # the chained step in flight waits for its masks' sampling
+                self._sample_deferred()
             if self._inflight is None:  # the scheduler (admissions, preemptions) never runs with a step in flight
                 step = self.scheduler.schedule()
                 if not step.seqs:
@@ -160,24 +164,36 @@ class EngineCore:
             raise
         produced = self._account(step, tokens, t0, t1)
         if self.runner.deferred is not None:
-            self._sample_deferred(t_tokens)
+            self._start_masks(t_tokens)
         t = self.timing
         self._returned = time.perf_counter()
         t["overlapped"] += 1
         t["to_return_s"] += self._returned - t_tokens
         return produced, []
 
-    def _sample_deferred(self, t_tokens: float) -> None:
-        """Completes the chained step launched without its sampling (a constrained row): its masks are
-        computed now, from the matchers this step's tokens advanced, while the device runs its forward. A
-        failure drops that step (its sequences run again from what the host knows: nothing of it was kept)."""
+    def _start_masks(self, t_tokens: float) -> None:
+        """Starts the masks of the chained step launched without its sampling (a constrained row), from the
+        matchers this step's tokens advanced, on the MaskFiller's worker: the loop delivers this step's
+        tokens meanwhile, and the next call samples with them (_sample_deferred) before it launches the step
+        after, the order of the runner's calls as when the masks were computed here. The device runs the
+        forward all the while. A failure drops that step (its sequences run again from what the host knows)."""
+        try:
+            self.runner.start_deferred_masks()
+        except Exception:
+            self._drain()
+            return
+        self._t_tokens = t_tokens
+
+    def _sample_deferred(self) -> None:
+        """Enqueues the deferred step's masked sampling once its masks (_start_masks) are written. A failed
+        mask drops that step (nothing of it was kept): this call schedules its sequences afresh."""
         try:
             self.runner.sample_deferred()
         except Exception:
             self._drain()
             return
         self.timing["deferred"] += 1
-        self.timing["to_sample_s"] += time.perf_counter() - t_tokens
+        self.timing["to_sample_s"] += time.perf_counter() - self._t_tokens
 
     def _isolate(self, step, error: Exception, t0: float):
         """A step raised: one row's values (a penalty, say, that the sampler refuses or that makes its
@@ -217,7 +233,7 @@ class EngineCore:
         """After a failure: waits out every launched step (their tokens dropped)."""
         self.scheduler.batch = None  # rebuilt from the sequences, which a failed step left as they were
         self._inflight, self.chain.waited = None, 0
-        self.runner.deferred = None  # finish() samples it unmasked: its token is dropped
+        self.runner.drop_deferred()  # finish() samples it unmasked: its token is dropped
         self.runner.seen.reset()  # the device added tokens of steps the host drops: rewrite the sets
         while self.runner.launched:
             left = self.runner.launched
@@ -332,16 +348,15 @@ class EngineCore:
         t["postprocess_s"] += time.perf_counter() - t2
 
     def _advance_constrained(self, b, tokens: list[int], eos: np.ndarray, length: np.ndarray) -> None:
-        """The batch's constrained rows: their matchers advance with the step's tokens (MaskFiller.advance),
+        """The batch's constrained rows: their matchers advance with the step's tokens,
         except where the token is an EOS (the row ends "stop" without it, as _account does); a row whose
         grammar completes or fails ends here (then not by length). On the host's path between the tokens and
         the next step's masked sampling (EngineCore.timing's consume_s)."""
         t = time.perf_counter()
         rows = [row for row in b.masked if not eos[row]]
         seqs = [b.seqs[row] for row in rows]
-        self.runner.masks.advance([s.constraint for s in seqs], [tokens[row] for row in rows])
         for row, seq in zip(rows, seqs):
-            if self._constrained_end(seq):
+            if self._constrained_end(seq, tokens[row]):
                 length[row] = False
         self.timing["consume_s"] += time.perf_counter() - t
 

@@ -22,6 +22,9 @@ class ModelRunner:
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
         self.mask_s, self.mask_rows = 0.0, 0  # host time computing token masks, and rows masked (benchmarks)
         self.masks = MaskFiller(mask_threads)
+        self._mask_host = None  # the masks' host array, reused (_mask_buffer)
+        self._started = None  # (mask, rows) of the deferred step's masks being computed (start_deferred_masks)
+        self.mask_wait_s = 0.0  # host time sample_deferred() waited for them (benchmarks)
         self.deferred: Step | None = None  # a chained step launched without its sampling (sample_deferred)
         self.deferred_steps = 0  # steps sampled so (stats: overlapped_constrained_steps)
         # the repetition penalty's sets, on the device (self.runner may be replaced: a NodeProxy)
@@ -89,13 +92,42 @@ class ModelRunner:
         self.runner.launch(*arrays, *sampling, chain, *masks, defer)
         self.deferred = step if defer else None
 
+    def start_deferred_masks(self) -> None:
+        """Starts computing the deferred step's masks (from the matchers as they stand now, after the step
+        ahead's tokens) on the MaskFiller's worker thread: the caller's Python work (the loop's delivery, the
+        next call's preamble) goes on meanwhile, and sample_deferred() waits for them. Until then no matcher
+        of the step may be touched."""
+        rows = self._mask_rows(self.deferred)
+        mask = self._mask_buffer(len(rows)) if rows else None
+        if rows:
+            self.masks.start([self.deferred.seqs[r].constraint for r in rows], mask)
+        self._started = (mask, rows)
+
     def sample_deferred(self) -> None:
-        """Samples the deferred step with its masks, computed from the matchers as they stand now (after the
-        step ahead's tokens) while the device runs its forward. Rows that ended meanwhile are not masked
-        (their token is dropped)."""
+        """Samples the deferred step with its masks (start_deferred_masks' or, where not started, computed
+        now), enqueued behind its forward. Rows that ended since the masks were started are masked all the
+        same (their token is dropped)."""
         step, self.deferred = self.deferred, None
+        started, self._started = self._started, None
         self.deferred_steps += 1
-        self.runner.sample_deferred(*self._masks(step), len(step.seqs))
+        if started is None:
+            mask, rows = self._masks(step)
+        else:
+            t = time.perf_counter()
+            mask, rows = started
+            self.mask_s += self.masks.wait()
+            self.mask_rows += len(rows)
+            self.mask_wait_s += time.perf_counter() - t
+        self.runner.sample_deferred(mask, rows, len(step.seqs))
+
+    def drop_deferred(self) -> None:
+        """Forgets the deferred step (finish() then samples it unmasked: its token is dropped), once its masks
+        are no longer being written (what they raised is dropped with them)."""
+        self.deferred, self._started = None, None
+        try:
+            self.masks.wait()
+        except Exception:
+            pass
 
     def finish(self) -> list[int]:
         """The tokens of the oldest launched step not finished yet."""
@@ -109,18 +141,30 @@ class ModelRunner:
         """(token_mask [M, ceil(vocab / 32)] int32, mask_rows): the allowed tokens of each constrained row
         whose token is sampled this step (None, [] when none). Computed from the matchers as they stand, so
         a step run again (EngineCore._isolate) gets the same masks."""
-        if step.batch is not None and not step.batch.masked:  # the common case: no pass over the rows
-            return None, []
-        t0 = time.perf_counter()
-        rows = [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
-                if s.constraint is not None and s.num_computed + n >= len(s) and s.status is Status.RUNNING]
+        rows = self._mask_rows(step)
         if not rows:
             return None, []
-        mask = np.empty((len(rows), (self.vocab_size + 31) // 32), dtype=np.int32)
+        t0 = time.perf_counter()
+        mask = self._mask_buffer(len(rows))
         self.masks.fill([step.seqs[r].constraint for r in rows], mask)
         self.mask_s += time.perf_counter() - t0
         self.mask_rows += len(rows)
         return mask, rows
+
+    @staticmethod
+    def _mask_rows(step: Step) -> list[int]:
+        """The step's rows that are masked: constrained, running, and sampling a token this step."""
+        if step.batch is not None and not step.batch.masked:  # the common case: no pass over the rows
+            return []
+        return [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
+                if s.constraint is not None and s.num_computed + n >= len(s) and s.status is Status.RUNNING]
+
+    def _mask_buffer(self, rows: int) -> np.ndarray:
+        """[rows, ceil(vocab / 32)] int32, reused from step to step (the runner copies it out before it
+        returns; a new 1.2 MB array a step at 64 rows of Qwen's vocabulary costs page faults)."""
+        if self._mask_host is None or self._mask_host.shape[0] < rows:
+            self._mask_host = np.empty((max(rows, 64), (self.vocab_size + 31) // 32), dtype=np.int32)
+        return self._mask_host[:rows]
 
     def _sampling(self, step: Step, ahead: int = 0):
         seqs = step.seqs
@@ -150,5 +194,13 @@ class ModelRunner:
         return self.runner.last_logits()
 
     def logits(self, step: Step, all_logits: bool):
+        """Runs between steps (score.py): a deferred step is sampled first, as it was before its masks moved
+        to a worker, since this forward may overwrite the logits buffer its sampling reads. A failed mask
+        leaves it unsampled: the next step() then runs its rows again (EngineCore._isolate)."""
+        if self.deferred is not None:
+            try:
+                self.sample_deferred()
+            except Exception:
+                self.drop_deferred()
         self.shift(step.shifts)
         return self.runner.logits(*self._arrays(step), all_logits)
