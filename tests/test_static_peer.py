@@ -68,6 +68,19 @@ def test_regional_peer_decodes_as_hf_eager_on_cpu(monkeypatch):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_random_hf_model_has_the_rope_of_its_config(monkeypatch):
+    """peers._hf_model builds on the meta device and fills parameters with random draws; the buffers HF computes
+    in __init__ were left as uninitialised memory (RoPE frequencies of ~1e-24: no rotation at all). They must
+    be RoPE's 1 / theta^(2i / head_dim)."""
+    import numpy as np
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny-peer", TINY)
+    m = peers._hf_model("tiny-peer", None, torch.bfloat16, "cpu")
+    d, theta = TINY["head_dim"], TINY["rope_theta"]
+    want = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    np.testing.assert_allclose(m.model.rotary_emb.inv_freq.double().numpy(), want, rtol=1e-6)
+
+
 def test_static_peer_rejects_an_unknown_mode(monkeypatch):
     monkeypatch.setitem(shapes.SHAPES, "tiny-peer", TINY)
     m = peers._hf_model("tiny-peer", None, torch.float32, "cpu")
@@ -82,5 +95,5 @@ def test_peer_decodes_as_hf_eager_on_cuda(mode, monkeypatch):
     full one uses torch.compile's reduce-overhead graphs: both must still be HF's greedy tokens."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    torch.backends.cuda.matmul.allow_tf32 = False  # the eager reference and the peer in the same precision
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # reference and peer in plain f32
     _check_against_eager(mode, "cuda", monkeypatch)
