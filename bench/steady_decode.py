@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Steady batched decode (issue 33): B sequences with C cached tokens each, decoding together, through the
 Engine's scheduler (paging, scheduling, sampling, detokenization: everything a request pays), against a
-static-batch PyTorch model of the same shape with the same B rows (HF's model, a static KV cache,
-torch.compile(mode="reduce-overhead") on the decode step: the gpt-fast recipe; CUDA only).
+static-batch PyTorch model of the same shape with the same B rows (HF's model, a static KV cache, compiled
+by torch.compile; CUDA only in the table). --peer-mode regional (default): one decoder layer compiled and shared
+by all layers, the whole step recorded into one CUDA graph; --peer-mode full: torch.compile(mode="reduce-
+overhead") of the whole forward, the gpt-fast recipe (its cold start took over 160 s on an H200 host).
 
 llaisys: a step = (time of generate(B prompts of C tokens, 1 + S new tokens) - time of the same with 1 new
 token) / S: the prefill and the first token cancel. Each of the two times is the least of 3 runs (the run least
 disturbed by the rest of the machine); a difference that noise still makes <= 0 is an error asking for more
 --steps, never a printed number. The peer: S compiled decode steps of B rows after its warm-up,
 every row at position C of a cache of C + S + 8 (its keys are zeros: a decode step reads and computes the
-same whatever they hold). Random weights of a real shape, each its own buffer, bf16 on CUDA (f32 on the CPU).
+same whatever they hold). Random weights of a real shape, each its own buffer, bf16 on CUDA (llaisys f32 on the
+CPU; `--peer-only --device cpu` runs the peer alone in bf16, which is how its cold start is timed without a GPU).
 
     python bench/steady_decode.py --shape qwen2-0.5b --device cuda --batch 64 256 --context 600 --steps 64
 """
