@@ -23,8 +23,8 @@ _CACHE_KWARGS = ("cache", "past_key_values")  # transformers 5.x renames past_ke
 
 class _OneLayerCache:
     """The cache one decoder layer sees in regional mode: its own StaticLayer, whatever layer_idx the layer
-    passes. With the full StaticCache, `cache.layers[self.layer_idx]` reads a different constant in every layer,
-    a guard that fails layer after layer (a recompile per layer, past dynamo's recompile limit)."""
+    passes. Handed the model's whole StaticCache, every layer compiled a graph of its own (the layer index it
+    looks its cache layer up with is a constant dynamo guards): a recompile per layer, past the recompile limit."""
 
     is_compileable = True
 
@@ -52,14 +52,15 @@ def _init_cache(m, batch: int, max_len: int, device):
 
 def seek(cache, position: int) -> None:
     """Every row's next token goes to `position` (in place: the compiled step holds these tensors' addresses).
-    A StaticLayer keeps its length as a device tensor (transformers >= 5), which is also what lets a recorded
+    A StaticLayer keeps its length as a device tensor (transformers 5.24 does), which is also what lets a recorded
     step advance the positions by itself; an older cache takes a cache_position argument this peer never passes."""
     import torch
 
-    lengths = [layer.cumulative_length for layer in getattr(cache, "layers", [])
-               if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
-    if len(lengths) != len(cache.layers):
-        raise RuntimeError("the static peer needs transformers >= 5 (StaticLayer.cumulative_length as a tensor)")
+    layers = getattr(cache, "layers", None) or []
+    lengths = [getattr(layer, "cumulative_length", None) for layer in layers]
+    if not lengths or not all(isinstance(n, torch.Tensor) for n in lengths):
+        raise RuntimeError("the static peer needs a transformers whose StaticCache layers keep cumulative_length "
+                           "as a tensor (5.x)")
     for length in lengths:
         length.fill_(position)
 
