@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
 """Steady batched decode (issue 33): B sequences with C cached tokens each, decoding together, through the
 Engine's scheduler (paging, scheduling, sampling, detokenization: everything a request pays), against a
-static-batch PyTorch model of the same shape with the same B rows (HF's model, a static KV cache,
-torch.compile(mode="reduce-overhead") on the decode step: the gpt-fast recipe; CUDA only).
+static-batch PyTorch model of the same shape with the same B rows (HF's model, a static KV cache, compiled
+by torch.compile; CUDA only in the table). --peer-mode regional (default): one decoder layer compiled and shared
+by all layers, the whole step recorded into one CUDA graph; --peer-mode full: torch.compile(mode="reduce-
+overhead") of the whole forward, the gpt-fast recipe (its cold start took over 160 s on an H200 host).
 
 llaisys: a step = (time of generate(B prompts of C tokens, 1 + S new tokens) - time of the same with 1 new
 token) / S: the prefill and the first token cancel. Each of the two times is the least of 3 runs (the run least
 disturbed by the rest of the machine); a difference that noise still makes <= 0 is an error asking for more
 --steps, never a printed number. The peer: S compiled decode steps of B rows after its warm-up,
 every row at position C of a cache of C + S + 8 (its keys are zeros: a decode step reads and computes the
-same whatever they hold). Random weights of a real shape, each its own buffer, bf16 on CUDA (f32 on the CPU).
+same whatever they hold). Random weights of a real shape, each its own buffer, bf16 on CUDA (llaisys f32 on the
+CPU; `--peer-only --device cpu` runs the peer alone in bf16, which is how its cold start is timed without a GPU).
 
     python bench/steady_decode.py --shape qwen2-0.5b --device cuda --batch 64 256 --context 600 --steps 64
 """
@@ -21,6 +24,7 @@ import sys
 import time
 
 from llaisys_bench import shapes  # this folder is sys.path[0] when run as a script
+from llaisys_bench.static_peer import MODES
 
 _clock = time.perf_counter  # the llaisys row's clock (a test stops it to check the noise guard)
 
@@ -73,51 +77,49 @@ def host_split(eng, run, batch: int) -> None:
     print(f"batch {batch}: host split over {n} steps, ms a step: {split}", file=sys.stderr, flush=True)
 
 
-def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps: int) -> float:
-    """Seconds per decode step of HF's model of the shape with a static cache of `batch` rows, compiled."""
+def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps: int,
+                        mode: str = "regional") -> float:
+    """Seconds per decode step of HF's model of the shape with a static cache of `batch` rows, compiled as
+    `mode` says (llaisys_bench/static_peer.py). Each phase's time goes to stderr: a device log shows where a
+    cold start went."""
     import torch
-    from transformers import StaticCache
 
     from llaisys_bench.peers import _hf_model
+    from llaisys_bench.static_peer import StaticPeer
 
     def note(what):
-        print(f"peer batch {batch}: {what} at {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+        print(f"peer batch {batch} ({mode}): {what} at {time.perf_counter() - t_start:.1f} s", file=sys.stderr,
+              flush=True)
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     t_start = time.perf_counter()
     m = _hf_model(shape, None, torch.bfloat16, device)
     note(f"model built (torch {torch.__version__})")
-    m.config._attn_implementation = "sdpa"
-    cache = StaticCache(config=m.config, max_batch_size=batch, max_cache_len=context + steps + 8, device=device,
-                        dtype=m.dtype)
-    step = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
-    token = torch.zeros((batch, 1), dtype=torch.long, device=device)
-    with torch.no_grad():
-        def run(first: int, n: int):
-            nonlocal token
-            for i in range(n):
-                out = step(token, past_key_values=cache, cache_position=torch.tensor([first + i], device=device),
-                           use_cache=True)
-                token = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize()
-
-        run(context, 1)
-        note("first step compiled")
-        run(context + 1, 2)  # compile and record the graphs outside the timed region
-        note("warm")
-        t = time.perf_counter()
-        run(context + 3, steps)
-        return (time.perf_counter() - t) / steps
+    peer = StaticPeer(m, batch, context + steps + 8, mode, device, note)
+    peer.capture(context)  # compiles (and records graphs) outside the timed region; every row back at `context`
+    sync()
+    note("warm")
+    t = time.perf_counter()
+    for _ in range(steps):
+        peer.step()
+    sync()
+    step_s = (time.perf_counter() - t) / steps
+    note(f"{steps} timed steps, {step_s * 1e3:.2f} ms a step")
+    return step_s
 
 
 def peer_step_s(shape: str, device: str, batch: int, context: int, steps: int,
-                timeout: float = 600) -> float | str:
+                timeout: float = 600, mode: str = "regional") -> float | str:
     """torch_static_step_s in a process of its own: torch.compile's Inductor and llaisys's CUDA context never
     share a process (on an H200 that pairing segfaulted), and a crash of the peer costs its row only. Returns
     the seconds, or the reason it failed (the child's last lines)."""
     import subprocess
 
     cmd = [sys.executable, __file__, "--peer-only", "--shape", shape, "--device", device, "--batch", str(batch),
-           "--context", str(context), "--steps", str(steps)]
+           "--context", str(context), "--steps", str(steps), "--peer-mode", mode]
     # the child's stderr (its progress lines) passes through; past `timeout` its row is given up, not the run
     try:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=timeout)
@@ -141,6 +143,10 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-timeout", type=float, default=600, metavar="S",
                     help="seconds the torch.compile peer may take for one batch (compile included) before its "
                          "row is given up (default 600)")
+    ap.add_argument("--peer-mode", choices=MODES, default="regional",
+                    help="how the peer is compiled: 'regional' (one decoder layer compiled and shared by all, the "
+                         "step recorded into one CUDA graph; the default: it starts in seconds) or 'full' "
+                         "(torch.compile of the whole forward, mode=reduce-overhead; minutes on a cold start)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the child of peer_step_s
     args = ap.parse_args(argv)
@@ -148,17 +154,19 @@ def main(argv=None) -> int:
         ap.error("--batch, --context and --steps must be >= 1")
     cuda = args.device.startswith("cuda")
     if args.peer_only:
-        print(f"peer_step_s {torch_static_step_s(args.shape, args.device, args.batch[0], args.context, args.steps)}")
+        step_s = torch_static_step_s(args.shape, args.device, args.batch[0], args.context, args.steps, args.peer_mode)
+        print(f"peer_step_s {step_s}")
         return 0
     dtype = "bf16" if cuda else "f32"
     rows = []
-    print(f"{args.shape} on {args.device} ({dtype}): {args.context} cached tokens a row, {args.steps} steps")
+    print(f"{args.shape} on {args.device} ({dtype}): {args.context} cached tokens a row, {args.steps} steps; "
+          f"peer compiled {args.peer_mode}")
     print("| batch | llaisys ms/step | tok/s | torch.compile static ms/step | tok/s | llaisys / peer |")
     print("|---:|---:|---:|---:|---:|---:|")
     for b in args.batch:
         ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype)
         peer = None if args.no_peer or not cuda else peer_step_s(args.shape, args.device, b, args.context, args.steps,
-                                                                            args.peer_timeout)
+                                                                            args.peer_timeout, args.peer_mode)
         if isinstance(peer, str):
             print(f"batch {b}: {peer}", file=sys.stderr)
             peer = None

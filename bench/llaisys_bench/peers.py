@@ -42,10 +42,13 @@ def _hf_model(shape: str | None, model: str | None, dtype, device):
         torch.manual_seed(0)
         with torch.device("meta"):
             m = Qwen2ForCausalLM(cfg)
-        m = m.to_empty(device="cpu").to(dtype)
+        # drawn where they live: 0.5B normal draws on the CPU took 34 s of the H200 host's peer start
+        m = m.to_empty(device=device).to(dtype)
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0, 0.02)
+        # to_empty leaves buffers computed in __init__ (RoPE's inv_freq) as uninitialised memory: compute them
+        m.model.rotary_emb = type(m.model.rotary_emb)(config=m.config).to(device)
     m.config._attn_implementation = "eager"
     return m.to(device).eval()
 
