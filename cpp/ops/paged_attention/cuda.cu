@@ -275,6 +275,36 @@ __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int
     return x + __shfl_xor_sync(all, x, 1);
 }
 
+// The decode kernels' last stage: the block's WARPS warps each hold (max, sum, acc) of the group's rows over
+// their own keys (wm, wl, wacc: HD = a.hd dims); merged per output element into out (one split) or into the
+// chunk's partials for paged_combine_kernel.
+template <typename T, int WARPS, int ROWS, int HD>
+__device__ __forceinline__ void merge_warps(const PagedArgs<T> &a, const float (&wm)[WARPS][ROWS],
+                                            const float (&wl)[WARPS][ROWS], const float (&wacc)[WARPS][ROWS][HD],
+                                            int kvh, int group, int t) {
+    for (int idx = threadIdx.x; idx < group * HD; idx += WARPS * 32) {
+        const int r = idx / HD, d = idx % HD, h = kvh * group + r;
+        float mm = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, wm[w][r]);
+        const float m_ref = mm == -INFINITY ? 0.f : mm;
+        float o = 0.f, sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) { // a warp that saw no key has m = -inf: weight 0
+            const float wt = exp2f(wm[w][r] - m_ref);
+            o += wt * wacc[w][r][d];
+            sum += wt * wl[w][r];
+        }
+        if (a.nsplit == 1) {
+            a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
+        } else {
+            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
+            dst[d] = o;
+            if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
+        }
+    }
+}
+
 // Decode steps (one query per sequence). The split kernel's blocks each walk 64 keys with a serial
 // instruction stream (thread = key, then thread = dim over every key) and at batch 1 only a dozen exist.
 // Here grid (nsplit, B * nkvh), 4 warps: a block takes one chunk (a multiple of 32 keys) of one kv head's
@@ -390,27 +420,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 #pragma unroll
         for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < group * a.hd; idx += kDecWarps * 32) {
-        const int r = idx / a.hd, d = idx % a.hd, h = kvh * group + r;
-        float mm = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kDecWarps; ++w) mm = fmaxf(mm, wm[w][r]);
-        const float m_ref = mm == -INFINITY ? 0.f : mm;
-        float o = 0.f, sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kDecWarps; ++w) { // a warp that saw no key has m = -inf: weight 0
-            const float wt = exp2f(wm[w][r] - m_ref);
-            o += wt * wacc[w][r][d];
-            sum += wt * wl[w][r];
-        }
-        if (a.nsplit == 1) {
-            a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
-        } else {
-            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
-            dst[d] = o;
-            if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
-        }
-    }
+    merge_warps(a, wm, wl, wacc, kvh, group, t);
 }
 
 // Decode steps on tensor cores (16-bit K/V, head dim 64 or 128, a GQA group of at most 16 query heads).
@@ -589,27 +599,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
 #pragma unroll
         for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
     __syncthreads();
-    for (int idx = threadIdx.x; idx < group * HD; idx += kMmaWarps * 32) {
-        const int r = idx / HD, d = idx % HD, h = kvh * group + r;
-        float mm = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) mm = fmaxf(mm, wm[w][r]);
-        const float m_ref = mm == -INFINITY ? 0.f : mm;
-        float o = 0.f, sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) { // a warp that saw no key has m = -inf: weight 0
-            const float wt = exp2f(wm[w][r] - m_ref);
-            o += wt * wacc[w][r][d];
-            sum += wt * wl[w][r];
-        }
-        if (a.nsplit == 1) {
-            a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
-        } else {
-            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
-            dst[d] = o;
-            if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
-        }
-    }
+    merge_warps(a, wm, wl, wacc, kvh, group, t);
 }
 
 // Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
