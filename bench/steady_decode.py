@@ -54,7 +54,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
         # with a disturbed long one (and went negative on a busy 2-core machine)
         long_s = min(timed(1 + steps) for _ in range(3))
         short_s = min(timed(1) for _ in range(3))
-        host_split(eng, lambda: timed(1 + steps), batch)
+        host_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch)
     print(f"batch {batch}: {1 + steps} tokens {long_s * 1e3:.1f} ms, 1 token {short_s * 1e3:.1f} ms",
           file=sys.stderr, flush=True)
     if long_s <= short_s:
@@ -64,17 +64,22 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
     return (long_s - short_s) / steps
 
 
-def host_split(eng, run, batch: int) -> None:
-    """Prints the engine's own split of one more run's steps (EngineCore.timing, ms a step; run includes the
-    wait for the device's tokens), so a log shows where the host's part of a step goes."""
+def host_split(eng, long_run, short_run, steps: int, batch: int) -> None:
+    """Prints the engine's own split of a decode step (EngineCore.timing, ms a step; run includes the wait for
+    the device's tokens): one more long run less one more short run, over the steps between them, so the
+    prefill steps both runs share cancel out. A log then shows where the host's part of a step goes."""
     core = eng._core
-    before = dict(core.timing, prepare_s=core.runner.prepare_s)
-    run()
-    after = dict(core.timing, prepare_s=core.runner.prepare_s)
-    n = max(1, after["steps"] - before["steps"])
-    keys = [k for k in after if k.endswith("_s") and isinstance(after[k], float)]
-    split = ", ".join(f"{k[:-2]} {(after[k] - before.get(k, 0.0)) / n * 1e3:.3f}" for k in keys)
-    print(f"batch {batch}: host split over {n} steps, ms a step: {split}", file=sys.stderr, flush=True)
+
+    def delta(run) -> dict:
+        before = dict(core.timing, prepare_s=core.runner.prepare_s)
+        run()
+        after = dict(core.timing, prepare_s=core.runner.prepare_s)
+        return {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+
+    d_long, d_short = delta(long_run), delta(short_run)
+    keys = [k for k in d_long if k.endswith("_s")]
+    split = ", ".join(f"{k[:-2]} {(d_long[k] - d_short.get(k, 0.0)) / steps * 1e3:.3f}" for k in keys)
+    print(f"batch {batch}: host split of a decode step ({steps} steps), ms: {split}", file=sys.stderr, flush=True)
 
 
 def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps: int,
