@@ -8,6 +8,7 @@ cannot complete within max_new_tokens ends with "length"."""
 import json
 import re
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llguidance")
@@ -333,3 +334,36 @@ def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
     assert go_engine(tiny, True, go) == plain
     off_loop = [n for n in threads if n.startswith("llaisys-masks")]
     assert len(off_loop) > 10 and len(off_loop) < len(threads)  # the first step's masks: a plain step's
+
+
+@pytest.mark.parametrize("failing", [(), (5, 8), tuple(range(3, 14, 2))], ids=["masks-ok", "masks-fail", "masks-fail-often"])
+def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing):
+    """score() runs on the loop thread between steps, where a chained constrained step may still wait for
+    its masks (on the worker). Its sampling is enqueued before score's forward overwrites the logits it
+    reads, or, when its masks fail, the step is dropped and run again: the generation's tokens are the
+    plain run's and every score equals a quiet engine's."""
+    from llaisys.engine.core import EngineCore
+    from llaisys.engine.score import score_logits
+
+    def go(eng):
+        ps = token_prompts(eng.config.vocab_size, [7, 13], seed=12)
+        return result(eng.generate(ps, max_new_tokens=20, temperature=[0, 0.9], seed=5, json_schema=SCHEMA,
+                                   ignore_eos=True))
+
+    plain = go_engine(tiny, False, go)
+    ids = go_engine(tiny, False, lambda eng: token_prompts(eng.config.vocab_size, [11], seed=4)[0])
+    reference = go_engine(tiny, False, lambda eng: eng.score(ids))
+    step, scores, pending = EngineCore.step, [], []
+
+    def step_then_score(self):
+        out = step(self)
+        if self.runner.deferred is not None:  # masks of the chained step still being written
+            pending.append(True)
+            scores.append(np.asarray(score_logits(self, ids).to("cpu").to("f32").numpy(), np.float32))
+        return out
+    monkeypatch.setattr(EngineCore, "step", step_then_score)
+    calls = failing_mask_fills(monkeypatch, failing)
+    assert go_engine(tiny, True, go) == plain
+    assert len(pending) > 5 and len(calls) > 8
+    for s in scores:
+        np.testing.assert_array_equal(s, reference)

@@ -132,8 +132,7 @@ class EngineCore:
         self._returned = None
         step = None  # the step whose tokens this call reads, once known
         try:
-            if self.runner.deferred is not None:  # the chained step in flight waits for its masks' sampling
-                self._sample_deferred()
+            self.settle()  # the chained step in flight waits for its masks' sampling
             if self._inflight is None:  # the scheduler (admissions, preemptions) never runs with a step in flight
                 step = self.scheduler.schedule()
                 if not step.seqs:
@@ -170,6 +169,14 @@ class EngineCore:
         t["overlapped"] += 1
         t["to_return_s"] += self._returned - t_tokens
         return produced, []
+
+    def settle(self) -> None:
+        """Enqueues the sampling of a chained step still waiting for its masks (_start_masks), or, when they
+        failed, drops that step as _sample_deferred does. Called before anything else runs the model on the
+        loop thread: step(), and score() between steps, whose forward overwrites the logits buffer that
+        sampling reads."""
+        if self.runner.deferred is not None:
+            self._sample_deferred()
 
     def _start_masks(self, t_tokens: float) -> None:
         """Starts the masks of the chained step launched without its sampling (a constrained row), from the

@@ -194,13 +194,6 @@ class ModelRunner:
         return self.runner.last_logits()
 
     def logits(self, step: Step, all_logits: bool):
-        """Runs between steps (score.py): a deferred step is sampled first, as it was before its masks moved
-        to a worker, since this forward may overwrite the logits buffer its sampling reads. A failed mask
-        leaves it unsampled: the next step() then runs its rows again (EngineCore._isolate)."""
-        if self.deferred is not None:
-            try:
-                self.sample_deferred()
-            except Exception:
-                self.drop_deferred()
+        """Runs between steps (score.py, after EngineCore.settle(): no deferred sampling is pending)."""
         self.shift(step.shifts)
         return self.runner.logits(*self._arrays(step), all_logits)

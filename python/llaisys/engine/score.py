@@ -18,6 +18,7 @@ def score_logits(core, ids: list[int], kv_window: int = 0, sink_tokens: int = 0)
     rolling cache a windowed generation uses, in chunks of one block: each position sees what it would see
     when decoded (the sinks and kv_window to kv_window + block_size - 1 tokens before it, when both are
     multiples of the block size)."""
+    core.settle()  # a chained step's pending sampling reads the logits buffer this forward overwrites
     bm = core.blocks
     seq = Sequence(ids, _GREEDY, seed=0, eos=frozenset(), kv_window=kv_window, sink_tokens=sink_tokens)
     if not kv_window:
