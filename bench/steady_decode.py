@@ -29,7 +29,8 @@ from llaisys_bench.static_peer import MODES
 _clock = time.perf_counter  # the llaisys row's clock (a test stops it to check the noise guard)
 
 
-def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int, dtype: str) -> float:
+def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int, dtype: str,
+                   profile: int = 0) -> float:
     """Seconds per decode step of `batch` sequences with `context` cached tokens, through Engine.generate."""
     import numpy as np
 
@@ -55,6 +56,8 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
         long_s = min(timed(1 + steps) for _ in range(3))
         short_s = min(timed(1) for _ in range(3))
         host_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch)
+        if profile:
+            profiled_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch, profile)
     print(f"batch {batch}: {1 + steps} tokens {long_s * 1e3:.1f} ms, 1 token {short_s * 1e3:.1f} ms",
           file=sys.stderr, flush=True)
     if long_s <= short_s:
@@ -80,6 +83,36 @@ def host_split(eng, long_run, short_run, steps: int, batch: int) -> None:
     keys = [k for k in d_long if k.endswith("_s")]
     split = ", ".join(f"{k[:-2]} {(d_long[k] - d_short.get(k, 0.0)) / steps * 1e3:.3f}" for k in keys)
     print(f"batch {batch}: host split of a decode step ({steps} steps), ms: {split}", file=sys.stderr, flush=True)
+
+
+def profiled_split(eng, long_run, short_run, steps: int, batch: int, top: int) -> None:
+    """cProfile of the engine's step-loop thread over one long run less one short run, per decode step: the
+    `top` functions by their own time (a C++ method's time is the host's time in it, a wait for the device
+    included: Runner.finish). The profiler slows Python calls, so it shows where the host's part goes, not
+    how long a step takes."""
+    import cProfile
+    import pstats
+
+    def stats(run) -> dict:
+        prof = cProfile.Profile()
+        eng._loop.call(prof.enable)  # the step loop's thread, where the steps run
+        run()
+        eng._loop.call(prof.disable)
+        return {k: (v[1], v[2]) for k, v in pstats.Stats(prof).stats.items()}  # (calls, own seconds)
+
+    d_long, d_short = stats(long_run), stats(short_run)
+    rows = []
+    for key, (calls, own) in d_long.items():
+        c0, o0 = d_short.get(key, (0, 0.0))
+        rows.append(((own - o0) / steps, (calls - c0) / steps, key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"batch {batch}: profiled host time of a decode step {total * 1e3:.3f} ms (own time, per step):",
+          file=sys.stderr)
+    for own, calls, (path, line, name) in rows[:top]:
+        where = f"{path.rsplit('/', 1)[-1]}:{line}" if line else path
+        print(f"  {own * 1e3:8.3f} ms {calls:8.1f} calls  {name} ({where})", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps: int,
@@ -152,6 +185,9 @@ def main(argv=None) -> int:
                     help="how the peer is compiled: 'regional' (one decoder layer compiled and shared by all, the "
                          "step recorded into one CUDA graph; the default: it starts in seconds) or 'full' "
                          "(torch.compile of the whole forward, mode=reduce-overhead; minutes on a cold start)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timing, cProfile a long and a short run and print the N functions with the "
+                         "most own host time per decode step")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the child of peer_step_s
     args = ap.parse_args(argv)
@@ -169,7 +205,7 @@ def main(argv=None) -> int:
     print("| batch | llaisys ms/step | tok/s | torch.compile static ms/step | tok/s | llaisys / peer |")
     print("|---:|---:|---:|---:|---:|---:|")
     for b in args.batch:
-        ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype)
+        ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype, args.profile)
         peer = None if args.no_peer or not cuda else peer_step_s(args.shape, args.device, b, args.context, args.steps,
                                                                             args.peer_timeout, args.peer_mode)
         if isinstance(peer, str):
