@@ -71,11 +71,12 @@ fi
 if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol
   for shape in ${SERVE_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
     log "batched engine, one request, $shape (compare: llaisys bench --shape $shape in 'model')"
-    timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
+    [ -z "${SERVE_SINGLE:-1}" ] || timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
       grep -E "^(llaisys|one)" | tee -a "$OUT/summary.txt"
     log "batched engine throughput, $shape, ${N_REQ:-256} requests ${PEERS:+(with HF generate_batch)}"
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} ${PEERS:+--peers} \
-      2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+      ${SERVE_ARGS:-} 2>&1 | tee "$OUT/throughput_$shape.log" | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" |
+      tee -a "$OUT/summary.txt"
   done
 fi
 

@@ -7,7 +7,11 @@ by all layers, the whole step recorded into one CUDA graph; --peer-mode full: to
 overhead") of the whole forward, the gpt-fast recipe (its cold start took over 160 s on an H200 host).
 
 llaisys: a step = (time of generate(B prompts of C tokens, 1 + S new tokens) - time of the same with 1 new
-token) / S: the prefill and the first token cancel. Each of the two times is the least of 3 runs (the run least
+token) / S: the prefill and the first token cancel. The prompts are in the prefix cache (a warm-up run put
+them there), so each run prefills only their last partial block, in one step, and its S decode steps are all
+of B rows, as the peer's are. --cold leaves the prefix cache off: each run then prefills every prompt in
+chunks, and the rows that finished their prompt decode beside the others' prefill (mixed steps, which the
+difference counts as decode: call 1 of session 30 measured 5.04 ms a step so against ... cached). Each of the two times is the least of 3 runs (the run least
 disturbed by the rest of the machine); a difference that noise still makes <= 0 is an error asking for more
 --steps, never a printed number. The peer: S compiled decode steps of B rows after its warm-up,
 every row at position C of a cache of C + S + 8 (its keys are zeros: a decode step reads and computes the
@@ -30,7 +34,7 @@ _clock = time.perf_counter  # the llaisys row's clock (a test stops it to check 
 
 
 def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int, dtype: str,
-                   profile: int = 0) -> float:
+                   profile: int = 0, cold: bool = False) -> float:
     """Seconds per decode step of `batch` sequences with `context` cached tokens, through Engine.generate."""
     import numpy as np
 
@@ -40,7 +44,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, c["vocab_size"], context).tolist() for _ in range(batch)]
     with Engine.from_loaded(shapes.random_loaded(c, dtype, name=shape), device=device, dtype=dtype,
-                            max_seq_len=context + steps + 8, max_num_seqs=batch, enable_prefix_caching=False,
+                            max_seq_len=context + steps + 8, max_num_seqs=batch, enable_prefix_caching=not cold,
                             progress=False) as eng:
         def timed(n: int) -> float:
             t = _clock()
@@ -49,7 +53,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
             return _clock() - t
 
         t0 = _clock()
-        timed(1 + steps)  # warm-up: graphs, allocator, pools
+        timed(1 + steps)  # warm-up: graphs, allocator, pools (and the prompts into the prefix cache)
         print(f"batch {batch}: engine up, warm-up run {_clock() - t0:.2f} s", file=sys.stderr, flush=True)
         # the least of each time separately: the least of paired differences can pair a quiet short run
         # with a disturbed long one (and went negative on a busy 2-core machine)
@@ -57,7 +61,11 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
         short_s = min(timed(1) for _ in range(3))
         host_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch)
         if profile:
-            profiled_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch, profile)
+            from llaisys_bench import loop_profile
+
+            d_long = loop_profile.own_times(eng, lambda: timed(1 + steps))
+            d_short = loop_profile.own_times(eng, lambda: timed(1))
+            loop_profile.report(f"batch {batch}, {steps} decode steps", d_long, steps, profile, minus=d_short)
     print(f"batch {batch}: {1 + steps} tokens {long_s * 1e3:.1f} ms, 1 token {short_s * 1e3:.1f} ms",
           file=sys.stderr, flush=True)
     if long_s <= short_s:
@@ -83,36 +91,6 @@ def host_split(eng, long_run, short_run, steps: int, batch: int) -> None:
     keys = [k for k in d_long if k.endswith("_s")]
     split = ", ".join(f"{k[:-2]} {(d_long[k] - d_short.get(k, 0.0)) / steps * 1e3:.3f}" for k in keys)
     print(f"batch {batch}: host split of a decode step ({steps} steps), ms: {split}", file=sys.stderr, flush=True)
-
-
-def profiled_split(eng, long_run, short_run, steps: int, batch: int, top: int) -> None:
-    """cProfile of the engine's step-loop thread over one long run less one short run, per decode step: the
-    `top` functions by their own time (a C++ method's time is the host's time in it, a wait for the device
-    included: Runner.finish). The profiler slows Python calls, so it shows where the host's part goes, not
-    how long a step takes."""
-    import cProfile
-    import pstats
-
-    def stats(run) -> dict:
-        prof = cProfile.Profile()
-        eng._loop.call(prof.enable)  # the step loop's thread, where the steps run
-        run()
-        eng._loop.call(prof.disable)
-        return {k: (v[1], v[2]) for k, v in pstats.Stats(prof).stats.items()}  # (calls, own seconds)
-
-    d_long, d_short = stats(long_run), stats(short_run)
-    rows = []
-    for key, (calls, own) in d_long.items():
-        c0, o0 = d_short.get(key, (0, 0.0))
-        rows.append(((own - o0) / steps, (calls - c0) / steps, key))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    print(f"batch {batch}: profiled host time of a decode step {total * 1e3:.3f} ms (own time, per step):",
-          file=sys.stderr)
-    for own, calls, (path, line, name) in rows[:top]:
-        where = f"{path.rsplit('/', 1)[-1]}:{line}" if line else path
-        print(f"  {own * 1e3:8.3f} ms {calls:8.1f} calls  {name} ({where})", file=sys.stderr)
-    sys.stderr.flush()
 
 
 def torch_static_step_s(shape: str, device: str, batch: int, context: int, steps: int,
@@ -185,6 +163,8 @@ def main(argv=None) -> int:
                     help="how the peer is compiled: 'regional' (one decoder layer compiled and shared by all, the "
                          "step recorded into one CUDA graph; the default: it starts in seconds) or 'full' "
                          "(torch.compile of the whole forward, mode=reduce-overhead; minutes on a cold start)")
+    ap.add_argument("--cold", action="store_true",
+                    help="prefix cache off: every run prefills the prompts (their decodes mix with prefill chunks)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after the timing, cProfile a long and a short run and print the N functions with the "
                          "most own host time per decode step")
@@ -205,7 +185,7 @@ def main(argv=None) -> int:
     print("| batch | llaisys ms/step | tok/s | torch.compile static ms/step | tok/s | llaisys / peer |")
     print("|---:|---:|---:|---:|---:|---:|")
     for b in args.batch:
-        ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype, args.profile)
+        ours = llaisys_step_s(args.shape, args.device, b, args.context, args.steps, dtype, args.profile, args.cold)
         peer = None if args.no_peer or not cuda else peer_step_s(args.shape, args.device, b, args.context, args.steps,
                                                                             args.peer_timeout, args.peer_mode)
         if isinstance(peer, str):

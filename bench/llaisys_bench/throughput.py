@@ -183,7 +183,8 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
                device: str = "auto", dtype: str = "auto", num_requests: int = 256, min_len: int = 100,
                max_len: int = 1024, temperature: float = 0.6, max_num_seqs: int = 256, solo: bool = False,
                peers: bool = False, single: tuple[int, int] | None = None,
-               out: Callable[[str], None] = print, tensor_parallel_size: int = 1, nodes: dict | None = None) -> dict:
+               out: Callable[[str], None] = print, tensor_parallel_size: int = 1, nodes: dict | None = None,
+               profile: int = 0) -> dict:
     """Run the protocol (or with `single`, one request's decode instead), printing each result line through
     `out`; returns the result dict (what --json writes)."""
     check(num_requests, min_len, max_len, temperature, max_num_seqs)
@@ -215,6 +216,12 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
         eng.generate(prompts[:2], max_new_tokens=4, ignore_eos=True)  # warm-up (graphs, allocator)
         result.update(run_llaisys(eng, prompts, outs, temperature), requested_output_tokens=sum(outs))
         out(format_line(result))
+        if profile:  # the same requests again under the profiler (it slows them: the timed run above is not)
+            from . import loop_profile
+
+            again = {}
+            times = loop_profile.own_times(eng, lambda: again.update(run_llaisys(eng, prompts, outs, temperature)))
+            loop_profile.report(f"{num_requests} requests, {again['steps']} steps", times, again["steps"], profile)
         if solo:
             s = result["solo"] = run_solo(eng, prompts, outs)
             out(f"one at a time: {s['output_tok_s']:.1f} output tok/s ({s['seconds']:.1f} s); "
