@@ -74,6 +74,21 @@ def profiled(eng, prompts, new_tokens: int):
     return per, wall, idle
 
 
+def prefill_report(eng, args, prompts) -> int:
+    """--prefill: every kernel of one generate(prompts, 1 new token) with prompts the cache has not seen."""
+    per, wall, idle = profiled(eng, prompts, 1)
+    tokens = sum(map(len, prompts))
+    rows = sorted(((k, n, us) for k, (n, us) in per.items()), key=lambda r: -r[2])
+    total = sum(r[2] for r in rows)
+    print(f"{args.shape}, prefill of {args.batch} prompts x {args.context} tokens: wall {wall * 1e3:.1f} ms "
+          f"(profiled; {tokens / wall:,.0f} tok/s), kernel time {total / 1e3:.1f} ms, GPU idle {idle / 1e3:.1f} ms")
+    print(f"{'kernel':<44}{'launches':>9}{'ms':>10}{'share':>8}{'µs/launch':>11}")
+    for k, n, us in rows:
+        print(f"{k[:43]:<44}{n:9d}{us / 1e3:10.2f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1):11.2f}")
+    eng.close()
+    return 0
+
+
 def main() -> int:
     from llaisys_bench.shapes import SHAPES  # this folder is sys.path[0]; llaisys_bench finds llaisys' sources
     from llaisys_bench.throughput import random_checkpoint, requests
@@ -85,6 +100,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=1, help="requests decoded together")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each request")
+    ap.add_argument("--prefill", action="store_true",
+                    help="instead: the kernels of prefilling --batch fresh prompts of --context tokens (one "
+                         "generate of 1 new token; its prompts miss the prefix cache), per prompt token")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -102,6 +120,9 @@ def main() -> int:
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
     eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)
+    if args.prefill:
+        return prefill_report(eng, args, requests(args.batch, args.context, args.context, eng.config.vocab_size,
+                                                   seed=1)[0])
     base, wall0, idle0 = profiled(eng, prompts, 1)
     full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps)
     rows = []

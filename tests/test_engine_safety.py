@@ -279,3 +279,20 @@ def test_a_step_loop_that_ends_logs_it_and_raises_nothing_uncaught(tiny, monkeyp
         assert not e._loop._thread.is_alive()
     assert uncaught == []
     assert any("step loop" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("bad, pos", [([5, -1, 6], 1), ([5, 6, "vocab"], 2), ([True, 5], 0), ([5, 6, 7.0], 2),
+                                      ([5, "7"], 1), ([5, 2**70], 1), (np.array([5, 6, -3]), 2)])
+def test_bad_prompt_ids_name_their_position(eng, bad, pos):
+    """Every id is checked (the plain-int fast path included): an id out of the vocabulary, a bool, a float, a
+    string, a huge int; the message names the first bad position."""
+    bad = [eng.config.vocab_size if t == "vocab" else t for t in bad] if isinstance(bad, list) else bad
+    with pytest.raises(ValueError, match=rf"token id at position {pos} is .*, not an int in \[0, "):
+        eng.generate(bad, max_new_tokens=1)
+
+
+def test_numpy_and_plain_int_prompts_give_the_same_tokens(eng):
+    ids = [5, 17, 3, 99, 12]
+    ref = eng.generate(ids, **GREEDY).token_ids
+    assert eng.generate(np.array(ids), **GREEDY).token_ids == ref
+    assert eng.generate([np.int32(t) for t in ids], **GREEDY).token_ids == ref

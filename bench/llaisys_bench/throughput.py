@@ -109,7 +109,7 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
     core = eng._core
     core.timing.update(dict.fromkeys(core.timing, 0))
     core.runner.prepare_s = 0.0
-    preempted = eng.stats()["preemptions"]
+    before = eng.stats()
     t = time.perf_counter()
     res = eng.generate(prompts, max_new_tokens=outs, temperature=temperature, ignore_eos=True,
                        seed=list(range(len(prompts))))
@@ -124,7 +124,8 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
             "schedule_ms": 1e3 * tm["schedule_s"] / steps, "arrays_ms": 1e3 * core.runner.prepare_s / steps,
             "runner_ms": 1e3 * (tm["run_s"] - core.runner.prepare_s) / steps,
             "postprocess_ms": 1e3 * tm["postprocess_s"] / steps,
-            "preemptions": stats["preemptions"] - preempted, "stats": stats}
+            "preemptions": stats["preemptions"] - before["preemptions"],
+            "overlapped": stats["overlapped_steps"] - before["overlapped_steps"], "stats": stats}
 
 
 def run_solo(eng, prompts, outs) -> dict:
@@ -176,7 +177,8 @@ def format_line(r: dict) -> str:
     return (f"batched: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s "
             f"({r['seconds']:.1f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
             f"{r['schedule_ms']:.2f}, arrays {r['arrays_ms']:.2f}, runner {r['runner_ms']:.2f}, "
-            f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']})")
+            f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']}; overlapped "
+            f"{r.get('overlapped', 0)} steps)")
 
 
 def throughput(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,
