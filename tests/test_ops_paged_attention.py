@@ -197,6 +197,18 @@ def test_prefill_and_chunks(qlens, kvlens, dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128), (16, 16, 128)], ids=["0.5B", "1.5B", "mha"])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_long_prefill_over_many_tiles(heads, block_size, dtype, device):
+    """Steps long enough for CUDA's tensor-core prefill (16+ queries, 16-bit, head dim 64 or 128): query
+    blocks of 64 with a partial last one, keys over many 64-key tiles gathered through block tables whose
+    blocks do not line up with the tiles, a chunk behind 200 cached keys, and a decode row and a row of no
+    queries in the same step."""
+    check(Batch([130, 16, 1, 0, 65], [130, 216, 77, 9, 300], block_size, heads, dtype, device, seed=11))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_strided_q_and_out_and_untouched_rows(dtype, device):
     """q rows inside wider rows; out with a row stride; rows past the last sequence stay as they were."""
     b = Batch([2, 0, 3], [9, 4, 30], 5, (4, 2, 32), dtype, device, seed=4, extra_rows=2, q_layout="strided")

@@ -4,12 +4,14 @@
 // per-sequence number (query rows, length, block table) is read on the device, so the grid depends only
 // on (B, max_q_len, max_blocks) and one captured graph serves every decode step of a batch. Softmax runs
 // in base 2 (scores pre-multiplied by scale * log2 e) with f32 running max/sum, accumulation in f32.
-// TODO: a tensor-core path for long prefills (self_attention's mma kernel over gathered K/V tiles).
+// Prefill and chunked steps of 16-bit caches with head dim 64 or 128 (no sliding window) run on tensor cores
+// instead: paged_prefill_tc_kernel, flash-attention-2 over K/V tiles gathered through the block table.
 #include "ops/paged_attention/paged_attention.hpp"
 
 #include "core/runtime.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/flash_tc.cuh"
 #include "ops/common/mma.cuh"
 #include "ops/common/split_kv.cuh"
 
@@ -241,6 +243,97 @@ __global__ void __launch_bounds__(kThreads) paged_split_kernel(const PagedArgs<T
     }
     __syncthreads(); // the accumulators' merge reuses the tiles
     finish<T, DPT>(a, lay, rows, s, smem, st);
+}
+
+// Starts copying ROWS rows of HD 16-bit elements into the smem tile [ROWS][HD + 8]: row r from row_ptr(r)
+// for r < nvalid, zeros past it (never read from global memory).
+template <int ROWS, int HD, typename T, typename RowPtr>
+__device__ __forceinline__ void gather_rows_async(T *tile, const T *any, RowPtr row_ptr, int nvalid) {
+    constexpr int chunks = HD / 8, threads = flash_tc::kTcWarps * 32; // 16-byte chunks per row
+    static_assert(ROWS * chunks % threads == 0, "tile copy must split evenly over the block");
+#pragma unroll
+    for (int i = 0; i < ROWS * chunks / threads; ++i) {
+        const int c = i * threads + threadIdx.x, r = c / chunks, col = (c % chunks) * 8;
+        const bool valid = r < nvalid;
+        cp_async16(tile + r * flash_tc::tc_pitch<HD>() + col, valid ? row_ptr(r) + col : any, valid);
+    }
+}
+
+// Tensor-core prefill over the paged cache (flash-attention-2, the tile math of self_attention's prefill
+// kernel: ops/common/flash_tc.cuh). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
+// rows of one head of one sequence and walks the K/V tiles of 64 keys up to the last key they see, each
+// tile's rows gathered through the block table; blocks past the sequence's queries return at once, the
+// latest (heaviest) query blocks start first. Query i of a sequence (position kv - qlen + i) sees keys
+// [0, kv - qlen + i]. Dynamic smem: Q [64][HD+8], K [64][HD+8], V [64][HD+8]; V_t streams in during
+// S = Q K_t^T, K_{t+1} during softmax and O += P V_t. P is rounded to 16 bits for P V (as the decode mma
+// kernel and flash attention do); keys past the sequence are never loaded.
+template <typename T, int HD>
+__global__ void __launch_bounds__(flash_tc::kTcWarps * 32) paged_prefill_tc_kernel(const PagedArgs<T> a) {
+    using namespace flash_tc;
+    extern __shared__ __align__(16) unsigned char smem[];
+    pdl_trigger();
+    pdl_wait();
+    const int h = blockIdx.x, b = blockIdx.z;
+    const Seq s = load_seq(a, b);
+    const int i0 = (int(gridDim.y) - 1 - int(blockIdx.y)) * kTcBQ;
+    if (i0 >= s.qlen) return;
+    T *qs = reinterpret_cast<T *>(smem), *ks = qs + kTcBQ * tc_pitch<HD>(), *vs = ks + kTcBK * tc_pitch<HD>();
+    const int kvh = h / (a.nh / a.nkvh), off = s.kv - s.qlen, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int kv_end = min(s.kv, min(i0 + kTcBQ, s.qlen) + off); // keys seen by the block's last query
+    const int ntiles = (kv_end + kTcBK - 1) / kTcBK;
+    const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
+    const int64_t row_elems = int64_t(a.nkvh) * HD, head = int64_t(kvh) * HD;
+    const T *qg = a.q + int64_t(s.q0 + i0) * a.q_s0 + int64_t(h) * a.q_s1;
+    const auto kv_rows = [&](T *tile, const T *base, int j0) {
+        gather_rows_async<kTcBK, HD>(tile, base, [&](int r) {
+            return base + int64_t(cache_row(a, table, j0 + r)) * row_elems + head;
+        }, kv_end - j0);
+    };
+
+    gather_rows_async<kTcBQ, HD>(qs, a.q, [&](int r) { return qg + int64_t(r) * a.q_s0; }, s.qlen - i0);
+    kv_rows(ks, a.k, 0);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    uint32_t qf[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        ldmatrix_x4(qf[kk], qs + (warp * 16 + lane % 16) * tc_pitch<HD>() + kk * 16 + (lane / 16) * 8);
+
+    const int row0 = i0 + warp * 16 + lane / 4; // this thread's rows: row0 and row0 + 8
+    const int lim[2] = {min(row0 + off, s.kv - 1), min(row0 + 8 + off, s.kv - 1)};
+    float o[HD / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, sc[kTcBK / 8][4];
+    for (int t = 0; t < ntiles; ++t) {
+        const int j0 = t * kTcBK;
+        if (t > 0) {
+            cp_async_wait_all();
+            __syncthreads(); // K_t has landed; every warp is done reading V_{t-1}
+        }
+        kv_rows(vs, a.v, j0);
+        cp_async_commit();
+        qk_tile<T, HD>(sc, qf, ks, lane);
+        cp_async_wait_all();
+        __syncthreads(); // V_t has landed; every warp is done reading K_t
+        if (t + 1 < ntiles) {
+            kv_rows(ks, a.k, j0 + kTcBK);
+            cp_async_commit();
+        }
+        scale_and_mask(sc, j0, lane, lim, j0 + kTcBK - 1 > lim[0], a.scale_log2);
+        softmax_tile<HD>(sc, o, m, l);
+        pv_tile<T, HD>(o, sc, vs, lane);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) { // normalise the thread's two rows and store them (pairs of 16-bit values)
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int qi = row0 + 8 * r;
+        if (qi >= s.qlen) continue;
+        const float inv = 1.f / l[r];
+        T *dst = a.out + int64_t(s.q0 + qi) * a.o_s0 + int64_t(h) * a.o_s1 + (lane % 4) * 2;
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d)
+            *reinterpret_cast<uint32_t *>(dst + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
+    }
 }
 
 // DPL elements of T as one load: 2 to 16 bytes.
@@ -701,6 +794,23 @@ void launch_decode_mma(const PagedArgs<T> &a, int B, Device device, cudaStream_t
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
+template <typename T, int HD>
+void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
+    constexpr size_t smem = flash_tc::tc_smem_bytes<HD>();
+    opt_in_smem<paged_prefill_tc_kernel<T, HD>>(smem, device.index);
+    const dim3 grid(unsigned(a.nh), unsigned(ceil_div(a.max_q_len, flash_tc::kTcBQ)), unsigned(B));
+    launch_pdl(paged_prefill_tc_kernel<T, HD>, grid, dim3(flash_tc::kTcWarps * 32), smem, stream, device.index, a);
+}
+
+// LLAISYS_PREFILL_MMA=0 keeps prefill and chunked steps on the CUDA-core split kernel (an A/B switch, read once).
+bool prefill_mma_enabled() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_PREFILL_MMA");
+        return e == nullptr || std::strcmp(e, "0") != 0;
+    }();
+    return on;
+}
+
 // The tensor-core decode kernel is the default where it applies; LLAISYS_DECODE_MMA=0 keeps the CUDA-core one
 // (an A/B switch for benchmarks, read once).
 bool decode_mma_enabled() {
@@ -739,12 +849,19 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     const bool mma = mq == 1 && elem == 2 && (hd == 64 || hd == 128) && nh / nkvh <= kMmaRows && decode_mma_enabled() &&
                      aligned(k_cache, 16) && aligned(v_cache, 16) && aligned(q, 4) && (q.stride(0) * elem) % 4 == 0 &&
                      (q.stride(1) * elem) % 4 == 0;
+    // Tensor cores for 16-bit prefill and chunked steps of head dim 64 or 128 without a window: whole 16-byte
+    // rows of q and the caches (cp.async), out written in 4-byte pairs
+    const auto rows16 = [&](const Tensor &t) { return aligned(t, 16) && (t.stride(0) * elem) % 16 == 0 && (t.stride(1) * elem) % 16 == 0; };
+    const bool prefill_tc = mq >= flash_tc::kTcMinQueries && elem == 2 && (hd == 64 || hd == 128) && window == 0 &&
+                            prefill_mma_enabled() && rows16(q) && aligned(k_cache, 16) && aligned(v_cache, 16) &&
+                            aligned(out, 4) && (out.stride(0) * elem) % 4 == 0 && (out.stride(1) * elem) % 4 == 0 &&
+                            B <= 65535;
     const int granule = mma ? kMmaTile : decode ? kDecTile : kTile;
     const int64_t blocks = decode || mma ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
-    const int nsplit = plan_splits(blocks, span, granule, out.device().index);
+    const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
     if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
@@ -761,6 +878,10 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
         const int bi = int(B);
         const auto go = [&](auto window) {
             constexpr bool W = decltype(window)::value;
+            if constexpr (sizeof(D) == 2 && !W) {
+                if (prefill_tc && hd == 64) return launch_prefill_tc<D, 64>(a, bi, out.device(), stream);
+                if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
+            }
             if constexpr (sizeof(D) == 2) {
                 if (mma && hd == 64) return launch_decode_mma<D, 64, W>(a, bi, out.device(), stream);
                 if (mma) return launch_decode_mma<D, 128, W>(a, bi, out.device(), stream);
