@@ -643,3 +643,15 @@ def test_streaming_speed_counts_every_decoded_token(tiny_path, window):
     mod.time = SimpleNamespace(perf_counter=lambda: float(next(ticks)))
     with Engine(tiny_path, device="cpu", dtype="f32", progress=False, max_seq_len=64) as eng:
         assert mod.decode_rate(eng, list(range(3, 11)), 40, 12, **window) == pytest.approx(1.0)
+
+
+def test_streaming_rotation_cost_prints_both_ways(capsys):
+    """bench/streaming_rotation_cost.py (issue 32's choice between the K-shift and keys rotated inside
+    attention) runs and prints a row per window with both costs."""
+    mod = _bench_script("streaming_rotation_cost")
+    assert mod.main(["--window", "16", "40", "--repeat", "1", "--device", "cpu"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 16 ") or ln.startswith("| 40 ")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[1]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x")
