@@ -118,9 +118,14 @@ if has steady; then # issue 33: steady decode of B rows x 600 cached tokens agai
   done
 fi
 if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k window vs at 4k context (>= 0.95x)
+  if [ "${STREAM_SPEED:-1}" = 1 ]; then
   log "bench/streaming_speed.py --shape qwen2-0.5b --window 4096 --generated 32768"
   timeout ${T_STREAM:-400} python3 bench/streaming_speed.py --shape qwen2-0.5b --device cuda --window 4096 \
     --generated 32768 --measure 256 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+  fi
+  log "bench/streaming_rotation_cost.py (K-shift per evicted block vs keys rotated inside attention)"
+  timeout 60 python3 bench/streaming_rotation_cost.py --device cuda --window 1024 4096 2>&1 | grep -v Warning |
+    tail -5 | tee -a "$OUT/summary.txt"
 fi
 if has nodes; then # issue 30 across hosts, as 2 processes x 2 GPUs of one 4-GPU host (node 1 on cuda:2-3)
   log "pytest -m cuda tests/test_nodes.py (a hang records every thread's stack)"
