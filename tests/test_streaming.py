@@ -73,6 +73,8 @@ def window_context(ids, t, sinks, window):
 
 @pytest.mark.parametrize("family,overrides", [
     ("qwen2", {}),
+    ("qwen3", {}),  # q/k norms before the rotation
+    ("mistral", {}),
     ("gpt_neox", {"hidden_size": 96}),  # partial rotary 0.25 of head_dim 16: 2 of 8 pairs turn
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
