@@ -429,8 +429,9 @@ def test_throughput_generates_every_requested_token_eos_ignored(monkeypatch):
     assert (r["model"], r["dtype"], r["num_requests"], r["max_num_seqs"]) == ("tiny-test", "f32", 5, 4)
     assert lines[0].startswith("llaisys ") and "5 requests, lengths [3, 12]" in lines[0]
     assert lines[1].startswith("batched: ") and "output tok/s" in lines[1] and "total tok/s" in lines[1]
-    for part in ("steps", "ms/step", "schedule", "arrays", "runner", "postprocess"):
+    for part in ("steps", "ms/step", "schedule", "arrays", "runner", "postprocess", "us per sequence per step"):
         assert part in lines[1], part
+    assert r["host_us_per_seq_step"] > 0
     # the same model honours EOS outside the protocol: every request would end after one token
     loaded = shapes.random_loaded(bench_throughput.shape_config("tiny-test"), "f32")
     from llaisys.engine import Engine

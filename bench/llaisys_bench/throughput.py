@@ -124,6 +124,10 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
             "schedule_ms": 1e3 * tm["schedule_s"] / steps, "arrays_ms": 1e3 * core.runner.prepare_s / steps,
             "runner_ms": 1e3 * (tm["run_s"] - core.runner.prepare_s) / steps,
             "postprocess_ms": 1e3 * tm["postprocess_s"] / steps,
+            # the host's Python per sequence per step: scheduling (with an unchained step's launch), the step's
+            # arrays, accounting, the hand-back and the loop's delivery between steps (not the runner's C++)
+            "host_us_per_seq_step": 1e6 * (tm["schedule_s"] + core.runner.prepare_s + tm["postprocess_s"] +
+                                           tm.get("to_return_s", 0) + tm.get("between_s", 0)) / max(tm["rows"], 1),
             "preemptions": stats["preemptions"] - before["preemptions"],
             "overlapped": stats["overlapped_steps"] - before["overlapped_steps"], "stats": stats}
 
@@ -178,7 +182,7 @@ def format_line(r: dict) -> str:
             f"({r['seconds']:.1f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
             f"{r['schedule_ms']:.2f}, arrays {r['arrays_ms']:.2f}, runner {r['runner_ms']:.2f}, "
             f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']}; overlapped "
-            f"{r.get('overlapped', 0)} steps)")
+            f"{r.get('overlapped', 0)} steps; host {r.get('host_us_per_seq_step', 0):.2f} us per sequence per step)")
 
 
 def throughput(shape: str | None = None, model: str | None = None, gguf_types: str | None = None,

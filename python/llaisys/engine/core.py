@@ -54,7 +54,8 @@ class EngineCore:
         self._inflight = None  # a launched step whose tokens are not read yet (overlapped decode)
         # where step time goes (read by benchmarks): scheduling, the runner (arrays + C++ step, which
         # includes the model and the one host sync), and bookkeeping after it
-        self.timing = dict.fromkeys(("steps", "tokens", "schedule_s", "run_s", "postprocess_s"), 0)
+        # rows: sequences summed over steps (a prefill chunk's sequence counts once), what host cost is per
+        self.timing = dict.fromkeys(("steps", "tokens", "rows", "schedule_s", "run_s", "postprocess_s"), 0)
         # the host's path on overlapped steps, between a step's tokens and the device's next work: tokens read ->
         # step() returns ("to_return_s", over "overlapped" steps), of which, where a constrained row's sampling was
         # deferred, tokens -> that sampling enqueued ("to_sample_s", over "deferred" steps; the device idles where
@@ -288,7 +289,7 @@ class EngineCore:
             entries = self._logprobs(np.array([r for r, _ in want], np.int64), temperature, chosen, ks)
             for (_, i), entry in zip(want, entries):
                 produced[i] = (produced[i][0], produced[i][1], entry)
-        self._time(sum(step.num_tokens), t0, t1, t2)
+        self._time(sum(step.num_tokens), t0, t1, t2, len(step.seqs))
         return produced
 
     def _account_batch(self, b, tokens, t0: float, t1: float, t2: float):
@@ -330,7 +331,7 @@ class EngineCore:
                 self.finish(seqs[row], "stop")
             for row in np.flatnonzero(length).tolist():
                 self.finish(seqs[row], "length")
-        self._time(len(seqs), t0, t1, t2)
+        self._time(len(seqs), t0, t1, t2, len(seqs))
         return produced
 
     @staticmethod
@@ -346,10 +347,11 @@ class EngineCore:
         if fired:
             b.triggered()
 
-    def _time(self, num_tokens: int, t0: float, t1: float, t2: float) -> None:
+    def _time(self, num_tokens: int, t0: float, t1: float, t2: float, rows: int) -> None:
         t = self.timing
         t["steps"] += 1
         t["tokens"] += num_tokens
+        t["rows"] += rows
         t["schedule_s"] += t1 - t0
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
