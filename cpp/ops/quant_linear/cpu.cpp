@@ -63,12 +63,22 @@ struct alignas(32) XTile32 {
     float d[kPackRows];
 };
 
+// One block of a W row decoded once for every x row of a prefill call (kernels.inc: decode_u8): its codes
+// less their offset (s8) and -128 times their lane sums (x's codes come as q + 128); its scale goes to a
+// float array beside.
+struct alignas(32) WBlockU8 {
+    int8_t ws[32];
+    int32_t corr[8];
+};
+
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
 // out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
 using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, const void *xq, int64_t nb, float *out);
-// col [mm] = one W row . the first mm rows of one tile (xt: its nb blocks).
-using ColumnU8Fn = void (*)(const uint8_t *w_row, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
+// w [nb] blocks and wd [nb] scales = one W row (nb blocks) decoded.
+using DecodeU8Fn = void (*)(const uint8_t *w_row, int64_t nb, WBlockU8 *w, float *wd);
+// col [mm] = one decoded W row . the first mm rows of one tile (xt: its nb blocks).
+using ColumnU8Fn = void (*)(const WBlockU8 *w, const float *wd, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -140,12 +150,22 @@ RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     }
 }
 
-// The packed-x prefill kernel of this format on the current path, or nullptr (then column_fn's).
-ColumnU8Fn column_u8_fn(QuantFormat format, QuantLayout layout) {
+// The packed-x prefill kernel's row decoder of this format on the current path, or nullptr (then column_fn's).
+DecodeU8Fn decode_u8_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn(format, layout);
-    case QuantCpuPath::Avx2: return avx2::column_u8_fn(format, layout);
+    case QuantCpuPath::Avx512Vnni: return vnni::decode_u8_fn(format, layout);
+    case QuantCpuPath::Avx2: return avx2::decode_u8_fn(format, layout);
+#endif
+    default: return nullptr;
+    }
+}
+
+ColumnU8Fn column_u8_fn() {
+    switch (g_path.load(std::memory_order_relaxed)) {
+#ifdef LLAISYS_QUANT_X86
+    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn();
+    case QuantCpuPath::Avx2: return avx2::column_u8_fn();
 #endif
     default: return nullptr;
     }
@@ -171,7 +191,8 @@ struct QuantizedX {
     const void *row(int64_t m) const { return data + m * row_bytes; }
 };
 
-// Slot 0 holds the quantized x rows, slot 1 their packed tiles; 64-byte aligned.
+// Slot 0 holds the quantized x rows, slot 1 their packed tiles, slot 2 a worker's decoded W rows; 64-byte
+// aligned.
 template <int Slot>
 uint8_t *x_buffer(size_t bytes) {
     thread_local std::unique_ptr<uint8_t[]> buf;
@@ -257,20 +278,31 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
     }
     // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in
     // groups of kGroup, each group through one x chunk before the next, so that the chunk (a packed tile of
-    // K = 896: 16 KiB) and the group's weight rows stay in L1 while every row of the group reads them.
-    constexpr int64_t kGroup = 16;
-    const ColumnU8Fn fn_u8 = column_u8_fn(w.format(), w.layout());
-    const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
+    // K = 896: 16 KiB) and the group's weight rows stay in L1 while every row of the group reads them. On the
+    // packed path a group's rows are decoded once, for all the tiles (decoded: 68 bytes a block, so 8 rows of
+    // K = 896 are 15 KiB: a group of 16 would not leave the tile its L1).
+    const DecodeU8Fn dec = decode_u8_fn(w.format(), w.layout());
+    const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
+    const XTile32 *xt = dec ? pack_x(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format(), w.layout());
-    const int64_t rows = fn_u8 ? kPackRows : kChunk;
+    const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : 16, nb = xq.nb;
     parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
-        for (int64_t g = begin; g < end; g += kGroup) {
+        WBlockU8 *wb = nullptr; // [group][nb] decoded blocks, then wd [group][nb] scales
+        float *wd = nullptr;
+        if (dec) {
+            uint8_t *buf = x_buffer<2>(size_t(group * nb) * (sizeof(WBlockU8) + sizeof(float)));
+            wb = reinterpret_cast<WBlockU8 *>(buf);
+            wd = reinterpret_cast<float *>(wb + group * nb);
+        }
+        for (int64_t g = begin; g < end; g += group) {
+            const int64_t g_end = std::min(end, g + group);
+            for (int64_t n = g; dec && n < g_end; ++n) dec(w0 + n * rb, nb, wb + (n - g) * nb, wd + (n - g) * nb);
             for (int64_t m0 = 0; m0 < M; m0 += rows) {
                 const int64_t mm = std::min(rows, M - m0);
-                for (int64_t n = g; n < std::min(end, g + kGroup); ++n) {
+                for (int64_t n = g; n < g_end; ++n) {
                     float col[kChunk];
-                    if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
-                    else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
+                    if (dec) fn_u8(wb + (n - g) * nb, wd + (n - g) * nb, xt + m0 / kPackRows * nb, mm, nb, col);
+                    else fn(w0 + n * rb, xq.row(m0), mm, nb, col);
                     for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
                 }
             }

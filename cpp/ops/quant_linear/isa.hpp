@@ -286,6 +286,7 @@ struct Avx2 {
     static constexpr int kU8Rows = 8;
     static constexpr bool u8_format_ok(int offset) { return offset <= 64; }
     LLAISYS_TARGET_AVX2 static B sub_i8(B a, int v) { return _mm256_sub_epi8(a, _mm256_set1_epi8(char(v))); }
+    LLAISYS_TARGET_AVX2 static void store(void *p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i *>(p), v); }
     LLAISYS_TARGET_AVX2 static I dot_ux(I acc, B xu, B ws) {
         return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xu, ws), _mm256_set1_epi16(1)));
     }
