@@ -181,7 +181,11 @@ struct Portable {
 #define LLAISYS_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 struct Avx2 {
-    static constexpr int kTileRows = 4; // 16 ymm registers: 4 rows' accumulators and sums fit
+    // x rows per unpacked W block (kernels.inc: column): 8 rows' integer sums and the unpacked chunks fill the
+    // 16 ymm registers; their float accumulators, touched once a block, spill. Unpacking each block half as
+    // often as with 4 rows (all in registers) pays more than the spills (K-quants' prefill; bench/RESULTS.md,
+    // session 30).
+    static constexpr int kTileRows = 8;
     static constexpr bool kU8Act = true; // for the formats whose codes less their offset are small (below)
     using B = __m256i;
     using W = __m256i;
