@@ -285,7 +285,8 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
     const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
     const XTile32 *xt = dec ? pack_x(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format(), w.layout());
-    const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : 16, nb = xq.nb;
+    constexpr int64_t kMaxGroup = 16;
+    const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : kMaxGroup, nb = xq.nb;
     parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
         WBlockU8 *wb = nullptr; // [group][nb] decoded blocks, then wd [group][nb] scales
         float *wd = nullptr;
@@ -299,12 +300,15 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
             for (int64_t n = g; dec && n < g_end; ++n) dec(w0 + n * rb, nb, wb + (n - g) * nb, wd + (n - g) * nb);
             for (int64_t m0 = 0; m0 < M; m0 += rows) {
                 const int64_t mm = std::min(rows, M - m0);
+                float cols[kMaxGroup][kChunk]; // [W row][x row]: written out by x row, so that the stores of
+                                               // a column (N floats apart) do not all land in one L1 set
                 for (int64_t n = g; n < g_end; ++n) {
-                    float col[kChunk];
+                    float *col = cols[n - g];
                     if (dec) fn_u8(wb + (n - g) * nb, wd + (n - g) * nb, xt + m0 / kPackRows * nb, mm, nb, col);
                     else fn(w0 + n * rb, xq.row(m0), mm, nb, col);
-                    for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
                 }
+                for (int64_t i = 0; i < mm; ++i)
+                    for (int64_t n = g; n < g_end; ++n) put(m0 + i, n, cols[n - g][i]);
             }
         }
     });
