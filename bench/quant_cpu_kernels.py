@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU time of the quantized linear at the default model's shapes (qwen2.5-coder-0.5b Q4_K_M), for A/B runs of two
+"""CPU time of the quantized linear at the default model's shapes (qwen2.5-coder-0.5b Q4_K_M; --model gemma: gemma-3-270m's), for A/B runs of two
 builds on a busy machine.
 
     LLAISYS_NUM_THREADS=1 LLAISYS_BUILD_DIR=build/base python bench/quant_cpu_kernels.py --rows 64 &
@@ -30,6 +30,9 @@ from llaisys import quant
 # (format, N, K): Q5_0 gate/up and o-shaped rows (4864 x 896, 896 x 896), the Q5_0 shape with K = 4864 (as
 # bench_ops), Q8_0 v-shaped, Q4_K down.
 SHAPES = [("q5_0", 4864, 896), ("q5_0", 896, 4864), ("q5_0", 896, 896), ("q8_0", 128, 896), ("q4_k", 896, 4864)]
+# gemma-3-270m Q4_K_M (--model gemma): Q5_0 gate and up as one matrix, q, k; Q8_0 v; Q4_K o and down; Q6_K down.
+GEMMA_SHAPES = [("q5_0", 4096, 640), ("q5_0", 1024, 640), ("q5_0", 256, 640), ("q8_0", 256, 640),
+                ("q4_k", 640, 1024), ("q4_k", 640, 2048), ("q6_k", 640, 2048)]
 
 
 def random_matrix(fmt: str, n: int, k: int, rng) -> quant.QuantMatrix:
@@ -54,11 +57,13 @@ def main() -> None:
                    "called in turn (decode's weights come from DRAM); also times the Q8_0 LM head")
     p.add_argument("--layout", choices=["cpu", "file"], default="cpu", help="cpu: each format in the layout a CPU "
                    "model keeps it in (quant.cpu_layout: Q5_0 split where AVX2 is the best path); file: GGUF's blocks")
+    p.add_argument("--model", choices=["qwen", "gemma"], default="qwen", help="whose shapes: qwen2.5-coder-0.5b's "
+                   "or gemma-3-270m's")
     args = p.parse_args()
     global LAYOUT
     LAYOUT = args.layout
     rng = np.random.default_rng(0)
-    shapes = SHAPES + ([("q8_0", 151936, 896)] if args.dram_mb > 0 else [])
+    shapes = (GEMMA_SHAPES if args.model == "gemma" else SHAPES) + ([("q8_0", 151936, 896)] if args.dram_mb > 0 else [])
     for fmt, n, k in shapes:
         mb = n * quant.row_bytes(fmt, k) / 1e6
         ws = [random_matrix(fmt, n, k, rng) for _ in range(max(1, int(np.ceil(args.dram_mb / mb))))]

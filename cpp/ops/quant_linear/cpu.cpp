@@ -63,12 +63,22 @@ struct alignas(32) XTile32 {
     float d[kPackRows];
 };
 
+// One block of a W row decoded once for every x row of a prefill call (kernels.inc: decode_u8): its codes
+// less their offset (s8) and -128 times their lane sums (x's codes come as q + 128); its scale goes to a
+// float array beside.
+struct alignas(32) WBlockU8 {
+    int8_t ws[32];
+    int32_t corr[8];
+};
+
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
 // out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
 using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, const void *xq, int64_t nb, float *out);
-// col [mm] = one W row . the first mm rows of one tile (xt: its nb blocks).
-using ColumnU8Fn = void (*)(const uint8_t *w_row, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
+// w [nb] blocks and wd [nb] scales = one W row (nb blocks) decoded.
+using DecodeU8Fn = void (*)(const uint8_t *w_row, int64_t nb, WBlockU8 *w, float *wd);
+// col [mm] = one decoded W row . the first mm rows of one tile (xt: its nb blocks).
+using ColumnU8Fn = void (*)(const WBlockU8 *w, const float *wd, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -140,12 +150,22 @@ RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     }
 }
 
-// The packed-x prefill kernel of this format on the current path, or nullptr (then column_fn's).
-ColumnU8Fn column_u8_fn(QuantFormat format, QuantLayout layout) {
+// The packed-x prefill kernel's row decoder of this format on the current path, or nullptr (then column_fn's).
+DecodeU8Fn decode_u8_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn(format, layout);
-    case QuantCpuPath::Avx2: return avx2::column_u8_fn(format, layout);
+    case QuantCpuPath::Avx512Vnni: return vnni::decode_u8_fn(format, layout);
+    case QuantCpuPath::Avx2: return avx2::decode_u8_fn(format, layout);
+#endif
+    default: return nullptr;
+    }
+}
+
+ColumnU8Fn column_u8_fn() {
+    switch (g_path.load(std::memory_order_relaxed)) {
+#ifdef LLAISYS_QUANT_X86
+    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn();
+    case QuantCpuPath::Avx2: return avx2::column_u8_fn();
 #endif
     default: return nullptr;
     }
@@ -171,7 +191,8 @@ struct QuantizedX {
     const void *row(int64_t m) const { return data + m * row_bytes; }
 };
 
-// Slot 0 holds the quantized x rows, slot 1 their packed tiles; 64-byte aligned.
+// Slot 0 holds the quantized x rows, slot 1 their packed tiles, slot 2 a worker's decoded W rows; 64-byte
+// aligned.
 template <int Slot>
 uint8_t *x_buffer(size_t bytes) {
     thread_local std::unique_ptr<uint8_t[]> buf;
@@ -226,56 +247,91 @@ const XTile32 *pack_x(const QuantizedX &xq) {
     return out;
 }
 
+constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
+static_assert(kPackRows <= kChunk, "a packed tile's column fits the buffer");
+
+// Where W row n's result for x row m goes: rows [0, split) to out [M, split], rows [split, N) to the plane
+// after it, [M, N - split] (quant_linear_swiglu's g and u in one call), plus bias [N] if given.
+template <typename T>
+struct Outputs {
+    T *out;
+    const T *bias;
+    int64_t M, N, split;
+    void put(int64_t m, int64_t n, float v) const {
+        const int64_t ld = n < split ? split : N - split;
+        T *o = n < split ? out : out + M * split;
+        store(o + m * ld, n < split ? n : n - split, bias ? v + load(bias, n) : v);
+    }
+};
+
+// Decode (one x row): each range of W rows goes to the kernel 64 rows per call.
+template <typename T>
+void run_rows(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o) {
+    const int64_t N = w.rows(), rb = w.row_bytes();
+    const uint8_t *w0 = w.row(0);
+    const RowsFn fn = rows_fn(w.format(), w.layout());
+    parallel_ranges(N, w.cols() / 4, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; n += kChunk) {
+            float row[kChunk];
+            const int64_t nn = std::min(kChunk, end - n);
+            fn(w0 + n * rb, rb, nn, xq.row(0), xq.nb, row);
+            if (o.split < N || o.bias) {
+                for (int64_t i = 0; i < nn; ++i) o.put(0, n + i, row[i]);
+            } else { // one plane, no bias (the LM head's 151936 rows): a plain loop that vectorizes
+                for (int64_t i = 0; i < nn; ++i) store(o.out, n + i, row[i]);
+            }
+        }
+    });
+}
+
+// Prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in groups,
+// each group through one x chunk before the next, so that the chunk (a packed tile of K = 896: 16 KiB) and
+// the group's weight rows stay in L1 while every row of the group reads them. On the packed path a group's
+// rows are decoded once, for all the tiles (68 bytes a block: 8 rows of K = 896 are 15 KiB; a group of 16
+// would not leave the tile its L1).
+template <typename T>
+void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o) {
+    constexpr int64_t kMaxGroup = 16;
+    const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes(), nb = xq.nb;
+    const uint8_t *w0 = w.row(0);
+    const DecodeU8Fn dec = decode_u8_fn(w.format(), w.layout());
+    const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
+    const XTile32 *xt = dec ? pack_x(xq) : nullptr;
+    const ColumnFn fn = column_fn(w.format(), w.layout());
+    const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : kMaxGroup;
+    parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
+        WBlockU8 *wb = nullptr; // [group][nb] decoded blocks, then wd [group][nb] scales
+        float *wd = nullptr;
+        if (dec) {
+            wb = reinterpret_cast<WBlockU8 *>(x_buffer<2>(size_t(group * nb) * (sizeof(WBlockU8) + sizeof(float))));
+            wd = reinterpret_cast<float *>(wb + group * nb);
+        }
+        for (int64_t g = begin; g < end; g += group) {
+            const int64_t g_end = std::min(end, g + group);
+            for (int64_t n = g; dec && n < g_end; ++n) dec(w0 + n * rb, nb, wb + (n - g) * nb, wd + (n - g) * nb);
+            for (int64_t m0 = 0; m0 < M; m0 += rows) {
+                const int64_t mm = std::min(rows, M - m0);
+                float cols[kMaxGroup][kChunk]; // [W row][x row]: written out by x row, so that the stores of
+                                               // a column (N floats apart) do not all land in one L1 set
+                for (int64_t n = g; n < g_end; ++n) {
+                    float *col = cols[n - g];
+                    if (dec) fn_u8(wb + (n - g) * nb, wd + (n - g) * nb, xt + m0 / kPackRows * nb, mm, nb, col);
+                    else fn(w0 + n * rb, xq.row(m0), mm, nb, col);
+                }
+                for (int64_t i = 0; i < mm; ++i)
+                    for (int64_t n = g; n < g_end; ++n) o.put(m0 + i, n, cols[n - g][i]);
+            }
+        }
+    });
+}
+
 // W [N, K] . x rows (+ bias [N]); threads split the W rows. Rows [0, split) go to out [M, split], rows
 // [split, N) to the plane after it, [M, N - split] (quant_linear_swiglu's g and u in one call).
 template <typename T>
 void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *out, int64_t split) {
-    constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
-    static_assert(kPackRows <= kChunk, "a packed tile's column fits the buffer");
-    const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes();
-    const uint8_t *w0 = w.row(0);
-    auto put = [&](int64_t m, int64_t n, float v) {
-        const int64_t ld = n < split ? split : N - split;
-        T *o = n < split ? out : out + M * split;
-        store(o + m * ld, n < split ? n : n - split, bias ? v + load(bias, n) : v);
-    };
-    if (M == 1) { // decode: each range of W rows goes to the kernel 64 rows per call
-        const RowsFn fn = rows_fn(w.format(), w.layout());
-        parallel_ranges(N, w.cols() / 4, [&](int64_t begin, int64_t end) {
-            for (int64_t n = begin; n < end; n += kChunk) {
-                float row[kChunk];
-                const int64_t nn = std::min(kChunk, end - n);
-                fn(w0 + n * rb, rb, nn, xq.row(0), xq.nb, row);
-                if (split < N || bias) {
-                    for (int64_t i = 0; i < nn; ++i) put(0, n + i, row[i]);
-                } else { // one plane, no bias (the LM head's 151936 rows): a plain loop that vectorizes
-                    for (int64_t i = 0; i < nn; ++i) store(out, n + i, row[i]);
-                }
-            }
-        });
-        return;
-    }
-    // prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in
-    // groups of kGroup, each group through one x chunk before the next, so that the chunk (a packed tile of
-    // K = 896: 16 KiB) and the group's weight rows stay in L1 while every row of the group reads them.
-    constexpr int64_t kGroup = 16;
-    const ColumnU8Fn fn_u8 = column_u8_fn(w.format(), w.layout());
-    const XTile32 *xt = fn_u8 ? pack_x(xq) : nullptr;
-    const ColumnFn fn = column_fn(w.format(), w.layout());
-    const int64_t rows = fn_u8 ? kPackRows : kChunk;
-    parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
-        for (int64_t g = begin; g < end; g += kGroup) {
-            for (int64_t m0 = 0; m0 < M; m0 += rows) {
-                const int64_t mm = std::min(rows, M - m0);
-                for (int64_t n = g; n < std::min(end, g + kGroup); ++n) {
-                    float col[kChunk];
-                    if (fn_u8) fn_u8(w0 + n * rb, xt + m0 / kPackRows * xq.nb, mm, xq.nb, col);
-                    else fn(w0 + n * rb, xq.row(m0), mm, xq.nb, col);
-                    for (int64_t i = 0; i < mm; ++i) put(m0 + i, n, col[i]);
-                }
-            }
-        }
-    });
+    const Outputs<T> o{out, bias, xq.M, w.rows(), split};
+    if (xq.M == 1) run_rows<T>(xq, w, o);
+    else run_prefill<T>(xq, w, o);
 }
 
 // Decode's quant_linear_swiglu: each task takes gate rows [n, n + 64) and the up rows I + [n, n + 64),
@@ -283,7 +339,6 @@ void run_columns(const QuantizedX &xq, const QuantMatrix &w, const T *bias, T *o
 // instead of two and no [2, I] buffer, with the bits of linear then swiglu.
 template <typename T>
 void decode_swiglu(const QuantizedX &xq, const QuantMatrix &w, T *out) {
-    constexpr int64_t kChunk = 64;
     const int64_t I = w.rows() / 2, rb = w.row_bytes();
     const uint8_t *w0 = w.row(0);
     const RowsFn fn = rows_fn(w.format(), w.layout());

@@ -181,7 +181,11 @@ struct Portable {
 #define LLAISYS_TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 struct Avx2 {
-    static constexpr int kTileRows = 4; // 16 ymm registers: 4 rows' accumulators and sums fit
+    // x rows per unpacked W block (kernels.inc: column): 8 rows' integer sums and the unpacked chunks fill the
+    // 16 ymm registers; their float accumulators, touched once a block, spill. Unpacking each block half as
+    // often as with 4 rows (all in registers) pays more than the spills (K-quants' prefill; bench/RESULTS.md,
+    // session 30).
+    static constexpr int kTileRows = 8;
     static constexpr bool kU8Act = true; // for the formats whose codes less their offset are small (below)
     using B = __m256i;
     using W = __m256i;
@@ -286,6 +290,7 @@ struct Avx2 {
     static constexpr int kU8Rows = 8;
     static constexpr bool u8_format_ok(int offset) { return offset <= 64; }
     LLAISYS_TARGET_AVX2 static B sub_i8(B a, int v) { return _mm256_sub_epi8(a, _mm256_set1_epi8(char(v))); }
+    LLAISYS_TARGET_AVX2 static void store(void *p, __m256i v) { _mm256_storeu_si256(static_cast<__m256i *>(p), v); }
     LLAISYS_TARGET_AVX2 static I dot_ux(I acc, B xu, B ws) {
         return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xu, ws), _mm256_set1_epi16(1)));
     }
