@@ -52,16 +52,24 @@ class Admission:
             raise ValueError("prompt is empty (no tokens)")
         vocab = self.config.vocab_size
         # plain ints (what tokenizers and most callers give): checked at C speed. 256 prompts of ~560 ids
-        # cost ~190 ms on the loop thread one by one (5% of bench/throughput.py on an H200)
-        if not (isinstance(ids, list) and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab):
+        # cost ~190 ms one by one, on the step loop's thread (5% of bench/throughput.py on an H200)
+        if isinstance(ids, list) and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab:
+            ids = list(ids)
+        else:
             for i, t in enumerate(ids):
                 if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab:
                     raise ValueError(f"token id at position {i} is {t!r}, not an int in [0, {vocab})")
-        if limit and len(ids) >= self.max_seq_len:
+            ids = [int(t) for t in ids]
+        if limit:
+            self.check_length(ids)
+        return ids
+
+    def check_length(self, ids: list[int]) -> None:
+        """ids (checked ones) fit the context: fewer than max_seq_len."""
+        if len(ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_seq_len} "
                              f"(raise max_seq_len: Engine(max_seq_len=N) or `--max-seq-len N` in the CLI, up to "
                              f"{self.config.max_position_embeddings} for this model)")
-        return [int(t) for t in ids]
 
     def encode(self, prompt) -> list[int]:
         return self.check_ids(self.tokenize(prompt), limit=False)  # the length: checked, by the window
@@ -89,7 +97,7 @@ class Admission:
         context unless windowed, and within the KV pool (limits: the EngineCore, or what a process's child sent)."""
         window, sinks = self.window(params)
         if not window:
-            self.check_ids(ids)  # the context's limit
+            self.check_length(ids)  # the context's limit (the ids were checked when encoded)
         limits.check_fits(len(ids), params.max_new_tokens, window, sinks)
         return window, sinks
 
