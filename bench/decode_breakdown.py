@@ -102,7 +102,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens of each request")
     ap.add_argument("--prefill", action="store_true",
                     help="instead: the kernels of prefilling --batch fresh prompts of --context tokens (one "
-                         "generate of 1 new token; its prompts miss the prefix cache), per prompt token")
+                         "generate of 1 new token; its prompts miss the prefix cache): ms per kernel for the whole prefill")
     ap.add_argument("--json")
     args = ap.parse_args()
 

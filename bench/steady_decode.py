@@ -11,8 +11,8 @@ token) / S: the prefill and the first token cancel. The prompts are in the prefi
 them there), so each run prefills only their last partial block, in one step, and its S decode steps are all
 of B rows, as the peer's are. --cold leaves the prefix cache off: each run then prefills every prompt in
 chunks, and the rows that finished their prompt decode beside the others' prefill (mixed steps, which the
-difference counts as decode: on an H200, qwen2-0.5b at 256 rows, 5.04 ms a step so against 2.14 cached). Each of the two times is the least of 3 runs (the run least
-disturbed by the rest of the machine); a difference that noise still makes <= 0 is an error asking for more
+difference counts as decode: on an H200, qwen2-0.5b at 256 rows, 5.04 ms a step so against 2.14 cached).
+Each of the two times is the least of 3 runs (the run least disturbed by the rest of the machine); a difference that noise still makes <= 0 is an error asking for more
 --steps, never a printed number. The peer: S compiled decode steps of B rows after its warm-up,
 every row at position C of a cache of C + S + 8 (its keys are zeros: a decode step reads and computes the
 same whatever they hold). Random weights of a real shape, each its own buffer, bf16 on CUDA (llaisys f32 on the

@@ -66,10 +66,11 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     for w in a.window:
         rows = w + a.sinks
-        ks = [llaisys.tensor(rng.standard_normal((rows, nkvh, hd)).astype(np.float32), a.device) for _ in range(layers)]
-        if dtype != "f32":
-            ks = [llaisys.functional.cast(k, dtype) for k in ks]
-        vs = [llaisys.functional.cast(k, dtype) if dtype != "f32" else k for k in ks]
+        def cache():  # one layer's keys or values: its own buffer
+            x = llaisys.tensor(rng.standard_normal((rows, nkvh, hd)).astype(np.float32), a.device)
+            return x if dtype == "f32" else llaisys.functional.cast(x, dtype)
+
+        ks, vs = [cache() for _ in range(layers)], [cache() for _ in range(layers)]
         kept = llaisys.tensor(np.arange(a.sinks, rows, dtype=np.int64), a.device)
         pos = llaisys.tensor(np.arange(rows, dtype=np.int64), a.device)
         outs = [llaisys.functional.rope(k, pos, inv_freq=inv) for k in ks]  # buffers of the rotated keys

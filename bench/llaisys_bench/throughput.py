@@ -127,7 +127,7 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
             # the host's Python per sequence per step: scheduling (with an unchained step's launch), the step's
             # arrays, accounting, the hand-back and the loop's delivery between steps (not the runner's C++)
             "host_us_per_seq_step": 1e6 * (tm["schedule_s"] + core.runner.prepare_s + tm["postprocess_s"] +
-                                           tm.get("to_return_s", 0) + tm.get("between_s", 0)) / max(tm["rows"], 1),
+                                           tm["to_return_s"] + tm["between_s"]) / max(tm["rows"], 1),
             "preemptions": stats["preemptions"] - before["preemptions"],
             "overlapped": stats["overlapped_steps"] - before["overlapped_steps"], "stats": stats}
 
