@@ -127,25 +127,26 @@ void bind_steps(nb::class_<R> &c) {
                           Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                           std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
                           bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
-                          bool defer_sampling) {
+                          bool defer_sampling, std::vector<int64_t> chain_rows) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
                                                          seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
             nb::gil_scoped_release release;
             if constexpr (std::is_same_v<R, Runner>) {
-                r.launch(b, rows, chain, defer_sampling);
-            } else { // a tensor-parallel group never overlaps steps (EngineCore)
+                r.launch(b, rows, chain, defer_sampling, chain_rows);
+            } else { // a tensor-parallel group chains steps but never defers sampling (EngineCore)
                 LLAISYS_CHECK(!defer_sampling, std::invalid_argument, "RankGroup.launch: no defer_sampling");
-                r.launch(b, rows, chain);
+                r.launch(b, rows, chain, chain_rows);
             }
         }, nb::arg("ids"), nb::arg("pos"), nb::arg("slots"), nb::arg("q_start"), nb::arg("kv_len"),
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"), nb::arg("token_mask").none() = nb::none(),
              nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("defer_sampling") = false,
+             nb::arg("chain_rows") = std::vector<int64_t>(),
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
-             "previous launch's tokens, on the device. defer_sampling (a Runner only): the forward alone; "
+             "previous launch's tokens, on the device (chain_rows: of those rows, increasing). defer_sampling (a Runner only): the forward alone; "
              "sample_deferred() samples it.")
         .def("finish", [](R &r) {
             nb::gil_scoped_release release;

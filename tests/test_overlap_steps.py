@@ -52,6 +52,42 @@ def test_greedy_and_seeded_tokens_unchanged(tiny, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_end_leave_the_chain(tiny, device, monkeypatch):
+    """Rows of the persistent batch end one after another (length limits, max_seq_len, an EOS, a stop string):
+    the chained step after each end leaves those rows out (Runner.launch's chain_rows) instead of waiting
+    for the host. Same tokens and finish reasons as the plain loop and as the old way (LLAISYS_CHAIN_DROP=0,
+    where an end stopped the chain), and more steps chained than the old way."""
+    def go(eng):
+        v = eng.config.vocab_size
+        ps = prompts(v, [3, 17, 40, 50, 9, 21, 5], seed=31)
+        greedy = eng.generate(ps, max_new_tokens=[3, 5, 8, 13, 21, 34, 1], temperature=0, ignore_eos=True)
+        seeded = eng.generate(ps, max_new_tokens=[30, 2, 11, 100, 4, 19, 7], temperature=0.8, top_k=40,
+                              seed=[1, 2, 3, 4, 5, 6, 7], ignore_eos=True)  # row 3 ends at max_seq_len
+        stop_at = greedy[5].token_ids[6]  # a token the greedy run samples: ends that row (and maybe others) early
+        eos = eng.generate(ps, max_new_tokens=[20, 25, 9, 30, 14, 34, 12], temperature=0, stop_token_ids=[stop_at])
+        text = greedy[5].text
+        stopped = eng.generate(ps[5:], max_new_tokens=[34, 40], temperature=0, ignore_eos=True,
+                               stop=[text[len(text) // 2:len(text) // 2 + 2]])
+        return [(r.token_ids, r.finish_reason) for r in greedy + seeded + eos + stopped]
+
+    runs = {}
+    for name, overlap, drop in (("plain", False, "1"), ("old", True, "0"), ("new", True, "1")):
+        monkeypatch.setenv("LLAISYS_CHAIN_DROP", drop)
+        eng = engine(tiny, device, overlap, max_seq_len=80)
+        runs[name] = (go(eng), eng.stats())
+        assert eng.stats()["kv_blocks_used"] == 0 and eng.stats()["running"] == 0
+        eng.close()
+    plain, old, new = runs["plain"][0], runs["old"][0], runs["new"][0]
+    assert old == plain and new == plain
+    assert any(reason == "stop" for _, reason in plain) and any(reason == "length" for _, reason in plain)
+    assert len(plain[3 + 7][0]) < 100  # the max_seq_len end
+    s_old, s_new = runs["old"][1], runs["new"][1]
+    assert s_old["chain_dropped_rows"] == 0 and s_new["chain_dropped_rows"] >= 10
+    assert s_new["decode_batch_steps"] > 0
+    assert s_new["overlapped_steps"] >= s_old["overlapped_steps"] + 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_eos_and_stop_strings_end_at_the_same_token(tiny, device):
     def go(eng):
         p = prompts(eng.config.vocab_size, [12], seed=2)[0]

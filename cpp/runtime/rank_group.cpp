@@ -205,8 +205,9 @@ std::vector<int64_t> RankGroup::step(const HostBatch &b, const std::vector<RowSa
     return agreed("a step", ids);
 }
 
-void RankGroup::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain) {
-    run_all("a launch", [&](int r) { runners_[size_t(r)]->launch(b, rows, chain); });
+void RankGroup::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain,
+                       const std::vector<int64_t> &chain_rows) {
+    run_all("a launch", [&](int r) { runners_[size_t(r)]->launch(b, rows, chain, false, chain_rows); });
 }
 
 void RankGroup::set_seen(int64_t row, const std::vector<int32_t> &words) {

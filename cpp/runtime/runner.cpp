@@ -159,7 +159,7 @@ std::unique_ptr<Runner::Graphed> Runner::capture(const std::vector<int64_t> &h64
 // Replays the decode graph of padded size P (capturing it first if needed). With rows it samples them
 // into the graph's ids; without, its sampler is off and ids hold every row's argmax of the raw logits.
 const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::vector<RowSampling> *rows,
-                                      const Tensor *chained) {
+                                      const Tensor *chained, const std::vector<int64_t> &chain_rows) {
     std::vector<int64_t> h64;
     std::vector<int32_t> h32;
     pack(b, P, config_.max_blocks_per_seq, h64, h32);
@@ -172,7 +172,7 @@ const Runner::Graphed &Runner::replay(const HostBatch &b, int64_t P, const std::
         staging_->upload_into(it->second->buf32, h32.data(), h32.size() * sizeof(int32_t));
     }
     Graphed &g = *it->second;
-    if (chained != nullptr) chain_ids(g.buf64, *chained);
+    if (chained != nullptr) chain_ids(g.buf64, *chained, chain_rows);
     const bool on = rows != nullptr && std::any_of(rows->begin(), rows->end(), [](const RowSampling &r) {
         return r.temperature > 0.f; // all greedy: the argmax is the answer, the sampler can stay off
     });
@@ -346,25 +346,34 @@ static bool samples_in_graph(const std::vector<RowSampling> &rows) {
     });
 }
 
-void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain, bool defer_sampling) {
+void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain, bool defer_sampling,
+                    const std::vector<int64_t> &chain_rows) {
     LLAISYS_CHECK(int64_t(rows.size()) == b.num_seqs(), std::invalid_argument, "Runner: need sampling parameters for ",
                   b.num_seqs(), " sequences, got ", rows.size());
     LLAISYS_CHECK(!deferred_, std::invalid_argument, "Runner.launch: the deferred launch before it is not sampled yet "
                   "(call sample_deferred() first)");
     const int64_t B = b.num_seqs();
-    LLAISYS_CHECK(!chain || (!inflight_.empty() && last_launched_.numel() == B), std::invalid_argument,
-                  "Runner.launch: chain needs the step launched just before it, unfinished, with the same ", B,
-                  " rows (", inflight_.size(), " unfinished, the last with ", last_launched_.numel(), ")");
+    LLAISYS_CHECK(!chain || (!inflight_.empty() && (chain_rows.empty() ? last_launched_.numel() == B
+                                                                        : int64_t(chain_rows.size()) == B)),
+                  std::invalid_argument, "Runner.launch: chain needs the step launched just before it, unfinished, "
+                  "with the same ", B, " rows or chain_rows naming ", B, " of its rows (", inflight_.size(),
+                  " unfinished, the last with ", last_launched_.numel(), " rows, chain_rows ", chain_rows.size(), ")");
+    LLAISYS_CHECK(chain || chain_rows.empty(), std::invalid_argument, "Runner.launch: chain_rows without chain");
+    for (size_t i = 0; i < chain_rows.size(); ++i) // a selection of the step ahead's rows, in their order
+        LLAISYS_CHECK(chain_rows[i] >= 0 && chain_rows[i] < last_launched_.numel() &&
+                          (i == 0 || chain_rows[i] > chain_rows[i - 1]),
+                      std::invalid_argument, "Runner.launch: chain_rows must be increasing rows of the step ahead's ",
+                      last_launched_.numel(), ", got ", chain_rows[i], " at ", i);
     const int64_t size = begin(b, false);
     DeviceGuard guard(model_.device());
     if (size > 0 && !defer_sampling && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
-        const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr);
+        const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr, chain_rows);
         last_logits_ = g.logits.slice(0, 0, B);
         ++steps_sampled_in_graph_;
         record(g.ids.slice(0, 0, B), rows);
         return;
     }
-    forward(b, size, chain);
+    forward(b, size, chain, chain_rows);
     if (defer_sampling) {
         deferred_ = std::make_unique<std::vector<RowSampling>>(rows);
         return;
@@ -375,14 +384,14 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
 }
 
 // The step's forward into last_logits_: a graph's replay with its sampler off (size > 0), else eager.
-void Runner::forward(const HostBatch &b, int64_t size, bool chain) {
+void Runner::forward(const HostBatch &b, int64_t size, bool chain, const std::vector<int64_t> &chain_rows) {
     const int64_t B = b.num_seqs();
     if (size > 0) {
-        last_logits_ = replay(b, size, nullptr, chain ? &last_launched_ : nullptr).logits.slice(0, 0, B);
+        last_logits_ = replay(b, size, nullptr, chain ? &last_launched_ : nullptr, chain_rows).logits.slice(0, 0, B);
         return;
     }
     const StepBatch s = upload(b);
-    if (chain) chain_ids(s.ids, last_launched_);
+    if (chain) chain_ids(s.ids, last_launched_, chain_rows);
     last_logits_ = model_.forward_step(s, pool_.view());
 }
 
@@ -443,11 +452,23 @@ void Runner::record(const Tensor &ids, const std::vector<RowSampling> &rows) {
     last_launched_ = ids; // a graph's ids are overwritten only by its next replay, which a chain reads first
 }
 
-// The first from.numel() input ids (dst: a step's ids, or a graph's input buffer, which the ids lead) are the
-// tokens `from` holds on the device: a chained step's, whose tokens the host does not know yet.
-void Runner::chain_ids(const Tensor &dst, const Tensor &from) {
-    runtime::memcpy_async(dst.data(), model_.device(), from.data(), model_.device(),
-                          size_t(from.numel()) * sizeof(int64_t));
+// The first input ids (dst: a step's ids, or a graph's input buffer, which the ids lead) are the tokens `from`
+// holds on the device: a chained step's, whose tokens the host does not know yet. rows (increasing; empty: all
+// of them): the rows of `from` this step keeps, when rows of the step ahead ended. One copy for each run of
+// consecutive kept rows: a step usually drops one or two rows, so two or three copies.
+void Runner::chain_ids(const Tensor &dst, const Tensor &from, const std::vector<int64_t> &rows) {
+    const auto *src = static_cast<const int64_t *>(from.data());
+    auto *out = static_cast<int64_t *>(dst.data());
+    if (rows.empty()) {
+        runtime::memcpy_async(out, model_.device(), src, model_.device(), size_t(from.numel()) * sizeof(int64_t));
+        return;
+    }
+    for (size_t i = 0; i < rows.size();) {
+        size_t j = i + 1;
+        while (j < rows.size() && rows[j] == rows[j - 1] + 1) ++j;
+        runtime::memcpy_async(out + i, model_.device(), src + rows[i], model_.device(), (j - i) * sizeof(int64_t));
+        i = j;
+    }
 }
 
 std::vector<int64_t> Runner::finish() {

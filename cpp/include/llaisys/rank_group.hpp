@@ -33,7 +33,8 @@ public:
     int world() const { return int(runners_.size()); }
     // What Runner does, on every rank; the tokens (and logits) are rank 0's, which every rank shares.
     std::vector<int64_t> step(const HostBatch &batch, const std::vector<RowSampling> &rows);
-    void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain);
+    void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain,
+                const std::vector<int64_t> &chain_rows = {});
     void set_seen(int64_t row, const std::vector<int32_t> &words);
     std::vector<int64_t> finish();
     // A broken group finishes nothing more: 0 then, so a caller draining launched steps stops.

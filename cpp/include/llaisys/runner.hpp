@@ -76,8 +76,12 @@ public:
     // enqueues the sampling later with the rows' token masks (structured output), so the host computes
     // those masks, which need the tokens of the step ahead, while the device runs this step's forward.
     // Until then no other launch, step or logits call is taken; finish() of the step ahead is.
+    //
+    // chain_rows (with chain; empty: every row): the step ahead's rows this step continues, increasing, when
+    // some of them ended (a length limit reached, an EOS read meanwhile): row i's input id is the step ahead's
+    // token of row chain_rows[i], so the next step drops ended rows without waiting for the step ahead.
     void launch(const HostBatch &batch, const std::vector<RowSampling> &rows, bool chain,
-                bool defer_sampling = false);
+                bool defer_sampling = false, const std::vector<int64_t> &chain_rows = {});
     // Completes the deferred launch of num_rows rows: row mask_rows[j] gets the token bitmask mask[j]
     // (mask: [M, W] i32, C-contiguous, W = ceil(vocab / 32); M = 0: no row masked). The masks reach the
     // device in one copy (straight from `mask` when every row is masked, in order): on the host's path from
@@ -114,11 +118,11 @@ private:
     int64_t graph_size_for(const HostBatch &batch) const;
     // chained: device ids that replace the first input ids (chain_ids)
     const Graphed &replay(const HostBatch &batch, int64_t size, const std::vector<RowSampling> *rows,
-                          const Tensor *chained = nullptr);
-    void chain_ids(const Tensor &dst, const Tensor &from);
+                          const Tensor *chained = nullptr, const std::vector<int64_t> &chain_rows = {});
+    void chain_ids(const Tensor &dst, const Tensor &from, const std::vector<int64_t> &rows);
     std::unique_ptr<Graphed> capture(const std::vector<int64_t> &h64, const std::vector<int32_t> &h32,
                                      int64_t size);
-    void forward(const HostBatch &batch, int64_t size, bool chain);
+    void forward(const HostBatch &batch, int64_t size, bool chain, const std::vector<int64_t> &chain_rows = {});
     // masks: [B, W] token bitmasks on the device for every row, instead of the rows' `allowed` (sample_deferred)
     void sample(const Tensor &out, const Tensor &logits, const std::vector<RowSampling> &rows,
                 const Tensor *masks = nullptr);

@@ -3,6 +3,10 @@ step of the same sequences chained behind it on the device, and launching that n
 drives it (its docstring says how the overlap works); EngineConfig.overlap_steps turns it on."""
 from __future__ import annotations
 
+import os
+
+import numpy as np
+
 from .scheduler import Step
 from .sequence import Status
 
@@ -13,6 +17,10 @@ class Chainer:
         self.scheduler, self.blocks, self.runner = scheduler, blocks, runner
         self.overlapped_steps = 0  # steps launched chained behind the step ahead
         self.waited = 0  # chained steps launched in a row while requests waited for admission (may_chain)
+        # a chained batch step may leave out rows that ended (_next_batch); LLAISYS_CHAIN_DROP=0: the old way,
+        # such a step is not chained (the A/B of bench/throughput.py)
+        self.drop_rows = os.environ.get("LLAISYS_CHAIN_DROP", "1") != "0"
+        self.dropped_rows = 0  # rows left out so (stats)
 
     def may_overlap(self, step) -> bool:
         """Whether step may run launched (its tokens read later) with a next step chained behind it."""
@@ -44,11 +52,13 @@ class Chainer:
         only when no step is in flight, so an admission or a preemption never meets a chained step). Exact:
         every row draws from its own (seed, step) and reads only its own cache, so which step a request
         joins changes no token (the assumption every batch already rests on: a row's result does not depend
-        on the step's other rows, nor, on CUDA, on a pure decode step's kernel against a mixed step's). Bounded (no starvation): a step holding max_num_seqs sequences admits nobody
-        until one of them ends, and an end stops the chain by itself (a length end before it is reached, an
-        EOS, stop string or abort at the next call: the sequence is no longer running), so such steps chain
-        on; otherwise at most MAX_CHAINED_WHILE_WAITING steps are chained in a row while requests wait."""
-        if not self.scheduler.waiting or len(step.seqs) >= self.scheduler.max_num_seqs:
+        on the step's other rows, nor, on CUDA, on a pure decode step's kernel against a mixed step's).
+        Bounded (no starvation): a step holding max_num_seqs sequences admits nobody until one of them ends,
+        so such steps chain on; once a row ended the chained step holds fewer (_next_batch leaves it out), and
+        at most MAX_CHAINED_WHILE_WAITING steps are chained in a row while requests wait."""
+        # running, not step.seqs: a row that ended is gone from `running` at once, and the step chained next
+        # would leave it out (_next_batch), so the step is no longer full and its successor admits
+        if not self.scheduler.waiting or len(self.scheduler.running) >= self.scheduler.max_num_seqs:
             return True
         return self.waited < self.MAX_CHAINED_WHILE_WAITING
 
@@ -85,16 +95,31 @@ class Chainer:
         return nxt
 
     def _next_batch(self, step):
-        """launch_next for a step of the persistent batch: the same checks on its arrays."""
+        """launch_next for a step of the persistent batch: the same checks on its arrays. Rows that end with
+        `step` (its token reaches their length limit) or ended before it was read (an EOS, a stop string, an
+        abort seen since) are left out of the next step: the batch is condensed to the rest now, the next step
+        takes their tokens through chain_rows, and EngineCore._account maps `step`'s tokens back (Step.keep).
+        Before, a row's end stopped the chain: the step after it waited for the host (issue 33: 222 of the
+        nano-vllm protocol's 1,053 steps)."""
         b = step.batch
-        # a row ended (rows only leave `running` while a batch's steps run: EngineCore._account_batch)
-        if b is not self.scheduler.batch or step.version != b.version or len(self.scheduler.running) != len(b):
+        if b is not self.scheduler.batch or step.version != b.version:
             return None
-        if (b.num_output + 1 >= b.max_new).any() or (b.pos + 2 >= self.max_seq_len).any():
-            return None  # about to end by length
+        n = len(b)
+        keep = (b.num_output + 1 < b.max_new) & (b.pos + 2 < self.max_seq_len)  # not ending by length
+        if len(self.scheduler.running) != n:  # some row ended (nothing joins `running` while a batch chains)
+            keep &= np.fromiter((s.status is Status.RUNNING for s in b.seqs), bool, n)
+        rows = None
+        if not keep.all():
+            if not self.drop_rows or not keep.any():
+                return None
+            rows = np.flatnonzero(keep).tolist()
+            step.keep = keep
+            b.condense(keep)
+            step.kept_version = b.version
+            self.dropped_rows += n - len(rows)
         if not b.grow(self.blocks, 1):
-            return None
-        nxt = Step(b.seqs, step.num_tokens, batch=b, version=b.step_made())
+            return None  # `step` is accounted through its keep mask all the same
+        nxt = Step(b.seqs, [1] * len(b), batch=b, version=b.step_made(), chain_rows=rows)
         self.runner.launch(nxt, chain=True)
         self.overlapped_steps += 1
         return nxt

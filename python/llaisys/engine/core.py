@@ -257,29 +257,21 @@ class EngineCore:
         it ran (an abort, a stop string) are skipped."""
         t2 = time.perf_counter()
         if step.batch is not None:
-            if step.batch is self.scheduler.batch and step.version == step.batch.version:
-                return self._account_batch(step.batch, tokens, t0, t1, t2)
+            b = step.batch
+            if b is self.scheduler.batch:
+                if step.keep is None and step.version == b.version:
+                    return self._account_batch(b, tokens, t0, t1, t2)
+                if step.keep is not None and step.kept_version == b.version:
+                    return self._account_kept(step, tokens, t0, t1, t2)
             self.scheduler.batch = None  # its arrays would miss what the general accounting does below
         produced, want = [], []  # want: (row, index in produced) of the rows that asked for logprobs
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             if seq.status is not Status.RUNNING:
                 continue
-            seq.num_computed += n
-            self.blocks.register_full(seq)
-            if seq.num_computed < len(seq):
-                continue  # a prefill chunk: more of the prompt to go
-            if seq.params.logprobs is not None:
+            if seq.params.logprobs is not None and seq.num_computed + n >= len(seq):
                 want.append((row, len(produced)))
-            seq.append(int(token))
-            produced.append((seq, int(token), None))
-            if token in seq.eos:
-                self.finish(seq, "stop")
-            elif seq.constraint is not None and self._constrained_end(seq, int(token)):
-                pass
-            elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
-                self.finish(seq, "length")
-            elif seq.trigger is not None and (started := seq.trigger.fire(int(token), seq.num_output == 1)):
-                seq.constraint, seq.trigger = started, None  # it masks the next token on
+            if self._apply(seq, n, int(token)):
+                produced.append((seq, int(token), None))
         if want:
             temperature, chosen = np.zeros(len(tokens), np.float32), np.asarray(tokens, np.int64)
             ks = []
@@ -291,6 +283,37 @@ class EngineCore:
                 produced[i] = (produced[i][0], produced[i][1], entry)
         self._time(sum(step.num_tokens), t0, t1, t2, len(step.seqs))
         return produced
+
+    def _apply(self, seq: Sequence, n: int, token: int) -> bool:
+        """The general accounting of one running row that computed n tokens: progress, prefix-cache
+        registration, its token and end. Whether it produced a token (False: a prefill chunk)."""
+        seq.num_computed += n
+        self.blocks.register_full(seq)
+        if seq.num_computed < len(seq):
+            return False  # a prefill chunk: more of the prompt to go
+        seq.append(token)
+        if token in seq.eos:
+            self.finish(seq, "stop")
+        elif seq.constraint is not None and self._constrained_end(seq, token):
+            pass
+        elif seq.num_output >= seq.params.max_new_tokens or (not seq.kv_window and len(seq) >= self.max_seq_len):
+            self.finish(seq, "length")
+        elif seq.trigger is not None and (started := seq.trigger.fire(token, seq.num_output == 1)):
+            seq.constraint, seq.trigger = started, None  # it masks the next token on
+        return True
+
+    def _account_kept(self, step, tokens, t0: float, t1: float, t2: float):
+        """_account for a batch step whose chained successor left out some of its rows (Chainer._next_batch
+        condensed the batch to step.keep then): the rows left out that still run end with this token (their
+        length limit) and are accounted one by one; the kept rows, in the batch's rows now, the batch way."""
+        keep = step.keep
+        produced = []
+        for row in np.flatnonzero(~keep).tolist():
+            seq = step.seqs[row]
+            if seq.status is Status.RUNNING and self._apply(seq, 1, int(tokens[row])):
+                produced.append((seq, int(tokens[row]), None))
+        kept = np.asarray(tokens, np.int64)[keep].tolist()
+        return produced + self._account_batch(step.batch, kept, t0, t1, t2)
 
     def _account_batch(self, b, tokens, t0: float, t1: float, t2: float):
         """_account for a step of the persistent batch: the same effects, vectorised over its rows. Its
@@ -407,5 +430,6 @@ class EngineCore:
                 "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks - 1, "block_size": b.block_size,
                 "prefix_cache_hit_rate": b.hit_rate(), "preemptions": s.num_preemptions,
                 "kv_blocks_evicted": b.evicted_blocks, "overlapped_steps": self.chain.overlapped_steps,
+                "chain_dropped_rows": self.chain.dropped_rows,
                 "overlapped_constrained_steps": self.runner.deferred_steps,
                 "decode_batch_steps": s.batch_steps}

@@ -89,7 +89,10 @@ class ModelRunner:
         defer = chain and (step.batch.defers if step.batch is not None else any(
             s.constraint is not None or s.trigger is not None for s in step.seqs))
         masks = (None, []) if chain else self._masks(step)
-        self.runner.launch(*arrays, *sampling, chain, *masks, defer)
+        if step.chain_rows is None:
+            self.runner.launch(*arrays, *sampling, chain, *masks, defer)
+        else:
+            self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows)
         self.deferred = step if defer else None
 
     def start_deferred_masks(self) -> None:

@@ -44,6 +44,13 @@ class Step:
     version: int = 0  # the batch's version when the step was made
     # K-shifts to run before the step (cache rows src, rows dst, delta positions): windowed evictions
     shifts: list[tuple[list[int], list[int], int]] = field(default_factory=list)
+    # a chained step that continues only some rows of the step ahead (rows of it ended): their indices there,
+    # increasing (Runner.launch's chain_rows); None: every row
+    chain_rows: list[int] | None = None
+    # set on a batch step when the step chained behind it dropped some of its rows (Chainer._next_batch): which
+    # rows the batch kept (the batch was condensed to them then, its version became kept_version)
+    keep: object = None
+    kept_version: int = -1
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
