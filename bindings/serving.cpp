@@ -217,6 +217,26 @@ void bind_serving(nb::module_ &m) {
     }, nb::arg("token_mask").none(), nb::arg("mask_rows"), nb::arg("num_rows"),
        "Samples the deferred launch (launch(defer_sampling=True)) of num_rows rows, rows mask_rows masked by "
        "token_mask [M, ceil(vocab / 32)] (i32).");
+    runner.def("enqueue_logprobs", [](Runner &r, std::vector<int64_t> rows, Array<float> temperature, int64_t k) {
+        std::vector<float> t = to_vector(temperature);
+        nb::gil_scoped_release release;
+        r.enqueue_logprobs(rows, t, k);
+    }, nb::arg("rows"), nb::arg("temperature"), nb::arg("k"),
+       "Logprobs of the last launch's rows `rows` (temperature [B] f32, 0 = 1; k most likely, 1..20), computed on "
+       "the device behind it: finished_logprobs() returns them once finish() returned its tokens.");
+    runner.def("finished_logprobs", [](const Runner &r) -> nb::object {
+        const Runner::FinishedLogprobs &f = r.finished_logprobs();
+        if (f.k == 0) return nb::none();
+        const size_t R = f.chosen.size(), k = size_t(f.k);
+        std::vector<std::vector<int64_t>> ids(R);
+        std::vector<std::vector<float>> top(R);
+        for (size_t i = 0; i < R; ++i) {
+            ids[i].assign(f.top_ids.begin() + i * k, f.top_ids.begin() + (i + 1) * k);
+            top[i].assign(f.top_lp.begin() + i * k, f.top_lp.begin() + (i + 1) * k);
+        }
+        return nb::make_tuple(f.chosen, ids, top);
+    }, "(chosen_lp [R], top_ids [R][k], top_lp [R][k]) of the step finish() returned last, or None when "
+       "enqueue_logprobs was not called for it.");
 
     nb::class_<RankGroup> group(m, "RankGroup",
                                 "The runners of a tensor-parallel group driven as one: one thread per rank (rank_group.hpp).");

@@ -43,7 +43,9 @@ def test_entries_equal_the_float64_formula_on_the_steps_logits(tiny, device, dty
         return out
 
     monkeypatch.setattr(EngineCore, "_logprobs", spy)
-    with Engine(tiny, device=device, dtype=dtype, progress=False, max_seq_len=256, num_kv_blocks=256) as eng:
+    # overlap off: every step's entries come from EngineCore._logprobs (the device path below is compared with it)
+    with Engine(tiny, device=device, dtype=dtype, progress=False, max_seq_len=256, num_kv_blocks=256,
+                overlap_steps=False) as eng:
         rng = np.random.default_rng(3)
         ps = [[int(t) for t in rng.integers(0, eng.config.vocab_size, n)] for n in (5, 30, 12, 70)]
         out = eng.generate(ps, max_new_tokens=[12, 4, 20, 9], temperature=[0, 0.8, 1.3, 0], seed=[1, 2, 3, 4],
@@ -52,3 +54,36 @@ def test_entries_equal_the_float64_formula_on_the_steps_logits(tiny, device, dty
     assert [r.logprobs is None for r in out] == [False, True, False, False]
     assert [len(r.logprobs or ()) for r in out] == [12, 0, 20, 9]
     assert sum(seen) == 12 + 20 + 9 and batch_steps > 0  # every entry checked, some from the decode batch
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_overlapped_steps_compute_entries_on_the_device(tiny, device, dtype):
+    """With overlapped steps, a batch step's logprobs are computed on the device behind it (Runner.
+    enqueue_logprobs) and read with its tokens, so rows with logprobs chain: the same tokens and entries as
+    the plain loop (whose entries the test above checks against float64), rows ending mid-batch included."""
+    def run(overlap):
+        with Engine(tiny, device=device, dtype=dtype, progress=False, max_seq_len=256, num_kv_blocks=256,
+                    overlap_steps=overlap) as eng:
+            rng = np.random.default_rng(4)
+            ps = [[int(t) for t in rng.integers(0, eng.config.vocab_size, n)] for n in (5, 30, 12, 70, 9)]
+            out = eng.generate(ps, max_new_tokens=[12, 4, 20, 9, 30], temperature=[0, 0.8, 1.3, 0, 0.7],
+                               seed=[1, 2, 3, 4, 5], logprobs=[5, None, 20, 0, 3], ignore_eos=True)
+            return out, eng.stats()["overlapped_steps"]
+
+    (plain, n_plain), (over, n_over) = run(False), run(True)
+    assert n_plain == 0 and n_over > 15  # the rows with logprobs chained
+    with Engine(tiny, device=device, dtype=dtype, progress=False, max_seq_len=256, num_kv_blocks=256,
+                overlap_steps=True) as eng:  # every row with logprobs=0 (the chosen token's alone)
+        ps = [[3, 4, 5], [6, 7, 8, 9]]
+        zero = eng.generate(ps, max_new_tokens=[6, 9], temperature=0, logprobs=0, ignore_eos=True)
+        assert eng.stats()["overlapped_steps"] > 3
+    assert [len(r.logprobs) for r in zero] == [6, 9] and all(e["top"] == [] for r in zero for e in r.logprobs)
+    for a, b in zip(plain, over):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert (a.logprobs is None) == (b.logprobs is None)
+        for ea, eb in zip(a.logprobs or (), b.logprobs or ()):
+            assert ea["token_id"] == eb["token_id"] and [i for i, _ in ea["top"]] == [i for i, _ in eb["top"]]
+            assert eb["logprob"] == pytest.approx(ea["logprob"], abs=1e-5)
+            np.testing.assert_allclose([x for _, x in eb["top"]], [x for _, x in ea["top"]], atol=1e-5)
+    assert [len(r.logprobs or ()) for r in over] == [12, 0, 20, 9, 30]

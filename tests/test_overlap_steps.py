@@ -118,16 +118,19 @@ def test_length_limits_and_the_context_end(tiny, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bias_penalties_and_logprobs_run_the_plain_way(tiny, device):
-    """Presence/frequency penalties (host bias lists) and logprobs keep their steps plain; a repetition
-    penalty chains (its set is on the device: test_overlap_penalty.py)."""
+def test_bias_penalties_run_the_plain_way_logprobs_chain(tiny, device):
+    """Presence/frequency penalties (host bias lists) keep their steps plain; logprobs chain (computed on the
+    device behind each step: test_engine_logprobs.py compares the entries); a repetition penalty chains (its
+    set is on the device: test_overlap_penalty.py)."""
     def go(eng):
         p = prompts(eng.config.vocab_size, [20], seed=4)[0]
-        b = eng.generate(p, max_new_tokens=20, temperature=0, ignore_eos=True, presence_penalty=0.5)
-        c = eng.generate(p, max_new_tokens=20, temperature=0, ignore_eos=True, logprobs=2)
-        return b.token_ids, c.token_ids
+        return eng.generate(p, max_new_tokens=20, temperature=0, ignore_eos=True, presence_penalty=0.5).token_ids
     plain, over, n = run_both(tiny, device, go)
     assert over == plain and n == 0
+    lp = run_both(tiny, device, lambda eng: [(e["token_id"], e["top"][0][0]) for e in eng.generate(
+        prompts(eng.config.vocab_size, [20], seed=4)[0], max_new_tokens=20, temperature=0, ignore_eos=True,
+        logprobs=2).logprobs])
+    assert lp[1] == lp[0] and lp[2] > 10
     a = run_both(tiny, device, lambda eng: eng.generate(prompts(eng.config.vocab_size, [20], seed=4)[0],
                                                         max_new_tokens=20, temperature=0, ignore_eos=True,
                                                         repetition_penalty=1.3).token_ids)

@@ -37,6 +37,9 @@ struct Runner::Inflight {
     Tensor host; // i64 [capacity] pinned
     std::unique_ptr<Event> done;
     std::vector<RowSampling> rows; // for the error message of a row without a token
+    // enqueue_logprobs' results on their way (pinned, reused): chosen [R] f32, ids [R, k] i64, top [R, k] f32
+    Tensor lp_chosen, lp_ids, lp_top;
+    int64_t lp_rows = 0, lp_k = 0; // 0 rows: none asked for this step
 };
 
 // A launched step's record with room for `capacity` tokens (pinned on CUDA) and its event.
@@ -471,6 +474,41 @@ void Runner::chain_ids(const Tensor &dst, const Tensor &from, const std::vector<
     }
 }
 
+// The logprobs of the step launched last, computed on the device behind it (its logits and its sampled ids,
+// before a chained step overwrites them) and copied back with its tokens: finish() hands them over.
+void Runner::enqueue_logprobs(const std::vector<int64_t> &rows, const std::vector<float> &temperature, int64_t k) {
+    LLAISYS_CHECK(!inflight_.empty() && !deferred_, std::invalid_argument,
+                  "Runner.enqueue_logprobs: needs a launched step whose tokens are sampled (not deferred)");
+    const int64_t B = last_launched_.numel(), R = int64_t(rows.size());
+    LLAISYS_CHECK(int64_t(temperature.size()) == B, std::invalid_argument, "Runner.enqueue_logprobs: ",
+                  temperature.size(), " temperatures for a step of ", B, " rows");
+    LLAISYS_CHECK(R >= 1 && R <= B && k >= 1 && k <= 20, std::invalid_argument, "Runner.enqueue_logprobs: ", R,
+                  " rows of ", B, " and k ", k, " (1..20)");
+    for (int64_t r : rows)
+        LLAISYS_CHECK(r >= 0 && r < B, std::out_of_range, "Runner.enqueue_logprobs: row ", r, " outside the step's ", B);
+    DeviceGuard guard(model_.device());
+    const Device dev = model_.device();
+    const Tensor rows_d = staging_->upload(rows, DType::I64);
+    const Tensor temp_d = staging_->upload(temperature, DType::F32);
+    const Tensor chosen = Tensor::empty({R}, DType::F32, dev), ids = Tensor::empty({R, k}, DType::I64, dev),
+                 top = Tensor::empty({R, k}, DType::F32, dev);
+    ops::logprobs(chosen, ids, top, last_logits_, temp_d, last_launched_, rows_d);
+    Inflight &f = *inflight_.back();
+    const bool pinned = dev.is_cuda();
+    if (!f.lp_chosen.defined() || f.lp_chosen.numel() < R)
+        f.lp_chosen = Tensor::empty({std::max<int64_t>(R, 64)}, DType::F32, Device::cpu(), pinned);
+    if (!f.lp_ids.defined() || f.lp_ids.numel() < R * k) {
+        f.lp_ids = Tensor::empty({std::max<int64_t>(R * k, 64 * 5)}, DType::I64, Device::cpu(), pinned);
+        f.lp_top = Tensor::empty({std::max<int64_t>(R * k, 64 * 5)}, DType::F32, Device::cpu(), pinned);
+    }
+    runtime::memcpy_async(f.lp_chosen.data(), Device::cpu(), chosen.data(), dev, size_t(R) * sizeof(float));
+    runtime::memcpy_async(f.lp_ids.data(), Device::cpu(), ids.data(), dev, size_t(R * k) * sizeof(int64_t));
+    runtime::memcpy_async(f.lp_top.data(), Device::cpu(), top.data(), dev, size_t(R * k) * sizeof(float));
+    f.done->record(current_stream(dev)); // finish() now waits for these copies too
+    f.lp_rows = R;
+    f.lp_k = k;
+}
+
 std::vector<int64_t> Runner::finish() {
     if (inflight_.empty() && deferred_) sample_deferred(nullptr, 0, 0, {}, int64_t(deferred_->size()));
     LLAISYS_CHECK(!inflight_.empty(), std::invalid_argument, "Runner.finish: no launched step to finish");
@@ -485,6 +523,16 @@ std::vector<int64_t> Runner::finish() {
     }
     std::vector<int64_t> ids(p, p + f->rows.size());
     const std::vector<RowSampling> rows = std::move(f->rows);
+    finished_lp_ = FinishedLogprobs{};
+    if (f->lp_rows > 0) {
+        const int64_t R = f->lp_rows, n = R * f->lp_k;
+        const auto *c = f->lp_chosen.data_as<float>();
+        const auto *ids = f->lp_ids.data_as<int64_t>();
+        const auto *top = f->lp_top.data_as<float>();
+        finished_lp_ = FinishedLogprobs{std::vector<float>(c, c + R), std::vector<int64_t>(ids, ids + n),
+                                        std::vector<float>(top, top + n), f->lp_k};
+        f->lp_rows = 0;
+    }
     spare_.push_back(std::move(f));
     check_ids(ids, rows);
     return ids;

@@ -89,6 +89,19 @@ public:
     void sample_deferred(const int32_t *mask, int64_t M, int64_t W, const std::vector<int64_t> &mask_rows,
                          int64_t num_rows);
     std::vector<int64_t> finish();
+    // Logprobs (OpenAI's) of the step launched last, on the device behind it, so a chained step may follow
+    // at once: output row r is the step's row rows[r] (increasing or not), with its temperature (temperature
+    // [B]; 0 means 1) and its k (1..20) most likely tokens (ops::logprobs). The copies back join the step's
+    // tokens: finished_logprobs() holds them once finish() returned that step's tokens.
+    void enqueue_logprobs(const std::vector<int64_t> &rows, const std::vector<float> &temperature, int64_t k);
+    struct FinishedLogprobs {
+        std::vector<float> chosen; // [R]
+        std::vector<int64_t> top_ids; // [R * k]
+        std::vector<float> top_lp;    // [R * k]
+        int64_t k = 0;                // 0: the last finished step had none
+    };
+    // What enqueue_logprobs computed for the step finish() returned last (k = 0: nothing).
+    const FinishedLogprobs &finished_logprobs() const { return finished_lp_; }
     // Writes a sequence's seen set (for its repetition penalty): row `row` of the device bitmask [S, W]
     // becomes words ([W = ceil(vocab / 32)] i32, bit v % 32 of word v / 32 = token v), stream-ordered behind
     // every launched step (a row may be reused: a finished sequence's last step marks it first). S grows
@@ -146,6 +159,7 @@ private:
     uint64_t steps_sampled_in_graph_ = 0;
     std::deque<std::unique_ptr<Inflight>> inflight_;
     std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
+    FinishedLogprobs finished_lp_;
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
     std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
     std::vector<int32_t> masks_host_; // sample_deferred's [B, W] masks when only some rows are masked (reused)

@@ -12,8 +12,9 @@ each step). A repetition penalty joins: its set lives on the device (engine/seen
 each row's penalty and seen row. Constrained rows (structured output) may join: the rows in `masked` get
 their matchers' masks and advance them; rows waiting for their constraint's trigger (`triggers`) check each
 token on the host and move to `masked` when it fires. Rows with logprobs
-may join; a batch holding any runs its steps one at a time (not overlapped: the logprobs are read from the
-step's logits, which a chained step would overwrite)."""
+may join: where the runner computes them on the device behind each step (ModelRunner.launch), their steps
+chain like any; else (a tensor-parallel group) a batch holding any runs its steps one at a time (the logprobs
+are then read from the step's logits, which a chained step would overwrite)."""
 from __future__ import annotations
 
 import numpy as np

@@ -26,8 +26,11 @@ class Chainer:
         """Whether step may run launched (its tokens read later) with a next step chained behind it."""
         if not self.enabled:
             return False
-        if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs
-            return not (step.batch.logprobs >= 0).any()
+        if step.batch is not None:  # the batch holds only such rows (batch.eligible), or rows with logprobs:
+            # those chain where the runner computes them on the device behind each step (ModelRunner.launch),
+            # not with a constrained row (whose sampling, deferred, comes after that)
+            b = step.batch
+            return not (b.logprobs >= 0).any() or (self.runner.device_logprobs and not b.defers)
         # decodes, no presence/frequency penalties (their counts need the token ahead), no logprobs. The
         # min_tokens ban may chain: whether it applies depends only on how many tokens came before
         # (Sequence.biases(ahead)). A repetition penalty may chain: the sampler adds each token to the row's

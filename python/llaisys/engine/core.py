@@ -256,22 +256,24 @@ class EngineCore:
         """Applies a step's tokens: progress, prefix-cache registration, ends; sequences that ended while
         it ran (an abort, a stop string) are skipped."""
         t2 = time.perf_counter()
+        entries = None
         if step.batch is not None:
             b = step.batch
+            entries = None if step.lp is None else self._device_entries(step, tokens)
             if b is self.scheduler.batch:
                 if step.keep is None and step.version == b.version:
-                    return self._account_batch(b, tokens, t0, t1, t2)
+                    return self._account_batch(b, tokens, t0, t1, t2, entries)
                 if step.keep is not None and step.kept_version == b.version:
-                    return self._account_kept(step, tokens, t0, t1, t2)
+                    return self._account_kept(step, tokens, t0, t1, t2, entries)
             self.scheduler.batch = None  # its arrays would miss what the general accounting does below
         produced, want = [], []  # want: (row, index in produced) of the rows that asked for logprobs
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             if seq.status is not Status.RUNNING:
                 continue
-            if seq.params.logprobs is not None and seq.num_computed + n >= len(seq):
+            if entries is None and seq.params.logprobs is not None and seq.num_computed + n >= len(seq):
                 want.append((row, len(produced)))
             if self._apply(seq, n, int(token)):
-                produced.append((seq, int(token), None))
+                produced.append((seq, int(token), None if entries is None else entries[row]))
         if want:
             temperature, chosen = np.zeros(len(tokens), np.float32), np.asarray(tokens, np.int64)
             ks = []
@@ -302,7 +304,7 @@ class EngineCore:
             seq.constraint, seq.trigger = started, None  # it masks the next token on
         return True
 
-    def _account_kept(self, step, tokens, t0: float, t1: float, t2: float):
+    def _account_kept(self, step, tokens, t0: float, t1: float, t2: float, entries=None):
         """_account for a batch step whose chained successor left out some of its rows (Chainer._next_batch
         condensed the batch to step.keep then): the rows left out that still run end with this token (their
         length limit) and are accounted one by one; the kept rows, in the batch's rows now, the batch way."""
@@ -311,20 +313,37 @@ class EngineCore:
         for row in np.flatnonzero(~keep).tolist():
             seq = step.seqs[row]
             if seq.status is Status.RUNNING and self._apply(seq, 1, int(tokens[row])):
-                produced.append((seq, int(tokens[row]), None))
+                produced.append((seq, int(tokens[row]), None if entries is None else entries[row]))
         kept = np.asarray(tokens, np.int64)[keep].tolist()
-        return produced + self._account_batch(step.batch, kept, t0, t1, t2)
+        if entries is not None:
+            entries = [e for e, k in zip(entries, keep.tolist()) if k]
+        return produced + self._account_batch(step.batch, kept, t0, t1, t2, entries)
 
-    def _account_batch(self, b, tokens, t0: float, t1: float, t2: float):
+    def _device_entries(self, step, tokens) -> list:
+        """The logprobs entries of a batch step whose logprobs were computed on the device behind it
+        (ModelRunner.launch, Step.lp), one per row of the step (None where not asked for)."""
+        rows, ks = step.lp
+        chosen_lp, top_ids, top_lp = self.runner.finished_logprobs()
+        V = self.runner.vocab_size
+        entries = [None] * len(step.seqs)
+        for r, n, lp, ids, lps in zip(rows, ks, chosen_lp, top_ids, top_lp):
+            entries[r] = {"token_id": int(tokens[r]), "logprob": lp, "top": list(map(list, zip(ids[:min(n, V)], lps)))}
+        return entries
+
+    def _account_batch(self, b, tokens, t0: float, t1: float, t2: float, entries=None):
         """_account for a step of the persistent batch: the same effects, vectorised over its rows. Its
         produced list leaves out the quiet rows (DecodeBatch.quiet) that go on: their tokens are read from
-        their sequences at the end."""
+        their sequences at the end. entries: the rows' logprobs entries computed on the device with the step
+        (_device_entries), else they are computed here from the step's logits."""
         # Rows leave `running` only (nothing joins it before the next schedule(), which rebuilds or checks the
         # batch): as many running as rows means none ended while the step ran, and no pass over the rows
         live = None if len(self.scheduler.running) == len(b) else [s.status is Status.RUNNING for s in b.seqs]
-        entries = repeat(None)
         want = np.flatnonzero(b.logprobs >= 0)
-        if want.size:  # from the step's logits rows, before rows leave
+        if entries is not None:
+            pass
+        elif not want.size:
+            entries = repeat(None)
+        else:  # from the step's logits rows, before rows leave
             entries = [None] * len(b)
             found = self._logprobs(want, b.temperature, np.asarray(tokens, np.int64), b.logprobs[want].tolist())
             for row, entry in zip(want.tolist(), found):

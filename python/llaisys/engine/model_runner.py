@@ -94,6 +94,22 @@ class ModelRunner:
         else:
             self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows)
         self.deferred = step if defer else None
+        b = step.batch
+        if b is not None and not defer and self.device_logprobs:
+            want = np.flatnonzero(b.logprobs >= 0)
+            if want.size:  # on the device behind the step, before a chained step overwrites its logits
+                ks = b.logprobs[want]
+                self.runner.enqueue_logprobs(want.tolist(), b.temperature, max(int(ks.max()), 1))
+                step.lp = (want.tolist(), ks.tolist())
+
+    @property
+    def device_logprobs(self) -> bool:
+        """Whether the runner computes a launched step's logprobs on the device (a Runner: one GPU or the
+        CPU; a tensor-parallel group or a node proxy computes them from the logits after the step)."""
+        return hasattr(self.runner, "enqueue_logprobs")
+
+    def finished_logprobs(self):
+        return self.runner.finished_logprobs()
 
     def start_deferred_masks(self) -> None:
         """Starts computing the deferred step's masks (from the matchers as they stand now, after the step

@@ -136,10 +136,10 @@ class Call:
         rates = [c.timings.get("decode_tokens_per_s", 0.0) for c in self.choices if c.timings]
         self.state.metrics.finished(outcome, usage, self.ttft, total if outcome == "ok" else None, rates)
         u = self.usage()
-        ttft = f"{self.ttft:.3f}s" if self.ttft is not None else "-"
+        ttft = f"{self.ttft:.4f}s" if self.ttft is not None else "-"  # 0.1 ms: a small model's TTFT is under 0.5
         tail = f" error={error!r}" if error else ""
         user = f" user={self.req.user!r}" if self.req.user else ""
-        log.info("%s %d %s prompt=%d cached=%d completion=%d n=%d ttft=%s total=%.3fs%s%s", self.rid, status,
+        log.info("%s %d %s prompt=%d cached=%d completion=%d n=%d ttft=%s total=%.4fs%s%s", self.rid, status,
                  outcome, u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"], u["completion_tokens"],
                  len(self.choices), ttft, total, user, tail)
 
