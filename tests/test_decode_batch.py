@@ -273,3 +273,48 @@ def test_batch_arrays_equal_the_runners_arrays(ahead):
                 if not k:
                     s.status = Status.FINISHED
             assert b.matches([s for s in b.seqs if s.status is Status.RUNNING])
+
+
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_runner_arrays_of_mixed_steps_equal_a_per_token_formula(ahead):
+    """ModelRunner._arrays (vectorised) for steps mixing prefill chunks and decodes, a row with evicted
+    tokens (StreamingLLM: cache index = position - evicted), a one-token prefill chunk: every token's id,
+    position and slot (table[pos // bs] * bs + pos % bs), the rows' q_start and kv_len and the tables,
+    written here token by token."""
+    rng = np.random.default_rng(5)
+    bs = 4
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = bs
+    seqs, counts = [], []
+    for i, (prompt, done, n, evicted) in enumerate([(30, 0, 12, 0), (9, 8, 1, 0), (50, 20, 30, 0), (7, 3, 1, 0),
+                                                    (40, 36, 4, 8), (21, 20, 1, 0)]):
+        s = Sequence([int(t) for t in rng.integers(0, 100, prompt)], resolve_sampling({}, max_new_tokens=4), seed=i,
+                     eos=frozenset())
+        s.num_computed, s.evicted = done, evicted
+        s.block_table = [int(b) for b in rng.permutation(200)[:-(-(prompt + ahead - evicted) // bs)]]
+        seqs.append(s)
+        counts.append(n if not ahead else 1)
+    if ahead:  # a chained step: decodes only, the token ahead unknown
+        for s in seqs:
+            s.num_computed = len(s) - 1
+    ids, pos, slots, q_start, kv_len, tables = runner._arrays(Step(seqs, counts), ahead)
+    want_ids, want_pos, want_slots, want_q, want_kv = [], [], [], [0], []
+    for s, n in zip(seqs, counts):
+        for j in range(n):
+            t = s.num_computed + ahead + j
+            c = t - s.evicted
+            want_ids.append(0 if ahead else s.tokens[t])
+            want_pos.append(c)
+            want_slots.append(s.block_table[c // bs] * bs + c % bs)
+        want_q.append(want_q[-1] + n)
+        want_kv.append(s.num_computed + ahead - s.evicted + n)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(pos, want_pos)
+    np.testing.assert_array_equal(slots, want_slots)
+    np.testing.assert_array_equal(q_start, want_q)
+    np.testing.assert_array_equal(kv_len, want_kv)
+    assert ids.dtype == pos.dtype == slots.dtype == np.int64 and q_start.dtype == kv_len.dtype == np.int32
+    assert tables.dtype == np.int32 and tables.shape == (len(seqs), max(len(s.block_table) for s in seqs))
+    for row, s in enumerate(seqs):
+        np.testing.assert_array_equal(tables[row, :len(s.block_table)], s.block_table)
+        assert not tables[row, len(s.block_table):].any()
