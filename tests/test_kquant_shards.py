@@ -77,16 +77,26 @@ def test_dense_parts_compute_the_unsplit_dense_math(kfiles, monkeypatch):
 
 
 def test_requantized_parts_compute_the_q8_0_files_math_and_are_named(kfiles, capfd):
-    """The default: the cut parts as Q8_0. The split then computes what one rank computes on a file holding
-    those weights as Q8_0 (the kernels quantize x in the same 32-column blocks at 1 and 2 ranks), up to the
-    all-reduce's order of summation; the load names every re-made tensor and each rank's summary counts them."""
-    g1, s1, l1, _ = run(kfiles["q8"], 1)
+    """The default: the cut parts as Q8_0, bit for bit what gguf-py makes of those weights: two ranks on the
+    K-quant file compute exactly what two ranks compute on a file holding the same weights as Q8_0 (there
+    the cuts fall on whole Q8_0 blocks: nothing re-made). Against one rank on that file, up to the split's
+    own differences; the load names every re-made tensor and each rank's summary counts them."""
+    g8, s8, l8, _ = run(kfiles["q8"], 2)
     capfd.readouterr()
     g2, s2, l2, d2 = run(kfiles["k"], 2, progress=True)
     log = capfd.readouterr().err
     assert d2["weight_formats"]["q8_0"]["tensors"] == 4  # rank 0's o_proj and down_proj of both layers
-    assert (g2, s2) == (g1, s1)
-    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
+    assert (g2, s2) == (g8, s8)
+    np.testing.assert_array_equal(l2, l8)
+    g1, s1, l1, _ = run(kfiles["q8"], 1)
+    # One rank against two: the quantized matmuls round their input x to 8-bit codes in 32-column blocks, so an
+    # input that differs in its last bit between the two (the dense matmuls before them split their columns
+    # differently, which on an AVX-512 box changes a few roundings) can move one code by one step: about
+    # 1/127 of its block's largest |x|. Measured on such a box: 0.0048 of logits up to 1.16 (0.4%); on AVX2
+    # boxes the inputs matched and the logits within 1e-4. Greedy tokens of this model keep a top-2 gap
+    # above that; seeded samples at temperature 0.8 are not compared (a near-tie in the draw may flip).
+    assert g2 == g1
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=2e-2 * np.abs(l1).max())
     for layer in range(2):
         assert (f"model.layers.{layer}.self_attn.o_proj.weight: Q4_K rows cut into 128 columns a rank "
                 f"(tensor_parallel_size 2) do not fall on its 256-column blocks: re-quantized to Q8_0") in log
