@@ -543,10 +543,7 @@ __device__ __forceinline__ void load_words(uint32_t (&w)[N], const void *p) { //
     }
 }
 
-// AHEAD: the block-table entries of a step's keys are read two steps ahead (their read lands while a step
-// computes), not one: with one, each step's K loads waited for the next keys' table read first (a dependent
-// read before every K row); LLAISYS_DECODE_LOOKAHEAD=0 keeps that order (the A/B).
-template <typename T, int HD, bool WINDOW, bool AHEAD>
+template <typename T, int HD, bool WINDOW>
 __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode_mma_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
     constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
@@ -628,18 +625,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
 #pragma unroll
     for (int d = 0; d < NT; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; // rows g, g + 8: running max and this lane's sum
-    // A step's loads overlap the step before: the next keys' cache rows are looked up first (AHEAD: a step
-    // earlier still), their K rows load once Q K^T has consumed kr, their V rows once P V has consumed vr.
-    int slot_ahead = AHEAD ? slot_of(t0 + kMmaTile) : 0;
+    // A step's loads overlap the step before: the next keys' cache rows are looked up first, their K rows
+    // load once Q K^T has consumed kr, their V rows once P V has consumed vr (no extra registers).
     while (t0 < ke) {
-        const int tn = t0 + kMmaTile;
-        int slot_n;
-        if constexpr (AHEAD) {
-            slot_n = slot_ahead;
-            slot_ahead = slot_of(tn + kMmaTile);
-        } else {
-            slot_n = slot_of(tn);
-        }
+        const int tn = t0 + kMmaTile, slot_n = slot_of(tn);
         float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
 #pragma unroll
         for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
@@ -798,21 +787,10 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-bool decode_lookahead_enabled() {
-    static const bool on = [] {
-        const char *e = std::getenv("LLAISYS_DECODE_LOOKAHEAD");
-        return e == nullptr || std::strcmp(e, "0") != 0;
-    }();
-    return on;
-}
-
 template <typename T, int HD, bool WINDOW>
 void launch_decode_mma(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    const dim3 grid(unsigned(a.nsplit), unsigned(B * a.nkvh));
-    if (decode_lookahead_enabled())
-        launch_pdl(paged_decode_mma_kernel<T, HD, WINDOW, true>, grid, dim3(kMmaWarps * 32), 0, stream, device.index, a);
-    else
-        launch_pdl(paged_decode_mma_kernel<T, HD, WINDOW, false>, grid, dim3(kMmaWarps * 32), 0, stream, device.index, a);
+    launch_pdl(paged_decode_mma_kernel<T, HD, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
+               dim3(kMmaWarps * 32), 0, stream, device.index, a);
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
