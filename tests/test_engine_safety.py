@@ -116,6 +116,21 @@ def test_close_releases_the_model_and_later_calls_raise(tiny):
     e.close()  # twice is fine
 
 
+def test_the_heap_is_frozen_while_an_engine_runs_and_its_parts_freed_at_close(tiny):
+    """An engine freezes the collector's heap once built (engine_args.freeze_heap: full collections then skip
+    every object alive at start-up); close() thaws it and collects, so the runner and its KV pool, which sit
+    in a reference cycle, are freed at once rather than never."""
+    import gc
+    import weakref
+
+    e = Engine(tiny, device="cpu", dtype="f32", progress=False)
+    assert gc.get_freeze_count() > 0
+    runner = weakref.ref(e._core.runner)
+    e.generate("hello", **{**GREEDY, "max_new_tokens": 4})
+    e.close()
+    assert runner() is None and gc.get_freeze_count() == 0
+
+
 # ---- arguments --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt, given", [

@@ -21,7 +21,7 @@ import numpy as np
 from .. import _core, catalog, loader
 from ..loader.header import context_length
 from ..engine_args import (check_max_seq_len, check_model_arg, resolve_device, resolve_dtype, token_sequence,
-                           trim_heap, weight_policy)
+                           trim_heap, weight_policy, freeze_heap, thaw_heap)
 from ..sampling import SamplingParams, check_sampling_names, resolve_sampling
 from .admission import Admission
 from .config import EngineConfig
@@ -130,6 +130,7 @@ class Engine:
         if ec.node_rank == 0:  # a follower's steps are node 0's (follow())
             self._loop = StepLoop(self._core, self.engine_config.max_queued_requests)
         _OPEN.add(self)
+        freeze_heap()
 
     def _load_weights(self, models: list, weights, progress: bool) -> None:
         node = self._node
@@ -275,6 +276,7 @@ class Engine:
         if node is not None:
             node.close()  # node 0: the followers exit
         self._core = self._model = self._models = None
+        thaw_heap()  # before empty_cache: the runner's KV pool sits in a reference cycle
         if self.device.startswith("cuda"):
             _core.empty_cache(self.device)  # the pool's memory goes back to the driver, not only our cache
         trim_heap()
