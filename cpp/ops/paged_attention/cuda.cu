@@ -186,8 +186,8 @@ __device__ __forceinline__ void gather_rows_async(T *tile, const T *any, RowPtr 
     }
 }
 
-// Tensor-core prefill over the paged cache (flash-attention-2, the tile math of self_attention's prefill
-// kernel: ops/common/flash_tc.cuh). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
+// Tensor-core prefill over the paged cache (flash-attention-2: the Q fragments, key loop and row store are
+// those of self_attention's prefill kernel, ops/common/flash_tc.cuh; only the K/V tile fetch is its own). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
 // rows of one head of one sequence and walks the K/V tiles of 64 keys up to the last key they see, each
 // tile's rows gathered through the block table; blocks past the sequence's queries return at once, the
 // latest (heaviest) query blocks start first. Query i of a sequence (position kv - qlen + i) sees keys
@@ -219,48 +219,13 @@ __global__ void __launch_bounds__(flash_tc::kTcWarps * 32) paged_prefill_tc_kern
 
     gather_rows_async<kTcBQ, HD>(qs, a.q, [&](int r) { return qg + int64_t(r) * a.q_s0; }, s.qlen - i0);
     kv_rows(ks, a.k, 0);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
     uint32_t qf[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-        ldmatrix_x4(qf[kk], qs + (warp * 16 + lane % 16) * tc_pitch<HD>() + kk * 16 + (lane / 16) * 8);
-
+    load_q_frags<T, HD>(qf, qs, warp, lane);
     const int row0 = i0 + warp * 16 + lane / 4; // this thread's rows: row0 and row0 + 8
-    const int lim[2] = {min(row0 + off, s.kv - 1), min(row0 + 8 + off, s.kv - 1)};
-    float o[HD / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, sc[kTcBK / 8][4];
-    for (int t = 0; t < ntiles; ++t) {
-        const int j0 = t * kTcBK;
-        if (t > 0) {
-            cp_async_wait_all();
-            __syncthreads(); // K_t has landed; every warp is done reading V_{t-1}
-        }
-        kv_rows(vs, a.v, j0);
-        cp_async_commit();
-        qk_tile<T, HD>(sc, qf, ks, lane);
-        cp_async_wait_all();
-        __syncthreads(); // V_t has landed; every warp is done reading K_t
-        if (t + 1 < ntiles) {
-            kv_rows(ks, a.k, j0 + kTcBK);
-            cp_async_commit();
-        }
-        scale_and_mask(sc, j0, lane, lim, j0 + kTcBK - 1 > lim[0], a.scale_log2);
-        softmax_tile<HD>(sc, o, m, l);
-        pv_tile<T, HD>(o, sc, vs, lane);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) { // normalise the thread's two rows and store them (pairs of 16-bit values)
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const int qi = row0 + 8 * r;
-        if (qi >= s.qlen) continue;
-        const float inv = 1.f / l[r];
-        T *dst = a.out + int64_t(s.q0 + qi) * a.o_s0 + int64_t(h) * a.o_s1 + (lane % 4) * 2;
-#pragma unroll
-        for (int d = 0; d < HD / 8; ++d)
-            *reinterpret_cast<uint32_t *>(dst + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-    }
+    float o[HD / 8][4], l[2];
+    attend_tiles<T, HD>(o, l, qf, ks, vs, ntiles, row0 + off, s.kv, a.scale_log2, lane,
+                        [&](int j0) { kv_rows(ks, a.k, j0); }, [&](int j0) { kv_rows(vs, a.v, j0); });
+    store_rows<T, HD>(a.out + int64_t(s.q0) * a.o_s0 + int64_t(h) * a.o_s1, a.o_s0, row0, s.qlen, lane, o, l);
 }
 
 // DPL elements of T as one load: 2 to 16 bytes.
