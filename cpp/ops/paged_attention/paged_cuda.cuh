@@ -89,7 +89,7 @@ __device__ __forceinline__ int cache_row(const PagedArgs<T> &a, const int32_t *t
 // blockIdx.y = (sequence b, kv head kvh), blockIdx.x = the chunk. With one query (at kv - 1) and a window its
 // keys are exactly the span [base, kv), so no key of [kb, ke) needs a mask. GRANULE: the kernel's keys a
 // step (chunks are multiples of it). empty: the block has no key to attend to (a padded row, or a chunk past
-// a short sequence's keys); it still reaches the kernel's pdl_wait before it returns.
+// a short sequence's keys); the kernel must still reach its pdl_wait before it returns (cuda.cuh).
 struct DecodeChunk {
     int group, b, kvh;
     Seq s;
