@@ -1,6 +1,8 @@
-// Flash-attention-2 tile math on tensor cores (mma.sync m16n8k16, f32 accumulators), shared by the contiguous
-// prefill kernel (self_attention) and the paged one (paged_attention): a block of 4 warps owns 64 query rows
-// of one head (16 a warp, Q fragments in registers) and walks K/V tiles of 64 keys staged in shared memory.
+// Flash-attention-2 on tensor cores (mma.sync m16n8k16, f32 accumulators), shared by the contiguous prefill
+// kernel (self_attention) and the paged one (paged_attention): a block of 4 warps owns 64 query rows of one
+// head (16 a warp, Q fragments in registers) and walks K/V tiles of 64 keys staged in shared memory. Both
+// kernels run the same pieces below (Q fragments, the key loop, the row store); they differ only in how a
+// K/V tile is fetched: rows of a contiguous tensor, or cache slots found through the block table.
 #pragma once
 #include "ops/common/mma.cuh"
 #include "ops/common/split_kv.cuh"
@@ -123,6 +125,73 @@ __device__ __forceinline__ void pv_tile(float (&o)[HD / 8][4], const float (&p)[
             mma16816<T>(o[2 * dp], a, b[0], b[1]);
             mma16816<T>(o[2 * dp + 1], a, b[2], b[3]);
         }
+    }
+}
+
+// Waits for the copies in flight (the Q tile and the first K tile) and loads this warp's Q fragments: rows
+// 16 warp .. 16 warp + 15 of the Q tile qs, all HD dims, kept in registers for the whole key loop.
+template <typename T, int HD>
+__device__ __forceinline__ void load_q_frags(uint32_t (&qf)[HD / 16][4], const T *qs, int warp, int lane) {
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+        ldmatrix_x4(qf[kk], qs + (warp * 16 + lane % 16) * tc_pitch<HD>() + kk * 16 + (lane / 16) * 8);
+}
+
+// The key loop of the thread's two rows, whose queries see keys up to key0 and key0 + 8 (their position;
+// the last key of the sequence, kv - 1, at most): ntiles tiles of 64 keys from key 0, K_0 already staged in
+// ks. load_k(j0) / load_v(j0) start copying the K / V rows of keys [j0, j0 + 64) into ks / vs (the caller
+// knows where a key's row lives). V_t streams in during S = Q K_t^T and K_{t+1} during softmax and
+// O += P V_t; the barriers around each copy keep every smem reuse race-free. Returns the unnormalised
+// rows in o and the thread's partial row sums in l (store_rows reduces them).
+template <typename T, int HD, typename LoadK, typename LoadV>
+__device__ __forceinline__ void attend_tiles(float (&o)[HD / 8][4], float (&l)[2], const uint32_t (&qf)[HD / 16][4],
+                                             const T *ks, const T *vs, int ntiles, int key0, int kv,
+                                             float scale_log2, int lane, LoadK load_k, LoadV load_v) {
+    const int lim[2] = {min(key0, kv - 1), min(key0 + 8, kv - 1)};
+    float m[2] = {-INFINITY, -INFINITY}, s[kTcBK / 8][4];
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    l[0] = l[1] = 0.f;
+    for (int t = 0; t < ntiles; ++t) {
+        const int j0 = t * kTcBK;
+        if (t > 0) {
+            cp_async_wait_all();
+            __syncthreads(); // K_t has landed; every warp is done reading V_{t-1}
+        }
+        load_v(j0);
+        cp_async_commit();
+        qk_tile<T, HD>(s, qf, ks, lane);
+        cp_async_wait_all();
+        __syncthreads(); // V_t has landed; every warp is done reading K_t
+        if (t + 1 < ntiles) {
+            load_k(j0 + kTcBK);
+            cp_async_commit();
+        }
+        scale_and_mask(s, j0, lane, lim, j0 + kTcBK - 1 > lim[0], scale_log2);
+        softmax_tile<HD>(s, o, m, l);
+        pv_tile<T, HD>(o, s, vs, lane);
+    }
+}
+
+// Normalises the thread's two rows (row0, row0 + 8 of the queries; those >= nrows are padding) and stores
+// them as pairs of 16-bit values; query qi's row of this head starts at out + qi * s0.
+template <typename T, int HD>
+__device__ __forceinline__ void store_rows(T *out, int64_t s0, int row0, int nrows, int lane,
+                                           const float (&o)[HD / 8][4], float (&l)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        const int qi = row0 + 8 * r;
+        if (qi >= nrows) continue;
+        const float inv = 1.f / l[r];
+        T *dst = out + qi * s0 + (lane % 4) * 2;
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d)
+            *reinterpret_cast<uint32_t *>(dst + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
     }
 }
 

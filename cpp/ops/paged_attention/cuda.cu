@@ -14,6 +14,7 @@
 #include "ops/common/flash_tc.cuh"
 #include "ops/common/mma.cuh"
 #include "ops/common/split_kv.cuh"
+#include "ops/paged_attention/paged_cuda.cuh"
 
 #include <algorithm>
 #include <climits>
@@ -25,78 +26,16 @@ namespace llaisys::ops::cuda {
 
 namespace {
 
+using namespace paged; // PagedArgs, Seq and the per-sequence helpers
 using split_kv::kRows;
 using split_kv::kThreads;
 using split_kv::kTile;           // two tiles in flight here
 constexpr int kMaxSplits = 256;  // key chunks per sequence at most (the combine kernel's weights in smem)
 constexpr int kCombineWarps = 4; // output rows per combine block, one warp each
 constexpr int kCombineDims = 4;  // head dims per lane per pass of the combine kernel (hd 128 in one pass)
-constexpr int kErrPagedMetadata = 5; // code in runtime::cuda::error_flag
 // The decode kernel (one query per sequence): 4 warps a block, each taking 8 keys a step, so a block's
 // step covers 32 keys and its chunks are multiples of 32; a GQA group of at most 8 query heads.
 constexpr int kDecWarps = 4, kDecKeys = 8, kDecTile = kDecWarps * kDecKeys, kDecRows = 8;
-
-template <typename T>
-struct PagedArgs {
-    T *out;                                   // [tokens, nh, hd], strides (o_s0, o_s1, 1)
-    const T *q;                               // [tokens, nh, hd], strides (q_s0, q_s1, 1)
-    const T *k, *v;                           // [num_blocks, block_size, nkvh, hd] contiguous
-    const int32_t *tables, *q_start, *kv_len; // [B, max_blocks], [B + 1], [B]
-    float *part;                              // nsplit > 1: partials [nsplit][tokens][nh][hd + 2] (acc, m, l)
-    int *error;
-    int64_t q_s0, q_s1, o_s0, o_s1;
-    int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
-    float scale_log2;
-    int granule; // a sequence's key chunks are multiples of it: kTile (split kernel) or kDecTile (decode kernel)
-    int settled; // settled_history (ops.hpp): the decode kernel reads the metadata and older keys before pdl_wait
-    int window;  // > 0: the query at position p sees keys (p - window, p]; 0: all keys <= p
-};
-
-// One sequence's metadata, clamped into the contract so that nothing out of bounds is read: q rows
-// [q0, q0 + qlen) of the step, kv keys with qlen <= kv <= max_blocks * block_size.
-struct Seq {
-    int q0, qlen, kv;
-};
-
-template <typename T>
-__device__ __forceinline__ Seq load_seq(const PagedArgs<T> &a, int b) {
-    int q0 = a.q_start[b], q1 = a.q_start[b + 1], kv = a.kv_len[b];
-    const int cap = a.max_blocks * a.block_size;
-    bool bad = false;
-    if (q0 < 0 || q1 < q0 || q1 > a.tokens) {
-        bad = true;
-        q0 = q1 = 0;
-    }
-    if (q1 - q0 > a.max_q_len) { // rows past the bound have no blocks in the grid
-        bad = true;
-        q1 = q0 + a.max_q_len;
-    }
-    if (kv < q1 - q0 || kv > cap) {
-        bad = true;
-        kv = min(max(kv, q1 - q0), cap);
-        q1 = min(q1, q0 + kv);
-    }
-    if (bad && threadIdx.x == 0) *a.error = kErrPagedMetadata;
-    return Seq{q0, q1 - q0, kv};
-}
-
-// Keys of one chunk of a sequence's span of keys: the split is planned per sequence on the device, so
-// short sequences get short chunks (or fewer) and a long one uses every split.
-__device__ __forceinline__ int chunk_len(int span, int nsplit, int granule) {
-    const int c = (span + nsplit - 1) / nsplit;
-    return max(granule, (c + granule - 1) / granule * granule);
-}
-
-// The keys a sequence's step may see, [base, kv): with a window, those before its first query's window
-// are seen by none (base = 0 without one). Its chunks split this span: chunk c holds keys
-// [base + c L, base + (c + 1) L), L = chunk_len(kv - base, ...), here and in the combine kernel alike.
-// Every kernel takes WINDOW as a template argument: without a window (window == 0) its code is the full
-// attention's, with nothing of the window's bounds and masks in it.
-template <bool WINDOW>
-__device__ __forceinline__ int span_base(const Seq &s, int window) {
-    if constexpr (WINDOW) return max(0, s.kv - s.qlen - window + 1);
-    else return 0;
-}
 
 // Shared-memory layout in bytes, shared by host and device code: split_kv's head (q, red, p) | cache rows
 // of two tiles i32 [2][64] | K tiles [2][64] | V tiles [2][64]. After the key loop the key groups'
@@ -121,18 +60,6 @@ __device__ __forceinline__ split_kv::Rows make_rows(const Seq &s, int group, int
     for (int r = 0; r < kRows; ++r) rows.lim[r] = r < rows.n ? rows.qi(r) + s.kv - s.qlen : -1;
     rows.last_key = rows.qi(rows.n - 1) + s.kv - s.qlen; // rows go by query
     return rows;
-}
-
-// Cache row of key j of a sequence: its block from the table (clamped into the pool, reported), then the
-// row in the block.
-template <typename T>
-__device__ __forceinline__ int cache_row(const PagedArgs<T> &a, const int32_t *table, int j) {
-    int blk = table[j / a.block_size];
-    if (blk < 0 || blk >= a.num_blocks) {
-        *a.error = kErrPagedMetadata;
-        blk = min(max(blk, 0), a.num_blocks - 1);
-    }
-    return blk * a.block_size + j % a.block_size;
 }
 
 // Starts staging n keys of kv head kvh whose cache rows are slots[0 .. n): K rows into ks, V rows into vs.
@@ -259,8 +186,8 @@ __device__ __forceinline__ void gather_rows_async(T *tile, const T *any, RowPtr 
     }
 }
 
-// Tensor-core prefill over the paged cache (flash-attention-2, the tile math of self_attention's prefill
-// kernel: ops/common/flash_tc.cuh). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
+// Tensor-core prefill over the paged cache (flash-attention-2: the Q fragments, key loop and row store are
+// those of self_attention's prefill kernel, ops/common/flash_tc.cuh; only the K/V tile fetch is its own). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
 // rows of one head of one sequence and walks the K/V tiles of 64 keys up to the last key they see, each
 // tile's rows gathered through the block table; blocks past the sequence's queries return at once, the
 // latest (heaviest) query blocks start first. Query i of a sequence (position kv - qlen + i) sees keys
@@ -292,48 +219,13 @@ __global__ void __launch_bounds__(flash_tc::kTcWarps * 32) paged_prefill_tc_kern
 
     gather_rows_async<kTcBQ, HD>(qs, a.q, [&](int r) { return qg + int64_t(r) * a.q_s0; }, s.qlen - i0);
     kv_rows(ks, a.k, 0);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
     uint32_t qf[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-        ldmatrix_x4(qf[kk], qs + (warp * 16 + lane % 16) * tc_pitch<HD>() + kk * 16 + (lane / 16) * 8);
-
+    load_q_frags<T, HD>(qf, qs, warp, lane);
     const int row0 = i0 + warp * 16 + lane / 4; // this thread's rows: row0 and row0 + 8
-    const int lim[2] = {min(row0 + off, s.kv - 1), min(row0 + 8 + off, s.kv - 1)};
-    float o[HD / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, sc[kTcBK / 8][4];
-    for (int t = 0; t < ntiles; ++t) {
-        const int j0 = t * kTcBK;
-        if (t > 0) {
-            cp_async_wait_all();
-            __syncthreads(); // K_t has landed; every warp is done reading V_{t-1}
-        }
-        kv_rows(vs, a.v, j0);
-        cp_async_commit();
-        qk_tile<T, HD>(sc, qf, ks, lane);
-        cp_async_wait_all();
-        __syncthreads(); // V_t has landed; every warp is done reading K_t
-        if (t + 1 < ntiles) {
-            kv_rows(ks, a.k, j0 + kTcBK);
-            cp_async_commit();
-        }
-        scale_and_mask(sc, j0, lane, lim, j0 + kTcBK - 1 > lim[0], a.scale_log2);
-        softmax_tile<HD>(sc, o, m, l);
-        pv_tile<T, HD>(o, sc, vs, lane);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) { // normalise the thread's two rows and store them (pairs of 16-bit values)
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const int qi = row0 + 8 * r;
-        if (qi >= s.qlen) continue;
-        const float inv = 1.f / l[r];
-        T *dst = a.out + int64_t(s.q0 + qi) * a.o_s0 + int64_t(h) * a.o_s1 + (lane % 4) * 2;
-#pragma unroll
-        for (int d = 0; d < HD / 8; ++d)
-            *reinterpret_cast<uint32_t *>(dst + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
-    }
+    float o[HD / 8][4], l[2];
+    attend_tiles<T, HD>(o, l, qf, ks, vs, ntiles, row0 + off, s.kv, a.scale_log2, lane,
+                        [&](int j0) { kv_rows(ks, a.k, j0); }, [&](int j0) { kv_rows(vs, a.v, j0); });
+    store_rows<T, HD>(a.out + int64_t(s.q0) * a.o_s0 + int64_t(h) * a.o_s1, a.o_s0, row0, s.qlen, lane, o, l);
 }
 
 // DPL elements of T as one load: 2 to 16 bytes.
@@ -417,22 +309,17 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     __shared__ __align__(16) float wacc[kDecWarps][kDecRows][32 * DPL];
     pdl_trigger();
     if (!a.settled) pdl_wait();
-    const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
-    const Seq s = load_seq(a, b);
-    // one query (at kv - 1): with a window its keys are exactly the span [base, kv), no key needs a mask
-    const int base = span_base<WINDOW>(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kDecTile);
-    const int kb = base + blockIdx.x * L, ke = min(kb + L, s.kv);
-    const bool empty = s.qlen == 0 || kb >= ke;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2, t = s.q0;
+    const DecodeChunk ck = decode_chunk<kDecTile, WINDOW>(a);
+    const int group = ck.group, kvh = ck.kvh, kb = ck.kb, ke = ck.ke, t = ck.s.q0;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, own = lane >> 2;
     const int64_t row_elems = int64_t(a.nkvh) * a.hd, head = int64_t(kvh) * a.hd + lane * DPL;
-    const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
     // Keys [t0, t0 + n) of a step, this warp's: lanes 0..n-1 look up their cache rows, then every load of
     // the step is in flight at once. Only keys in [lo, hi) are loaded by a call; past the chunk (k >= n):
     // no read, and V = 0 so that p = 0 adds nothing (not 0 * NaN).
     Dims<T, DPL> kd[kDecKeys], vd[kDecKeys];
-    int t0 = kb + warp * kDecKeys, n = empty ? 0 : max(0, min(kDecKeys, ke - t0));
+    int t0 = kb + warp * kDecKeys, n = ck.empty ? 0 : max(0, min(kDecKeys, ke - t0));
     const auto load_keys = [&](int lo, int hi) {
-        const int slot = lane < n ? cache_row(a, table, t0 + lane) : 0;
+        const int slot = lane < n ? cache_row(a, ck.table, t0 + lane) : 0;
 #pragma unroll
         for (int k = 0; k < kDecKeys; ++k) {
             const int64_t at = int64_t(__shfl_sync(all, slot, k)) * row_elems + head;
@@ -447,10 +334,10 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     };
     // The first step's keys from before this step (kv - qlen of them): with settled history they load
     // while the kernel ahead (the one that writes this step's keys) still runs.
-    const int settled_end = s.kv - s.qlen;
+    const int settled_end = ck.s.kv - ck.s.qlen;
     load_keys(INT_MIN, settled_end);
     if (a.settled) pdl_wait();
-    if (empty) return;
+    if (ck.empty) return;
     load_keys(settled_end, INT_MAX);
     float q[kDecRows][DPL], acc[kDecRows][DPL];
 #pragma unroll
@@ -552,15 +439,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
     __shared__ uint4 qfrag[KS][32];
     pdl_trigger();
     if (!a.settled) pdl_wait();
-    const int group = a.nh / a.nkvh, b = blockIdx.y / a.nkvh, kvh = blockIdx.y % a.nkvh;
-    const Seq s = load_seq(a, b);
-    const int base = span_base<WINDOW>(s, a.window), L = chunk_len(s.kv - base, a.nsplit, kMmaTile);
-    const int kb = base + blockIdx.x * L, ke = min(kb + L, s.kv);
-    const bool empty = s.qlen == 0 || kb >= ke;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3, t = s.q0;
+    const DecodeChunk ck = decode_chunk<kMmaTile, WINDOW>(a);
+    const int group = ck.group, kvh = ck.kvh, kb = ck.kb, ke = ck.ke, t = ck.s.q0;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3;
     const int64_t row_elems = int64_t(a.nkvh) * HD;
     const T *kp = a.k + int64_t(kvh) * HD + c * (HD / 4), *vp = a.v + int64_t(kvh) * HD + g * (HD / 8);
-    const int32_t *table = a.tables + int64_t(b) * a.max_blocks;
     // This warp's keys [t0, t0 + 16) of a step: lane l looks up key l % 16's cache row; a lane reads K of
     // keys g and 8 + g, V of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. Only keys in [lo, hi) are read by a call; keys
     // past the chunk are never read and are zero (V = 0 so that p = 0 adds nothing, not 0 * NaN).
@@ -568,7 +451,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
     int t0 = kb + warp * kMmaKeys;
     const auto slot_of = [&](int t) {
         const int mine = t + (lane & 15);
-        return mine < ke ? cache_row(a, table, mine) : 0;
+        return mine < ke ? cache_row(a, ck.table, mine) : 0;
     };
     const auto load_k = [&](int t, int slot, int lo, int hi) {
 #pragma unroll
@@ -596,11 +479,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
     };
     // The first step's keys from before this step: with settled history they load while the kernel ahead
     // (the one that writes this step's keys) still runs.
-    const int settled_end = s.kv - s.qlen, slot0 = slot_of(t0);
+    const int settled_end = ck.s.kv - ck.s.qlen, slot0 = slot_of(t0);
     load_k(t0, slot0, INT_MIN, settled_end);
     load_v(t0, slot0, INT_MIN, settled_end);
     if (a.settled) pdl_wait();
-    if (empty) return;
+    if (ck.empty) return;
     load_k(t0, slot0, settled_end, INT_MAX);
     load_v(t0, slot0, settled_end, INT_MAX);
     // Q's A fragments (rows g and g + 8 of the group, zero past it; the lane's dims of every k-step), the

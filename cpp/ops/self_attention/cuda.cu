@@ -56,7 +56,7 @@ __device__ __forceinline__ AttnArgs<T> resolve_kvlen(const AttnArgs<T> &args) {
 __device__ __forceinline__ int group_of(int nh, int nkvh) { return nh / nkvh; }
 
 // ---------------------------------------------------------------------------------------------
-// Tensor-core prefill (the tile math: ops/common/flash_tc.cuh)
+// Tensor-core prefill (tile math, Q fragments, key loop and row store: ops/common/flash_tc.cuh)
 // ---------------------------------------------------------------------------------------------
 
 using namespace flash_tc;
@@ -72,24 +72,6 @@ __device__ __forceinline__ void load_tile_async(T *tile, const T *g, int64_t s0,
         const int c = i * threads + threadIdx.x, r = c / chunks, col = (c % chunks) * 8;
         const bool valid = row0 + r < nrows;
         cp_async16(tile + r * tc_pitch<HD>() + col, valid ? g + int64_t(row0 + r) * s0 + col : g, valid);
-    }
-}
-
-// Normalises the thread's two rows and stores them (pairs of 16-bit values).
-template <typename T, int HD>
-__device__ __forceinline__ void store_rows(const AttnArgs<T> &a, int h, int row0, int lane, const float (&o)[HD / 8][4],
-                                           float (&l)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        const int qi = row0 + 8 * r;
-        if (qi >= a.qlen) continue;
-        const float inv = 1.f / l[r];
-        T *dst = a.out + qi * a.o_s0 + h * a.o_s1 + (lane % 4) * 2;
-#pragma unroll
-        for (int d = 0; d < HD / 8; ++d)
-            *reinterpret_cast<uint32_t *>(dst + d * 8) = pack2<T>(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
     }
 }
 
@@ -112,37 +94,14 @@ __global__ void __launch_bounds__(kTcWarps * 32) attn_prefill_tc_kernel(const At
 
     load_tile_async<kTcBQ, HD>(qs, a.q + h * a.q_s1, a.q_s0, i0, a.qlen);
     load_tile_async<kTcBK, HD>(ks, kg, a.k_s0, 0, kv_end);
-    cp_async_commit();
-    cp_async_wait_all();
-    __syncthreads();
     uint32_t qf[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk)
-        ldmatrix_x4(qf[kk], qs + (warp * 16 + lane % 16) * tc_pitch<HD>() + kk * 16 + (lane / 16) * 8);
-
+    load_q_frags<T, HD>(qf, qs, warp, lane);
     const int row0 = i0 + warp * 16 + lane / 4; // this thread's rows: row0 and row0 + 8
-    const int lim[2] = {min(row0 + off, a.kvlen - 1), min(row0 + 8 + off, a.kvlen - 1)};
-    float o[HD / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, s[kTcBK / 8][4];
-    for (int t = 0; t < ntiles; ++t) {
-        const int j0 = t * kTcBK;
-        if (t > 0) {
-            cp_async_wait_all();
-            __syncthreads(); // K_t has landed; every warp is done reading V_{t-1}
-        }
-        load_tile_async<kTcBK, HD>(vs, vg, a.v_s0, j0, kv_end);
-        cp_async_commit();
-        qk_tile<T, HD>(s, qf, ks, lane);
-        cp_async_wait_all();
-        __syncthreads(); // V_t has landed; every warp is done reading K_t
-        if (t + 1 < ntiles) {
-            load_tile_async<kTcBK, HD>(ks, kg, a.k_s0, j0 + kTcBK, kv_end);
-            cp_async_commit();
-        }
-        scale_and_mask(s, j0, lane, lim, j0 + kTcBK - 1 > lim[0], a.scale_log2);
-        softmax_tile<HD>(s, o, m, l);
-        pv_tile<T, HD>(o, s, vs, lane);
-    }
-    store_rows<T, HD>(a, h, row0, lane, o, l);
+    float o[HD / 8][4], l[2];
+    attend_tiles<T, HD>(o, l, qf, ks, vs, ntiles, row0 + off, a.kvlen, a.scale_log2, lane,
+                        [&](int j0) { load_tile_async<kTcBK, HD>(ks, kg, a.k_s0, j0, kv_end); },
+                        [&](int j0) { load_tile_async<kTcBK, HD>(vs, vg, a.v_s0, j0, kv_end); });
+    store_rows<T, HD>(a.out + h * a.o_s1, a.o_s0, row0, a.qlen, lane, o, l);
 }
 
 template <typename T, int HD>
