@@ -71,7 +71,7 @@ fi
 if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol
   for shape in ${SERVE_SHAPES:-qwen2-0.5b qwen2-1.5b}; do
     log "batched engine, one request, $shape (compare: llaisys bench --shape $shape in 'model')"
-    [ -z "${SERVE_SINGLE:-1}" ] || timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
+    [ -z "${SERVE_SINGLE-1}" ] || timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
       grep -E "^(llaisys|one)" | tee -a "$OUT/summary.txt"
     if [ -n "${SERVE_AB:-}" ]; then # the same protocol with these variables first (e.g. LLAISYS_CHAIN_DROP=0): an A/B in one call
       log "batched engine throughput, $shape, ${N_REQ:-256} requests, with $SERVE_AB"
