@@ -663,3 +663,17 @@ def test_streaming_rotation_cost_prints_both_ways(capsys):
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x")
+
+
+def test_logprobs_gc_prints_both_heap_settings(capsys):
+    """bench/logprobs_gc.py (the GC freeze A/B): one row per setting and round, each with a step time for
+    greedy and for logprobs=5 from its own child process; bad arguments are refused."""
+    mod = _bench_script("logprobs_gc")
+    assert mod.main(["--batch", "3", "--steps", "2", "--rounds", "1"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 1 |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["not frozen", "frozen"]
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert len([float(x) for x in cells[2:]]) == 2  # greedy's and logprobs' ms a step (noise may make either < 0)
+    with pytest.raises(SystemExit):
+        mod.main(["--steps", "0"])
