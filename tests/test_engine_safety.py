@@ -118,8 +118,8 @@ def test_close_releases_the_model_and_later_calls_raise(tiny):
 
 def test_the_heap_is_frozen_while_an_engine_runs_and_its_parts_freed_at_close(tiny):
     """An engine freezes the collector's heap once built (engine_args.freeze_heap: full collections then skip
-    every object alive at start-up); close() thaws it and collects, so the runner and its KV pool, which sit
-    in a reference cycle, are freed at once rather than never."""
+    every object alive at start-up); close() thaws it, and the runner with its KV pool is freed at once by
+    reference counts (no cycle holds it: a frozen cycle would never be freed, nor before a collection)."""
     import gc
     import weakref
 

@@ -124,25 +124,26 @@ def trim_heap() -> None:
 
 def freeze_heap() -> None:
     """Moves every object alive now (the interpreter's, torch's or transformers' modules if imported, the
-    engine's own) out of the garbage collector's reach (gc.freeze, after a collection so no garbage is kept).
-    A full collection walks every tracked object; while steps make many small containers (logprobs entries:
-    ~1,800 a step at 256 rows) those collections ran often enough to cost more than the step itself
-    (bench/RESULTS.md, session 31: logprobs=5 on 256 rows 5.8 -> 2.1 ms a step on the CPU proxy). Later
-    objects are collected as before. vLLM freezes its heap after start-up the same way."""
+    engine's own) out of the garbage collector's reach (gc.freeze). A full collection walks every tracked
+    object; while steps make many small containers (logprobs entries: ~1,800 a step at 256 rows) those
+    collections ran often enough to cost more than the step itself (bench/RESULTS.md, session 31:
+    logprobs=5 on 256 rows 5.8 -> 2.2 ms a step on the CPU proxy). Later objects are collected as before.
+    vLLM freezes its heap after start-up the same way. Only the young generations are collected first (a
+    full collection takes ~0.2 s with torch loaded, and a test run makes hundreds of engines): garbage
+    already old is kept until thaw_heap."""
     import gc
     import os
 
     if os.environ.get("LLAISYS_GC_FREEZE", "1") == "0":  # the A/B
         return
-    gc.collect()
+    gc.collect(1)
     gc.freeze()
 
 
 def thaw_heap() -> None:
-    """Engine.close(): gives frozen objects back to the collector and collects, so the closed engine's parts
-    that sit in reference cycles (its KV pool among them) are freed now, not at some later collection (and,
-    frozen, never). Other engines' objects are collected normally again until one is made."""
+    """Engine.close(): gives frozen objects back to the collector (the closed engine's parts are freed by
+    their reference counts: the engine keeps no cycle that holds its runner or KV pool). Other engines'
+    objects are collected normally again until one is made."""
     import gc
 
     gc.unfreeze()
-    gc.collect()

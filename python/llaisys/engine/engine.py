@@ -276,7 +276,7 @@ class Engine:
         if node is not None:
             node.close()  # node 0: the followers exit
         self._core = self._model = self._models = None
-        thaw_heap()  # before empty_cache: the runner's KV pool sits in a reference cycle
+        thaw_heap()
         if self.device.startswith("cuda"):
             _core.empty_cache(self.device)  # the pool's memory goes back to the driver, not only our cache
         trim_heap()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 
@@ -28,7 +29,10 @@ class ModelRunner:
         self.deferred: Step | None = None  # a chained step launched without its sampling (sample_deferred)
         self.deferred_steps = 0  # steps sampled so (stats: overlapped_constrained_steps)
         # the repetition penalty's sets, on the device (self.runner may be replaced: a NodeProxy)
-        self.seen = SeenRows(lambda row, words: self.runner.set_seen(row, words), vocab_size)
+        # through a weak reference: a lambda holding self would make a cycle, and the runner with its KV pool
+        # would be freed only by a collection after close()
+        me = weakref.ref(self)
+        self.seen = SeenRows(lambda row, words: me().runner.set_seen(row, words), vocab_size)
 
     def _arrays(self, step: Step, ahead: int = 0):
         """The step's host arrays. ahead = 1: a decode one token past what the host knows (the token it
