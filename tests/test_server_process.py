@@ -292,16 +292,20 @@ def test_both_modes_serve_the_engines_greedy_text(ckpt, eng, tmp_path, extra):
 
 
 def test_a_killed_engine_process_ends_streams_with_an_error_and_fails_health(ckpt, tmp_path):
-    # one sequence at a time and three streams of 240 tokens: when the first chunk of one is read, hundreds
-    # of steps are left, so the kill finds streams running (or queued: both end with the error chunk)
-    server, url, pid, log = _start_server(ckpt, tmp_path, "--served-model-name", "m", "--max-num-seqs", "1")
+    # one sequence at a time and three streams of 480 tokens: when the first chunk of one is read, hundreds
+    # of steps are left, so the kill finds streams running (or queued: both end with the error chunk). The
+    # reader that sees the first chunk kills at once: a wake-up of the main thread on a loaded 2-core box
+    # came after the whole first stream (the tiny model's 240 tokens take ~20 ms) and found none running
+    server, url, pid, log = _start_server(ckpt, tmp_path, "--served-model-name", "m", "--max-num-seqs", "1",
+                                          "--max-seq-len", "512")
     try:
         got = [None] * 3
         first = threading.Event()
+        kill_once = threading.Lock()
 
         def read(i):
             try:
-                with _stream(url, max_tokens=240, ignore_eos=True) as r:
+                with _stream(url, max_tokens=480, ignore_eos=True) as r:
                     if r.status_code != 200:
                         got[i] = (r.status_code, [], r.read())
                         return
@@ -309,7 +313,9 @@ def test_a_killed_engine_process_ends_streams_with_an_error_and_fails_health(ckp
                     for line in r.iter_lines():
                         if line.startswith("data:"):
                             lines.append(line)
-                            first.set()
+                            if kill_once.acquire(blocking=False):
+                                os.kill(pid, signal.SIGKILL)
+                                first.set()
                     got[i] = (r.status_code, lines, b"")
             except Exception as e:
                 got[i] = (None, [], repr(e).encode())
@@ -317,7 +323,6 @@ def test_a_killed_engine_process_ends_streams_with_an_error_and_fails_health(ckp
         for t in threads:
             t.start()
         assert first.wait(timeout=120)
-        os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join()
         errors = []
