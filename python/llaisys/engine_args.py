@@ -145,5 +145,8 @@ def thaw_heap() -> None:
     their reference counts: the engine keeps no cycle that holds its runner or KV pool). Other engines'
     objects are collected normally again until one is made."""
     import gc
+    import os
 
+    if os.environ.get("LLAISYS_GC_FREEZE", "1") == "0":  # nothing of ours frozen: leave the caller's heap as is
+        return
     gc.unfreeze()

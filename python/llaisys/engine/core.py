@@ -323,11 +323,11 @@ class EngineCore:
         """The logprobs entries of a batch step whose logprobs were computed on the device behind it
         (ModelRunner.launch, Step.lp), one per row of the step (None where not asked for)."""
         rows, ks = step.lp
-        chosen_lp, top_ids, top_lp = self.runner.finished_logprobs()
-        V = self.runner.vocab_size
         entries = [None] * len(step.seqs)
-        for r, n, lp, ids, lps in zip(rows, ks, chosen_lp, top_ids, top_lp):
-            entries[r] = {"token_id": int(tokens[r]), "logprob": lp, "top": list(map(list, zip(ids[:min(n, V)], lps)))}
+        found = self._entries([int(tokens[r]) for r in rows], ks, *self.runner.finished_logprobs(),
+                              self.runner.vocab_size)
+        for r, entry in zip(rows, found):
+            entries[r] = entry
         return entries
 
     def _account_batch(self, b, tokens, t0: float, t1: float, t2: float, entries=None):
@@ -339,11 +339,9 @@ class EngineCore:
         # batch): as many running as rows means none ended while the step ran, and no pass over the rows
         live = None if len(self.scheduler.running) == len(b) else [s.status is Status.RUNNING for s in b.seqs]
         want = np.flatnonzero(b.logprobs >= 0)
-        if entries is not None:
-            pass
-        elif not want.size:
+        if entries is None and not want.size:
             entries = repeat(None)
-        else:  # from the step's logits rows, before rows leave
+        elif entries is None:  # from the step's logits rows, before rows leave
             entries = [None] * len(b)
             found = self._logprobs(want, b.temperature, np.asarray(tokens, np.int64), b.logprobs[want].tolist())
             for row, entry in zip(want.tolist(), found):
@@ -439,9 +437,15 @@ class EngineCore:
         ops.logprobs(chosen_lp, top_ids, top_lp, logits, tensor(temperature, dev), tensor(chosen, dev),
                      tensor(rows, dev))
         chosen_lp, top_ids, top_lp = (t.to("cpu").numpy().tolist() for t in (chosen_lp, top_ids, top_lp))
+        return self._entries(chosen[rows].tolist(), ks, chosen_lp, top_ids, top_lp, V)
+
+    @staticmethod
+    def _entries(tokens, ks, chosen_lp, top_ids, top_lp, V: int) -> list[dict]:
+        """The logprobs entries of rows from ops.logprobs' outputs as host lists: each row's token, its k, its
+        logprob and top ids/logprobs (the first min(k, V) of them)."""
         # map/zip build the [id, lp] pairs in C: a comprehension per row cost twice as much at 256 rows
         return [{"token_id": tok, "logprob": lp, "top": list(map(list, zip(ids[:min(n, V)], lps)))}
-                for tok, n, lp, ids, lps in zip(chosen[rows].tolist(), ks, chosen_lp, top_ids, top_lp)]
+                for tok, n, lp, ids, lps in zip(tokens, ks, chosen_lp, top_ids, top_lp)]
 
     def stats(self) -> dict:
         b, s = self.blocks, self.scheduler

@@ -101,10 +101,7 @@ class ModelRunner:
         defer = chain and (step.batch.defers if step.batch is not None else any(
             s.constraint is not None or s.trigger is not None for s in step.seqs))
         masks = (None, []) if chain else self._masks(step)
-        if step.chain_rows is None:
-            self.runner.launch(*arrays, *sampling, chain, *masks, defer)
-        else:
-            self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows)
+        self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows or [])
         self.deferred = step if defer else None
         b = step.batch
         if b is not None and not defer and self.device_logprobs:
