@@ -170,8 +170,8 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
       --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
       tee -a "$OUT/summary.txt"
   done
-  for tp in ${TP_SIZES:-2}; do # A/B against the default: NCCL alone (no peer path); steps not chained
-    for env in ${TP_AB:-LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0}; do
+  for tp in ${TP_SIZES:-2}; do # A/B against the default: the pull kernel, NCCL alone (no peer path); steps not chained
+    for env in ${TP_AB:-LLAISYS_PEER_ALLREDUCE_PUSH=0 LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0}; do
       log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, $env"
       env $env timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
         --prompt-len 128 --new-tokens 256 -tp $tp 2>&1 | grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"

@@ -2,6 +2,7 @@
 #include "bindings/common.hpp"
 #include "llaisys/comm.hpp"
 #include "llaisys/common.hpp"
+#include "llaisys/graph.hpp"
 #include "llaisys/memory.hpp"
 #include "llaisys/stream.hpp"
 #include "llaisys/thread_pool.hpp"
@@ -99,6 +100,15 @@ void bind_runtime(nb::module_ &m) {
     m.def("current_stream", [](const std::string &d) { return current_stream(Device::parse(d)); }, nb::arg("device"));
     m.def("new_stream", [](const std::string &d) { return new_stream(Device::parse(d)); }, nb::arg("device"));
     m.def("set_current_stream", &set_current_stream, nb::arg("stream"));
+
+    // For tests and benchmarks: the engine's runner captures its own graphs; this lets a test put one op (an
+    // all-reduce) into a graph and replay it.
+    nb::class_<Graph>(m, "Graph", "A CUDA graph of the work fn enqueues on the device's current stream.")
+        .def("__init__", [](Graph *g, const std::string &d) { new (g) Graph(Device::parse(d)); }, nb::arg("device"))
+        .def("capture", [](Graph &g, nb::callable fn) { g.capture([&] { fn(); }); }, nb::arg("fn"),
+             "Runs fn() once under stream capture (no host syncs inside); its work is not executed then.")
+        .def("replay", &Graph::replay, "Enqueues the captured work on the device's current stream.")
+        .def_prop_ro("captured", &Graph::captured);
 
     nb::class_<Event>(m, "Event")
         .def("__init__", [](Event *e, const std::string &d, bool timing) { new (e) Event(Device::parse(d), timing); },

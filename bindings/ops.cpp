@@ -4,6 +4,7 @@
 #include "llaisys/comm.hpp"
 #include "llaisys/ops.hpp"
 
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -105,6 +106,9 @@ void bind_ops(nb::module_ &m) {
         .def_prop_ro("world", &Communicator::world)
         .def_prop_ro("device", [](const Communicator &c) { return c.device().str(); })
         .def_prop_ro("backend", &Communicator::backend)
+        .def_prop_ro("all_reduce_paths", &Communicator::all_reduce_paths,
+                     "How many all_reduces of this rank took each path (CUDA: push, pull, nccl); a call captured "
+                     "into a CUDA graph counts once, not per replay.")
         .def("abort", &Communicator::abort, nb::arg("why"), nb::call_guard<nb::gil_scoped_release>(),
              "Breaks the group: calls blocked in a collective raise, and so does every later one.");
     m.def("local_group", [](const std::string &device, int world, double timeout_s) {

@@ -228,3 +228,161 @@ def test_cuda_all_reduce_sizes_peer_memory_and_nccl(world, dtype, peer, monkeypa
             assert worst <= 0, f"case {k}: NCCL's sum off by {worst} past the rounding bound"
         for r in range(1, world):
             np.testing.assert_array_equal(out[r][k], out[0][k], err_msg=f"case {k}, rank {r}")
+
+
+def _signed_zero_inputs(rng, n, world, dtype):
+    """Each rank's input of n elements as the dtype holds it (float64), with -0.0 and +0.0 mixed in: every 5th
+    element is -0.0 on every rank (its sum is a zero, and the push kernel must not take the data for its
+    empty-slot sentinel and wait forever), others are a zero of either sign on some ranks."""
+    xs = [rounded(rng.standard_normal(n), dtype) for _ in range(world)]
+    for r, x in enumerate(xs):
+        x[::5] = -0.0
+        pick = rng.random(n) < 0.15
+        x[pick] = np.where(rng.random(int(pick.sum())) < 0.5, -0.0, 0.0)
+    return xs
+
+
+def _peer_group(world, push, monkeypatch):
+    """A CUDA group with the peer kernels on and push on or off (LLAISYS_PEER_ALLREDUCE_PUSH), or a skip."""
+    if _gpus() < world or llaisys.build_info()["nccl"] is None:
+        pytest.skip(f"needs {world} GPUs and a build with NCCL")
+    monkeypatch.setenv("LLAISYS_PEER_ALLREDUCE", "1")
+    monkeypatch.setenv("LLAISYS_PEER_ALLREDUCE_PUSH", "1" if push else "0")
+    comms = _core.local_group("cuda", world)
+    if "peer memory" not in comms[0].backend:
+        pytest.skip(f"these GPUs cannot reach each other's memory ({comms[0].backend})")
+    assert ("push up to 512 KiB" in comms[0].backend) == push, comms[0].backend
+    return comms
+
+
+PEER_MAX = 512 * 1024  # the default LLAISYS_PEER_ALLREDUCE_KB, and the push kernel's limit
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("path", ["push", "pull"])
+def test_cuda_push_and_pull_kernels_sum_every_rank(world, dtype, path, monkeypatch):
+    """Each peer kernel forced (push: LLAISYS_PEER_ALLREDUCE_PUSH=1, pull: =0) over a lone element, odd counts
+    (the tail of a 16-byte unit), a decode step's [1, 3584], a batch-64 step's [64, 3584] (f32: past 512 KiB,
+    NCCL) and a misaligned x (one element into its buffer), three calls of each with new data, 18 in a row (the
+    push kernel's three phases wrap six times; sizes change between calls, so a phase's slots are reused by
+    other sizes), with -0.0 and +0.0 in the inputs: the NumPy float64 sum within one rounding, every rank the
+    same bits, and the path counters say which kernel ran."""
+    comms = _peer_group(world, path == "push", monkeypatch)
+    rng = np.random.default_rng(world * 100 + len(dtype))
+    elem = 4 if dtype == "f32" else 2
+    sizes = [(1, 0), (19, 0), (989, 0), (3584, 0), (64 * 3584, 0), (989, 1)]  # (count, elements of offset)
+    cases = [(n, off, _signed_zero_inputs(rng, n, world, dtype)) for n, off in sizes for _ in range(3)]
+
+    def fn(r, comm):
+        dev, outs = f"cuda:{r}", []
+        for n, off, xs in cases:
+            base = np.concatenate([np.full(off, 7.0), xs[r]]).astype(np.float32)
+            t = llaisys.tensor(base).to(dev).to(dtype).slice(0, off, off + n)
+            _core.ops.all_reduce(t, comm)
+            outs.append(t)
+        llaisys.synchronize(dev)
+        return [t.to("f32").to("cpu").numpy().astype(np.float64) for t in outs], comm.all_reduce_paths
+
+    out, errors = run_ranks(comms, fn)
+    assert errors == [None] * world
+    rtol, atol = TOL[dtype]
+    for k, (n, _, xs) in enumerate(cases):
+        exact = np.sum(xs, axis=0)
+        if n * elem <= PEER_MAX:  # a peer kernel: f32 sum in rank order, one rounding
+            np.testing.assert_allclose(out[0][0][k], exact, rtol=rtol, atol=atol, err_msg=f"case {k}")
+        else:  # NCCL: up to world - 1 roundings of a partial sum (test_cuda_all_reduce_sizes_peer_memory_and_nccl)
+            bound = atol + rtol * np.abs(exact) + (world - 1) * UNIT[dtype] * np.sum(np.abs(xs), axis=0)
+            assert np.max(np.abs(out[0][0][k] - exact) - bound) <= 0, f"case {k}"
+        for r in range(1, world):
+            np.testing.assert_array_equal(out[r][0][k], out[0][0][k], err_msg=f"case {k}, rank {r}")
+    peer_calls = sum(1 for n, _, _ in cases if n * elem <= PEER_MAX)
+    want = {"push": 0, "pull": 0, "nccl": len(cases) - peer_calls}
+    want[path] = peer_calls
+    for r in range(world):
+        assert out[r][1] == want, f"rank {r}: {out[r][1]}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_cuda_push_and_pull_give_the_same_bits(world, monkeypatch):
+    """Both kernels add the ranks' inputs in rank order in f32 and round once (push reads -0.0 as +0.0, which a
+    sum cannot tell apart): on the same inputs their results are equal bit for bit."""
+    rng = np.random.default_rng(world)
+    cases = [_signed_zero_inputs(rng, n, world, "bf16") for n in (3, 3584, 8 * 3584)]
+    results = {}
+    for push in (True, False):
+        comms = _peer_group(world, push, monkeypatch)
+
+        def fn(r, comm):
+            ts = [llaisys.tensor(xs[r].astype(np.float32)).to(f"cuda:{r}").to("bf16") for xs in cases]
+            for t in ts:
+                _core.ops.all_reduce(t, comm)
+            return [t.to("f32").to("cpu").numpy().copy() for t in ts]
+
+        out, errors = run_ranks(comms, fn)
+        assert errors == [None] * world
+        results[push] = out[0]
+        for k, xs in enumerate(cases):
+            np.testing.assert_allclose(out[0][k], np.sum(xs, axis=0), rtol=TOL["bf16"][0], atol=TOL["bf16"][1])
+    for k in range(len(cases)):
+        np.testing.assert_array_equal(results[True][k], results[False][k], err_msg=f"case {k}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("path", ["push", "pull"])
+def test_cuda_peer_all_reduce_replayed_from_a_cuda_graph(world, path, monkeypatch):
+    """The engine captures its all-reduces into CUDA graphs: here each rank captures one all-reduce of a
+    [1, 3584] bf16 x into a graph and replays it 12 times with new data each time (copied into x before the
+    replay), with an eager all-reduce of another size between some replays. The kernels' phase/epoch counters
+    live in device memory, so replays and eager calls advance them alike and the ranks stay in step: every
+    result is the NumPy sum. The captured call counts once in the path counters."""
+    comms = _peer_group(world, path == "push", monkeypatch)
+    rng = np.random.default_rng(3 * world)
+    n, steps = 3584, 12
+    data = [_signed_zero_inputs(rng, n, world, "bf16") for _ in range(steps)]
+    extra = [_signed_zero_inputs(rng, 989, world, "bf16") for _ in range(steps)]
+    barrier = threading.Barrier(world)
+
+    def fn(r, comm):
+        dev = f"cuda:{r}"
+        x = llaisys.tensor(np.zeros(n, np.float32)).to(dev).to("bf16")
+        srcs = [llaisys.tensor(xs[r].astype(np.float32)).to(dev).to("bf16") for xs in data]
+        llaisys.synchronize(dev)
+        graph = _core.Graph(dev)
+        barrier.wait()  # nobody copies from the host while another rank captures
+        graph.capture(lambda: _core.ops.all_reduce(x, comm))
+        barrier.wait()
+        outs, extras = [], []
+        for i in range(steps):
+            x.copy_(srcs[i])
+            graph.replay()
+            outs.append(x.to("f32").to("cpu").numpy().astype(np.float64))
+            if i % 3 == 1:
+                e = llaisys.tensor(extra[i][r].astype(np.float32)).to(dev).to("bf16")
+                _core.ops.all_reduce(e, comm)
+                extras.append(e.to("f32").to("cpu").numpy().astype(np.float64))
+        return outs, extras, comm.all_reduce_paths
+
+    out, errors = run_ranks(comms, fn)
+    assert errors == [None] * world
+    rtol, atol = TOL["bf16"]
+    for r in range(world):
+        for i in range(steps):
+            np.testing.assert_allclose(out[r][0][i], np.sum(data[i], axis=0), rtol=rtol, atol=atol,
+                                       err_msg=f"rank {r}, replay {i}")
+        for j, i in enumerate(range(1, steps, 3)):
+            np.testing.assert_allclose(out[r][1][j], np.sum(extra[i], axis=0), rtol=rtol, atol=atol,
+                                       err_msg=f"rank {r}, eager call after replay {i}")
+        assert out[r][2] == {"push": 0, "pull": 0, "nccl": 0, path: 1 + len(out[r][1])}, out[r][2]
+
+
+def test_graph_needs_cuda():
+    with pytest.raises(Exception, match="CUDA graphs need"):  # a CPU build, or a CPU device on a CUDA build
+        _core.Graph("cpu")
+
+
+def test_cpu_groups_count_no_paths():
+    assert _core.local_group("cpu", 2)[0].all_reduce_paths == {}

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -64,8 +65,13 @@ public:
     }
 
     std::string backend() const override {
-        return "nccl " + nccl_version() + (peer_ ? detail::concat(" + peer memory up to ", peer_->max_bytes() / 1024,
-                                                                " KiB") : std::string());
+        if (!peer_) return "nccl " + nccl_version();
+        return "nccl " + nccl_version() + " + peer memory up to " + std::to_string(peer_->max_bytes() / 1024) +
+               " KiB (push up to " + std::to_string(peer_->push_max_bytes() / 1024) + " KiB, pull above)";
+    }
+
+    std::map<std::string, int64_t> all_reduce_paths() const override {
+        return {{"push", push_.load()}, {"pull", pull_.load()}, {"nccl", nccl_.load()}};
     }
 
     // ncclCommAbort raises the communicator's abort flag first (its kernels then end), but since NCCL 2.26 it
@@ -93,11 +99,13 @@ public:
         check_alive();
         DeviceGuard guard(device());
         if (peer_ && peer_->takes(x)) {
-            peer_->all_reduce(rank(), x);
+            const char *path = peer_->all_reduce(rank(), x);
+            ++(std::strcmp(path, "push") == 0 ? push_ : pull_);
             return;
         }
         LLAISYS_NCCL_CHECK(ncclAllReduce(x.data(), x.data(), size_t(x.numel()), nccl_type(x.dtype(), "all_reduce"),
                                          ncclSum, comm_, stream()));
+        ++nccl_;
     }
 
     void all_gather(const Tensor &out, const Tensor &in) override {
@@ -117,6 +125,7 @@ private:
     ncclComm_t comm_;
     std::shared_ptr<runtime::cuda::PeerAllReduce> peer_; // shared by the group's ranks; null: NCCL alone
     std::atomic<bool> aborted_{false};
+    std::atomic<int64_t> push_{0}, pull_{0}, nccl_{0}; // all_reduce_paths()
     mutable std::mutex abort_mu_;
     std::string why_;
     std::thread abort_thread_;
@@ -134,8 +143,10 @@ std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &de
                       count, ")");
     std::vector<ncclComm_t> comms(devices.size());
     LLAISYS_NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
-    // The peer path (on by default for 2 ranks, LLAISYS_PEER_ALLREDUCE; peer_all_reduce.hpp): messages up to LLAISYS_PEER_ALLREDUCE_KB (default 512: a decode step's
-    // activations up to batch ~64 of a 7B model) go over peer memory where every pair of GPUs reaches the other's
+    // The peer path (on by default for 2 to 4 ranks, LLAISYS_PEER_ALLREDUCE; peer_all_reduce.hpp): messages up to
+    // LLAISYS_PEER_ALLREDUCE_KB (default 512: a decode step's activations up to batch ~64 of a 7B model) go over
+    // peer memory where every pair of GPUs reaches the other's; up to 512 KiB by the push kernel unless
+    // LLAISYS_PEER_ALLREDUCE_PUSH=0
     const char *kb = std::getenv("LLAISYS_PEER_ALLREDUCE_KB");
     const size_t max_bytes = size_t(kb != nullptr && std::atol(kb) > 0 ? std::atol(kb) : 512) * 1024;
     std::shared_ptr<runtime::cuda::PeerAllReduce> peer = runtime::cuda::PeerAllReduce::create(devices, max_bytes);

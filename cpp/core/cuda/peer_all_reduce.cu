@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,10 @@ using PAR = PeerAllReduce;
 struct Peers {                                // every rank's memory, as this rank's kernel reaches it
     void *buf[2][PAR::kMaxRanks];             // the two alternating input buffers
     uint32_t *flags[PAR::kMaxRanks];          // [kBlocks][kMaxRanks]: flags[r][b][s] = the epoch rank s reached
+};
+
+struct PushPeers {                             // every rank's receive buffer of one dtype width
+    uint4 *buf[PAR::kMaxRanks];               // [3 phases][world slots][cap units of 16 bytes]
 };
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -130,6 +135,191 @@ void launch(const Tensor &x, const Peers &p, uint32_t *counters, int rank, int w
     LLAISYS_CUDA_CHECK(cudaGetLastError());
 }
 
+// ---- push ("Lamport") kernel ----
+
+// Every 32-bit word of an empty slot: -0.0 in every element (one f32, or two f16/bf16: their -0.0 is 0x8000).
+// The two widths keep separate buffers, so a slot cleared after an f32 call still reads empty to a bf16 one.
+template <typename T> constexpr uint32_t kEmptyWord = sizeof(T) == 4 ? 0x80000000u : 0x80008000u;
+
+template <typename T> __device__ __forceinline__ bool word_empty(uint32_t w) {
+    if constexpr (sizeof(T) == 4) return w == 0x80000000u;
+    else return (w & 0xffffu) == 0x8000u || (w >> 16) == 0x8000u; // either element still empty
+}
+// -0.0 -> +0.0: the sum is the same, and data never looks like an empty slot.
+template <typename T> __device__ __forceinline__ uint32_t no_neg_zero(uint32_t w) {
+    if constexpr (sizeof(T) == 4) return w == 0x80000000u ? 0u : w;
+    else {
+        const uint32_t lo = (w & 0xffffu) == 0x8000u ? 0u : (w & 0xffffu);
+        const uint32_t hi = (w >> 16) == 0x8000u ? 0u : (w >> 16);
+        return lo | (hi << 16);
+    }
+}
+template <typename T> __device__ __forceinline__ bool unit_full(const uint4 &u) {
+    return !word_empty<T>(u.x) && !word_empty<T>(u.y) && !word_empty<T>(u.z) && !word_empty<T>(u.w);
+}
+
+// The posted write to a peer and the poll of this rank's own buffer are .sys-scoped relaxed (volatile) accesses:
+// the poll must not be served from L1, and PTX makes each 32-bit element of a strong vector access single-copy
+// atomic, so a word is never seen half written.
+__device__ __forceinline__ void st_sys_v4(uint4 *addr, const uint4 &v) {
+    asm volatile("st.relaxed.sys.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ uint4 ld_sys_v4(const uint4 *addr) {
+    uint4 v;
+    asm volatile("ld.relaxed.sys.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(addr)
+                 : "memory");
+    return v;
+}
+
+// Unit i of x (16 bytes: 16 / sizeof(T) elements) with -0.0 made +0.0; past the end of x, +0.0.
+template <typename T> __device__ __forceinline__ uint4 load_unit(const T *x, int64_t n, int64_t i, bool aligned) {
+    constexpr int V = 16 / sizeof(T);
+    uint4 u;
+    if (aligned && (i + 1) * V <= n) {
+        u = reinterpret_cast<const uint4 *>(x)[i];
+    } else { // a misaligned x, or the tail of an odd count
+        uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const int64_t k = i * V + j;
+            if (k >= n) break;
+            uint32_t bits = 0;
+            memcpy(&bits, x + k, sizeof(T));
+            w[j * sizeof(T) / 4] |= bits << (8 * ((j * sizeof(T)) % 4));
+        }
+        u = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    return make_uint4(no_neg_zero<T>(u.x), no_neg_zero<T>(u.y), no_neg_zero<T>(u.z), no_neg_zero<T>(u.w));
+}
+
+template <typename T> __device__ __forceinline__ void store_unit(T *x, int64_t n, int64_t i, bool aligned, const uint4 &u) {
+    constexpr int V = 16 / sizeof(T);
+    if (aligned && (i + 1) * V <= n) {
+        reinterpret_cast<uint4 *>(x)[i] = u;
+        return;
+    }
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int64_t k = i * V + j;
+        if (k >= n) break;
+        const uint32_t bits = w[j * sizeof(T) / 4] >> (8 * ((j * sizeof(T)) % 4));
+        memcpy(x + k, &bits, sizeof(T)); // little-endian: the low bytes of bits
+    }
+}
+
+// Call e uses phase e % 3 of every rank's receive buffer: rank s writes its input into slot [phase][s] of every
+// peer's buffer (its own slot of its own buffer stays empty: its input is in registers), then each rank polls its
+// own buffer until every peer's slot of its units is full, sums in rank order, and empties those slots again.
+// Why this is race-free: a peer writes slot [p][s] of this rank's buffer again only at call e + 3. To start it,
+// the peer finished call e + 2, which needed this rank's input of call e + 2; this rank pushes that only from its
+// kernel of call e + 2, which starts after its kernel of call e ended, emptying included (kernels on one stream
+// run in order, and a kernel's writes are done when it ends). So a write of call e + 3 never lands before the
+// slot is empty again, and at call e nothing of call e - 3 is still on its way. One phase would race (a peer done
+// with call e needs only this rank's data of e, pushed before this rank read its own, and could overwrite it with
+// e + 1); two would do while kernels run strictly one after another; the third keeps it safe should this
+// kernel's successor ever start before it ends (programmatic dependent launch), for the price of memory.
+template <typename T>
+__global__ void __launch_bounds__(PAR::kPushThreads)
+    push_all_reduce_kernel(T *x, int64_t n, PushPeers p, uint4 *own_buf, uint32_t *phases, int64_t cap, int rank,
+                           int world, volatile int *host) {
+    __shared__ uint32_t phase_s;
+    if (threadIdx.x == 0) { // every block runs every call, so the blocks' phases stay equal (and equal the peers')
+        phase_s = phases[blockIdx.x];
+        phases[blockIdx.x] = (phase_s + 1) % 3u; // mod 3 here, not of a wrapping count: 2^32 is not a multiple of 3
+    }
+    __syncthreads();
+    constexpr int V = 16 / sizeof(T);
+    const int64_t units = (n + V - 1) / V, first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const int64_t phase_base = int64_t(phase_s) * world * cap;
+    // all of this thread's units go out before it waits for any: the peers' polls start as early as they can
+    for (int64_t i = first; i < units; i += stride) {
+        const uint4 u = load_unit(x, n, i, aligned);
+#pragma unroll
+        for (int r = 0; r < PAR::kMaxRanks; ++r) {
+            if (r >= world) break;
+            if (r != rank) st_sys_v4(p.buf[r] + phase_base + int64_t(rank) * cap + i, u);
+        }
+    }
+    uint4 *const mine = own_buf + phase_base; // = p.buf[rank], passed apart: a dynamic index of p goes to local memory
+    uint32_t spin = 0;
+    uint64_t start = 0;
+    bool gave_up = false;
+    for (int64_t i = first; i < units; i += stride) {
+        uint4 v[PAR::kMaxRanks];
+        const uint4 own = load_unit(x, n, i, aligned); // this thread has not written x yet
+        uint32_t pending = ((1u << world) - 1u) & ~(1u << rank);
+#pragma unroll
+        for (int r = 0; r < PAR::kMaxRanks; ++r) v[r] = own; // v[rank] = own without a dynamic register index
+        while (pending != 0u && !gave_up) {
+            // every pending slot is read before any is looked at: the reads' latencies overlap
+            const uint32_t reading = pending;
+#pragma unroll
+            for (int r = 0; r < PAR::kMaxRanks; ++r) {
+                if (r >= world) break;
+                if ((reading >> r) & 1u) v[r] = ld_sys_v4(mine + int64_t(r) * cap + i);
+            }
+#pragma unroll
+            for (int r = 0; r < PAR::kMaxRanks; ++r) {
+                if (r >= world) break;
+                if (((reading >> r) & 1u) && unit_full<T>(v[r])) pending &= ~(1u << r);
+            }
+            // a peer that never comes: the abort flag (mapped host memory, a PCIe round trip a read) and the
+            // clock are looked at every 1024 polls, about half a millisecond of waiting
+            if (pending != 0u && (++spin & 1023u) == 0u) {
+                const uint64_t t = now_ns();
+                if (start == 0) start = t;
+                if (host[0] != 0) gave_up = true; // the group was aborted
+                else if (t - start > uint64_t(PAR::kTimeoutNs)) {
+                    host[1] = 1;
+                    gave_up = true;
+                }
+            }
+        }
+        float acc[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = 0.f;
+#pragma unroll
+        for (int r = 0; r < PAR::kMaxRanks; ++r) { // in rank order: every rank gets the same bits
+            if (r >= world) break;
+            T e[V];
+            memcpy(e, &v[r], 16);
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] += to_f(e[j]);
+        }
+        T o[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) o[j] = from_f<T>(acc[j]);
+        uint4 out;
+        memcpy(&out, o, 16);
+        store_unit(x, n, i, aligned, out);
+        const uint4 empty = make_uint4(kEmptyWord<T>, kEmptyWord<T>, kEmptyWord<T>, kEmptyWord<T>);
+#pragma unroll
+        for (int r = 0; r < PAR::kMaxRanks; ++r) { // emptied for call e + 3 (the kernel's end publishes it)
+            if (r >= world) break;
+            if (r != rank) mine[int64_t(r) * cap + i] = empty;
+        }
+    }
+}
+
+__global__ void fill_words(uint32_t *p, size_t n, uint32_t w) {
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = w;
+}
+
+template <typename T>
+void launch_push(const Tensor &x, const PushPeers &p, uint32_t *phases, int64_t cap, int rank, int world, int *host,
+                 cudaStream_t s) {
+    push_all_reduce_kernel<T><<<PAR::kPushBlocks, PAR::kPushThreads, 0, s>>>(
+        static_cast<T *>(x.data()), x.numel(), p, p.buf[rank], phases, cap, rank, world, host);
+    LLAISYS_CUDA_CHECK(cudaGetLastError());
+}
+
 } // namespace
 
 struct PeerAllReduce::Rank {
@@ -137,6 +327,8 @@ struct PeerAllReduce::Rank {
     void *buf[2] = {nullptr, nullptr};
     uint32_t *flags = nullptr, *counters = nullptr;
     int *host = nullptr; // the mapped host flags as this device addresses them
+    uint4 *recv[2] = {nullptr, nullptr}; // push: receive buffers for 4-byte and 2-byte dtypes (null: push off)
+    uint32_t *phases = nullptr;          // push: [kPushBlocks] the phase of the next call
 };
 
 std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &devices, size_t max_bytes) {
@@ -156,6 +348,11 @@ std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &dev
         }
     std::shared_ptr<PeerAllReduce> g(new PeerAllReduce());
     g->max_bytes_ = max_bytes;
+    // LLAISYS_PEER_ALLREDUCE_PUSH=0: every message pulls (the A/B); read once here, so all ranks agree
+    const char *push_env = std::getenv("LLAISYS_PEER_ALLREDUCE_PUSH");
+    const bool push = push_env == nullptr || *push_env == '\0' || std::strcmp(push_env, "0") != 0;
+    g->push_max_bytes_ = push ? std::min(max_bytes, kPushMaxBytes) / 16 * 16 : 0;
+    const size_t slot_units = g->push_max_bytes_ / 16, recv_words = 3 * size_t(world) * slot_units * 4;
     LLAISYS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void **>(&g->host_flags_), 2 * sizeof(int),
                                      cudaHostAllocMapped | cudaHostAllocPortable));
     g->host_flags_[0] = g->host_flags_[1] = 0;
@@ -175,8 +372,18 @@ std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &dev
         LLAISYS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&r->counters), kBlocks * sizeof(uint32_t)));
         LLAISYS_CUDA_CHECK(cudaMemset(r->flags, 0, flag_bytes));
         LLAISYS_CUDA_CHECK(cudaMemset(r->counters, 0, kBlocks * sizeof(uint32_t)));
+        if (slot_units > 0) {
+            for (int w = 0; w < 2; ++w) {
+                LLAISYS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&r->recv[w]), recv_words * sizeof(uint32_t)));
+                fill_words<<<256, 256>>>(reinterpret_cast<uint32_t *>(r->recv[w]), recv_words,
+                                         w == 0 ? kEmptyWord<float> : kEmptyWord<__nv_bfloat16>);
+                LLAISYS_CUDA_CHECK(cudaGetLastError());
+            }
+            LLAISYS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&r->phases), kPushBlocks * sizeof(uint32_t)));
+            LLAISYS_CUDA_CHECK(cudaMemset(r->phases, 0, kPushBlocks * sizeof(uint32_t)));
+        }
         LLAISYS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void **>(&r->host), g->host_flags_, 0));
-        LLAISYS_CUDA_CHECK(cudaDeviceSynchronize()); // zeroed before any peer's kernel can read them
+        LLAISYS_CUDA_CHECK(cudaDeviceSynchronize()); // zeroed / emptied before any peer's kernel touches them
         g->ranks_.push_back(std::move(r));
     }
     return g;
@@ -190,6 +397,8 @@ PeerAllReduce::~PeerAllReduce() {
         for (void *buf : r->buf) cudaFree(buf);
         cudaFree(r->flags);
         cudaFree(r->counters);
+        for (uint4 *recv : r->recv) cudaFree(recv);
+        cudaFree(r->phases);
         cudaSetDevice(previous);
     }
     if (host_flags_ != nullptr) cudaFreeHost(host_flags_);
@@ -201,31 +410,46 @@ bool PeerAllReduce::takes(const Tensor &x) const {
            (d == DType::F32 || d == DType::F16 || d == DType::BF16) && host_flags_[0] == 0;
 }
 
-void PeerAllReduce::all_reduce(int rank, const Tensor &x) {
+const char *PeerAllReduce::all_reduce(int rank, const Tensor &x) {
     LLAISYS_CHECK(error().empty(), std::runtime_error, error());
     LLAISYS_CHECK(rank >= 0 && rank < int(ranks_.size()), std::out_of_range, "peer all_reduce: rank ", rank);
+    const DType d = x.dtype();
+    LLAISYS_CHECK(d == DType::F32 || d == DType::F16 || d == DType::BF16, TypeError,
+                  "peer all_reduce takes f32, f16 or bf16, got ", dtype_name(d));
     const Rank &me = *ranks_[size_t(rank)];
+    const auto s = static_cast<cudaStream_t>(current_stream(x.device()).handle());
+    const int world = int(ranks_.size());
+    if (size_t(x.numel()) * x.element_size() <= push_max_bytes_) {
+        const int w = x.element_size() == 4 ? 0 : 1;
+        PushPeers p{};
+        for (size_t r = 0; r < ranks_.size(); ++r) p.buf[r] = ranks_[r]->recv[w];
+        const int64_t cap = int64_t(push_max_bytes_ / 16);
+        switch (d) {
+        case DType::F32: launch_push<float>(x, p, me.phases, cap, rank, world, me.host, s); break;
+        case DType::F16: launch_push<__half>(x, p, me.phases, cap, rank, world, me.host, s); break;
+        default: launch_push<__nv_bfloat16>(x, p, me.phases, cap, rank, world, me.host, s); break;
+        }
+        return "push";
+    }
     Peers p{};
     for (size_t r = 0; r < ranks_.size(); ++r) {
         p.buf[0][r] = ranks_[r]->buf[0];
         p.buf[1][r] = ranks_[r]->buf[1];
         p.flags[r] = ranks_[r]->flags;
     }
-    const auto s = static_cast<cudaStream_t>(current_stream(x.device()).handle());
-    const int world = int(ranks_.size());
-    switch (x.dtype()) {
+    switch (d) {
     case DType::F32: launch<float>(x, p, me.counters, rank, world, me.host, s); break;
     case DType::F16: launch<__half>(x, p, me.counters, rank, world, me.host, s); break;
-    case DType::BF16: launch<__nv_bfloat16>(x, p, me.counters, rank, world, me.host, s); break;
-    default: throw TypeError(detail::concat("peer all_reduce takes f32, f16 or bf16, got ", dtype_name(x.dtype())));
+    default: launch<__nv_bfloat16>(x, p, me.counters, rank, world, me.host, s); break;
     }
+    return "pull";
 }
 
 void PeerAllReduce::abort() { *static_cast<volatile int *>(host_flags_) = 1; }
 
 std::string PeerAllReduce::error() const {
     if (static_cast<volatile int *>(host_flags_)[1] == 0) return "";
-    return detail::concat("peer all_reduce: a rank did not reach the barrier within ", kTimeoutNs / 1'000'000'000LL,
+    return detail::concat("peer all_reduce: a rank did not arrive within ", kTimeoutNs / 1'000'000'000LL,
                           " s; the group's sums since are not valid");
 }
 

@@ -11,7 +11,9 @@
 #pragma once
 #include "llaisys/tensor.hpp"
 
+#include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,6 +33,9 @@ public:
     virtual void all_gather(const Tensor &out, const Tensor &in) = 0;
     // "nccl 2.x.y", "cpu threads"
     virtual std::string backend() const = 0;
+    // How many all_reduce_sum calls of this rank took each path ("push", "pull", "nccl" on CUDA; empty where
+    // there is one path). Counted when enqueued: a call captured into a CUDA graph counts once, not per replay.
+    virtual std::map<std::string, int64_t> all_reduce_paths() const { return {}; }
     // Breaks the group: calls blocked in a collective (a peer that died or stalled) return with an error
     // (NCCL: ncclCommAbort, which also ends its kernels on the device), and every later call raises `why`.
     // Safe from any thread, also while another thread waits in a collective; later aborts do nothing.
