@@ -158,9 +158,16 @@ template <typename T> __device__ __forceinline__ bool unit_full(const uint4 &u) 
     return !word_empty<T>(u.x) && !word_empty<T>(u.y) && !word_empty<T>(u.z) && !word_empty<T>(u.w);
 }
 
-// The posted write to a peer and the poll of this rank's own buffer are .sys-scoped relaxed (volatile) accesses:
-// the poll must not be served from L1, and PTX makes each 32-bit element of a strong vector access single-copy
-// atomic, so a word is never seen half written.
+// The posted write to a peer and the poll of this rank's own buffer are strong (.relaxed.sys) accesses: the poll
+// goes to this GPU's L2, where the peers' NVLink writes land, never to a stale L1 line, and the compiler keeps
+// every poll (asm volatile). No acquire is needed: the data is its own flag, and nothing else is read because
+// of it. Torn writes: PTX promises single-copy atomicity only per element of a vector access (32 bits here),
+// not for the 16 bytes, so this code does not assume a 16-byte store arrives in one piece (it likely does over
+// NVLink, but nothing documents it). A poll may see some words of a unit new and some still empty; unit_full
+// checks every word, and within a word both 16-bit elements (a word arrives whole, so that is belt and braces),
+// and the unit counts only once all of them hold data; the values summed are those of that same load. A word
+// that is not the sentinel can only be this call's data: the slot was emptied after its last read and no one
+// writes it before this call (the race argument at the kernel).
 __device__ __forceinline__ void st_sys_v4(uint4 *addr, const uint4 &v) {
     asm volatile("st.relaxed.sys.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
                  "r"(v.w)
@@ -212,17 +219,25 @@ template <typename T> __device__ __forceinline__ void store_unit(T *x, int64_t n
     }
 }
 
-// Call e uses phase e % 3 of every rank's receive buffer: rank s writes its input into slot [phase][s] of every
-// peer's buffer (its own slot of its own buffer stays empty: its input is in registers), then each rank polls its
-// own buffer until every peer's slot of its units is full, sums in rank order, and empties those slots again.
-// Why this is race-free: a peer writes slot [p][s] of this rank's buffer again only at call e + 3. To start it,
-// the peer finished call e + 2, which needed this rank's input of call e + 2; this rank pushes that only from its
-// kernel of call e + 2, which starts after its kernel of call e ended, emptying included (kernels on one stream
-// run in order, and a kernel's writes are done when it ends). So a write of call e + 3 never lands before the
-// slot is empty again, and at call e nothing of call e - 3 is still on its way. One phase would race (a peer done
-// with call e needs only this rank's data of e, pushed before this rank read its own, and could overwrite it with
-// e + 1); two would do while kernels run strictly one after another; the third keeps it safe should this
-// kernel's successor ever start before it ends (programmatic dependent launch), for the price of memory.
+// Push call e (counting this kernel's calls only: pull and NCCL calls between do not move the phase) uses phase
+// e % 3 of every rank's receive buffer: rank s writes its input into slot [phase][s] of every peer's buffer (its
+// own slot of its own buffer stays empty: its input is in registers), then each rank polls its own buffer until
+// every peer's slot of its units is full, sums in rank order, and empties those slots again.
+// Why this is race-free. (1) No early overwrite: a peer s writes slot [p][s] of this rank R's buffer again only
+// at call e + 3. Its kernel of e + 3 starts after its kernel of e + 2 ended, which waited for at least one unit
+// of R's input of e + 2 (every call has one: empty tensors never get here). R pushes that only from its kernel of
+// e + 2, which starts after R's kernel of e ended, emptying included: R runs its calls on one stream, in order,
+// and a kernel's writes are done and visible to later work when it ends. So nothing of call e + 3 lands in the
+// slot before R has read and emptied it for call e. (2) No stale data: at call e the slot holds the sentinel or
+// call e's data, since the write of call e - 3 was read and emptied by R's kernel of e - 3. One phase would race
+// (s, done with call e, needs only R's data of e, which R pushes before it reads its own slots, and could then
+// overwrite them with e + 1); two would do while each rank's kernels run strictly one after another; the third
+// keeps a call of margin (should a successor kernel ever start before this one ends, e.g. programmatic
+// dependent launch), for 1.5x the memory. Every rank's thread i handles unit i (the same fixed grid on every
+// rank), so the units of one rank's thread depend only on other ranks' threads, which push before they wait:
+// no rank's block waits for another block of its own rank, so the kernel needs no co-residency and cannot
+// deadlock by scheduling. Needs: every rank calls with the same count and dtype in the same order (the
+// group's contract), each rank's calls on one stream.
 template <typename T>
 __global__ void __launch_bounds__(PAR::kPushThreads)
     push_all_reduce_kernel(T *x, int64_t n, PushPeers p, uint4 *own_buf, uint32_t *phases, int64_t cap, int rank,
@@ -275,7 +290,9 @@ __global__ void __launch_bounds__(PAR::kPushThreads)
             if (pending != 0u && (++spin & 1023u) == 0u) {
                 const uint64_t t = now_ns();
                 if (start == 0) start = t;
-                if (host[0] != 0) gave_up = true; // the group was aborted
+                // the group was aborted, or some thread (of any rank, any kernel) already timed out: the sums
+                // are void, so every waiting thread leaves within half a millisecond, not after its own 120 s
+                if (host[0] != 0 || host[1] != 0) gave_up = true;
                 else if (t - start > uint64_t(PAR::kTimeoutNs)) {
                     host[1] = 1;
                     gave_up = true;
