@@ -379,6 +379,29 @@ def test_cuda_peer_all_reduce_replayed_from_a_cuda_graph(world, path, monkeypatc
         assert out[r][2] == {"push": 0, "pull": 0, "nccl": 0, path: 1 + len(out[r][1])}, out[r][2]
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["push", "pull"])
+def test_cuda_peer_kernel_waiting_for_a_rank_that_never_comes_ends_on_abort(path, monkeypatch):
+    """Rank 0 all-reduces and rank 1 never does: rank 0's kernel waits on the GPU for data (push) or a flag
+    (pull) that never comes. Aborting the group (what the engine does when a rank fails or stalls) raises the
+    mapped host flag the kernel polls, so the kernel leaves and rank 0's device synchronizes instead of hanging
+    (alone it would wait the kernel's 120 s timeout); later calls raise the abort's reason."""
+    comms = _peer_group(2, path == "push", monkeypatch)
+    x = llaisys.tensor(np.ones(3584, np.float32)).to("cuda:0").to("bf16")
+    llaisys.synchronize("cuda:0")
+    _core.ops.all_reduce(x, comms[0])  # enqueued; rank 1 never calls
+    assert comms[0].all_reduce_paths[path] == 1
+    time.sleep(0.5)  # the kernel is polling by now (an abort raised before it starts must end it too)
+    for c in comms:
+        c.abort("test: rank 1 never came")
+    waiter = threading.Thread(target=llaisys.synchronize, args=("cuda:0",))
+    waiter.start()
+    waiter.join(60)
+    assert not waiter.is_alive(), f"rank 0's {path} kernel did not leave on abort"
+    with pytest.raises(RuntimeError, match="rank 1 never came"):
+        _core.ops.all_reduce(x, comms[0])
+
+
 def test_graph_needs_cuda():
     with pytest.raises(Exception, match="CUDA graphs need"):  # a CPU build, or a CPU device on a CUDA build
         _core.Graph("cpu")
