@@ -22,7 +22,8 @@
 //   e - 2, the last reader of it.
 //
 // Contract: every rank calls all_reduce with the same element count and dtype in the same order (the model's
-// all-reduces are), each on its own device's current stream, so every rank picks the same kernel; capturable in
+// all-reduces are), each on its own device's current stream (one stream per rank: the push kernel's race
+// argument needs a rank's calls to run one after another), so every rank picks the same kernel; capturable in
 // CUDA graphs (each kernel's epoch/phase is a per-block counter in device memory, not a kernel argument, so
 // replays advance it). Each kernel always runs its fixed number of blocks, so the ranks' counters stay in
 // lockstep whatever the size.
