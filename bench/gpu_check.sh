@@ -157,12 +157,12 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
     grep -E "tp_smoke|Error|error" "$OUT/tp_smoke.log" | head -10 | tee -a "$OUT/summary.txt"
   fi
   log "pytest -m cuda tests/test_tensor_parallel.py tests/test_comm.py"
-  watch pytest_tp ${T_TP:-240} python3 -m pytest -v -x -m cuda -o faulthandler_timeout=60 \
+  watch pytest_tp ${T_TP:-420} python3 -m pytest -v -x -m cuda -o faulthandler_timeout=60 \
     tests/test_tensor_parallel.py tests/test_comm.py -p no:cacheprovider
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_tp.log" | tail -30 | tee -a "$OUT/summary.txt"
   if [ "${TP_BENCH:-1}" = 1 ]; then
   log "all-reduce alone: 2 per layer of a decode step"
-  timeout 180 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} --batch ${AR_BATCH:-1 16 64 256} 2>&1 |
+  timeout 300 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} --batch ${AR_BATCH:-1 16 64 256} 2>&1 |
     tail -9 | tee -a "$OUT/summary.txt"
   for tp in 1 ${TP_SIZES:-2}; do
     log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp"

@@ -107,7 +107,9 @@ void bind_runtime(nb::module_ &m) {
         .def("__init__", [](Graph *g, const std::string &d) { new (g) Graph(Device::parse(d)); }, nb::arg("device"))
         .def("capture", [](Graph &g, nb::callable fn) { g.capture([&] { fn(); }); }, nb::arg("fn"),
              "Runs fn() once under stream capture (no host syncs inside); its work is not executed then.")
-        .def("replay", &Graph::replay, "Enqueues the captured work on the device's current stream.")
+        .def("replay", &Graph::replay, nb::call_guard<nb::gil_scoped_release>(),
+             "Enqueues the captured work on the device's current stream (without the GIL: a launch may wait "
+             "for the device, whose collectives may wait for another thread's rank).")
         .def_prop_ro("captured", &Graph::captured);
 
     nb::class_<Event>(m, "Event")
