@@ -61,11 +61,20 @@ if has test; then
 fi
 
 if has structured; then # issue 31: constrained vs free decode, overlap off and on (needs llguidance)
-  log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b}"
-  timeout ${T_BENCH:-400} python3 bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --device cuda \
-    --batch 1 64 --repeat 3 --overlap both --json "$OUT/structured.json" 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
+  # STRUCT_BASE=DIR: also run the bench with an older tree's python/ and bench/ (DIR holds both, e.g.
+  # `git archive REV python bench | tar -x -C .devdeps/base`; same _core), first, for a same-call A/B.
+  # STRUCT_OVERLAP (default both), STRUCT_BATCH (default "1 64"), HOST_PATH=1 adds bench/host_path.py.
+  for tree in ${STRUCT_BASE:+$STRUCT_BASE} $PWD; do
+    log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} (tree $tree)"
+    (cd "$tree" && PYTHONPATH=$tree/python:$PYTHONPATH timeout ${T_BENCH:-400} python3 bench/structured.py \
+      --shape ${STRUCT_SHAPE:-qwen2-0.5b} --device cuda --batch ${STRUCT_BATCH:-1 64} --repeat 3 \
+      --overlap ${STRUCT_OVERLAP:-both} --json "$OUT/structured_$(basename "$tree").json") 2>&1 |
+      grep -v Warning | tee -a "$OUT/summary.txt"
+  done
   timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
     grep -v Warning | tee -a "$OUT/summary.txt"
+  [ "${HOST_PATH:-0}" = 1 ] && timeout 300 python3 bench/host_path.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} \
+    --batch 16 64 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
 fi
 
 if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol

@@ -280,6 +280,46 @@ def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
         eng.close()
 
 
+def test_constraints_are_copies_of_a_kept_start_state_that_never_moves(tiny):
+    """Constraints.new hands out deep copies of one matcher per grammar in its start state: each copy masks
+    and advances as a matcher built from the grammar does, whatever another copy consumed before it; a bad
+    grammar raises every time (nothing kept of it); the oldest grammar leaves once `size` are kept."""
+    import numpy as np
+
+    from llaisys.constraints import Constraint, Constraints, compile_constraint
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        lltok, V = eng._admit.ll_tokenizer(), eng.config.vocab_size
+        made = Constraints(lltok, size=2)
+        schema, date, yn = (compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
+                            compile_constraint(choice=["yes", "no"]))
+
+        def masks(c, text):  # the mask before each token of text, then after the last
+            out = []
+            for t in eng.tokenizer.encode(text) + [None]:
+                row = np.empty((V + 31) // 32, np.int32)
+                c.mask_into(row)
+                out.append(row)
+                if t is not None:
+                    c.consume(t)
+            return np.stack(out), c.done
+
+        for grammar, text in ((schema, '{"n": 12, "s": "ab"}'), (date, "2024-05-06"), (yn, "yes")):
+            want = masks(Constraint(lltok, grammar), text)
+            for _ in range(2):  # the second copy comes after the first one consumed the whole text
+                got = masks(made.new(grammar), text)
+                assert (got[0] == want[0]).all() and got[1] == want[1]
+            assert want[0].shape[0] > 2 and want[1]
+        assert list(made._start) == [date, yn]  # size 2: the schema's start state was dropped
+        bad = '{"grammars": [{"lark_grammar": "start: nope"}]}'
+        for _ in range(2):
+            with pytest.raises(ValueError, match="constraint"):
+                made.new(bad)
+        assert list(made._start) == [date, yn]
+    finally:
+        eng.close()
+
+
 def test_mask_filler_start_gives_the_masks_of_fill_on_its_worker(tiny):
     """MaskFiller.start computes on a worker thread what fill computes (one row and several, one thread and a
     pool); wait() returns once written, re-raises what the fill raised, and a second start before wait()
@@ -327,9 +367,9 @@ def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
     plain = go_engine(tiny, False, go)
     fill, threads = MaskFiller.fill, []
 
-    def recorded(self, constraints, mask):
+    def recorded(self, constraints, mask, *args):
         threads.append(threading.current_thread().name)
-        return fill(self, constraints, mask)
+        return fill(self, constraints, mask, *args)
     monkeypatch.setattr(MaskFiller, "fill", recorded)
     assert go_engine(tiny, True, go) == plain
     off_loop = [n for n in threads if n.startswith("llaisys-masks")]

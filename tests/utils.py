@@ -134,10 +134,10 @@ def failing_mask_fills(monkeypatch, failing: tuple[int, ...]) -> list[int]:
 
     fill, calls = MaskFiller.fill, []
 
-    def flaky(self, constraints, mask):
+    def flaky(self, constraints, mask, *args):
         calls.append(len(constraints))
         if len(calls) in failing:
             raise RuntimeError("injected")
-        return fill(self, constraints, mask)
+        return fill(self, constraints, mask, *args)
     monkeypatch.setattr(MaskFiller, "fill", flaky)
     return calls

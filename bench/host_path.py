@@ -1,0 +1,112 @@
+"""Issue 31: where constrained decode's host path goes per row and per step, on real llguidance matchers over
+the model's tokenizer and bench/structured.py's schema, at B rows sitting at different places of the grammar
+(each advanced by a random allowed token a step, as a batch's rows are). Per step (medians over the steps):
+
+- consumes: each row's consume_token and its error/done checks one after another (EngineCore's pass);
+- masks one after another, with each row's own time: the distribution (median, p90, max row) and the
+  "skew bound" max(max row, sum / T), the least a pool of T threads could take for that step (T = the
+  MaskFiller's threads, or --threads), against what MaskFiller.fill took;
+- the GIL hand-over of a worker-thread fill (MaskFiller.start/wait) while the caller runs Python (a spin of
+  --busy-us microseconds standing for the loop's accounting and delivery): from start() to the fill written,
+  against the fill alone. A Python thread that wants the GIL back while another runs Python waits up to the
+  switch interval (5 ms) unless the holder blocks.
+
+    LLAISYS_BUILD_DIR=build/dev PYTHONPATH=python python bench/host_path.py --batch 16 64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from llaisys_bench.throughput import open_engine  # this folder is sys.path[0] when run as a script
+from structured import SCHEMA
+
+
+def spin(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--shape", default=None, help="a random checkpoint of this shape (the test tokenizer)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=None, help="MaskFiller threads (default: the engine's)")
+    ap.add_argument("--busy-us", type=float, default=300.0, help="the caller's Python work during a start()")
+    args = ap.parse_args()
+
+    from llaisys import catalog, constraints
+
+    eng = open_engine(args.shape, None if args.shape else (args.model or catalog.DEFAULT_MODEL), device="cpu",
+                      checkpoint=bool(args.shape))[0]
+    vocab, lltok = eng.config.vocab_size, eng._admit.ll_tokenizer()
+    grammar = constraints.compile_constraint(json_schema=SCHEMA)
+    filler = constraints.MaskFiller(args.threads)
+    T = max(filler.num_threads, 1)
+    W = (vocab + 31) // 32
+    print(f"{os.cpu_count()} CPUs, vocab {vocab}, {T} mask threads, switch interval "
+          f"{sys.getswitchinterval() * 1e3:.1f} ms, load average {os.getloadavg()[0]:.2f}")
+    for batch in args.batch:
+        rng = np.random.default_rng(0)
+        # three sets of matchers in the same states: each state's mask is computed once by each way (a second
+        # mask of one state finds llguidance's caches warm)
+        sets = [[constraints.Constraint(lltok, grammar) for _ in range(batch)] for _ in range(3)]
+        cons, serial, med, p90, mx, bound, fill, handed = [], [], [], [], [], [], [], []
+        for step in range(args.steps):
+            live = [j for j in range(batch) if not sets[0][j].done]
+            if not live:
+                break
+            a = np.empty((len(live), W), np.int32)
+            b, c = np.empty_like(a), np.empty_like(a)
+            per = []
+            for k, j in enumerate(live):  # one after another, each row timed
+                t = time.perf_counter()
+                sets[0][j].mask_into(a[k])
+                per.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            filler.fill([sets[1][j] for j in live], b)
+            fill.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            filler.start([sets[2][j] for j in live], c)
+            spin(args.busy_us)
+            filler.wait()
+            handed.append(time.perf_counter() - t)
+            assert (a == b).all() and (a == c).all()
+            serial.append(sum(per))
+            med.append(statistics.median(per))
+            p90.append(float(np.percentile(per, 90)))
+            mx.append(max(per))
+            bound.append(max(max(per), sum(per) / T))
+            toks = []
+            for k in range(len(live)):  # a random allowed token each
+                bits = np.unpackbits(a[k].view(np.uint8), bitorder="little")[:vocab]
+                toks.append(int(rng.choice(np.flatnonzero(bits))))
+            t = time.perf_counter()
+            for j, tok in zip(live, toks):
+                m = sets[0][j]
+                m.consume(tok)
+                m.error is None and m.done
+            cons.append(time.perf_counter() - t)
+            for s in sets[1:]:
+                for j, tok in zip(live, toks):
+                    s[j].consume(tok)
+        ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+        print(f"batch {batch:3d} ({len(serial)} steps), ms a step: consumes {ms(cons):.3f} "
+              f"({ms(cons) / batch * 1e3:.1f} us a row); masks one after another {ms(serial):.3f}, a row: median "
+              f"{ms(med) * 1e3:.0f} us, p90 {ms(p90) * 1e3:.0f} us, max {ms(mx) * 1e3:.0f} us; skew bound at {T} "
+              f"threads {ms(bound):.3f}; MaskFiller.fill {ms(fill):.3f}; start + {args.busy_us:.0f} us of Python + "
+              f"wait {ms(handed):.3f}", flush=True)
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
