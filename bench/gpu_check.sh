@@ -61,15 +61,14 @@ if has test; then
 fi
 
 if has structured; then # issue 31: constrained vs free decode, overlap off and on (needs llguidance)
-  # STRUCT_BASE=DIR: also run the bench with an older tree's python/ and bench/ (DIR holds both, e.g.
-  # `git archive REV python bench | tar -x -C .devdeps/base`; same _core), first, for a same-call A/B.
-  # STRUCT_OVERLAP (default both), STRUCT_BATCH (default "1 64"), HOST_PATH=1 adds bench/host_path.py.
-  for tree in ${STRUCT_BASE:+$STRUCT_BASE} $PWD; do
-    log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} (tree $tree)"
-    (cd "$tree" && PYTHONPATH=$tree/python:$PYTHONPATH timeout ${T_BENCH:-400} python3 bench/structured.py \
-      --shape ${STRUCT_SHAPE:-qwen2-0.5b} --device cuda --batch ${STRUCT_BATCH:-1 64} --repeat 3 \
-      --overlap ${STRUCT_OVERLAP:-both} --json "$OUT/structured_$(basename "$tree").json") 2>&1 |
-      grep -v Warning | tee -a "$OUT/summary.txt"
+  # STRUCT_BASE=DIR: also run the bench, first, on an older tree's python/ in DIR (e.g. `git archive REV python |
+  # tar -x -C .devdeps/base`; same _core and bench/) for a same-call A/B. STRUCT_OVERLAP (default both),
+  # STRUCT_BATCH (default "1 64"), STRUCT_ARGS (e.g. "--profile 25"); HOST_PATH=1 adds bench/host_path.py.
+  for py in ${STRUCT_BASE:+$STRUCT_BASE/python} $PWD/python; do
+    log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} (python/ of $py)"
+    PYTHONPATH=$py:$PYTHONPATH timeout ${T_BENCH:-400} python3 bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} \
+      --device cuda --batch ${STRUCT_BATCH:-1 64} --repeat 3 --overlap ${STRUCT_OVERLAP:-both} ${STRUCT_ARGS:-} \
+      --json "$OUT/structured_$(basename "$(dirname "$py")").json" 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
   done
   timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
     grep -v Warning | tee -a "$OUT/summary.txt"

@@ -41,6 +41,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--threads", type=int, default=None, help="MaskFiller threads (default: the engine's)")
     ap.add_argument("--busy-us", type=float, default=300.0, help="the caller's Python work during a start()")
+    ap.add_argument("--scan", type=int, nargs="*", default=[], metavar="T",
+                    help="then, per batch, LLExecutor's mask time and consume_token_par's at each of these thread "
+                         "counts, on matchers in the same states (how the pool scales on this host)")
     args = ap.parse_args()
 
     from llaisys import catalog, constraints
@@ -104,8 +107,59 @@ def main() -> int:
               f"{ms(med) * 1e3:.0f} us, p90 {ms(p90) * 1e3:.0f} us, max {ms(mx) * 1e3:.0f} us; skew bound at {T} "
               f"threads {ms(bound):.3f}; MaskFiller.fill {ms(fill):.3f}; start + {args.busy_us:.0f} us of Python + "
               f"wait {ms(handed):.3f}", flush=True)
+        if args.scan:
+            scan(lltok, grammar, batch, args.steps, args.scan, W, vocab)
     eng.close()
     return 0
+
+
+def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, vocab: int) -> None:
+    """LLExecutor at each thread count in `counts` on its own matchers, all in the same states (advanced by
+    the same random allowed tokens): ms a step (median) for the masks and for consume_token_par, against
+    consume_token one row after another."""
+    import llguidance
+
+    from llaisys import constraints
+    rng = np.random.default_rng(1)
+    made = constraints.Constraints(lltok)
+    sets = {t: [made.new(grammar) for _ in range(batch)] for t in counts}
+    pools = {t: llguidance.LLExecutor(t) for t in counts}
+    masks_t = {t: [] for t in counts}
+    cons_t = {t: [] for t in counts}
+    serial_c = []
+    ref = counts[0]
+    for _ in range(steps):
+        live = [j for j in range(batch) if not sets[ref][j].done]
+        if not live:
+            break
+        out = {}
+        for t in counts:
+            a = np.empty((len(live), W), np.int32)
+            tt = time.perf_counter()
+            pools[t].unsafe_compute_mask_ptr([(sets[t][j].matcher, k) for k, j in enumerate(live)], a.ctypes.data,
+                                             W * 4, len(live))
+            masks_t[t].append(time.perf_counter() - tt)
+            out[t] = a
+        assert all((out[t] == out[ref]).all() for t in counts)
+        toks = []
+        for k in range(len(live)):
+            bits = np.unpackbits(out[ref][k].view(np.uint8), bitorder="little")[:vocab]
+            toks.append(int(rng.choice(np.flatnonzero(bits))))
+        for i, t in enumerate(counts):
+            if i == 0:  # one after another, as the engine's loop does
+                tt = time.perf_counter()
+                for j, tok in zip(live, toks):
+                    sets[t][j].consume(tok)
+                serial_c.append(time.perf_counter() - tt)
+            else:
+                tt = time.perf_counter()
+                ok = pools[t].consume_token_par([(sets[t][j].matcher, tok) for j, tok in zip(live, toks)])
+                cons_t[t].append(time.perf_counter() - tt)
+                assert all(ok)
+    ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
+    print(f"batch {batch:3d} scan ({len(serial_c)} steps): consumes one after another {ms(serial_c):.3f} ms; "
+          + "; ".join(f"{t} threads: masks {ms(masks_t[t]):.3f}, consume_token_par {ms(cons_t[t]):.3f}"
+                      for t in counts), flush=True)
 
 
 if __name__ == "__main__":

@@ -162,9 +162,10 @@ class EngineCore:
         except BaseException:
             self._drain()
             raise
+        self._t_tokens = t_tokens
         produced = self._account(step, tokens, t0, t1)
-        if self.runner.deferred is not None:
-            self._start_masks(t_tokens)
+        if self.runner.deferred is not None and not self.runner.masks_started:  # not a _account_batch step
+            self._start_masks()
         t = self.timing
         self._returned = time.perf_counter()
         t["overlapped"] += 1
@@ -179,18 +180,18 @@ class EngineCore:
         if self.runner.deferred is not None:
             self._sample_deferred()
 
-    def _start_masks(self, t_tokens: float) -> None:
+    def _start_masks(self) -> None:
         """Starts the masks of the chained step launched without its sampling (a constrained row), from the
-        matchers this step's tokens advanced, on the MaskFiller's worker: the loop delivers this step's
-        tokens meanwhile, and the next call samples with them (_sample_deferred) before it launches the step
-        after, the order of the runner's calls as when the masks were computed here. The device runs the
-        forward all the while. A failure drops that step (its sequences run again from what the host knows)."""
+        matchers this step's tokens advanced, on the MaskFiller's worker: the loop finishes this step's
+        accounting and delivers its tokens meanwhile, and the next call samples with them (_sample_deferred)
+        before it launches the step after, the order of the runner's calls as when the masks were computed
+        here. The device runs the forward all the while. Rows that end with this step's token (EOS, length)
+        are still running then: their masks are computed and their tokens dropped, as for rows that end
+        while the step runs. A failure drops that step (its sequences run again from what the host knows)."""
         try:
             self.runner.start_deferred_masks()
         except Exception:
             self._drain()
-            return
-        self._t_tokens = t_tokens
 
     def _sample_deferred(self) -> None:
         """Enqueues the deferred step's masked sampling once its masks (_start_masks) are written. A failed
@@ -366,6 +367,8 @@ class EngineCore:
             self._advance_constrained(b, tokens, eos, length)
         if b.triggers:
             self._fire_triggers(b, tokens, eos | length)
+        if self.runner.deferred is not None and not self.runner.masks_started:  # the matchers moved: start now
+            self._start_masks()
         if eos.any() or length.any():  # most steps end no row
             for row in np.flatnonzero(eos).tolist():
                 self.finish(seqs[row], "stop")
@@ -404,8 +407,9 @@ class EngineCore:
         t = time.perf_counter()
         rows = [row for row in b.masked if not eos[row]]
         seqs = [b.seqs[row] for row in rows]
+        self.runner.masks.consume([s.constraint for s in seqs], [tokens[row] for row in rows])
         for row, seq in zip(rows, seqs):
-            if self._constrained_end(seq, tokens[row]):
+            if self._constrained_end(seq):
                 length[row] = False
         self.timing["consume_s"] += time.perf_counter() - t
 

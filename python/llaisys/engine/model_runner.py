@@ -131,6 +131,10 @@ class ModelRunner:
             self.masks.start([self.deferred.seqs[r].constraint for r in rows], mask)
         self._started = (mask, rows)
 
+    @property
+    def masks_started(self) -> bool:
+        return self._started is not None
+
     def sample_deferred(self) -> None:
         """Samples the deferred step with its masks (start_deferred_masks' or, where not started, computed
         now), enqueued behind its forward. Rows that ended since the masks were started are masked all the
