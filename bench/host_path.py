@@ -121,9 +121,15 @@ def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, voca
 
     from llaisys import constraints
     rng = np.random.default_rng(1)
-    made = constraints.Constraints(lltok)
-    sets = {t: [made.new(grammar) for _ in range(batch)] for t in counts}
-    pools = {t: llguidance.LLExecutor(t) for t in counts}
+    # each thread count's rows in as many lanes (what the engine's Constraints does), and copies of one matcher
+    # (one lane: llguidance's copies share one lexer lock)
+    sets = {t: [m.new(grammar) for _ in range(batch)] for t in counts
+            for m in [constraints.Constraints(lltok, lanes=t)]}
+    counts = counts + [-t for t in counts if t > 1]
+    pools = {t: llguidance.LLExecutor(abs(t)) for t in counts}
+    fillers = {t: constraints.MaskFiller(abs(t)) for t in counts}  # its fill orders the rows by lane
+    one = constraints.Constraints(lltok)
+    sets.update({t: [one.new(grammar) for _ in range(batch)] for t in counts if t < 0})
     masks_t = {t: [] for t in counts}
     cons_t = {t: [] for t in counts}
     serial_c = []
@@ -136,8 +142,7 @@ def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, voca
         for t in counts:
             a = np.empty((len(live), W), np.int32)
             tt = time.perf_counter()
-            pools[t].unsafe_compute_mask_ptr([(sets[t][j].matcher, k) for k, j in enumerate(live)], a.ctypes.data,
-                                             W * 4, len(live))
+            fillers[t].fill([sets[t][j] for j in live], a)
             masks_t[t].append(time.perf_counter() - tt)
             out[t] = a
         assert all((out[t] == out[ref]).all() for t in counts)
@@ -158,8 +163,8 @@ def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, voca
                 assert all(ok)
     ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
     print(f"batch {batch:3d} scan ({len(serial_c)} steps): consumes one after another {ms(serial_c):.3f} ms; "
-          + "; ".join(f"{t} threads: masks {ms(masks_t[t]):.3f}, consume_token_par {ms(cons_t[t]):.3f}"
-                      for t in counts), flush=True)
+          + "; ".join(f"{abs(t)} threads{' one lane' if t < 0 else ''}: masks {ms(masks_t[t]):.3f}, "
+                      f"consume_token_par {ms(cons_t[t]):.3f}" for t in counts), flush=True)
 
 
 if __name__ == "__main__":

@@ -316,6 +316,14 @@ def test_constraints_are_copies_of_a_kept_start_state_that_never_moves(tiny):
             with pytest.raises(ValueError, match="constraint"):
                 made.new(bad)
         assert list(made._start) == [date, yn]
+        # lanes: independent start states (llguidance's copies share one lexer lock), taken in turn
+        laned = Constraints(lltok, lanes=3)
+        got = [laned.new(schema) for _ in range(7)]
+        assert [c.lane for c in got] == [0, 1, 2, 0, 1, 2, 0] and len(laned._start[schema]) == 3
+        want = masks(Constraint(lltok, schema), '{"n": 12, "s": "ab"}')
+        for c in got:
+            m, done = masks(c, '{"n": 12, "s": "ab"}')
+            assert (m == want[0]).all() and done == want[1]
     finally:
         eng.close()
 

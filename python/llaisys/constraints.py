@@ -97,9 +97,11 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
 class Constraint:
     """One sequence's matcher. mask_into() writes the allowed tokens of the next step; consume() advances."""
 
-    def __init__(self, lltok, grammar: str, matcher=None):
-        """matcher: a fresh matcher of this grammar to take over (Constraints.new's copy) instead of building one."""
+    def __init__(self, lltok, grammar: str, matcher=None, lane: int = 0):
+        """matcher: a fresh matcher of this grammar to take over (Constraints.new's copy) instead of building one;
+        lane: which of Constraints' independent start states it is a copy of."""
         self.matcher = matcher if matcher is not None else _llg().LLMatcher(lltok, grammar, log_level=0)
+        self.lane = lane
         if self.matcher.is_error():
             raise ValueError(f"constraint: {self.matcher.get_error()}")
 
@@ -121,26 +123,44 @@ class Constraint:
 
 
 class Constraints:
-    """Makes the Constraints of one tokenizer's grammars. Building a matcher parses and compiles its grammar
-    again (~0.55 ms for bench/structured.py's API object on a 2-core EPYC: 35 ms of host time for a batch of 64
-    requests of one schema, on the path of every admission); a deep copy of a matcher in its start state is
-    ~1 us and masks and advances the same. So the start state of each of the last `size` grammars is kept, and
-    every request gets a copy of it. Thread-safe (requests are submitted from any thread)."""
+    """Makes the Constraints of one tokenizer's grammars, from matchers kept in their start state.
 
-    def __init__(self, lltok, size: int = 64):
-        self.lltok, self.size = lltok, size
-        self._start: OrderedDict[str, object] = OrderedDict()  # grammar -> its matcher in the start state, LRU
+    Building a matcher parses and compiles its grammar again (~0.55 ms for bench/structured.py's API object on
+    a 2-core EPYC: 35 ms of host time for 64 requests of one schema, on the path of every admission) and
+    starts with a cold lexer (its regex automaton is built lazily as the text goes); a deep copy is ~1 us and
+    shares its original's lexer, warm from every request served before. But llguidance keeps a parser's lexer
+    behind one mutex that its copies share: copies of one matcher compute their masks one at a time, however
+    many threads the MaskFiller has (H200 host, 64 rows: 0.95-1.23 ms at 2 to 16 threads). So each grammar
+    keeps `lanes` independent start states (as many as the MaskFiller has threads), built on first use, and
+    its requests take copies of them in turn: rows of different lanes compute in parallel, each on a warm
+    lexer. The last `size` grammars are kept. Thread-safe (requests are submitted from any thread)."""
+
+    def __init__(self, lltok, lanes: int = 1, size: int = 64):
+        self.lltok, self.lanes, self.size = lltok, max(int(lanes), 1), size
+        self._start: OrderedDict[str, list] = OrderedDict()  # grammar -> its lanes' start-state matchers, LRU
+        self._turn: dict[str, int] = {}  # grammar -> requests made of it (the next one's lane)
         self._lock = threading.Lock()
 
     def new(self, grammar: str) -> Constraint:
         with self._lock:
-            start = self._start.pop(grammar, None)
-            if start is None:
-                start = Constraint(self.lltok, grammar).matcher  # raises on a grammar in error: nothing kept
-            self._start[grammar] = start  # the most recent last
-            if len(self._start) > self.size:
-                self._start.popitem(last=False)
-            return Constraint(self.lltok, grammar, start.deep_copy())
+            lanes = self._start.pop(grammar, None) or []
+            turn = self._turn.get(grammar, 0)
+            try:
+                if turn % self.lanes == len(lanes):
+                    lanes.append(Constraint(self.lltok, grammar).matcher)  # raises on a grammar in error
+            finally:
+                if lanes:
+                    self._start[grammar] = lanes  # the most recent last
+                    self._turn[grammar] = turn + 1
+                    if len(self._start) > self.size:
+                        self._turn.pop(self._start.popitem(last=False)[0], None)
+            lane = turn % self.lanes
+            return Constraint(self.lltok, grammar, lanes[lane].deep_copy(), lane)
+
+
+def mask_threads(num_threads: int | None = None) -> int:
+    """The MaskFiller's threads: num_threads, or llguidance's own default, 80% of the CPUs, at most 32."""
+    return num_threads if num_threads is not None else min(32, int(0.8 * (os.cpu_count() or 1)))
 
 
 class MaskFiller:
@@ -150,8 +170,7 @@ class MaskFiller:
     runs the same fill on a worker thread, so the caller's Python work goes on while llguidance writes."""
 
     def __init__(self, num_threads: int | None = None):
-        # None: llguidance's own default, 80% of the CPUs, at most 32
-        self.num_threads = num_threads if num_threads is not None else min(32, int(0.8 * (os.cpu_count() or 1)))
+        self.num_threads = mask_threads(num_threads)
         self._executor = None  # started on the first batch of two or more
         self._worker = None  # start()'s thread, made on its first use
         self._pending = None  # start()'s fill not waited for yet (a Future)
@@ -167,7 +186,8 @@ class MaskFiller:
             return
         if self._executor is None:  # the pool even with one thread under start(): one native call (see start())
             self._executor = _llg().LLExecutor(max(self.num_threads, 1))
-        items = [(c.matcher, j) for j, c in enumerate(constraints)]
+        # by lane: the pool's threads take runs of the list, so each mostly works on one lane (Constraints)
+        items = [(c.matcher, j) for j, c in sorted(enumerate(constraints), key=lambda jc: jc[1].lane)]
         if entered is not None:
             entered.set()
         self._executor.unsafe_compute_mask_ptr(items, mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from ..chat import render_chat_template
-from ..constraints import Constraints, Trigger, ll_tokenizer
+from ..constraints import Constraints, Trigger, ll_tokenizer, mask_threads
 from ..engine_args import check_text, token_sequence
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .sequence import Sequence
@@ -134,7 +134,8 @@ class Admission:
         with self._ll_lock:
             if self._constraints is None:
                 eos = eos_union(self.generation_config, self.tokenizer.eos_token_ids)
-                self._constraints = Constraints(ll_tokenizer(self.tokenizer, self.config.vocab_size, eos))
+                self._constraints = Constraints(ll_tokenizer(self.tokenizer, self.config.vocab_size, eos),
+                                                lanes=mask_threads(self.engine_config.mask_threads))
             return self._constraints
 
     def ll_tokenizer(self):
