@@ -328,43 +328,6 @@ def test_constraints_are_copies_of_a_kept_start_state_that_never_moves(tiny):
         eng.close()
 
 
-@pytest.mark.parametrize("threads", [1, 4])
-def test_mask_filler_consume_advances_as_one_row_at_a_time(tiny, monkeypatch, threads):
-    """MaskFiller.consume (llguidance's pool from PAR_CONSUME_ROWS rows on, where it has threads) leaves every
-    matcher as its own consume_token does: the same masks after, the same done rows, and a rejected token
-    puts its row (only it) in error."""
-    import numpy as np
-
-    from llaisys import constraints
-    monkeypatch.setattr(constraints, "PAR_CONSUME_ROWS", 2)
-    eng = f32_engine(tiny, "cpu", False)
-    try:
-        made, V = constraints.Constraints(eng._admit.ll_tokenizer()), eng.config.vocab_size
-        grammars = [constraints.compile_constraint(json_schema=SCHEMA), constraints.compile_constraint(regex=DATE),
-                    constraints.compile_constraint(choice=["yes", "no"])] * 2
-        texts = ['{"n": 1', "2024-0", "ye", '{"n"', "20", "no"]
-        ids = [eng.tokenizer.encode(t) for t in texts]
-        one, pooled = [made.new(g) for g in grammars], [made.new(g) for g in grammars]
-        filler = constraints.MaskFiller(threads)
-        for k in range(max(map(len, ids)) + 1):
-            rows = [j for j, t in enumerate(ids) if k < len(t)]
-            toks = [ids[j][k] for j in rows]
-            if k == max(map(len, ids)):  # a token the grammar rejects: "}" where the date regex wants a digit
-                rows, toks = [1, 2], [eng.tokenizer.encode("}")[0], eng.tokenizer.encode("s")[0]]
-            for j, t in zip(rows, toks):
-                one[j].consume(t)
-            filler.consume([pooled[j] for j in rows], toks)
-            for a, b in zip(one, pooled):
-                ma, mb = np.empty((V + 31) // 32, np.int32), np.empty((V + 31) // 32, np.int32)
-                a.mask_into(ma)
-                b.mask_into(mb)
-                assert (ma == mb).all() and a.done == b.done and (a.error is None) == (b.error is None)
-        assert [c.error is not None for c in pooled] == [False, True, False, False, False, False]
-        assert pooled[2].done and pooled[5].done
-    finally:
-        eng.close()
-
-
 def test_mask_filler_start_gives_the_masks_of_fill_on_its_worker(tiny):
     """MaskFiller.start computes on a worker thread what fill computes (one row and several, one thread and a
     pool); wait() returns once written, re-raises what the fill raised, and a second start before wait()

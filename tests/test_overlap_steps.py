@@ -275,9 +275,9 @@ def _record_launches(core):
     """Wraps core.runner.launch: a list of (chained, requests waiting, from the decode batch) per launched step."""
     launches, real = [], core.runner.launch
 
-    def launch(step, chain):
+    def launch(step, chain, before=None):
         launches.append((chain, bool(core.scheduler.waiting), step.batch is not None))
-        return real(step, chain)
+        return real(step, chain, before)
     core.runner.launch = launch
     return launches
 

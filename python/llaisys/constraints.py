@@ -19,7 +19,6 @@ import numpy as np
 # into endless newlines between tokens, and every output is one line a client can parse.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CONSTRAINT_ARGS = ("json_schema", "regex", "grammar", "choice")
-PAR_CONSUME_ROWS = int(os.environ.get("LLAISYS_PAR_CONSUME_ROWS", 16))  # MaskFiller.consume: the pool from here
 
 
 def _llg():
@@ -191,19 +190,6 @@ class MaskFiller:
         if entered is not None:
             entered.set()
         self._executor.unsafe_compute_mask_ptr(items, mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
-
-    def consume(self, constraints: list[Constraint], tokens: list[int]) -> None:
-        """Advances each constraint by its token (a rejected token leaves its matcher in error: Constraint.error).
-        Many rows on the pool (one native call, llguidance's consume_token_par), where it has two threads or
-        more; else one after another (a row's consume is ~3-5 us: the pool's hand-off only pays with threads
-        to spread over)."""
-        if len(constraints) >= PAR_CONSUME_ROWS and self.num_threads >= 2:
-            if self._executor is None:
-                self._executor = _llg().LLExecutor(self.num_threads)
-            self._executor.consume_token_par([(c.matcher, int(t)) for c, t in zip(constraints, tokens)])
-            return
-        for c, t in zip(constraints, tokens):
-            c.consume(t)
 
     def start(self, constraints: list[Constraint], mask: np.ndarray) -> None:
         """fill() on a worker thread; returns once the worker is inside llguidance's native call (which runs

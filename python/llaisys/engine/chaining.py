@@ -65,17 +65,18 @@ class Chainer:
             return True
         return self.waited < self.MAX_CHAINED_WHILE_WAITING
 
-    def launch_next(self, step):
+    def launch_next(self, step, before=None):
         """Launches the decode step after `step` (still running) for the same sequences, chained to its
         tokens; None (nothing launched) where that step is not certain to be wanted as it stands, or where
-        waiting requests must be scheduled now (may_chain)."""
+        waiting requests must be scheduled now (may_chain). before: called just before the launch itself
+        (ModelRunner.launch), once its arrays are made."""
         nxt = None
         if self.may_overlap(step) and self.may_chain(step):
-            nxt = self._next_batch(step) if step.batch is not None else self._next_seqs(step)
+            nxt = self._next_batch(step, before) if step.batch is not None else self._next_seqs(step, before)
         self.waited = self.waited + 1 if nxt is not None and self.scheduler.waiting else 0
         return nxt
 
-    def _next_seqs(self, step):
+    def _next_seqs(self, step, before=None):
         """launch_next for a step of the general path."""
         bm, need = self.blocks, 0
         for seq in step.seqs:
@@ -93,11 +94,11 @@ class Chainer:
                 bm.grow(seq, len(seq) + 1)
             elif (shift := bm.slide(seq, 1, ahead=1)) is not None:
                 nxt.shifts.append(shift)
-        self.runner.launch(nxt, chain=True)
+        self.runner.launch(nxt, chain=True, before=before)
         self.overlapped_steps += 1
         return nxt
 
-    def _next_batch(self, step):
+    def _next_batch(self, step, before=None):
         """launch_next for a step of the persistent batch: the same checks on its arrays. Rows that end with
         `step` (its token reaches their length limit) or ended before it was read (an EOS, a stop string, an
         abort seen since) are left out of the next step: the batch is condensed to the rest now, the next step
@@ -123,6 +124,6 @@ class Chainer:
         if not b.grow(self.blocks, 1):
             return None  # `step` is accounted through its keep mask all the same
         nxt = Step(b.seqs, [1] * len(b), batch=b, version=b.step_made(), chain_rows=rows)
-        self.runner.launch(nxt, chain=True)
+        self.runner.launch(nxt, chain=True, before=before)
         self.overlapped_steps += 1
         return nxt

@@ -88,7 +88,7 @@ class ModelRunner:
             return b.arrays(ahead), b.sampling(ahead)
         return self._arrays(step, ahead), self._sampling(step, ahead)
 
-    def launch(self, step: Step, chain: bool) -> None:
+    def launch(self, step: Step, chain: bool, before=None) -> None:
         """Runs the step without waiting for its tokens (finish() returns them). chain: a decode of the
         tokens of the step launched just before it (the same sequences in the same rows), not known here
         yet. A chained step with a constrained row is launched without its sampling (its masks need the
@@ -101,6 +101,8 @@ class ModelRunner:
         defer = chain and (step.batch.defers if step.batch is not None else any(
             s.constraint is not None or s.trigger is not None for s in step.seqs))
         masks = (None, []) if chain else self._masks(step)
+        if before is not None:
+            before()
         self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows or [])
         self.deferred = step if defer else None
         b = step.batch
