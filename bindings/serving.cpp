@@ -217,6 +217,9 @@ void bind_serving(nb::module_ &m) {
     }, nb::arg("token_mask").none(), nb::arg("mask_rows"), nb::arg("num_rows"),
        "Samples the deferred launch (launch(defer_sampling=True)) of num_rows rows, rows mask_rows masked by "
        "token_mask [M, ceil(vocab / 32)] (i32).");
+    runner.def("mask_buffer", &Runner::mask_buffer, nb::arg("rows"),
+               "A host buffer [rows, ceil(vocab / 32)] i32 for the next sample_deferred's token masks (pinned on "
+               "CUDA: copied to the device as it is). Two alternate; write it only before that call.");
     runner.def("enqueue_logprobs", [](Runner &r, std::vector<int64_t> rows, Array<float> temperature, int64_t k) {
         std::vector<float> t = to_vector(temperature);
         nb::gil_scoped_release release;

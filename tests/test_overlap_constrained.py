@@ -222,6 +222,15 @@ def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, d
             deferred_launch(eng, temperature=temperature)
             r.sample_deferred(only(12, 19), [1, 0], 2)  # rows out of order
             assert r.finish() == [19, 12]
+            for want in ([21, 8], [3, 50], [64, 7]):  # the runner's own buffers (pinned on CUDA), alternating
+                buf = r.mask_buffer(2).numpy()
+                assert buf.shape == (2, W) and buf.dtype == np.int32
+                buf[:] = only(*want)
+                deferred_launch(eng, temperature=temperature)
+                r.sample_deferred(buf, [0, 1], 2)
+                assert r.finish() == want
+        with pytest.raises(ValueError, match="rows must be >= 1"):
+            r.mask_buffer(0)
         for args, match in [((only(4), [0, 1], 2), "has 1 rows but mask_rows names 2"),
                             ((only(4), [2], 2), "mask row 2 outside the batch of 2"),
                             ((None, [], 3), "num_rows 3 for a launch of 2 rows"),

@@ -120,6 +120,10 @@ public:
     models::Model &model() const { return model_; }
     // Graphs captured so far, by padded batch size.
     std::vector<int64_t> captured_batch_sizes() const;
+    // A host buffer [rows, ceil(vocab / 32)] i32 for the token masks of the next sample_deferred(): pinned on
+    // CUDA, so that sample_deferred copies it to the device as it is, without staging it first (a 64-row mask
+    // of a 152k vocabulary is 1.2 MB). Two alternate; each is handed out again only once its last copy ran.
+    Tensor mask_buffer(int64_t rows);
     // Steps whose tokens were sampled inside a CUDA graph (no sampling launch of their own), so far.
     uint64_t steps_sampled_in_graph() const { return steps_sampled_in_graph_; }
 
@@ -163,6 +167,12 @@ private:
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
     std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
     std::vector<int32_t> masks_host_; // sample_deferred's [B, W] masks when only some rows are masked (reused)
+    struct MaskBuffer {
+        Tensor host; // i32 [capacity rows, W], pinned on CUDA
+        std::unique_ptr<Event> copied; // recorded behind the last copy out of it
+    };
+    MaskBuffer mask_buffers_[2];
+    int mask_next_ = 0; // the buffer mask_buffer() hands out next
     Tensor seen_; // i32 [S, ceil(vocab / 32)]: the sequences' seen sets (set_seen), on the model's device
 };
 

@@ -195,9 +195,15 @@ class ModelRunner:
 
     def _mask_buffer(self, rows: int) -> np.ndarray:
         """[rows, ceil(vocab / 32)] int32, reused from step to step (the runner copies it out before it
-        returns; a new 1.2 MB array a step at 64 rows of Qwen's vocabulary costs page faults)."""
+        returns; a new 1.2 MB array a step at 64 rows of Qwen's vocabulary costs page faults). A Runner's own
+        (pinned on CUDA: sample_deferred copies it to the device as it is, not through a staging copy)."""
+        W = (self.vocab_size + 31) // 32
+        if hasattr(self.runner, "mask_buffer"):
+            buf = self.runner.mask_buffer(rows).numpy()
+            if buf.shape == (rows, W):
+                return buf
         if self._mask_host is None or self._mask_host.shape[0] < rows:
-            self._mask_host = np.empty((max(rows, 64), (self.vocab_size + 31) // 32), dtype=np.int32)
+            self._mask_host = np.empty((max(rows, 64), W), dtype=np.int32)
         return self._mask_host[:rows]
 
     def _sampling(self, step: Step, ahead: int = 0):
