@@ -23,6 +23,7 @@ from .sequence import Sequence, Status
 class _Dropped(Exception):
     """The step in flight was dropped (its masks failed) while the next one was being launched."""
 
+
 class EngineCore:
     def __init__(self, models: list, mc, config: EngineConfig, dtype: str, device: str, max_seq_len: int,
                  node=None):
