@@ -23,8 +23,7 @@ import time
 
 import numpy as np
 
-from llaisys_bench.throughput import open_engine  # this folder is sys.path[0] when run as a script
-from structured import SCHEMA
+from mask_fill import setup  # this folder is sys.path[0] when run as a script
 
 
 def spin(us: float) -> None:
@@ -46,13 +45,9 @@ def main() -> int:
                          "counts, on matchers in the same states (how the pool scales on this host)")
     args = ap.parse_args()
 
-    from llaisys import catalog, constraints
+    from llaisys import constraints
 
-    eng = open_engine(args.shape, None if args.shape else (args.model or catalog.DEFAULT_MODEL), device="cpu",
-                      checkpoint=bool(args.shape))[0]
-    vocab, lltok = eng.config.vocab_size, eng._admit.ll_tokenizer()
-    grammar = constraints.compile_constraint(json_schema=SCHEMA)
-    filler = constraints.MaskFiller(args.threads)
+    eng, vocab, lltok, grammar, filler = setup(args)
     T = max(filler.num_threads, 1)
     W = (vocab + 31) // 32
     print(f"{os.cpu_count()} CPUs, vocab {vocab}, {T} mask threads, switch interval "
