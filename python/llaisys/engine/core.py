@@ -369,21 +369,23 @@ class EngineCore:
             b.condense(np.array(live, bool))
         eos, length = b.advance(tokens, self.max_seq_len)
         seqs, bs = b.seqs, self.blocks.block_size
-        if self.blocks.caching:
+        if self.blocks.caching:  # before a row's end frees its blocks
             for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
                 self.blocks.register_full(seqs[row])
-        if b.quiet.any():
-            listed = np.flatnonzero(~b.quiet | eos | length).tolist()
-            produced = [(seqs[row], tokens[row], None) for row in listed] if want.size == 0 else [
-                (seqs[row], tokens[row], entries[row]) for row in listed]
-        else:
-            produced = list(zip(seqs, tokens, entries))
+        # then what the next step's masks need (constrained and trigger rows are never quiet: listed below
+        # whatever their `length` becomes here), so they start early, beside the rest of the accounting
         if b.masked:
             self._advance_constrained(b, tokens, eos, length)
         if b.triggers:
             self._fire_triggers(b, tokens, eos | length)
         if self.runner.deferred is not None and not self.runner.masks_started:  # the matchers moved: start now
             self._start_masks()
+        if b.quiet.any():
+            listed = np.flatnonzero(~b.quiet | eos | length).tolist()
+            produced = [(seqs[row], tokens[row], None) for row in listed] if want.size == 0 else [
+                (seqs[row], tokens[row], entries[row]) for row in listed]
+        else:
+            produced = list(zip(seqs, tokens, entries))
         if eos.any() or length.any():  # most steps end no row
             for row in np.flatnonzero(eos).tolist():
                 self.finish(seqs[row], "stop")
