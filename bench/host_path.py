@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from mask_fill import setup  # this folder is sys.path[0] when run as a script
+from mask_fill import random_allowed, setup  # this folder is sys.path[0] when run as a script
 
 
 def spin(us: float) -> None:
@@ -83,10 +83,7 @@ def main() -> int:
             p90.append(float(np.percentile(per, 90)))
             mx.append(max(per))
             bound.append(max(max(per), sum(per) / T))
-            toks = []
-            for k in range(len(live)):  # a random allowed token each
-                bits = np.unpackbits(a[k].view(np.uint8), bitorder="little")[:vocab]
-                toks.append(int(rng.choice(np.flatnonzero(bits))))
+            toks = random_allowed(rng, a, vocab)
             t = time.perf_counter()
             for j, tok in zip(live, toks):
                 m = sets[0][j]
@@ -109,9 +106,9 @@ def main() -> int:
 
 
 def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, vocab: int) -> None:
-    """LLExecutor at each thread count in `counts` on its own matchers, all in the same states (advanced by
-    the same random allowed tokens): ms a step (median) for the masks and for consume_token_par, against
-    consume_token one row after another."""
+    """A MaskFiller (llguidance's LLExecutor) at each thread count in `counts`, its rows in as many lanes and in
+    one lane, all in the same states (advanced by the same random allowed tokens): ms a step (median) for the
+    masks and for llguidance's consume_token_par, against consume_token one row after another."""
     import llguidance
 
     from llaisys import constraints
@@ -141,10 +138,7 @@ def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, voca
             masks_t[t].append(time.perf_counter() - tt)
             out[t] = a
         assert all((out[t] == out[ref]).all() for t in counts)
-        toks = []
-        for k in range(len(live)):
-            bits = np.unpackbits(out[ref][k].view(np.uint8), bitorder="little")[:vocab]
-            toks.append(int(rng.choice(np.flatnonzero(bits))))
+        toks = random_allowed(rng, out[ref], vocab)
         for i, t in enumerate(counts):
             if i == 0:  # one after another, as the engine's loop does
                 tt = time.perf_counter()

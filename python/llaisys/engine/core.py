@@ -138,8 +138,9 @@ class EngineCore:
         self._returned = None
         step = None  # the step whose tokens this call reads, once known
         try:
-            if self._inflight is None:  # the scheduler (admissions, preemptions) never runs with a step in flight
-                self.settle()  # a no-op: a deferred step is always the one in flight
+            # the scheduler (admissions, preemptions) never runs with a step in flight, and a step whose sampling
+            # waits for its masks is always the one in flight: none is pending here
+            if self._inflight is None:
                 step = self.scheduler.schedule()
                 if not step.seqs:
                     return [], []
