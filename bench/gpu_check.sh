@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [bench] [sanitize]
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [opsab] [bench] [sanitize]
 #   (default: all but steady, structured, tp, nodes, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
@@ -225,6 +225,15 @@ if has breakdown; then # per-kernel time of a decode step of the batched engine 
         --json "$OUT/breakdown_$(echo $args $setting | tr -d ' =-').json" 2>&1 | grep -v Warning | head -${BREAKDOWN_LINES:-24} |
         tee -a "$OUT/summary.txt"
     done
+  done
+fi
+if has opsab; then # bench_ops rows (OPS_FILTER) under each OPS_AB setting (space-separated; VAR=v,VAR2=w sets two;
+  # "-" is the default environment): a kernel A/B in one call
+  for setting in ${OPS_AB:--}; do
+    vars=$(echo "$setting" | tr ',' ' '); [ "$vars" = - ] && vars=
+    log "bench_ops --benchmark_filter=${OPS_FILTER:-paged_decode} ${vars:-(default)}"
+    env $vars timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter="${OPS_FILTER:-paged_decode}" \
+      --benchmark_min_time=0.05 2>&1 | grep -E "^Attention|^[A-Za-z].*/" | cut -c1-150 | tee -a "$OUT/summary.txt"
   done
 fi
 if has bench; then

@@ -578,6 +578,223 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
     merge_warps(a, wm, wl, wacc, kvh, group, t);
 }
 
+// Decode steps on tensor cores with the keys staged through shared memory (the default where the kernel
+// above applies; LLAISYS_DECODE_STAGES=0 keeps that one). paged_decode_mma_kernel loads a step's K/V rows
+// straight into registers one step ahead, so a warp has ~4 KB (hd 64) in flight and waits a memory latency
+// every step: at 256 rows x 600 keys it moved 2.1-2.3 TB/s of an H200's ~4.8 (session 31). Here each warp
+// owns STAGES shared-memory stages of its 16 keys' K and V rows and keeps STAGES - 1 steps of cp.async in
+// flight while it computes on the oldest: no block barrier in the key loop, the same fragments (read from
+// the stage instead of global memory), the same math, scores and sums in the same order. Cache rows are
+// looked up one step before their copies are issued. A stage's rows are padded by 16 bytes (no bank
+// conflicts for hd 64's fragment reads). After the loop the stages hold the warps' accumulators for
+// merge_warps.
+constexpr int kPipePad = 16; // bytes after each staged K/V row
+
+template <int HD>
+__host__ __device__ constexpr int pipe_pitch() { return HD * 2 + kPipePad; }
+template <int HD, int STAGES>
+__host__ __device__ constexpr int pipe_stage_bytes() { return 2 * kMmaKeys * pipe_pitch<HD>(); } // K then V rows
+template <int HD, int STAGES>
+__host__ __device__ constexpr int pipe_smem_bytes() {
+    const int stages = kMmaWarps * STAGES * pipe_stage_bytes<HD, STAGES>();
+    const int merge = kMmaWarps * kMmaRows * HD * 4;
+    return stages > merge ? stages : merge;
+}
+
+template <typename T, int HD, bool WINDOW, int STAGES>
+__global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const PagedArgs<T> a) {
+    constexpr unsigned all = 0xffffffffu;
+    constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
+    constexpr int PITCH = pipe_pitch<HD>(), STAGE = pipe_stage_bytes<HD, STAGES>();
+    constexpr int PPR = HD * 2 / 16;               // 16-byte pieces of a K or V row
+    constexpr int PIECES = kMmaKeys * PPR / 32;    // pieces of K (and of V) a lane copies a step
+    static_assert(PIECES * 32 == kMmaKeys * PPR && 32 % PPR == 0, "whole rows a round of lanes");
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float wm[kMmaWarps][kMmaRows], wl[kMmaWarps][kMmaRows];
+    __shared__ uint4 qfrag[KS][32];
+    pdl_trigger();
+    if (!a.settled) pdl_wait();
+    const DecodeChunk ck = decode_chunk<kMmaTile, WINDOW>(a);
+    const int group = ck.group, kvh = ck.kvh, kb = ck.kb, ke = ck.ke, t = ck.s.q0;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3;
+    const int64_t row_elems = int64_t(a.nkvh) * HD;
+    const T *kbase = a.k + int64_t(kvh) * HD, *vbase = a.v + int64_t(kvh) * HD;
+    unsigned char *const mine = smem + warp * STAGES * STAGE; // this warp's stages
+    // Step i of this warp covers keys [kb + 16 warp + 64 i, + 16); lane l looks up the cache row of key l % 16
+    const int first = kb + warp * kMmaKeys;
+    const auto slot_of = [&](int t0) {
+        const int key = t0 + (lane & 15);
+        return key < ke ? cache_row(a, ck.table, key) : 0;
+    };
+    // Copies the K and V rows of step i's keys in [lo, hi) into stage i % STAGES; keys past the chunk are
+    // zeroed (V = 0 so that p = 0 adds nothing, not 0 * NaN). Lane l copies pieces l + 32 j: key
+    // (l + 32 j) / PPR, piece l % PPR of its row (a row's pieces by consecutive lanes).
+    const auto issue = [&](int i, int slot, int lo, int hi) {
+        const int t0 = first + i * kMmaTile;
+        unsigned char *ks = mine + (i % STAGES) * STAGE, *vs = ks + kMmaKeys * PITCH;
+        const int piece = lane % PPR;
+#pragma unroll
+        for (int j = 0; j < PIECES; ++j) {
+            const int key = (lane + 32 * j) / PPR, row = __shfl_sync(all, slot, key);
+            const int at = key * PITCH + piece * 16;
+            const int64_t src = int64_t(row) * row_elems + piece * 8;
+            if (t0 + key >= ke) {
+                cp_async16(ks + at, kbase, false);
+                cp_async16(vs + at, vbase, false);
+            } else if (t0 + key >= lo && t0 + key < hi) {
+                cp_async16(ks + at, kbase + src);
+                cp_async16(vs + at, vbase + src);
+            }
+        }
+    };
+    // Prologue: steps 0 .. STAGES - 2 in flight (one commit group each, empty past the chunk), their keys
+    // from before this step's (kv - qlen of them) while the kernel ahead still runs with settled history
+    const int settled_end = ck.s.kv - ck.s.qlen;
+    int pre[STAGES - 1];
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) pre[i] = slot_of(first + i * kMmaTile);
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (!ck.empty && first + i * kMmaTile < ke) issue(i, pre[i], INT_MIN, settled_end);
+        cp_async_commit();
+    }
+    if (a.settled) pdl_wait();
+    if (ck.empty) {
+        cp_async_wait_all();
+        return;
+    }
+    bool late = false; // the prologue's keys of this step (rare: a chunk of fewer than ~STAGES x 64 keys)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        const int t0 = first + i * kMmaTile;
+        if (t0 < ke && t0 + kMmaKeys > settled_end) {
+            issue(i, pre[i], settled_end, INT_MAX);
+            late = true;
+        }
+    }
+    if (late) {
+        cp_async_commit();
+        cp_async_wait_all();
+    }
+    if (warp == 0) { // Q's A fragments, as paged_decode_mma_kernel
+#pragma unroll
+        for (int st = 0; st < KS; ++st) {
+            uint32_t f[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = g + 8 * h;
+                const T *qr = a.q + t * a.q_s0 + int64_t(kvh * group + r) * a.q_s1 + c * (HD / 4) + 4 * st;
+                f[h] = r < group ? *reinterpret_cast<const uint32_t *>(qr) : 0u;
+                f[2 + h] = r < group ? *reinterpret_cast<const uint32_t *>(qr + 2) : 0u;
+            }
+            qfrag[st][lane] = make_uint4(f[0], f[1], f[2], f[3]);
+        }
+    }
+    __syncthreads();
+    float acc[NT][4];
+#pragma unroll
+    for (int d = 0; d < NT; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; // rows g, g + 8: running max and this lane's sum
+    int ahead = slot_of(first + (STAGES - 1) * kMmaTile);  // cache rows of the step issued next
+    for (int i = 0; first + i * kMmaTile < ke; ++i) {
+        const int t0 = first + i * kMmaTile, tn = t0 + (STAGES - 1) * kMmaTile;
+        if (tn < ke) {
+            const int slot = ahead;
+            ahead = slot_of(tn + kMmaTile); // looked up now, used next step
+            issue(i + STAGES - 1, slot, INT_MIN, INT_MAX);
+        }
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>(); // step i's group is done (this lane's copies)
+        __syncwarp();                // and every lane's
+        const unsigned char *ks = mine + (i % STAGES) * STAGE, *vs = ks + kMmaKeys * PITCH;
+        uint32_t kr[2][KW];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const uint4 *src = reinterpret_cast<const uint4 *>(ks + (8 * j + g) * PITCH + c * (HD / 4) * 2);
+#pragma unroll
+            for (int w = 0; w < KW / 4; ++w) {
+                const uint4 u = src[w];
+                kr[j][4 * w] = u.x, kr[j][4 * w + 1] = u.y, kr[j][4 * w + 2] = u.z, kr[j][4 * w + 3] = u.w;
+            }
+        }
+        float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+        for (int st = 0; st < KS; ++st) {
+            const uint4 q4 = qfrag[st][lane];
+            const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+            for (int j = 0; j < 2; ++j) mma16816<T>(sc[j], qa, kr[j][2 * st], kr[j][2 * st + 1]);
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool in = t0 + 8 * j + 2 * c + (e & 1) < ke;
+                sc[j][e] = in ? sc[j][e] * a.scale_log2 : -INFINITY;
+                mx[e >> 1] = fmaxf(mx[e >> 1], sc[j][e]); // fmaxf skips NaN scores; exp2f turns them into NaN
+            }
+        float corr[2], m_ref[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(all, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(all, mx[h], 2));
+            const float m_new = fmaxf(m[h], mx[h]);
+            m_ref[h] = m_new == -INFINITY ? 0.f : m_new; // avoid -inf - -inf
+            corr[h] = exp2f(m[h] - m_ref[h]);
+            m[h] = m_new;
+            l[h] *= corr[h];
+        }
+        float p[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                p[j][e] = exp2f(sc[j][e] - m_ref[e >> 1]);
+                l[e >> 1] += p[j][e];
+            }
+        const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
+                                pack2<T>(p[1][2], p[1][3])};
+        uint32_t vr[4][VW];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int key = 2 * c + (q & 1) + 8 * (q >> 1);
+            const uint4 *src = reinterpret_cast<const uint4 *>(vs + key * PITCH + g * (HD / 8) * 2);
+#pragma unroll
+            for (int w = 0; w < VW / 4; ++w) {
+                const uint4 u = src[w];
+                vr[q][4 * w] = u.x, vr[q][4 * w + 1] = u.y, vr[q][4 * w + 2] = u.z, vr[q][4 * w + 3] = u.w;
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < NT; ++d) {
+            acc[d][0] *= corr[0], acc[d][1] *= corr[0], acc[d][2] *= corr[1], acc[d][3] *= corr[1];
+            const unsigned sel = d & 1 ? 0x7632u : 0x5410u; // dim d of the pieces: high or low halves
+            const uint32_t b0 = __byte_perm(vr[0][d / 2], vr[1][d / 2], sel);
+            const uint32_t b1 = __byte_perm(vr[2][d / 2], vr[3][d / 2], sel);
+            mma16816<T>(acc[d], pa, b0, b1);
+        }
+        __syncwarp(); // the stage is read before a later step's copies overwrite it
+    }
+    cp_async_wait_all(); // the empty groups past the chunk
+#pragma unroll
+    for (int h = 0; h < 2; ++h) { // a row's sum over the four lanes of its keys
+        l[h] += __shfl_xor_sync(all, l[h], 1);
+        l[h] += __shfl_xor_sync(all, l[h], 2);
+    }
+    __syncthreads(); // every warp is done with its stages: they hold the accumulators now
+    auto &wacc = *reinterpret_cast<float(*)[kMmaWarps][kMmaRows][HD]>(smem);
+    if (c == 0) wm[warp][g] = m[0], wl[warp][g] = l[0], wm[warp][g + 8] = m[1], wl[warp][g + 8] = l[1];
+#pragma unroll
+    for (int d = 0; d < NT; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
+    __syncthreads();
+    merge_warps(a, wm, wl, wacc, kvh, group, t);
+}
+
 // Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
 // row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
@@ -677,6 +894,15 @@ void launch_decode_mma(const PagedArgs<T> &a, int B, Device device, cudaStream_t
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
+template <typename T, int HD, bool WINDOW, int STAGES>
+void launch_decode_pipe(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
+    constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES>());
+    opt_in_smem<paged_decode_pipe_kernel<T, HD, WINDOW, STAGES>>(smem, device.index);
+    launch_pdl(paged_decode_pipe_kernel<T, HD, WINDOW, STAGES>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
+               dim3(kMmaWarps * 32), smem, stream, device.index, a);
+    launch_combine<T, WINDOW>(a, B, device, stream);
+}
+
 template <typename T, int HD>
 void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     constexpr size_t smem = flash_tc::tc_smem_bytes<HD>();
@@ -702,6 +928,18 @@ bool decode_mma_enabled() {
         return e == nullptr || std::strcmp(e, "0") != 0;
     }();
     return on;
+}
+
+// Shared-memory stages of the tensor-core decode kernel: 2-4 run paged_decode_pipe_kernel with that many,
+// 0 keeps paged_decode_mma_kernel (LLAISYS_DECODE_STAGES, read once; an A/B switch for benchmarks).
+int decode_stages() {
+    static const int stages = [] {
+        const char *e = std::getenv("LLAISYS_DECODE_STAGES");
+        if (e == nullptr) return 3;
+        const long v = std::strtol(e, nullptr, 10);
+        return v >= 2 && v <= 4 ? int(v) : 0;
+    }();
+    return stages;
 }
 
 } // namespace
@@ -766,6 +1004,13 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                 if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
             }
             if constexpr (sizeof(D) == 2) {
+                const int st = mma ? decode_stages() : 0;
+                if (st == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2>(a, bi, out.device(), stream);
+                if (st == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
+                if (st == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
+                if (st == 3) return launch_decode_pipe<D, 128, W, 3>(a, bi, out.device(), stream);
+                if (st == 4 && hd == 64) return launch_decode_pipe<D, 64, W, 4>(a, bi, out.device(), stream);
+                if (st == 4) return launch_decode_pipe<D, 128, W, 4>(a, bi, out.device(), stream);
                 if (mma && hd == 64) return launch_decode_mma<D, 64, W>(a, bi, out.device(), stream);
                 if (mma) return launch_decode_mma<D, 128, W>(a, bi, out.device(), stream);
             }
