@@ -847,18 +847,27 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     }
 }
 
-// Splits each sequence's keys until about four blocks per SM are busy (a decode batch smaller than the
-// GPU); a large batch or a prefill has blocks enough already. Planned from the host-known sizes only.
-// LLAISYS_SPLIT_BLOCKS_PER_SM overrides the 4 (read once; an A/B knob for benchmarks).
-int plan_splits(int64_t blocks, int64_t capacity, int granule, int device) {
-    static const int64_t per_sm = [] {
+// Splits each sequence's keys so that the GPU is busy: a large batch or a prefill has blocks enough
+// already. Planned from the host-known sizes only. resident > 0 (the pipelined decode kernel): that many
+// of its blocks fit on an SM at once, and the split fills at most one wave of them - keys split further
+// would start a second wave, and a chunk's fixed cost (its block's start, the combine kernel) buys
+// nothing there; at 256 rows x 512 keys of the 1.5B shape one chunk a sequence took 48.9 us, two 64.9
+// (session 33, H200). resident = 0: about four blocks per SM (the other kernels).
+// LLAISYS_SPLIT_BLOCKS_PER_SM=N overrides either with N blocks per SM (read once; an A/B knob).
+int plan_splits(int64_t blocks, int64_t capacity, int granule, int device, int resident = 0) {
+    static const int64_t per_sm_env = [] {
         const char *e = std::getenv("LLAISYS_SPLIT_BLOCKS_PER_SM");
         const long v = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
-        return v > 0 ? int64_t(v) : int64_t(4);
+        return v > 0 ? int64_t(v) : int64_t(0);
     }();
-    const int64_t want = per_sm * int64_t(sm_count(device));
+    const int64_t cap = std::min(int64_t(kMaxSplits), ceil_div(capacity, granule));
+    if (per_sm_env == 0 && resident > 0) {
+        const int64_t slots = int64_t(resident) * sm_count(device);
+        return int(std::max<int64_t>(1, std::min(slots / blocks, cap)));
+    }
+    const int64_t want = (per_sm_env > 0 ? per_sm_env : 4) * int64_t(sm_count(device));
     if (blocks >= want) return 1;
-    return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, granule)})));
+    return int(std::max<int64_t>(1, std::min(ceil_div(want, blocks), cap)));
 }
 
 template <typename T, bool WINDOW>
@@ -903,6 +912,26 @@ void launch_decode_pipe(const PagedArgs<T> &a, int B, Device device, cudaStream_
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
+// Blocks of paged_decode_pipe_kernel<.., HD, .., STAGES> an SM of `device` holds at once (its shared
+// memory decides), asked of the runtime once per process (every GPU of a machine is the same model).
+template <int HD, int STAGES>
+int pipe_resident(int device) {
+    static const int n = [device] {
+        const auto kernel = paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES>;
+        constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES>());
+        opt_in_smem<paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES>>(smem, device);
+        int blocks = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMmaWarps * 32, smem));
+        return std::max(1, blocks);
+    }();
+    return n;
+}
+
+int pipe_resident(int hd, int stages, int device) {
+    if (hd == 64) return stages == 2 ? pipe_resident<64, 2>(device) : stages == 3 ? pipe_resident<64, 3>(device) : pipe_resident<64, 4>(device);
+    return stages == 2 ? pipe_resident<128, 2>(device) : stages == 3 ? pipe_resident<128, 3>(device) : pipe_resident<128, 4>(device);
+}
+
 template <typename T, int HD>
 void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     constexpr size_t smem = flash_tc::tc_smem_bytes<HD>();
@@ -935,7 +964,7 @@ bool decode_mma_enabled() {
 int decode_stages() {
     static const int stages = [] {
         const char *e = std::getenv("LLAISYS_DECODE_STAGES");
-        if (e == nullptr) return 3;
+        if (e == nullptr) return 2;
         const long v = std::strtol(e, nullptr, 10);
         return v >= 2 && v <= 4 ? int(v) : 0;
     }();
@@ -982,7 +1011,9 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
-    const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index);
+    const int stages = mma ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
+    const int resident = stages > 0 ? pipe_resident(int(hd), stages, out.device().index) : 0;
+    const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
     if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
@@ -1004,7 +1035,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                 if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
             }
             if constexpr (sizeof(D) == 2) {
-                const int st = mma ? decode_stages() : 0;
+                const int st = stages;
                 if (st == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2>(a, bi, out.device(), stream);
                 if (st == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
                 if (st == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
