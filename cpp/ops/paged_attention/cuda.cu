@@ -959,16 +959,17 @@ bool decode_mma_enabled() {
     return on;
 }
 
-// Shared-memory stages of the tensor-core decode kernel: 2-4 run paged_decode_pipe_kernel with that many,
-// 0 keeps paged_decode_mma_kernel (LLAISYS_DECODE_STAGES, read once; an A/B switch for benchmarks).
-int decode_stages() {
-    static const int stages = [] {
+// Shared-memory stages of the tensor-core decode kernel for head dim hd: 2 for 64 (five blocks an SM) and 3
+// for 128 (two), the faster of 2-4 at 64 and 256 rows of 512 and 2048 keys (session 33, H200, bench_ops).
+// LLAISYS_DECODE_STAGES=2..4 sets them for both, 0 keeps paged_decode_mma_kernel (read once; an A/B switch).
+int decode_stages(int64_t hd) {
+    static const int forced = [] {
         const char *e = std::getenv("LLAISYS_DECODE_STAGES");
-        if (e == nullptr) return 2;
+        if (e == nullptr) return -1;
         const long v = std::strtol(e, nullptr, 10);
         return v >= 2 && v <= 4 ? int(v) : 0;
     }();
-    return stages;
+    return forced >= 0 ? forced : hd == 64 ? 2 : 3;
 }
 
 } // namespace
@@ -1011,7 +1012,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
-    const int stages = mma ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
+    const int stages = mma ? decode_stages(hd) : 0; // > 0: paged_decode_pipe_kernel
     const int resident = stages > 0 ? pipe_resident(int(hd), stages, out.device().index) : 0;
     const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
