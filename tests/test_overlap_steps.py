@@ -426,3 +426,27 @@ def test_chained_while_submitted_requests_wait_in_the_loop(tiny):
     s = eng.stats()
     assert s["kv_blocks_used"] == 0 and s["running"] == 0
     eng.close()
+
+
+def test_host_seconds_counts_each_interval_once(tiny):
+    """EngineCore.host_seconds (the host us per sequence per step of bench/throughput.py): its parts are disjoint
+    intervals of the loop thread, so with the runner's time (launches and the waits for the device, less the
+    arrays counted on the host side) they add up to no more than the caller's wall time; an overlapped step's
+    accounting is in its to_return_s and counted once (before session 33 it was also added as postprocess_s)."""
+    import time
+    eng = engine(tiny, "cpu", True)
+    core = eng._core
+    ps = prompts(eng.config.vocab_size, [5, 9, 30, 12, 7, 21], seed=3)
+    eng.generate(ps, max_new_tokens=2, ignore_eos=True)  # warm-up
+    core.timing.update(dict.fromkeys(core.timing, 0))
+    core.runner.prepare_s = 0.0
+    t = time.perf_counter()
+    eng.generate(ps, max_new_tokens=40, ignore_eos=True)
+    wall = time.perf_counter() - t
+    tm = core.timing
+    assert tm["overlapped"] > 20 and tm["overlapped_postprocess_s"] > 0
+    assert tm["overlapped_postprocess_s"] <= tm["postprocess_s"] and tm["overlapped_postprocess_s"] <= tm["to_return_s"]
+    host = core.host_seconds()
+    assert 0 < host
+    assert host + tm["run_s"] - core.runner.prepare_s <= wall
+    eng.close()

@@ -69,6 +69,8 @@ class EngineCore:
         # bench/structured.py
         self.timing.update(dict.fromkeys(("overlapped", "to_return_s", "deferred", "to_sample_s", "betweens",
                                           "between_s", "consume_s"), 0))
+        # the accounting of overlapped steps: their part of postprocess_s, inside their to_return_s (host_seconds)
+        self.timing["overlapped_postprocess_s"] = 0
         self._returned = None  # when an overlapped step() last returned (for between_s)
         self._t_tokens = 0.0  # when the tokens that started the pending deferred masks came (for to_sample_s)
 
@@ -175,7 +177,9 @@ class EngineCore:
             self._drain()
             raise
         self._t_tokens = t_tokens
+        pp = self.timing["postprocess_s"]
         produced = self._account(step, tokens, t0, t1)
+        self.timing["overlapped_postprocess_s"] += self.timing["postprocess_s"] - pp
         if self.runner.deferred is not None and not self.runner.masks_started:  # not a _account_batch step
             self._start_masks()
         t = self.timing
@@ -183,6 +187,15 @@ class EngineCore:
         t["overlapped"] += 1
         t["to_return_s"] += self._returned - t_tokens
         return produced, []
+
+    def host_seconds(self) -> float:
+        """The loop thread's Python time on steps so far (from `timing`; read by benchmarks): scheduling, the
+        step arrays (ModelRunner.prepare_s), the accounting, the rest of an overlapped step() after its tokens
+        and the loop's delivery between overlapped steps; not the runner's C++ launches nor the waits for the
+        device. Each interval counted once: an overlapped step's accounting is part of its to_return_s."""
+        t = self.timing
+        return (t["schedule_s"] + self.runner.prepare_s + t["postprocess_s"] - t["overlapped_postprocess_s"] +
+                t["to_return_s"] + t["between_s"])
 
     def settle(self) -> bool:
         """Enqueues the sampling of a chained step still waiting for its masks (_start_masks), or, when they
