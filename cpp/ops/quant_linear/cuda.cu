@@ -420,41 +420,36 @@ __global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
 
 // out [n, K] = rows ids[i] of W [V, K] decoded (embedding; an id outside [0, V) sets the device error
 // flag and zero-fills its row), or rows i when ids is null (dequantize, the M > 8 path's dense copy of W).
-// Launch: flat over the n * K / 32 sub-blocks of 32 weights, 256 a block (kDecodeThreads); each thread decodes
-// one and stores it with 16-byte writes where the row allows. (One block a row, as before session 33, ran
-// blocks of 48 threads for K = 1536: at 256 rows of the 1.5B Q4_K_M a step decoded ~650k such blocks, 2.2 ms,
-// ~1.75 TB/s of reads and writes together.) A plain launch, never PDL: a model reuses one out buffer for
+// Launch: one block per output row; each thread decodes sub-blocks of 32 weights and stores them with
+// 16-byte writes where the row allows. A plain launch, never PDL: a model reuses one out buffer for
 // weight after weight, so this kernel must not start writing while the GEMM ahead still reads it.
-constexpr int kDecodeThreads = 256;
-
 template <class F, typename T, typename Id>
-__global__ void __launch_bounds__(kDecodeThreads) decode_rows_kernel(T *__restrict__ out, const Id *__restrict__ ids,
-                                                                   const uint8_t *__restrict__ w, int64_t row_bytes,
-                                                                   int64_t n, int64_t V, int64_t K, int *error_flag) {
-    const int64_t subs = K / 32, g = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x;
-    if (g >= n * subs) return;
-    const int64_t i = g / subs, s = g % subs, r = ids ? int64_t(ids[i]) : i;
-    T *o = out + i * K + s * 32;
-    constexpr int kVec = int(32 * sizeof(T) / 16); // 16-byte words per sub-block
-    union {
-        T v[32];
-        uint4 u[kVec];
-    } vals;
+__global__ void decode_rows_kernel(T *__restrict__ out, const Id *__restrict__ ids, const uint8_t *__restrict__ w,
+                                   int64_t row_bytes, int64_t V, int64_t K, int *error_flag) {
+    const int64_t i = blockIdx.x, r = ids ? int64_t(ids[i]) : i;
+    T *dst = out + i * K;
     if (r < 0 || r >= V) {
-        if (s == 0) *error_flag = kIdOutOfRange;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) vals.v[j] = from_f32<T>(0.f);
-    } else {
+        if (threadIdx.x == 0) *error_flag = kIdOutOfRange;
+        for (int64_t k = threadIdx.x; k < K; k += blockDim.x) dst[k] = from_f32<T>(0.f);
+        return;
+    }
+    constexpr int kVec = int(32 * sizeof(T) / 16); // 16-byte words per sub-block
+    for (int64_t s = threadIdx.x; s < K / 32; s += blockDim.x) {
         const Sub32 sub = F::sub(w + r * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
+        union {
+            T v[32];
+            uint4 u[kVec];
+        } vals;
 #pragma unroll
         for (int j = 0; j < 32; ++j) vals.v[j] = from_f32<T>(decode<F>(sub, j));
-    }
-    if (reinterpret_cast<uintptr_t>(o) % 16 == 0) {
+        T *o = dst + s * 32;
+        if (reinterpret_cast<uintptr_t>(o) % 16 == 0) {
 #pragma unroll
-        for (int c = 0; c < kVec; ++c) reinterpret_cast<uint4 *>(o)[c] = vals.u[c];
-    } else {
+            for (int c = 0; c < kVec; ++c) reinterpret_cast<uint4 *>(o)[c] = vals.u[c];
+        } else {
 #pragma unroll
-        for (int j = 0; j < 32; ++j) o[j] = vals.v[j];
+            for (int j = 0; j < 32; ++j) o[j] = vals.v[j];
+        }
     }
 }
 
@@ -542,13 +537,12 @@ template <typename T, typename Id>
 void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMatrix &w) {
     const int64_t n = out.size(0), K = w.cols();
     LLAISYS_CHECK(n <= INT32_MAX, std::invalid_argument, op, ": too many rows for one launch: ", n);
-    const int64_t blocks = ceil_div(n * (K / 32), int64_t(kDecodeThreads));
-    LLAISYS_CHECK(blocks <= INT32_MAX, std::invalid_argument, op, ": too many weights for one launch: ", n * K);
+    const int threads = int(std::min<int64_t>(256, ceil_div(K / 32, 32) * 32));
     dispatch_format(w.format(), [&](auto f) {
         using F = decltype(f);
         check_aligned<F>(op, w);
-        decode_rows_kernel<F, device_t<T>, Id><<<unsigned(blocks), kDecodeThreads, 0, stream_of(out)>>>(
-            dptr<T>(out), ids, w.bytes().data_as<uint8_t>(), w.row_bytes(), n, w.rows(), K,
+        decode_rows_kernel<F, device_t<T>, Id><<<unsigned(n), threads, 0, stream_of(out)>>>(
+            dptr<T>(out), ids, w.bytes().data_as<uint8_t>(), w.row_bytes(), w.rows(), K,
             ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr);
         CUDA_CHECK_LAUNCH();
     });
