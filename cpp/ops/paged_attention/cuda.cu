@@ -928,8 +928,8 @@ int pipe_resident(int device) {
 }
 
 int pipe_resident(int hd, int stages, int device) {
-    if (hd == 64) return stages == 2 ? pipe_resident<64, 2>(device) : stages == 3 ? pipe_resident<64, 3>(device) : pipe_resident<64, 4>(device);
-    return stages == 2 ? pipe_resident<128, 2>(device) : stages == 3 ? pipe_resident<128, 3>(device) : pipe_resident<128, 4>(device);
+    if (hd == 64) return stages == 2 ? pipe_resident<64, 2>(device) : pipe_resident<64, 3>(device);
+    return stages == 2 ? pipe_resident<128, 2>(device) : pipe_resident<128, 3>(device);
 }
 
 template <typename T, int HD>
@@ -959,17 +959,19 @@ bool decode_mma_enabled() {
     return on;
 }
 
-// Shared-memory stages of the tensor-core decode kernel for head dim hd: 2 for 64 (five blocks an SM) and 3
-// for 128 (two), the faster of 2-4 at 64 and 256 rows of 512 and 2048 keys (session 33, H200, bench_ops).
-// LLAISYS_DECODE_STAGES=2..4 sets them for both, 0 keeps paged_decode_mma_kernel (read once; an A/B switch).
-int decode_stages(int64_t hd) {
-    static const int forced = [] {
+// Shared-memory stages of the tensor-core decode kernel: 2 (five blocks an SM for head dim 64, three for
+// 128). Three stages (three and two blocks an SM) were faster for head dim 128 in bench_ops at 256 rows of 512
+// and 2048 keys but not in the nano-vllm protocol of the 1.5B shape (28,244 output tok/s with two, 27,997 with
+// three, same call); four were slower everywhere (session 33, H200). LLAISYS_DECODE_STAGES=3 sets three, 0
+// keeps paged_decode_mma_kernel (read once; an A/B switch for benchmarks).
+int decode_stages() {
+    static const int stages = [] {
         const char *e = std::getenv("LLAISYS_DECODE_STAGES");
-        if (e == nullptr) return -1;
+        if (e == nullptr) return 2;
         const long v = std::strtol(e, nullptr, 10);
-        return v >= 2 && v <= 4 ? int(v) : 0;
+        return v == 2 || v == 3 ? int(v) : 0;
     }();
-    return forced >= 0 ? forced : hd == 64 ? 2 : 3;
+    return stages;
 }
 
 } // namespace
@@ -1012,7 +1014,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
-    const int stages = mma ? decode_stages(hd) : 0; // > 0: paged_decode_pipe_kernel
+    const int stages = mma ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
     const int resident = stages > 0 ? pipe_resident(int(hd), stages, out.device().index) : 0;
     const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
@@ -1041,8 +1043,6 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                 if (st == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
                 if (st == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
                 if (st == 3) return launch_decode_pipe<D, 128, W, 3>(a, bi, out.device(), stream);
-                if (st == 4 && hd == 64) return launch_decode_pipe<D, 64, W, 4>(a, bi, out.device(), stream);
-                if (st == 4) return launch_decode_pipe<D, 128, W, 4>(a, bi, out.device(), stream);
                 if (mma && hd == 64) return launch_decode_mma<D, 64, W>(a, bi, out.device(), stream);
                 if (mma) return launch_decode_mma<D, 128, W>(a, bi, out.device(), stream);
             }
