@@ -406,188 +406,28 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 // Decode steps on tensor cores (16-bit K/V, head dim 64 or 128, a GQA group of at most 16 query heads).
 // The kernel above spends ~17 shuffles and ~64 FMAs a key on CUDA cores and moved ~1 TB/s at batch 256
 // (session 28); here each warp takes 16 keys a step and does Q K^T and P V as mma.sync m16n8k16 (the group's
-// query rows are the M = 16 rows, padded with zero rows), so a key costs a few instructions and the loads
-// are 16-byte pieces of K/V rows straight into the fragments (no shared memory):
+// query rows are the M = 16 rows, padded with zero rows), so a key costs a few instructions; a lane reads its
+// fragments as 16-byte pieces of the K/V rows:
 //   lane (g = lane / 4, c = lane % 4). Q K^T: the k index is a permutation of the head's dims (the dot
 //   product is the same in any order): k-step s takes dims c * HD/4 + 4 s + 0..3 at lane c, so a lane's B
 //   fragments for key n = g of n-tile j (key 8 j + g of the step) are one contiguous HD/4-dim piece of that
 //   K row, and its A fragments the same dims of query rows g and g + 8.
 //   P V: S's accumulator layout is P's A fragment (keys 2c, 2c+1 | 8+2c, 9+2c); output column n of n-tile
-//   d is dim n * HD/8 + d, so a lane's V loads are the HD/8-dim piece at g * HD/8 of its four keys' rows,
+//   d is dim n * HD/8 + d, so a lane's V reads are the HD/8-dim piece at g * HD/8 of its four keys' rows,
 //   paired into B fragments with a byte permute.
 // The online softmax keeps f32 (max, sum) per row; P is rounded to the 16-bit type for the P V product (as
 // flash attention does). The 4 warps' results merge through shared memory as in paged_decode_kernel, into
 // out or the partials paged_combine_kernel merges.
-constexpr int kMmaWarps = 4, kMmaKeys = 16, kMmaTile = kMmaWarps * kMmaKeys, kMmaRows = 16;
-
-template <int N>
-__device__ __forceinline__ void load_words(uint32_t (&w)[N], const void *p) { // N / 4 16-byte loads
-    static_assert(N % 4 == 0, "16-byte pieces");
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p) + i);
-        w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
-    }
-}
-
-template <typename T, int HD, bool WINDOW>
-__global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode_mma_kernel(const PagedArgs<T> a) {
-    constexpr unsigned all = 0xffffffffu;
-    constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
-    __shared__ float wm[kMmaWarps][kMmaRows], wl[kMmaWarps][kMmaRows];
-    __shared__ __align__(16) float wacc[kMmaWarps][kMmaRows][HD];
-    __shared__ uint4 qfrag[KS][32];
-    pdl_trigger();
-    if (!a.settled) pdl_wait();
-    const DecodeChunk ck = decode_chunk<kMmaTile, WINDOW>(a);
-    const int group = ck.group, kvh = ck.kvh, kb = ck.kb, ke = ck.ke, t = ck.s.q0;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3;
-    const int64_t row_elems = int64_t(a.nkvh) * HD;
-    const T *kp = a.k + int64_t(kvh) * HD + c * (HD / 4), *vp = a.v + int64_t(kvh) * HD + g * (HD / 8);
-    // This warp's keys [t0, t0 + 16) of a step: lane l looks up key l % 16's cache row; a lane reads K of
-    // keys g and 8 + g, V of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. Only keys in [lo, hi) are read by a call; keys
-    // past the chunk are never read and are zero (V = 0 so that p = 0 adds nothing, not 0 * NaN).
-    uint32_t kr[2][KW], vr[4][VW];
-    int t0 = kb + warp * kMmaKeys;
-    const auto slot_of = [&](int t) {
-        const int mine = t + (lane & 15);
-        return mine < ke ? cache_row(a, ck.table, mine) : 0;
-    };
-    const auto load_k = [&](int t, int slot, int lo, int hi) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int key = 8 * j + g, row = __shfl_sync(all, slot, key);
-            if (t + key >= ke) {
-#pragma unroll
-                for (int w = 0; w < KW; ++w) kr[j][w] = 0;
-            } else if (t + key >= lo && t + key < hi) {
-                load_words(kr[j], kp + int64_t(row) * row_elems);
-            }
-        }
-    };
-    const auto load_v = [&](int t, int slot, int lo, int hi) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int key = 2 * c + (i & 1) + 8 * (i >> 1), row = __shfl_sync(all, slot, key);
-            if (t + key >= ke) {
-#pragma unroll
-                for (int w = 0; w < VW; ++w) vr[i][w] = 0;
-            } else if (t + key >= lo && t + key < hi) {
-                load_words(vr[i], vp + int64_t(row) * row_elems);
-            }
-        }
-    };
-    // The first step's keys from before this step: with settled history they load while the kernel ahead
-    // (the one that writes this step's keys) still runs.
-    const int settled_end = ck.s.kv - ck.s.qlen, slot0 = slot_of(t0);
-    load_k(t0, slot0, INT_MIN, settled_end);
-    load_v(t0, slot0, INT_MIN, settled_end);
-    if (a.settled) pdl_wait();
-    if (ck.empty) return;
-    load_k(t0, slot0, settled_end, INT_MAX);
-    load_v(t0, slot0, settled_end, INT_MAX);
-    // Q's A fragments (rows g and g + 8 of the group, zero past it; the lane's dims of every k-step), the
-    // same for every warp: written once to shared memory and read there each step (registers are what
-    // limits how many blocks an SM holds)
-    if (warp == 0) {
-#pragma unroll
-        for (int st = 0; st < KS; ++st) {
-            uint32_t f[4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = g + 8 * h;
-                const T *qr = a.q + t * a.q_s0 + int64_t(kvh * group + r) * a.q_s1 + c * (HD / 4) + 4 * st;
-                f[h] = r < group ? *reinterpret_cast<const uint32_t *>(qr) : 0u;
-                f[2 + h] = r < group ? *reinterpret_cast<const uint32_t *>(qr + 2) : 0u;
-            }
-            qfrag[st][lane] = make_uint4(f[0], f[1], f[2], f[3]);
-        }
-    }
-    __syncthreads();
-    float acc[NT][4];
-#pragma unroll
-    for (int d = 0; d < NT; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; // rows g, g + 8: running max and this lane's sum
-    // A step's loads overlap the step before: the next keys' cache rows are looked up first, their K rows
-    // load once Q K^T has consumed kr, their V rows once P V has consumed vr (no extra registers).
-    while (t0 < ke) {
-        const int tn = t0 + kMmaTile, slot_n = slot_of(tn);
-        float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
-#pragma unroll
-        for (int st = 0; st < KS; ++st) {
-            const uint4 q4 = qfrag[st][lane];
-            const uint32_t qa[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-            for (int j = 0; j < 2; ++j) mma16816<T>(sc[j], qa, kr[j][2 * st], kr[j][2 * st + 1]);
-        }
-        if (tn < ke) load_k(tn, slot_n, INT_MIN, INT_MAX);
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool in = t0 + 8 * j + 2 * c + (e & 1) < ke;
-                sc[j][e] = in ? sc[j][e] * a.scale_log2 : -INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], sc[j][e]); // fmaxf skips NaN scores; exp2f turns them into NaN
-            }
-        float corr[2], m_ref[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(all, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(all, mx[h], 2));
-            const float m_new = fmaxf(m[h], mx[h]);
-            m_ref[h] = m_new == -INFINITY ? 0.f : m_new; // avoid -inf - -inf
-            corr[h] = exp2f(m[h] - m_ref[h]);
-            m[h] = m_new;
-            l[h] *= corr[h];
-        }
-        float p[2][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                p[j][e] = exp2f(sc[j][e] - m_ref[e >> 1]);
-                l[e >> 1] += p[j][e];
-            }
-        const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
-                                pack2<T>(p[1][2], p[1][3])};
-#pragma unroll
-        for (int d = 0; d < NT; ++d) {
-            acc[d][0] *= corr[0], acc[d][1] *= corr[0], acc[d][2] *= corr[1], acc[d][3] *= corr[1];
-            const unsigned sel = d & 1 ? 0x7632u : 0x5410u; // dim d of the pieces: high or low halves
-            const uint32_t b0 = __byte_perm(vr[0][d / 2], vr[1][d / 2], sel);
-            const uint32_t b1 = __byte_perm(vr[2][d / 2], vr[3][d / 2], sel);
-            mma16816<T>(acc[d], pa, b0, b1);
-        }
-        if (tn < ke) load_v(tn, slot_n, INT_MIN, INT_MAX);
-        t0 = tn;
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) { // a row's sum over the four lanes of its keys
-        l[h] += __shfl_xor_sync(all, l[h], 1);
-        l[h] += __shfl_xor_sync(all, l[h], 2);
-    }
-    if (c == 0) wm[warp][g] = m[0], wl[warp][g] = l[0], wm[warp][g + 8] = m[1], wl[warp][g + 8] = l[1];
-#pragma unroll
-    for (int d = 0; d < NT; ++d)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
-    __syncthreads();
-    merge_warps(a, wm, wl, wacc, kvh, group, t);
-}
-
-// Decode steps on tensor cores with the keys staged through shared memory (the default where the kernel
-// above applies; LLAISYS_DECODE_STAGES=0 keeps that one). paged_decode_mma_kernel loads a step's K/V rows
-// straight into registers one step ahead, so a warp has ~4 KB (hd 64) in flight and waits a memory latency
-// every step: at 256 rows x 600 keys it moved 2.1-2.3 TB/s of an H200's ~4.8 (session 31). Here each warp
-// owns STAGES shared-memory stages of its 16 keys' K and V rows and keeps STAGES - 1 steps of cp.async in
-// flight while it computes on the oldest: no block barrier in the key loop, the same fragments (read from
-// the stage instead of global memory), the same math, scores and sums in the same order. Cache rows are
-// looked up one step before their copies are issued. A stage's rows are padded by 16 bytes (no bank
+// The K/V rows come through shared memory: each warp owns STAGES stages of its 16 keys' K and V rows and keeps
+// STAGES - 1 steps of cp.async in flight while it computes on the oldest, with no block barrier in the key
+// loop; cache rows are looked up one step before their copies are issued. (Session 32's kernel loaded the
+// next step's rows straight into the fragment registers: ~4 KB in flight a warp for hd 64, a memory latency
+// waited every step, 2.1-2.3 TB/s at 256 rows x 600 keys on an H200; this one, 2.5-3.3 TB/s at 256 rows of
+// 512-2048 keys and the nano-vllm protocol +7-9%, session 33.) A stage's rows are padded by 16 bytes (no bank
 // conflicts for hd 64's fragment reads). After the loop the stages hold the warps' accumulators for
 // merge_warps.
+constexpr int kMmaWarps = 4, kMmaKeys = 16, kMmaTile = kMmaWarps * kMmaKeys, kMmaRows = 16;
+
 constexpr int kPipePad = 16; // bytes after each staged K/V row
 
 template <int HD>
@@ -676,7 +516,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const
         cp_async_commit();
         cp_async_wait_all();
     }
-    if (warp == 0) { // Q's A fragments, as paged_decode_mma_kernel
+    if (warp == 0) { // Q's A fragments (rows g and g + 8 of the group, zero past it), the same for every warp
 #pragma unroll
         for (int st = 0; st < KS; ++st) {
             uint32_t f[4];
@@ -896,13 +736,6 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-template <typename T, int HD, bool WINDOW>
-void launch_decode_mma(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    launch_pdl(paged_decode_mma_kernel<T, HD, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
-               dim3(kMmaWarps * 32), 0, stream, device.index, a);
-    launch_combine<T, WINDOW>(a, B, device, stream);
-}
-
 template <typename T, int HD, bool WINDOW, int STAGES>
 void launch_decode_pipe(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES>());
@@ -962,14 +795,12 @@ bool decode_mma_enabled() {
 // Shared-memory stages of the tensor-core decode kernel: 2 (five blocks an SM for head dim 64, three for
 // 128). Three stages (three and two blocks an SM) were faster for head dim 128 in bench_ops at 256 rows of 512
 // and 2048 keys but not in the nano-vllm protocol of the 1.5B shape (28,244 output tok/s with two, 27,997 with
-// three, same call); four were slower everywhere (session 33, H200). LLAISYS_DECODE_STAGES=3 sets three, 0
-// keeps paged_decode_mma_kernel (read once; an A/B switch for benchmarks).
+// three, same call); four were slower everywhere (session 33, H200). LLAISYS_DECODE_STAGES=3 sets three (read
+// once; an A/B switch for benchmarks).
 int decode_stages() {
     static const int stages = [] {
         const char *e = std::getenv("LLAISYS_DECODE_STAGES");
-        if (e == nullptr) return 2;
-        const long v = std::strtol(e, nullptr, 10);
-        return v == 2 || v == 3 ? int(v) : 0;
+        return e != nullptr && std::strtol(e, nullptr, 10) == 3 ? 3 : 2;
     }();
     return stages;
 }
@@ -1043,8 +874,6 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                 if (st == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
                 if (st == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
                 if (st == 3) return launch_decode_pipe<D, 128, W, 3>(a, bi, out.device(), stream);
-                if (mma && hd == 64) return launch_decode_mma<D, 64, W>(a, bi, out.device(), stream);
-                if (mma) return launch_decode_mma<D, 128, W>(a, bi, out.device(), stream);
             }
             if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
             if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
