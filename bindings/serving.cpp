@@ -25,6 +25,15 @@ std::vector<U> to_vector(const Array<T> &a) {
 
 using Tables = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
+// A new NumPy array of `shape` holding a copy of v (its own buffer, freed with the array).
+template <typename T>
+nb::ndarray<nb::numpy, T> owned_array(const std::vector<T> &v, std::initializer_list<size_t> shape) {
+    T *buf = new T[std::max<size_t>(v.size(), 1)];
+    std::copy(v.begin(), v.end(), buf);
+    nb::capsule owner(buf, [](void *p) noexcept { delete[] static_cast<T *>(p); });
+    return nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.begin(), owner);
+}
+
 HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const Array<int64_t> &slots,
                      const Array<int32_t> &q_start, const Array<int32_t> &kv_len, const Tables &tables) {
     HostBatch b;
@@ -231,15 +240,12 @@ void bind_serving(nb::module_ &m) {
         const Runner::FinishedLogprobs &f = r.finished_logprobs();
         if (f.k == 0) return nb::none();
         const size_t R = f.chosen.size(), k = size_t(f.k);
-        std::vector<std::vector<int64_t>> ids(R);
-        std::vector<std::vector<float>> top(R);
-        for (size_t i = 0; i < R; ++i) {
-            ids[i].assign(f.top_ids.begin() + i * k, f.top_ids.begin() + (i + 1) * k);
-            top[i].assign(f.top_lp.begin() + i * k, f.top_lp.begin() + (i + 1) * k);
-        }
-        return nb::make_tuple(f.chosen, ids, top);
-    }, "(chosen_lp [R], top_ids [R][k], top_lp [R][k]) of the step finish() returned last, or None when "
-       "enqueue_logprobs was not called for it.");
+        // NumPy arrays (each owning a copy): the engine keeps them as they are for rows read at their end
+        // (engine/logprobs_log.py), rather than lists of R lists of k Python numbers built every step
+        return nb::make_tuple(owned_array(f.chosen, {R}), owned_array(f.top_ids, {R, k}),
+                              owned_array(f.top_lp, {R, k}));
+    }, "(chosen_lp [R] f32, top_ids [R, k] i64, top_lp [R, k] f32) NumPy arrays of the step finish() returned "
+       "last, or None when enqueue_logprobs was not called for it.");
 
     nb::class_<RankGroup> group(m, "RankGroup",
                                 "The runners of a tensor-parallel group driven as one: one thread per rank (rank_group.hpp).");
