@@ -16,29 +16,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import _core
+
 
 def entries(tokens, ks, chosen, top_ids, top_lp, V: int) -> list[dict]:
     """Logprobs entries of rows: each row's token (ints), its k (ints, or one int for every row), its logprob
     (chosen [R] f32) and its first min(k, V) top ids / logprobs (top_ids [R, K] i64, top_lp [R, K] f32, K >= k),
-    highest first: {"token_id", "logprob", "top": [[id, logprob], ...]}. The [id, logprob] pairs come from one
-    object array's tolist() (Python ints and floats, as tolist() gives them), not a list built per row."""
-    R = len(chosen)
-    if not R:
-        return []
-    uniform = isinstance(ks, int)
-    if not uniform:
-        ks = np.asarray(ks).tolist()
-        uniform = min(ks) == max(ks)
-    n = min(ks if isinstance(ks, int) else max(ks), V, top_ids.shape[1])
-    pairs = np.empty((R, n, 2), object)
-    pairs[..., 0] = top_ids[:, :n]
-    pairs[..., 1] = top_lp[:, :n]
-    tops = pairs.tolist()
-    if not uniform:
-        tops = [t[:k] for t, k in zip(tops, ks)]
+    highest first: {"token_id", "logprob", "top": [[id, logprob], ...]}, Python ints and floats (as tolist()
+    gives them). Built in C++ (_core.logprobs_entries), the containers untracked by the garbage collector: a
+    comprehension of dicts of lists made ~7 tracked containers an entry, walked by every collection while
+    results piled up."""
+    K = min(top_ids.shape[1], V)
+    n = np.minimum(np.atleast_1d(np.asarray(ks, np.int64)), K).tolist()  # one for every row, or each row's
     if isinstance(tokens, np.ndarray):
         tokens = tokens.tolist()
-    return [{"token_id": t, "logprob": lp, "top": top} for t, lp, top in zip(tokens, chosen.tolist(), tops)]
+    return _core.logprobs_entries(tokens, chosen, top_ids, top_lp, n)
 
 
 class LogprobsLog:
