@@ -153,3 +153,33 @@ def test_preempted_rows_read_at_the_end_get_each_entry_once(tiny, overlap):
         same_entries(r.logprobs, lps)
     assert eng.stats()["kv_blocks_used"] == 0
     eng.close()
+
+
+def test_entries_builder_matches_the_python_formula_on_strided_columns():
+    """_core.logprobs_entries (through logprobs_log.entries) on a column of a [steps, rows, k] log: the dicts the
+    Python comprehension of before built from tolist() (same keys, ints, floats, list pairs, first min(k, V)),
+    for one k for every row and a k per row; its containers left to reference counting."""
+    import gc
+
+    from llaisys.engine.logprobs_log import entries
+
+    rng = np.random.default_rng(5)
+    T, R, K = 9, 4, 6
+    ids = rng.integers(0, 1 << 40, (T, R, K))
+    lps = rng.standard_normal((T, R, K)).astype(np.float32)
+    chosen = rng.standard_normal((T, R)).astype(np.float32)
+    tokens = rng.integers(0, 1 << 40, T).tolist()
+
+    def before(ks, V):  # the engine's comprehension before (EngineCore._entries) on host lists
+        return [{"token_id": t, "logprob": lp, "top": list(map(list, zip(i[:min(n, V)], l)))}
+                for t, n, lp, i, l in zip(tokens, ks, chosen[:, 2].tolist(), ids[:, 2].tolist(), lps[:, 2].tolist())]
+
+    for ks, V in ((5, 1000), (3, 2), (0, 1000), ([0, 1, 6, 2, 5, 6, 3, 4, 1], 1000), ([4] * T, 3)):
+        got = entries(tokens, ks, chosen[:, 2], ids[:, 2], lps[:, 2], V)
+        want = before(ks if isinstance(ks, list) else [ks] * T, V)
+        assert got == want
+        assert all(type(p[0]) is int and type(p[1]) is float for e in got for p in e["top"])
+        assert not any(gc.is_tracked(x) for e in got for x in [e, e["top"], *e["top"]])
+    e = got[0]
+    e["more"] = [e]  # a container put in a dict: CPython tracks the dict again, so such a cycle is collected
+    assert gc.is_tracked(e)
