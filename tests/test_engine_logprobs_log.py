@@ -44,7 +44,7 @@ def test_entries_of_rows_read_at_the_end_equal_the_streamed_ones(tiny, overlap):
     request streamed alone, one per token, with the token's id."""
     eng = engine(tiny, "cpu", overlap)
     ps = prompts(eng.config.vocab_size, [4, 19, 33, 7, 12], seed=21)
-    news, ks = [40, 9, 55, 23, 30], [5, 0, 20, 3, 2]
+    news, ks = [40, 9, 20, 33, 30], [5, 0, 20, 3, 2]  # the row with k 20 leaves before two others
     alone = [streamed(eng, p, max_new_tokens=n, temperature=0, logprobs=k, ignore_eos=True)
              for p, n, k in zip(ps, news, ks)]
     stop_at = alone[0][0][15]  # a token the first row samples mid-way: rows that sample it end there

@@ -15,7 +15,7 @@ token on the host and move to `masked` when it fires. Rows with logprobs
 may join: where the runner computes them on the device behind each step (ModelRunner.launch), their steps
 chain like any; else (a tensor-parallel group) a batch holding any runs its steps one at a time (the logprobs
 are then read from the step's logits, which a chained step would overwrite). A quiet row's logprobs stay
-arrays, in the log of the batch's layout (lp_log), until its request ends (engine/logprobs_log.py)."""
+arrays, in the batch's log (lp_log), until its request ends (engine/logprobs_log.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,7 +64,7 @@ class DecodeBatch:
         # (a row with logprobs: its arrays go to lp_log, engine/logprobs_log.py)
         self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None and
                                   (s.params.logprobs is None or s.lp_log is not None) for s in self.seqs), bool, n)
-        self.lp_log = None  # the LogprobsLog of the quiet rows with logprobs, of the layout at its version
+        self.lp_log = None  # the LogprobsLog of its quiet rows with logprobs (EngineCore._log_quiet)
         self._constrained()
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows

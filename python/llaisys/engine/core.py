@@ -346,8 +346,8 @@ class EngineCore:
     def _batch_entries(self, b, version: int, seqs, tokens, rows, ks, quiet, chosen, top_ids, top_lp):
         """The logprobs entries of a batch step's rows, one per row of the step (its layout: seqs; None where
         not asked for), or None where no row gets one, from its logprobs arrays over `rows` (ks: each one's k):
-        those of the rows marked `quiet` (read at their end: Sequence.lp_log) are appended to the log of the
-        batch's layout at `version` (_log_quiet), the others' entries are built. quiet None: none is."""
+        those of the rows marked `quiet` (read at their end: Sequence.lp_log) are appended to the batch's log
+        (_log_quiet), the others' entries are built. quiet None: none is."""
         if quiet is not None and quiet.any():
             self._log_quiet(b, version, seqs, rows, ks, quiet, chosen, top_ids, top_lp)
             if quiet.all():
@@ -362,25 +362,26 @@ class EngineCore:
         return entries
 
     def _log_quiet(self, b, version: int, seqs, rows, ks, quiet, chosen, top_ids, top_lp) -> None:
-        """Appends a batch step's logprobs arrays of its quiet rows to the log of the batch's layout at `version`
-        (b.lp_log; engine/logprobs_log.py), begun at its first step: each quiet row's sequence then gets a Span
-        there, from its output index now (before this step's token is appended). Request.finish builds their
-        entries from it."""
+        """Appends a batch step's logprobs arrays of its quiet rows (the step's layout: seqs, at the batch's
+        `version`) to the batch's log (b.lp_log; engine/logprobs_log.py), begun at its first such step: each
+        quiet row's sequence then gets a Span there, from its output index now (before this step's token is
+        appended). Request.finish builds their entries from it."""
         log = b.lp_log
-        if log is None or log.version != version:
-            sel = np.flatnonzero(quiet)
-            log = b.lp_log = LogprobsLog(version, None if sel.size == quiet.size else sel, sel.size,
-                                         int(ks[sel].max()), self.runner.vocab_size)
-            for q, row in enumerate(rows[sel].tolist()):
-                seq = seqs[row]
+        qrows = rows[quiet].tolist()
+        if log is None:
+            qseqs = [seqs[r] for r in qrows]
+            log = b.lp_log = LogprobsLog([s.seq_id for s in qseqs], int(ks[quiet].max()), self.runner.vocab_size)
+            for col, seq in enumerate(qseqs):
                 if seq.lp_log is not None:  # else its request ended while the step ran: its entries are built
-                    seq.lp_log.append(Span(log, q, seq.num_output))
+                    seq.lp_log.append(Span(log, col, seq.num_output))
+        if log.version != version:  # rows left the batch since (or its first step)
+            log.follow(version, quiet, [seqs[r].seq_id for r in qrows])
         log.append(chosen, top_ids, top_lp)
 
     def _account_batch(self, b, tokens, t0: float, t1: float, t2: float, entries=None, given: bool = False):
         """_account for a step of the persistent batch: the same effects, vectorised over its rows. Its
         produced list leaves out the quiet rows (DecodeBatch.quiet) that go on: their tokens are read from
-        their sequences at the end, and their logprobs, if any, from the layout's log (_log_quiet). entries: the
+        their sequences at the end, and their logprobs, if any, from the batch's log (_log_quiet). entries: the
         rows' logprobs entries computed on the device with the step (_batch_entries; given: it was so computed,
         None then meaning no row needs one), else they are computed here from the step's logits."""
         # Rows leave `running` only (nothing joins it before the next schedule(), which rebuilds or checks the

@@ -3,15 +3,16 @@
 A request read only at its end (Request.keeps_ids: generate(), the server's non-streaming responses) that asks
 for logprobs is a quiet row of the persistent batch like one that asks for none (Sequence.quiet): a batch step
 does not build its entry (a dict with a list of [id, logprob] lists) nor hand it to the step loop. The step's
-logprobs arrays of such rows are appended, as they are, to the log of the batch's layout (LogprobsLog: the
-batch's rows at one version, over the consecutive steps accounted from it); each of those sequences got, when
-the layout's log began, a Span in its ordered list `Sequence.lp_log` (the list the step loop appends the
-entries it is handed to: the first token's, those of steps of the general path). Request.finish turns that
-list into the entries (resolve), built once from the stacked arrays: the same dicts, values and order as the
-entries built step by step (`entries`).
+logprobs arrays of such rows are appended, as they are, to the batch's log (LogprobsLog: a column per such
+sequence, a row per step accounted from the batch); each of those sequences got, when the log began, a Span
+in its ordered list `Sequence.lp_log` (the list the step loop appends the entries it is handed to: the first
+token's, those of steps of the general path). Request.finish turns that list into the entries (resolve),
+built once from the stacked arrays: the same dicts, values and order as the entries built step by step
+(`entries`).
 
-Why a layout's log and not each row's: appending to it is a few array copies a step whatever the rows; a
-row's Span is made only when its layout begins (a new batch, or rows left it: DecodeBatch.condense)."""
+Why a batch's log and not each row's: appending to it is a few array copies a step whatever the rows; a
+sequence's Span is made only when a batch begins (a new DecodeBatch: an admission, a prefill, a preemption
+rebuild it), not each step, nor when rows leave the batch (its log follows them)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,19 +35,37 @@ def entries(tokens, ks, chosen, top_ids, top_lp, V: int) -> list[dict]:
 
 
 class LogprobsLog:
-    """The logprobs of a batch layout's quiet rows with logprobs (Q of them), one row of each array a step:
-    chosen [steps, Q] f32, ids and lps [steps, Q, k] (k: the most any of them asked for). Grown by doubling."""
+    """The logprobs of a persistent batch's quiet rows with logprobs, one row of each array a step accounted
+    the batch way: chosen [steps, Q] f32, ids and lps [steps, Q, k] (k: the most any of them asked for), a
+    column per sequence (Q: those at the log's first step). The batch's rows only leave it (a row that joins
+    makes a new batch), so every column's steps are contiguous in its sequence's output from the log's first
+    step until the sequence ends; after that its column holds whatever (a Span never reads past its output).
+    Rows leaving change which step row is which column (at): the log follows the batch's versions. Grown by
+    doubling."""
 
-    def __init__(self, version: int, sel, Q: int, k: int, V: int):
-        self.version = version  # the batch's version whose layout this is
-        self.sel = sel  # the quiet ones among the step's logprobs rows (None: every one)
+    def __init__(self, seq_ids: list[int], k: int, V: int):
+        self.col = {s: c for c, s in enumerate(seq_ids)}  # sequence id -> its column
+        self.version = None  # the batch's version that `at` and `sel` are for
+        self.sel = None  # the quiet ones among the step's logprobs rows (None: every one)
+        self.at = None  # their columns (None: 0..Q-1, in order)
         self.k, self.V, self.n = k, V, 0
+        Q = len(seq_ids)
         self.chosen = np.empty((8, Q), np.float32)
         self.ids = np.empty((8, Q, k), np.int64)
         self.lps = np.empty((8, Q, k), np.float32)
 
+    def follow(self, version: int, quiet: np.ndarray, seq_ids: list[int]) -> None:
+        """The batch's layout at `version` (whose steps are appended next): `quiet` over the step's logprobs rows,
+        seq_ids: the quiet ones' sequences (every one a column here)."""
+        sel = np.flatnonzero(quiet)
+        self.sel = None if sel.size == quiet.size else sel
+        at = np.fromiter(map(self.col.__getitem__, seq_ids), np.int64, len(seq_ids))
+        self.at = None if at.size == len(self.col) else at  # (columns are made in row order: all = identity)
+        self.version = version
+
     def append(self, chosen: np.ndarray, top_ids: np.ndarray, top_lp: np.ndarray) -> None:
-        """A step's arrays over its logprobs rows (chosen [R], top_* [R, K >= k])."""
+        """A step's arrays over its logprobs rows (chosen [R], top_* [R, K]; K is at least the k of every quiet
+        row the step has, which may be less than the log's k once the row that asked the most left)."""
         n = self.n
         if n == len(self.chosen):  # the bigger arrays are filled before they replace the old
             grown = []
@@ -55,36 +74,39 @@ class LogprobsLog:
                 b[:n] = a
                 grown.append(b)
             self.chosen, self.ids, self.lps = grown
-        sel, k = self.sel, self.k
-        if sel is None:
+        sel, at, k = self.sel, self.at, min(self.k, top_ids.shape[1])
+        if sel is not None:
+            chosen, top_ids, top_lp = chosen[sel], top_ids[sel], top_lp[sel]
+        if at is None:
             self.chosen[n] = chosen
-            self.ids[n] = top_ids[:, :k]
-            self.lps[n] = top_lp[:, :k]
+            self.ids[n, :, :k] = top_ids[:, :k]
+            self.lps[n, :, :k] = top_lp[:, :k]
         else:
-            self.chosen[n] = chosen[sel]
-            self.ids[n] = top_ids[sel, :k]
-            self.lps[n] = top_lp[sel, :k]
+            self.chosen[n, at] = chosen
+            self.ids[n, at, :k] = top_ids[:, :k]
+            self.lps[n, at, :k] = top_lp[:, :k]
         self.n = n + 1
 
 
 class Span:
-    """A sequence's entries in a LogprobsLog: its quiet row q there, from its output token `start` on, for every
-    step of the log (the layout's steps are contiguous in each of its rows' outputs), and never past the
-    sequence's output (a row that ended is left in its layout's later steps: those are not its tokens)."""
+    """A sequence's entries in a LogprobsLog: its column there, from its output token `start` on, for every step
+    of the log, and never past the sequence's output (a row that ended is left in the steps after: those are
+    not its tokens)."""
 
-    __slots__ = ("log", "q", "start")
+    __slots__ = ("log", "col", "start")
 
-    def __init__(self, log: LogprobsLog, q: int, start: int):
-        self.log, self.q, self.start = log, q, start
+    def __init__(self, log: LogprobsLog, col: int, start: int):
+        self.log, self.col, self.start = log, col, start
 
     def entries(self, seq) -> list[dict]:
-        log, q, start = self.log, self.q, self.start
+        log, col, start = self.log, self.col, self.start
         n = min(log.n, seq.num_output - start)
         if n <= 0:
             return []
         first = seq.num_prompt + start
-        return entries(seq.tokens[first:first + n], seq.params.logprobs, log.chosen[:n, q], log.ids[:n, q],
-                       log.lps[:n, q], log.V)
+        # (entries() without its checks: one call a span of every sequence at its end)
+        return _core.logprobs_entries(seq.tokens[first:first + n], log.chosen[:n, col], log.ids[:n, col],
+                                      log.lps[:n, col], [min(seq.params.logprobs, log.k, log.V)])
 
 
 def resolve(items: list, seq) -> list[dict]:
