@@ -51,8 +51,8 @@ def child(batch: int, steps: int, warm: bool = False, profile: int = 0) -> None:
 
                 d_long = loop_profile.own_times(eng, lambda: run(1 + steps, **kw))
                 d_short = loop_profile.own_times(eng, lambda: run(1, **kw))
-                loop_profile.report(f"{name}, heap {'frozen' if os.environ.get('LLAISYS_GC_FREEZE') != '0' else 'not frozen'}",
-                                    d_long, steps, profile, minus=d_short, out=sys.stdout)
+                heap = "not frozen" if os.environ.get("LLAISYS_GC_FREEZE") == "0" else "frozen"
+                loop_profile.report(f"{name}, heap {heap}", d_long, steps, profile, minus=d_short, out=sys.stdout)
 
 
 def main(argv=None) -> int:
