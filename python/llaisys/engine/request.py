@@ -204,7 +204,7 @@ class Request:
         self._end()
 
     def _end(self) -> None:
-        self.seq.lp_log = None  # (its logs' arrays are not held by a request kept after its end)
+        self.seq.lp_log = self.lps_kept = None  # (the logs' arrays are not held by a request kept after its end)
         if self.sink is None:
             self._chunks.put(_END)
         self._ended.set()
