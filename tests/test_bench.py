@@ -675,5 +675,9 @@ def test_logprobs_gc_prints_both_heap_settings(capsys):
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert len([float(x) for x in cells[2:]]) == 2  # greedy's and logprobs' ms a step (noise may make either < 0)
+    assert mod.main(["--batch", "3", "--steps", "2", "--rounds", "1", "--warm", "--profile", "3"]) == 0
+    out = capsys.readouterr().out
+    assert len([ln for ln in out.splitlines() if ln.startswith("| 1 |")]) == 2
+    assert "logprobs5, heap frozen: profiled host time" in out  # the loop's own times, after the table
     with pytest.raises(SystemExit):
         mod.main(["--steps", "0"])

@@ -14,7 +14,8 @@ their matchers' masks and advance them; rows waiting for their constraint's trig
 token on the host and move to `masked` when it fires. Rows with logprobs
 may join: where the runner computes them on the device behind each step (ModelRunner.launch), their steps
 chain like any; else (a tensor-parallel group) a batch holding any runs its steps one at a time (the logprobs
-are then read from the step's logits, which a chained step would overwrite)."""
+are then read from the step's logits, which a chained step would overwrite). A quiet row's logprobs stay
+arrays, in the batch's log (lp_log), until its request ends (engine/logprobs_log.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -60,8 +61,10 @@ class DecodeBatch:
         self.logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64)  # -1: none
         # rows whose tokens nobody reads before they end (Sequence.quiet), past their first token (its time is
         # taken when it is delivered) and with no constraint (whose ends the accounting does not see as masks)
-        self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None
-                                  for s in self.seqs), bool, n)
+        # (a row with logprobs: its arrays go to lp_log, engine/logprobs_log.py)
+        self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None and
+                                  (s.params.logprobs is None or s.lp_log is not None) for s in self.seqs), bool, n)
+        self.lp_log = None  # the LogprobsLog of its quiet rows with logprobs (EngineCore._log_quiet)
         self._constrained()
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows

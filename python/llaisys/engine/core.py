@@ -15,6 +15,7 @@ from .block_manager import BlockManager
 from .chaining import Chainer
 from .config import EngineConfig
 from .kv_budget import kv_blocks_for
+from .logprobs_log import LogprobsLog, Span, entries as lp_entries
 from .model_runner import ModelRunner
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
@@ -289,12 +290,18 @@ class EngineCore:
         entries = None
         if step.batch is not None:
             b = step.batch
-            entries = None if step.lp is None else self._device_entries(step, tokens)
-            if b is self.scheduler.batch:
-                if step.keep is None and step.version == b.version:
-                    return self._account_batch(b, tokens, t0, t1, t2, entries)
-                if step.keep is not None and step.kept_version == b.version:
-                    return self._account_kept(step, tokens, t0, t1, t2, entries)
+            ours = b is self.scheduler.batch and (
+                step.version == b.version if step.keep is None else step.kept_version == b.version)
+            if step.lp is not None:  # computed on the device behind the step (ModelRunner.launch, Step.lp)
+                rows, ks, quiet = step.lp
+                # quiet rows' arrays are logged only where the batch way accounts the step: the general way
+                # below hands every row its entry
+                entries = self._batch_entries(b, step.version, step.seqs, tokens, rows, ks, quiet if ours else None,
+                                              *self.runner.finished_logprobs())
+            if ours:
+                if step.keep is None:
+                    return self._account_batch(b, tokens, t0, t1, t2, entries, step.lp is not None)
+                return self._account_kept(step, tokens, t0, t1, t2, entries)
             self.scheduler.batch = None  # its arrays would miss what the general accounting does below
         produced, want = [], []  # want: (row, index in produced) of the rows that asked for logprobs
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
@@ -347,38 +354,62 @@ class EngineCore:
         kept = np.asarray(tokens, np.int64)[keep].tolist()
         if entries is not None:
             entries = [e for e, k in zip(entries, keep.tolist()) if k]
-        return produced + self._account_batch(step.batch, kept, t0, t1, t2, entries)
+        return produced + self._account_batch(step.batch, kept, t0, t1, t2, entries, step.lp is not None)
 
-    def _device_entries(self, step, tokens) -> list:
-        """The logprobs entries of a batch step whose logprobs were computed on the device behind it
-        (ModelRunner.launch, Step.lp), one per row of the step (None where not asked for)."""
-        rows, ks = step.lp
-        entries = [None] * len(step.seqs)
-        found = self._entries([int(tokens[r]) for r in rows], ks, *self.runner.finished_logprobs(),
-                              self.runner.vocab_size)
+    def _batch_entries(self, b, version: int, seqs, tokens, rows, ks, quiet, chosen, top_ids, top_lp):
+        """The logprobs entries of a batch step's rows, one per row of the step (its layout: seqs; None where
+        not asked for), or None where no row gets one, from its logprobs arrays over `rows` (ks: each one's k):
+        those of the rows marked `quiet` (read at their end: Sequence.lp_log) are appended to the batch's log
+        (_log_quiet), the others' entries are built. quiet None: none is."""
+        if quiet is not None and quiet.any():
+            self._log_quiet(b, version, seqs, rows, ks, quiet, chosen, top_ids, top_lp)
+            if quiet.all():
+                return None
+            loud = np.flatnonzero(~quiet)
+            rows, ks, chosen, top_ids, top_lp = rows[loud], ks[loud], chosen[loud], top_ids[loud], top_lp[loud]
+        rows = rows.tolist()
+        entries = [None] * len(seqs)
+        found = lp_entries([int(tokens[r]) for r in rows], ks, chosen, top_ids, top_lp, self.runner.vocab_size)
         for r, entry in zip(rows, found):
             entries[r] = entry
         return entries
 
-    def _account_batch(self, b, tokens, t0: float, t1: float, t2: float, entries=None):
+    def _log_quiet(self, b, version: int, seqs, rows, ks, quiet, chosen, top_ids, top_lp) -> None:
+        """Appends a batch step's logprobs arrays of its quiet rows (the step's layout: seqs, at the batch's
+        `version`) to the batch's log (b.lp_log; engine/logprobs_log.py), begun at its first such step: each
+        quiet row's sequence then gets a Span there, from its output index now (before this step's token is
+        appended). Request.finish builds their entries from it."""
+        log = b.lp_log
+        qrows = rows[quiet].tolist()
+        if log is None:
+            qseqs = [seqs[r] for r in qrows]
+            log = b.lp_log = LogprobsLog([s.seq_id for s in qseqs], int(ks[quiet].max()), self.runner.vocab_size)
+            for col, seq in enumerate(qseqs):
+                if seq.lp_log is not None:  # else its request ended while the step ran: its entries are built
+                    seq.lp_log.append(Span(log, col, seq.num_output))
+        if log.version != version:  # rows left the batch since (or its first step)
+            log.follow(version, quiet, [seqs[r].seq_id for r in qrows])
+        log.append(chosen, top_ids, top_lp)
+
+    def _account_batch(self, b, tokens, t0: float, t1: float, t2: float, entries=None, given: bool = False):
         """_account for a step of the persistent batch: the same effects, vectorised over its rows. Its
         produced list leaves out the quiet rows (DecodeBatch.quiet) that go on: their tokens are read from
-        their sequences at the end. entries: the rows' logprobs entries computed on the device with the step
-        (_device_entries), else they are computed here from the step's logits."""
+        their sequences at the end, and their logprobs, if any, from the batch's log (_log_quiet). entries: the
+        rows' logprobs entries computed on the device with the step (_batch_entries; given: it was so computed,
+        None then meaning no row needs one), else they are computed here from the step's logits."""
         # Rows leave `running` only (nothing joins it before the next schedule(), which rebuilds or checks the
         # batch): as many running as rows means none ended while the step ran, and no pass over the rows
         live = None if len(self.scheduler.running) == len(b) else [s.status is Status.RUNNING for s in b.seqs]
-        want = np.flatnonzero(b.logprobs >= 0)
-        if entries is None and not want.size:
-            entries = repeat(None)
-        elif entries is None:  # from the step's logits rows, before rows leave
-            entries = [None] * len(b)
-            found = self._logprobs(want, b.temperature, np.asarray(tokens, np.int64), b.logprobs[want].tolist())
-            for row, entry in zip(want.tolist(), found):
-                entries[row] = entry
+        if entries is None and not given:  # from the step's logits rows, before rows leave
+            want = np.flatnonzero(b.logprobs >= 0)
+            if want.size:
+                ks = b.logprobs[want]
+                entries = self._batch_entries(b, b.version, b.seqs, tokens, want, ks, b.quiet[want],
+                                              *self._logprobs_arrays(want, b.temperature,
+                                                                     np.asarray(tokens, np.int64), int(ks.max())))
         if live is not None:  # ended while the step ran (an abort, a stop string): their tokens are dropped
             tokens = [t for t, keep in zip(tokens, live) if keep]
-            if want.size:
+            if entries is not None:
                 entries = [e for e, keep in zip(entries, live) if keep]
             b.condense(np.array(live, bool))
         eos, length = b.advance(tokens, self.max_seq_len)
@@ -396,10 +427,10 @@ class EngineCore:
             self._start_masks()
         if b.quiet.any():
             listed = np.flatnonzero(~b.quiet | eos | length).tolist()
-            produced = [(seqs[row], tokens[row], None) for row in listed] if want.size == 0 else [
+            produced = [(seqs[row], tokens[row], None) for row in listed] if entries is None else [
                 (seqs[row], tokens[row], entries[row]) for row in listed]
         else:
-            produced = list(zip(seqs, tokens, entries))
+            produced = list(zip(seqs, tokens, repeat(None) if entries is None else entries))
         if eos.any() or length.any():  # most steps end no row
             for row in np.flatnonzero(eos).tolist():
                 self.finish(seqs[row], "stop")
@@ -467,23 +498,20 @@ class EngineCore:
         """The logprobs entries of the last step's `rows` ([R] i64), given every row's temperature ([B] f32)
         and sampled token ([B] i64), and each listed row's number of top entries: the log-softmax of the row's
         logits after its temperature (1 for greedy), before top-k/top-p; the chosen token's logprob and the
-        ks[r] most likely, highest first (ties: lower id). One ops.logprobs call on the logits' device for
+        ks[r] most likely, highest first (ties: lower id)."""
+        arrays = self._logprobs_arrays(rows, temperature, chosen, max(ks))
+        return lp_entries(chosen[rows], ks, *arrays, self.runner.vocab_size)
+
+    def _logprobs_arrays(self, rows: np.ndarray, temperature: np.ndarray, chosen: np.ndarray, k: int):
+        """(chosen_lp [R] f32, top_ids [R, k] i64, top_lp [R, k] f32) NumPy arrays of the last step's `rows`
+        (_logprobs' values, the k most likely of each row): one ops.logprobs call on the logits' device for
         every row and three small copies back, not each row's logits."""
         logits = self.runner.last_logits()  # [B, V] on the device, valid until the next step
-        dev, V, R, k = logits.device, logits.shape[1], len(rows), max(ks)
+        dev, R = logits.device, len(rows)
         chosen_lp, top_ids, top_lp = empty([R], "f32", dev), empty([R, k], "i64", dev), empty([R, k], "f32", dev)
         ops.logprobs(chosen_lp, top_ids, top_lp, logits, tensor(temperature, dev), tensor(chosen, dev),
                      tensor(rows, dev))
-        chosen_lp, top_ids, top_lp = (t.to("cpu").numpy().tolist() for t in (chosen_lp, top_ids, top_lp))
-        return self._entries(chosen[rows].tolist(), ks, chosen_lp, top_ids, top_lp, V)
-
-    @staticmethod
-    def _entries(tokens, ks, chosen_lp, top_ids, top_lp, V: int) -> list[dict]:
-        """The logprobs entries of rows from ops.logprobs' outputs as host lists: each row's token, its k, its
-        logprob and top ids/logprobs (the first min(k, V) of them)."""
-        # map/zip build the [id, lp] pairs in C: a comprehension per row cost twice as much at 256 rows
-        return [{"token_id": tok, "logprob": lp, "top": list(map(list, zip(ids[:min(n, V)], lps)))}
-                for tok, n, lp, ids, lps in zip(tokens, ks, chosen_lp, top_ids, top_lp)]
+        return tuple(t.to("cpu").numpy() for t in (chosen_lp, top_ids, top_lp))
 
     def stats(self) -> dict:
         b, s = self.blocks, self.scheduler

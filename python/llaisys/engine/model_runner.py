@@ -111,7 +111,7 @@ class ModelRunner:
             if want.size:  # on the device behind the step, before a chained step overwrites its logits
                 ks = b.logprobs[want]
                 self.runner.enqueue_logprobs(want.tolist(), b.temperature, max(int(ks.max()), 1))
-                step.lp = (want.tolist(), ks.tolist())
+                step.lp = (want, ks, b.quiet[want])  # the quiet ones' arrays are logged (EngineCore._log_quiet)
 
     @property
     def device_logprobs(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Iterator, Protocol
 
 from ..stops import StopStringMatcher
 from ..streaming import IncrementalDetokenizer
+from .logprobs_log import resolve
 from .sequence import Sequence
 
 
@@ -121,15 +122,18 @@ class Request:
         # no stop string needs the text as it grows, so the ids are decoded once when the request ends: the
         # step loop does nothing for it per token (issue 33: host work per sequence and step)
         self.keeps_ids = not incremental and not stops
-        # its ids are seq.output at the end (every token the core gave it): the step loop hands it its tokens
-        # only for the first one's time and the logprobs entries, and a quiet row not even that (Sequence.quiet)
-        seq.quiet = self.keeps_ids and seq.params.logprobs is None
+        # its ids are seq.output at the end (every token the core gave it), its logprobs seq.lp_log: the step
+        # loop hands it its first token (for its time) and, where the general path computed them, logprobs
+        # entries; a row of the persistent batch is not handed anything until it ends (Sequence.quiet)
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
         self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self.lps_kept = self._pending_lp  # and their logprobs entries (None: the request asked for none)
+        seq.quiet = self.keeps_ids
+        if self.keeps_ids:  # the core appends its logs' Spans to the same list (engine/logprobs_log.py)
+            seq.lp_log = self._pending_lp
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         # every item read from _chunks, kept: iterating again, or result() after iterating, replays them
         # (the queue gives each item once; reading it twice would wait forever)
@@ -146,7 +150,7 @@ class Request:
         queued and the request must end)."""
         if self.first is None:
             self.first = time.perf_counter()
-        if self._pending_lp is not None:
+        if self._pending_lp is not None and logprobs is not None:  # (None: a quiet row's, in seq.lp_log)
             self._pending_lp.append(logprobs)
         if self.keeps_ids:  # its ids are the sequence's output, read once at the end
             return False
@@ -188,6 +192,8 @@ class Request:
             eos = self.seq.eos
             self._pending = self.seq.output  # every token the core gave it (the step loop kept none)
             tail = self._detok.decode_all([t for t in self._pending if t not in eos])
+            if self._pending_lp is not None:  # the entries, built from the arrays the core logged
+                self._pending_lp = resolve(self._pending_lp, self.seq)
         elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())
             tail += "" if hit else self._stops.flush()
@@ -198,6 +204,7 @@ class Request:
         self._end()
 
     def _end(self) -> None:
+        self.seq.lp_log = self.lps_kept = None  # (the logs' arrays are not held by a request kept after its end)
         if self.sink is None:
             self._chunks.put(_END)
         self._ended.set()

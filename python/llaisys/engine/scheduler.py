@@ -51,7 +51,8 @@ class Step:
     # rows the batch kept (the batch was condensed to them then, its version became kept_version)
     keep: object = None
     kept_version: int = -1
-    # (rows, each row's k) whose logprobs were computed on the device behind the step (ModelRunner.launch)
+    # (rows, each row's k, which are quiet rows), NumPy arrays, of the rows whose logprobs were computed on the
+    # device behind the step (ModelRunner.launch)
     lp: object = None
 
     def add(self, seq: Sequence, n: int) -> None:

@@ -51,10 +51,14 @@ class Sequence:
         # a constraints.Trigger: the constraint that becomes `constraint` where the output begins it
         # (SamplingParams.grammar_trigger / opening_grammar); None once it fired
         self.trigger = None
-        # quiet: its consumer reads its output from `tokens` once it ends (a Request that keeps its ids, asks
-        # for no logprobs). A step of the persistent batch lists a quiet row's token only when the row ends
-        # (DecodeBatch.quiet): no per-token delivery for it (issue 33)
+        # quiet: its consumer reads its output from `tokens` once it ends (a Request that keeps its ids), and its
+        # logprobs, if it asked for them, from lp_log. A step of the persistent batch lists a quiet row's token
+        # only when the row ends (DecodeBatch.quiet): no per-token delivery for it (issue 33)
         self.quiet = False
+        # a quiet sequence's logprobs in order (engine/logprobs_log.py): the entries the step loop was handed
+        # (its first token's, the general path's), and Spans of the batch layouts' logs that hold the rest's
+        # arrays; Request.finish turns them into entries. None: not kept so
+        self.lp_log: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
