@@ -6,6 +6,8 @@ that is not chained, within a bounded number of steps), penalties (a repetition 
 penalties run the plain way) and the prefix cache.
 On the CPU the step runs on the calling thread, so nothing overlaps in time, but the same code paths run
 (overlap_steps=True forces them); on CUDA the whole engine suite runs overlapped by default."""
+import time
+
 import numpy as np
 import pytest
 
@@ -433,7 +435,6 @@ def test_host_seconds_counts_each_interval_once(tiny):
     intervals of the loop thread, so with the runner's time (launches and the waits for the device, less the
     arrays counted on the host side) they add up to no more than the caller's wall time; an overlapped step's
     accounting is in its to_return_s and counted once (before session 33 it was also added as postprocess_s)."""
-    import time
     eng = engine(tiny, "cpu", True)
     core = eng._core
     ps = prompts(eng.config.vocab_size, [5, 9, 30, 12, 7, 21], seed=3)

@@ -432,20 +432,31 @@ constexpr int kPipePad = 16; // bytes after each staged K/V row
 
 template <int HD>
 __host__ __device__ constexpr int pipe_pitch() { return HD * 2 + kPipePad; }
-template <int HD, int STAGES>
+template <int HD>
 __host__ __device__ constexpr int pipe_stage_bytes() { return 2 * kMmaKeys * pipe_pitch<HD>(); } // K then V rows
 template <int HD, int STAGES>
 __host__ __device__ constexpr int pipe_smem_bytes() {
-    const int stages = kMmaWarps * STAGES * pipe_stage_bytes<HD, STAGES>();
+    const int stages = kMmaWarps * STAGES * pipe_stage_bytes<HD>();
     const int merge = kMmaWarps * kMmaRows * HD * 4;
     return stages > merge ? stages : merge;
+}
+
+// N / 4 16-byte words of a staged row from p into fragment registers.
+template <int N>
+__device__ __forceinline__ void stage_words(uint32_t (&w)[N], const unsigned char *p) {
+    static_assert(N % 4 == 0, "16-byte pieces");
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
+        w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
+    }
 }
 
 template <typename T, int HD, bool WINDOW, int STAGES>
 __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const PagedArgs<T> a) {
     constexpr unsigned all = 0xffffffffu;
     constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
-    constexpr int PITCH = pipe_pitch<HD>(), STAGE = pipe_stage_bytes<HD, STAGES>();
+    constexpr int PITCH = pipe_pitch<HD>(), STAGE = pipe_stage_bytes<HD>();
     constexpr int PPR = HD * 2 / 16;               // 16-byte pieces of a K or V row
     constexpr int PIECES = kMmaKeys * PPR / 32;    // pieces of K (and of V) a lane copies a step
     static_assert(PIECES * 32 == kMmaKeys * PPR && 32 % PPR == 0, "whole rows a round of lanes");
@@ -549,14 +560,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const
         const unsigned char *ks = mine + (i % STAGES) * STAGE, *vs = ks + kMmaKeys * PITCH;
         uint32_t kr[2][KW];
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const uint4 *src = reinterpret_cast<const uint4 *>(ks + (8 * j + g) * PITCH + c * (HD / 4) * 2);
-#pragma unroll
-            for (int w = 0; w < KW / 4; ++w) {
-                const uint4 u = src[w];
-                kr[j][4 * w] = u.x, kr[j][4 * w + 1] = u.y, kr[j][4 * w + 2] = u.z, kr[j][4 * w + 3] = u.w;
-            }
-        }
+        for (int j = 0; j < 2; ++j) stage_words(kr[j], ks + (8 * j + g) * PITCH + c * (HD / 4) * 2);
         float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
 #pragma unroll
         for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
@@ -599,15 +603,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const
                                 pack2<T>(p[1][2], p[1][3])};
         uint32_t vr[4][VW];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int key = 2 * c + (q & 1) + 8 * (q >> 1);
-            const uint4 *src = reinterpret_cast<const uint4 *>(vs + key * PITCH + g * (HD / 8) * 2);
-#pragma unroll
-            for (int w = 0; w < VW / 4; ++w) {
-                const uint4 u = src[w];
-                vr[q][4 * w] = u.x, vr[q][4 * w + 1] = u.y, vr[q][4 * w + 2] = u.z, vr[q][4 * w + 3] = u.w;
-            }
-        }
+        for (int q = 0; q < 4; ++q) stage_words(vr[q], vs + (2 * c + (q & 1) + 8 * (q >> 1)) * PITCH + g * (HD / 8) * 2);
 #pragma unroll
         for (int d = 0; d < NT; ++d) {
             acc[d][0] *= corr[0], acc[d][1] *= corr[0], acc[d][2] *= corr[1], acc[d][3] *= corr[1];
@@ -750,9 +746,9 @@ void launch_decode_pipe(const PagedArgs<T> &a, int B, Device device, cudaStream_
 template <int HD, int STAGES>
 int pipe_resident(int device) {
     static const int n = [device] {
-        const auto kernel = paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES>;
+        constexpr auto kernel = &paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES>;
         constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES>());
-        opt_in_smem<paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES>>(smem, device);
+        opt_in_smem<kernel>(smem, device);
         int blocks = 0;
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMmaWarps * 32, smem));
         return std::max(1, blocks);
@@ -869,11 +865,10 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                 if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
             }
             if constexpr (sizeof(D) == 2) {
-                const int st = stages;
-                if (st == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2>(a, bi, out.device(), stream);
-                if (st == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
-                if (st == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
-                if (st == 3) return launch_decode_pipe<D, 128, W, 3>(a, bi, out.device(), stream);
+                if (stages == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2>(a, bi, out.device(), stream);
+                if (stages == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
+                if (stages == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
+                if (stages == 3) return launch_decode_pipe<D, 128, W, 3>(a, bi, out.device(), stream);
             }
             if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
             if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
