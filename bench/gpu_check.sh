@@ -95,10 +95,18 @@ if has serving; then # the batched engine: one request's decode, then nano-vllm'
 fi
 
 if has quant; then # GGUF blocks kept quantized (random Q4_K/Q6_K weights of the 1.5B shape) vs the same shape in bf16
+  # QUANT_AB: space-separated VAR=value settings (VAR=v,VAR2=w sets two), each running the protocol first (an A/B
+  # in one call, e.g. LLAISYS_QUANT_TC_MAX_ROWS=0 for the dense-copy path); QUANT_SINGLE= skips batch 1
   for types in q4_k_m q8_0; do
     log "quantized ($types) vs bf16, qwen2-1.5b: one request (batch 1), then ${N_REQ:-256} requests"
-    timeout 300 python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda --single 128 256 2>&1 |
+    [ -z "${QUANT_SINGLE-1}" ] || timeout 300 python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda --single 128 256 2>&1 |
       grep -v Warning | grep -E "^(llaisys|one)|Error|error" | tee -a "$OUT/summary.txt"
+    for setting in ${QUANT_AB:-}; do
+      log "quantized ($types) protocol with $setting"
+      env $(echo "$setting" | tr ',' ' ') timeout ${T_SERVE:-400} python3 bench/throughput.py --shape qwen2-1.5b \
+        --gguf-types $types --device cuda -n ${N_REQ:-256} 2>&1 | grep -v Warning |
+        grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+    done
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda \
       -n ${N_REQ:-256} 2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
     [ -n "${QUANT_ONLY_FIRST:-}" ] && break

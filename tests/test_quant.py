@@ -463,6 +463,45 @@ def test_cuda_linear_matches_float64(fmt, dtype, M, N):
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("M,N,K", [(9, 64, 256), (17, 200, 2048), (64, 1000, 512), (65, 129, 1536),
+                                   (128, 96, 4096), (129, 300, 768), (200, 2100, 256), (256, 77, 1024),
+                                   (300, 150, 512)])
+def test_cuda_tensor_core_path_matches_float64(fmt, dtype, M, N, K):
+    """M > 8 with a K-quant weight and a 16-bit x: the tensor-core GEMM that decodes W tiles in shared memory
+    (quant_linear/tc_gemm.cuh), held to the dense path's reference (W decoded and rounded to the dtype,
+    unquantized x). The shapes cover its tile heights (64, 128, 256 rows: M 9-64, 65-128, 129-256), partial
+    m16 tiles and idle warps (M = 9, 17, 65, 129), partial N tiles (N not a multiple of 64), one K step
+    (K = 256 with two splits, or one), long K split over many blocks (K = 4096) and no split at all
+    (N = 2100: enough tiles for a wave); with a bias at odd N. M = 300 is past kQuantTcMaxRows: the dense path."""
+    out, ref, tol = run_linear(fmt, dtype, M, N, K, seed=M + N + K, with_bias=N % 2 == 1, device="cuda")
+    check(out, ref, tol)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_cuda_tensor_core_path_strided_x_and_nan(fmt):
+    """x as a column slice of a wider tensor (rows ld elements apart, 16-byte aligned) goes through the
+    tensor-core GEMM as a dense x does; a NaN in one row of x makes only that row NaN."""
+    M, N, K = 40, 70, 512
+    data = random_blocks(fmt, N, K, seed=31)
+    w = matrix(fmt, data).to("cuda")
+    wide = np.random.default_rng(32).standard_normal((M, K + 64)).astype(NP_DTYPE["bf16"])
+    wide[5, 17] = np.nan
+    x = llaisys.tensor(wide, "cuda").slice(1, 0, K)
+    out = poisoned((M, N), "bf16", "cuda")
+    quant.linear_(out, x, w)
+    got = np.asarray(out.to("cpu").numpy()).astype(np.float64)
+    assert np.isnan(got[5]).all() and np.isfinite(np.delete(got, 5, axis=0)).all()
+    x64 = np.delete(wide[:, :K].astype(np.float64), 5, axis=0)
+    wd = gguf.quants.dequantize(data, gtype(fmt)).astype(NP_DTYPE["bf16"]).astype(np.float64)
+    ref, (rtol, atol) = x64 @ wd.T, dense_tol("bf16", x64, wd)
+    err = np.abs(np.delete(got, 5, axis=0) - ref)
+    assert (err <= atol + rtol * np.abs(ref)).all(), f"worst error {err.max():.3g}"
+
+
+@cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("K", [512, 4096])
@@ -541,12 +580,13 @@ def test_cuda_linear_nan_input_makes_its_row_nan(fmt, M):
 @cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_0", "q6_k", "q8_0"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("M", [1, 5, 9])
+@pytest.mark.parametrize("M", [1, 5, 9, 100, 256])
 @pytest.mark.parametrize("I", [37, 6007, 8209])
 def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M, I):
-    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs the
-    dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last one;
-    I = 8209: enough weights (I x 512 >= 4M) for the K-quants' chunked GEMV."""
+    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs, for the
+    K-quants in 16 bits, the tensor-core GEMM with linear's split of K (so g and u are linear's sums), else
+    the dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last
+    one; I = 8209: enough weights (I x 512 >= 4M) for the K-quants' chunked GEMV; I = 37 splits K."""
     w = matrix(fmt, random_blocks(fmt, 2 * I, 512, seed=8)).to("cuda")
     x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]), "cuda")
     out = poisoned((M, I), dtype, "cuda")

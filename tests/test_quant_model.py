@@ -149,7 +149,9 @@ def _rel(x, ref):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [8, 300])  # the dp4a GEMV (<= 8 rows), then dequantize + cuBLASLt
+# the dp4a GEMV (<= 8 rows), the tensor-core GEMM over W tiles decoded in shared memory (9-256 rows), then
+# dequantize + cuBLASLt (more)
+@pytest.mark.parametrize("rows", [8, 64, 300])
 def test_cuda_quantized_is_as_close_to_hf_f32_as_hf_bf16(random_q4_k_m, rows):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(random_q4_k_m), gguf_file=os.path.basename(random_q4_k_m), dtype=torch.float32).eval().cuda()
@@ -176,10 +178,11 @@ def test_cuda_quantized_is_as_close_to_hf_f32_as_hf_bf16(random_q4_k_m, rows):
 
 @pytest.mark.cuda
 def test_cuda_batched_decode_graphs_read_the_decode_scratch(random_q4_k_m):
-    """16 sequences decoding together: every linear of a step has 16 rows, so each quantized weight is
-    decoded in turn into the model's one scratch and read there by cuBLASLt (models::linear), in steps
-    replayed from the captured CUDA graph of batch 16 (the fused gate/up's linear_swiglu included). The
-    model holds the file's blocks plus that one scratch, no decoded copies. Each generated token is held
+    """16 sequences decoding together: every linear of a step has 16 rows, so each quantized weight runs
+    the tensor-core GEMM that decodes its tiles in shared memory (its split-K partials from the stream's
+    allocator), in steps replayed from the captured CUDA graph of batch 16 (the fused gate/up's
+    linear_swiglu included); longer rows (here none) decode into the model's one scratch for cuBLASLt
+    (models::linear). The model holds the file's blocks plus that one scratch, no decoded copies. Each generated token is held
     to the same model's eager forward of the finished sequence (score(): prefill rows, decoded into the
     same scratch): greedy picks its top-1 up to near-ties, and reports its logprob. A replay that read a
     stale or overwritten scratch would pick tokens unrelated to those logits."""

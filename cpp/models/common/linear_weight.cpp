@@ -18,12 +18,13 @@ int64_t LinearWeight::nbytes() const {
 
 namespace {
 // The dense weight the dense kernels read for x: w's dense tensor, or a quantized w decoded into scratch
-// when there is one and x has more rows than the quantized GEMV takes; undefined when the quantized op
-// runs.
+// when there is one and x has more rows than the quantized GEMV takes (and the op's tensor-core GEMM, which
+// decodes W tiles itself, does not take them); undefined when the quantized op runs.
 Tensor dense_for(const LinearWeight &w, const Tensor &x, const Tensor &scratch) {
     if (!w.quantized()) return w.dense;
-    const int64_t N = w.quant.rows(), K = w.quant.cols();
-    if (!scratch.defined() || x.numel() / K <= kQuantGemvMaxRows) return Tensor();
+    const int64_t N = w.quant.rows(), K = w.quant.cols(), rows = x.numel() / K;
+    if (!scratch.defined() || rows <= kQuantGemvMaxRows) return Tensor();
+    if (ops::quant_linear_tc(x.dtype(), x.device(), rows, w.quant.format())) return Tensor();
     LLAISYS_CHECK(scratch.numel() >= N * K, std::invalid_argument, "linear: the decode scratch holds ",
                   scratch.numel(), " elements, the ", quant_format_info(w.quant.format()).name, " weight [", N, ", ",
                   K, "] needs ", N * K);

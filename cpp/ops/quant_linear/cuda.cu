@@ -6,11 +6,13 @@
 //   separate quantize kernel cost about as much as a small GEMV); else quantize_x_kernel does it once,
 //   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x. Large K-quant
 //   matrices (Q4_K, Q5_K, Q6_K) take quant_gemv_kq_kernel, which reads whole blocks in contiguous spans.
-//   M > 8 (prefill, large batches): the whole weight is decoded into a dense [N, K] of x's dtype and the
-//   dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes into a transient tensor
-//   (N * K * sizeof(T) for the call, handed back to the caching allocator after it); a model decodes into
-//   one buffer of its own with quant_dequantize instead (models/common/linear_weight.cpp), so a captured
-//   graph holds no copy. TODO: a tensor-core GEMM that decodes W tiles in shared memory.
+//   M > 8, K-quants, 2-byte x, up to kQuantTcMaxRows rows (ops::quant_linear_tc): a tensor-core GEMM that
+//   decodes W tiles in shared memory (tc_gemm.cuh); the weight is read once, as its blocks.
+//   Other M > 8 cases (prefill chunks, Q4_0/Q5_0/Q8_0, f32): the whole weight is decoded into a dense
+//   [N, K] of x's dtype and the dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes
+//   into a transient tensor (N * K * sizeof(T) for the call, handed back to the caching allocator after it);
+//   a model decodes into one buffer of its own with quant_dequantize instead
+//   (models/common/linear_weight.cpp), so a captured graph holds no copy.
 // quant_embedding and quant_dequantize decode rows with the M > 8 path's kernel.
 #include "ops/quant_linear/quant_linear.hpp"
 
@@ -22,6 +24,7 @@
 #include "ops/common/row_stride.hpp"
 #include "ops/common/swiglu_math.cuh"
 #include "ops/quant_linear/blocks.cuh"
+#include "ops/quant_linear/tc_gemm.cuh"
 
 #include <algorithm>
 
@@ -573,13 +576,107 @@ Tensor dense_weight(const char *op, const QuantMatrix &w, DType dtype) {
     return dense;
 }
 
+// ---- M > 8, K-quants: the tensor-core GEMM (tc_gemm.cuh) ----
+
+// Blocks of Kernel resident on one SM (its shared memory decides), asked of the runtime once.
+template <auto Kernel>
+int tc_resident(size_t smem, int device) {
+    static const int n = [&] {
+        opt_in_smem<Kernel>(smem, device);
+        int blocks = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, qtc::kThreads, smem));
+        return std::max(1, blocks);
+    }();
+    return n;
+}
+
+// Splits K over blockIdx.y so that the N tiles times the splits fill at most one wave of resident blocks
+// (at least one step of kBK a split); with more than one split, f32 partials and quant_tc_reduce_kernel.
+// The plan counts the tiles of a plain weight of `cols` rows also for kSwiglu (whose tiles hold 32
+// outputs): the same splits for linear_swiglu as for its two halves through quant_linear, hence the same
+// sums in the same order, and g and u of the same bits.
+// resident: blocks an SM of the plain kernel of this tile shape (also for kSwiglu: the same plan).
+template <auto Kernel, typename D, bool kSwiglu>
+void launch_tc(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int BM, size_t smem,
+               int resident) {
+    const int dev = out.device().index;
+    opt_in_smem<Kernel>(smem, dev);
+    const int64_t M = x.size(0), K = w.cols(), cols = out.size(1), steps = K / qtc::kBK;
+    const int64_t plain_tiles = ceil_div(cols, int64_t(qtc::kBN)), mtiles = ceil_div(M, int64_t(BM));
+    const int64_t tiles = kSwiglu ? ceil_div(cols, int64_t(qtc::kBN / 2)) : plain_tiles;
+    const int64_t slots = int64_t(resident) * sm_count(dev);
+    int64_t splits = std::clamp<int64_t>(slots / (plain_tiles * mtiles), 1, steps);
+    const int64_t per = ceil_div(steps, splits);
+    splits = ceil_div(steps, per);
+    LLAISYS_CHECK(tiles <= INT32_MAX && mtiles <= 65535, std::invalid_argument,
+                  "quant_linear: too many rows or columns for one launch: [", M, ", ", cols, "]");
+    const cudaStream_t stream = stream_of(out);
+    Tensor part;
+    if (splits > 1) part = Tensor::empty({splits * M * (kSwiglu ? 2 * cols : cols)}, DType::F32, out.device());
+    const qtc::Args a{w.bytes().data_as<uint8_t>(), w.row_bytes(), x.data(), detail::ld(x),
+                      bias.defined() ? bias.data() : nullptr, out.data(),
+                      splits > 1 ? reinterpret_cast<float *>(part.data()) : nullptr, M, cols, K, int(per)};
+    Kernel<<<dim3(unsigned(tiles), unsigned(splits), unsigned(mtiles)), qtc::kThreads, smem, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+    if (splits > 1) {
+        qtc::quant_tc_reduce_kernel<D, kSwiglu><<<unsigned(ceil_div(M * cols, int64_t(256))), 256, 0, stream>>>(
+            static_cast<D *>(out.data()), reinterpret_cast<const float *>(part.data()),
+            bias.defined() ? static_cast<const D *>(bias.data()) : nullptr, M, cols, int(splits));
+        CUDA_CHECK_LAUNCH();
+    }
+}
+
+template <class F, typename D, int MT, bool kSwiglu>
+void launch_tc_mt(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, bool v16) {
+    constexpr size_t smem = qtc::smem_bytes<MT>();
+    constexpr bool kV16 = F::kBytes % 16 == 0;
+    const int dev = out.device().index;
+    if (v16 && kV16) {
+        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, MT, false, kV16>>(smem, dev);
+        launch_tc<qtc::quant_tc_kernel<F, D, MT, kSwiglu, kV16>, D, kSwiglu>(out, x, w, bias, qtc::bm<MT>(), smem, resident);
+    } else {
+        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, MT, false, false>>(smem, dev);
+        launch_tc<qtc::quant_tc_kernel<F, D, MT, kSwiglu, false>, D, kSwiglu>(out, x, w, bias, qtc::bm<MT>(), smem, resident);
+    }
+}
+
+// The tensor-core GEMM where quant_linear_tc says so and x's rows are 16-byte aligned; false (nothing
+// launched) otherwise.
+template <typename T, bool kSwiglu>
+bool tc_gemm(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias) {
+    if constexpr (sizeof(T) != 2) {
+        return false;
+    } else {
+        using D = device_t<T>;
+        const int64_t M = x.size(0);
+        if (!::llaisys::ops::quant_linear_tc(x.dtype(), x.device(), M, w.format())) return false;
+        if (reinterpret_cast<uintptr_t>(x.data()) % 16 != 0 || detail::ld(x) * 2 % 16 != 0) return false;
+        bool launched = false;
+        dispatch_format(w.format(), [&](auto f) {
+            using F = decltype(f);
+            if constexpr (F::kBK == 256) {
+                check_aligned<F>(op, w);
+                const bool v16 = reinterpret_cast<uintptr_t>(w.bytes().data()) % 16 == 0;
+                if (M <= qtc::bm<1>()) launch_tc_mt<F, D, 1, kSwiglu>(out, x, w, bias, v16);
+                else if (M <= qtc::bm<2>()) launch_tc_mt<F, D, 2, kSwiglu>(out, x, w, bias, v16);
+                else launch_tc_mt<F, D, 4, kSwiglu>(out, x, w, bias, v16);
+                launched = true;
+            }
+        });
+        return launched;
+    }
+}
+
 } // namespace
 
 void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight, const Tensor &bias) {
     constexpr const char *op = "quant_linear";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM) return ::llaisys::ops::linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        if (x.size(0) > kMaxGemvM) {
+            if (tc_gemm<T, false>(op, out, x, weight, bias)) return;
+            return ::llaisys::ops::linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        }
         gemv<T, false>(op, out, x, weight, bias);
     });
 }
@@ -588,8 +685,10 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     constexpr const char *op = "quant_linear_swiglu";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM)
+        if (x.size(0) > kMaxGemvM) {
+            if (tc_gemm<T, true>(op, out, x, w_gate_up, Tensor())) return;
             return ::llaisys::ops::linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
+        }
         gemv<T, true>(op, out, x, w_gate_up, Tensor());
     });
 }
