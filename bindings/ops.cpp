@@ -30,6 +30,13 @@ void bind_ops(nb::module_ &m) {
           nb::arg("constant_weight") = false, G());
     o.def("linear_swiglu", &ops::linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), nb::kw_only(),
           nb::arg("constant_weight") = false, G());
+    o.def("linear_geglu", &ops::linear_geglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"),
+          nb::arg("tanh_approx") = false, nb::kw_only(), nb::arg("constant_weight") = false, G());
+    o.def("linear_gelu", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias, bool tanh_approx,
+                            bool constant_weight) {
+        ops::linear_gelu(out, x, w, bias ? *bias : Tensor(), tanh_approx, constant_weight);
+    }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), nb::arg("tanh_approx") = false,
+          nb::kw_only(), nb::arg("constant_weight") = false, G());
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
     o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
           nb::arg("eps"), G());

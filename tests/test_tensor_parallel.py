@@ -64,6 +64,18 @@ def test_two_ranks_equal_one_in_f32(tiny, family):
     np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt_neox", "qwen2"])
+def test_two_fused_ranks_equal_one(tiny, family):
+    """Fused projections (CUDA's default) at two ranks: each rank's [gate; up] matrix (SwiGLU, and GeGLU's since
+    it fuses too) stacks its own gate rows over its own up rows; GPT-NeoX's GELU runs inside each rank's cut of
+    the up projection."""
+    path = tiny(family)
+    g1, s1, l1 = run(path, 1)
+    g2, s2, l2 = run(path, 2, fused_projections=True)
+    assert (g2, s2) == (g1, s1)
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
+
+
 @pytest.mark.parametrize("family", ["llama-tied", "qwen2"])
 def test_four_ranks_with_replicated_kv_heads_equal_one(tiny, family):
     path = tiny(family)  # 2 KV heads over 4 ranks: each KV head on two ranks

@@ -140,9 +140,9 @@ void Decoder::bind_slots() {
                       "' names an unknown role '", w.role, "' (", w.hf_name, ")");
         s.shape = w.shape;
         if (w.role == "lm_head") s.shape[0] = vocab_part_; // tensor parallel: this rank's rows
-        // fusion groups are what the decoder fuses: q/k/v (with biases) and gate/up (without biases)
-        const bool fusable = (w.group == "qkv" && !s.heads) ||
-                             (w.group == "gate_up" && !config_.mlp_bias && config_.activation == Activation::silu);
+        // fusion groups are what the decoder fuses: q/k/v (with biases) and gate/up (without biases; SwiGLU,
+        // or GeGLU whose dense parts fuse: fuse_layer)
+        const bool fusable = (w.group == "qkv" && !s.heads) || (w.group == "gate_up" && !config_.mlp_bias);
         if (fused_ && fusable) s.group = w.group;
         slots_[w.hf_name] = s;
     }
@@ -269,12 +269,13 @@ QuantMatrix Decoder::on_device(const QuantMatrix &value) const {
 }
 
 // Runs fused only where every part is in the fused matrix: dense parts are its slices already; quantized
-// parts of one block format are stacked into it now (one copy; the parts then become its slices).
+// parts of one block format are stacked into it now (one copy; the parts then become its slices) where the
+// quantized GEMV has the fused epilogue: SwiGLU's, not GeGLU's (a quantized GeGLU keeps gate and up apart).
 void Decoder::fuse_layer(Layer &L) {
     L.fused_qkv = L.fused_gate_up = false;
     if (!fused_) return;
-    const auto fuse = [](LinearWeight &fused, std::initializer_list<LinearWeight *> parts) {
-        bool dense = fused.dense.defined(), quant = true;
+    const auto fuse = [](LinearWeight &fused, std::initializer_list<LinearWeight *> parts, bool stack_quant) {
+        bool dense = fused.dense.defined(), quant = stack_quant;
         for (LinearWeight *p : parts) {
             dense = dense && p->dense.defined();
             quant = quant && p->quantized() && p->quant.format() == (*parts.begin())->quant.format();
@@ -291,9 +292,9 @@ void Decoder::fuse_layer(Layer &L) {
         }
         return true;
     };
-    L.fused_qkv = fuse(L.wqkv, {&L.wq, &L.wk, &L.wv});
-    if (config_.gated_mlp && !config_.mlp_bias && config_.activation == Activation::silu)
-        L.fused_gate_up = fuse(L.w_gate_up, {&L.w_gate, &L.w_up});
+    L.fused_qkv = fuse(L.wqkv, {&L.wq, &L.wk, &L.wv}, true);
+    if (config_.gated_mlp && !config_.mlp_bias)
+        L.fused_gate_up = fuse(L.w_gate_up, {&L.w_gate, &L.w_up}, config_.activation == Activation::silu);
 }
 
 std::vector<std::string> Decoder::missing_weights() const {

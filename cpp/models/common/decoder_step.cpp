@@ -28,9 +28,12 @@ void Decoder::project_in(const Tensor &out, const BlockIn &in, const LinearWeigh
 }
 
 // Whether the norms ahead of layer L's attention and MLP blocks run inside their projections for a step of
-// T tokens: RMSNorm blocks whose every projection reads them quantized, and one kernel for it there.
+// T tokens: RMSNorm blocks whose every projection reads them quantized, and one kernel for it there (SwiGLU
+// MLPs: the quantized GEMV's fused epilogue is SwiGLU's).
 bool Decoder::norm_in_projections(const Layer &L, int64_t T) const {
-    if (config_.norm != NormKind::rms || config_.sandwich_norm || !config_.gated_mlp || config_.mlp_bias) return false;
+    if (config_.norm != NormKind::rms || config_.sandwich_norm || !config_.gated_mlp || config_.mlp_bias ||
+        config_.activation != Activation::silu)
+        return false;
     if (!ops::add_rms_norm_quant_linear_fused(dtype_, device_, T, config_.hidden_size)) return false;
     const bool qkv = L.fused_qkv ? L.wqkv.quantized() : L.wq.quantized() && L.wk.quantized() && L.wv.quantized();
     const bool mlp = L.fused_gate_up ? L.w_gate_up.quantized() : L.w_gate.quantized() && L.w_up.quantized();
@@ -108,14 +111,20 @@ Tensor Decoder::attention(int l, const BlockIn &in, const StepBatch &b, const KV
     return out;
 }
 
-// in [T, H] -> down(act(gate(x)) * up(x)) [T, H], or down(act(up(x))) for a plain MLP (GPT-NeoX)
+// in [T, H] -> down(act(gate(x)) * up(x)) [T, H], or down(act(up(x))) for a plain MLP (GPT-NeoX). Fused
+// (fused_projections): gate/up and SwiGLU or GeGLU in one op, a plain MLP's GELU inside its up projection (at
+// decode the GEMV's epilogue, a launch less per layer); the same bits as the unfused ops.
 Tensor Decoder::mlp(int l, const BlockIn &in) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = in.residual.defined() ? in.residual.size(0) : in.x.size(0), I = config_.intermediate_size;
     const bool tanh = config_.activation == Activation::gelu_tanh;
     Tensor act = Tensor::empty({T, I}, dtype_, device_);
-    if (L.fused_gate_up) {
+    if (L.fused_gate_up && config_.activation == Activation::silu) {
         project_in(act, in, L.w_gate_up, Tensor(), true);
+    } else if (L.fused_gate_up) { // GeGLU: dense weights only (fuse_layer), never a norm inside (norm_in_projections)
+        linear_geglu(act, in.x, L.w_gate_up, decode_scratch_, tanh);
+    } else if (!config_.gated_mlp && fused_) {
+        linear_gelu(act, in.x, L.w_up, decode_scratch_, L.b_up, tanh);
     } else if (!config_.gated_mlp) {
         project_in(act, in, L.w_up, L.b_up, false);
         ops::gelu(act, act, tanh);

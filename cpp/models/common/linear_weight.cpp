@@ -48,6 +48,28 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gat
     else ops::quant_linear_swiglu(out, x, w_gate_up.quant);
 }
 
+// The quantized GEMV has no GeGLU epilogue: a quantized W runs its two halves and the geglu op (the decoder
+// fuses GeGLU's gate/up only for dense weights, so only a caller holding a stacked quantized W gets here).
+void linear_geglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up, const Tensor &scratch,
+                  bool tanh_approx) {
+    if (const Tensor d = dense_for(w_gate_up, x, scratch); d.defined())
+        return ops::linear_geglu(out, x, d, tanh_approx, /*constant_weight=*/!w_gate_up.quantized());
+    const int64_t I = w_gate_up.quant.rows() / 2;
+    const Tensor up = Tensor::empty(out.shape(), out.dtype(), out.device());
+    ops::quant_linear(out, x, w_gate_up.quant.slice_rows(0, I), Tensor());
+    ops::quant_linear(up, x, w_gate_up.quant.slice_rows(I, 2 * I), Tensor());
+    ops::geglu(out, out, up, tanh_approx);
+}
+
+// A quantized W: quant_linear, then the gelu op.
+void linear_gelu(const Tensor &out, const Tensor &x, const LinearWeight &w, const Tensor &scratch, const Tensor &bias,
+                 bool tanh_approx) {
+    if (const Tensor d = dense_for(w, x, scratch); d.defined())
+        return ops::linear_gelu(out, x, d, bias, tanh_approx, /*constant_weight=*/!w.quantized());
+    ops::quant_linear(out, x, w.quant, bias);
+    ops::gelu(out, out, tanh_approx);
+}
+
 void embedding(const Tensor &out, const Tensor &ids, const LinearWeight &w) {
     if (w.quantized()) ops::quant_embedding(out, ids, w.quant);
     else ops::embedding(out, ids, w.dense);

@@ -329,4 +329,20 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) 
     ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
 }
 
+// The same composition for GeGLU: linear + linear + the geglu op, bit for bit.
+void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool tanh_approx) {
+    const int64_t M = out.size(0), I = out.size(1);
+    const Tensor gu = Tensor::empty({2, M, I}, out.dtype()); // [g; u], each [M, I]
+    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+    linear(g, x, w_gate_up.slice(0, 0, I), Tensor());     // w_gate_up[:I]  [I, K]
+    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor()); // w_gate_up[I:]  [I, K]
+    ::llaisys::ops::geglu(out, g, u, tanh_approx); // the geglu op (llaisys/ops.hpp)
+}
+
+// linear, then the gelu op in place on its output: linear + gelu bit for bit.
+void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool tanh_approx) {
+    linear(out, x, weight, bias);
+    ::llaisys::ops::gelu(out, out, tanh_approx); // the gelu op (llaisys/ops.hpp)
+}
+
 } // namespace llaisys::ops::cpu

@@ -3,13 +3,15 @@
 //   caller declared constant, gemv_preload_kernel, which loads W before the kernel ahead has finished.
 //   M > 8 (prefill): cuBLASLt with f32 compute (no TF32) and the bias fused as an epilogue; the
 //   GEMV also serves as the fallback if cuBLASLt offers no algorithm (and for K = 0).
-// linear_swiglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for M <= 8;
-// two cuBLASLt GEMMs and the swiglu kernel for M > 8.
+// linear_swiglu / linear_geglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for
+// M <= 8; two cuBLASLt GEMMs and the swiglu / geglu kernel for M > 8. linear_gelu: the GEMV with linear's
+// rows and a GELU after the bias for M <= 8; linear then the gelu kernel for M > 8.
 #include "ops/linear/linear.hpp"
 
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/gelu_math.cuh"
 #include "ops/common/swiglu_math.cuh"
 
 #include <cublasLt.h>
@@ -108,12 +110,40 @@ struct PlainEpilogue {
     }
 };
 
-// linear_swiglu: group j owns the gate rows n = j * O + o (o < O outputs) and the up rows I + n of
-// W [2I, K] (I = a.N; W rows r < O gate, r >= O up) and writes out[m, n] = swiglu(g, u), g and u first
-// rounded to T as linear stores them for the swiglu op. O = 2 for M <= 2 halves the grid (at I = 4864
-// one output per warp made 1.15 waves); larger M keeps O = 1, where 4 rows would spill registers.
+// linear_gelu: PlainEpilogue's rows and sums; each output is rounded to T (bias included) as linear stores
+// it, then goes through the gelu op's formula (common/gelu_math.cuh) and is rounded again: linear + gelu.
+template <int MR, bool TANH>
+struct GeluEpilogue : PlainEpilogue<MR> {
+    template <typename T, class Sum>
+    __device__ static void store(T *out, const T *bias, int64_t group, int o, int64_t m, const GemvArgs &a,
+                                 const Sum &sum) {
+        const int64_t n = group * PlainEpilogue<MR>::kRows + o;
+        if (n >= a.N) return;
+        const float y = to_f32(from_f32<T>(sum(o, bias ? to_f32(bias[n]) : 0.f)));
+        out[m * a.N + n] = from_f32<T>(gelu_f32<TANH>(y));
+    }
+};
 template <int MR>
-struct SwigluEpilogue {
+using GeluTanhEpilogue = GeluEpilogue<MR, true>;
+template <int MR>
+using GeluErfEpilogue = GeluEpilogue<MR, false>;
+
+// The gated activations, act(g, u) in f32 from g and u already rounded to T: the swiglu and geglu ops'
+// formulas (common/swiglu_math.cuh, common/gelu_math.cuh; geglu does not round gelu(g) before the product).
+struct SwigluAct {
+    __device__ static float apply(float g, float u) { return swiglu_f32(g, u); }
+};
+template <bool TANH>
+struct GegluAct {
+    __device__ static float apply(float g, float u) { return gelu_f32<TANH>(g) * u; }
+};
+
+// linear_swiglu / linear_geglu: group j owns the gate rows n = j * O + o (o < O outputs) and the up rows
+// I + n of W [2I, K] (I = a.N; W rows r < O gate, r >= O up) and writes out[m, n] = Act(g, u), g and u first
+// rounded to T as linear stores them for the swiglu / geglu op. O = 2 for M <= 2 halves the grid (at I = 4864
+// one output per warp made 1.15 waves); larger M keeps O = 1, where 4 rows would spill registers.
+template <int MR, class Act>
+struct GatedEpilogue {
     static constexpr int kOuts = MR >= 4 ? 1 : 2, kRows = 2 * kOuts, kUnroll = MR >= 4 ? 4 : 2;
     // 3, not 4: with room for 72 registers 896->2x4864 took 8.4 us on an H100 (graph replay; the same
     // at 2 blocks per SM), against 9.6 us under the 64-register cap of 4 blocks per SM.
@@ -126,9 +156,15 @@ struct SwigluEpilogue {
         const int64_t n = group * kOuts + o;
         if (n >= a.N) return;
         const float g = to_f32(from_f32<T>(sum(o, 0.f))), u = to_f32(from_f32<T>(sum(kOuts + o, 0.f)));
-        out[m * a.N + n] = from_f32<T>(swiglu_f32(g, u));
+        out[m * a.N + n] = from_f32<T>(Act::apply(g, u));
     }
 };
+template <int MR>
+using SwigluEpilogue = GatedEpilogue<MR, SwigluAct>;
+template <int MR>
+using GegluTanhEpilogue = GatedEpilogue<MR, GegluAct<true>>;
+template <int MR>
+using GegluErfEpilogue = GatedEpilogue<MR, GegluAct<false>>;
 
 // acc[m][r] += x[m] . w[r] over the vectors v = first, first + step, ... < nvec. Each lane issues up
 // to U loads per W row before using any (a row of K = 1536 bf16 is 6 vectors per lane: all in flight
@@ -174,7 +210,7 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&
 }
 
 // out [M, N] from x [M, K] and w for MR rows of x per block: x @ w[N, K]^T (+ bias [N]) with
-// PlainEpilogue, swiglu(x @ w[:N]^T, x @ w[N:]^T) with SwigluEpilogue.
+// PlainEpilogue (GeluEpilogue: its gelu), act(x @ w[:N]^T, x @ w[N:]^T) with GatedEpilogue.
 // Launch: grid (ceil(N / outputs_per_block), ceil(M / MR)), 256 threads. The 8 warps form 8 / split
 // groups; each group owns Epi's R W rows, and the split warps of a group interleave over the rows'
 // 16-byte vectors (lane l of warp s takes vectors s * 32 + l, + 32 * split, ...), so the group reads
@@ -542,6 +578,40 @@ void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, 
     linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
     linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
     ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
+}
+
+// linear_swiglu's paths with the GeGLU epilogue, and for M > 8 the geglu op.
+void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool tanh_approx, bool constant_weight) {
+    const int64_t M = out.size(0), I = out.size(1);
+    if (M <= kGemvMaxM) {
+        detail::dispatch_float("linear_geglu", x.dtype(), x.device(), [&](auto tag) {
+            using T = typename decltype(tag)::type;
+            if (tanh_approx) gemv<T, GegluTanhEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
+            else gemv<T, GegluErfEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
+        });
+        return;
+    }
+    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
+    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
+    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
+    ::llaisys::ops::geglu(out, g, u, tanh_approx); // the geglu op (llaisys/ops.hpp)
+}
+
+// M <= 8: the GEMV with the GELU after the bias in its epilogue (no gelu launch at decode); M > 8: linear
+// (cuBLASLt with its bias epilogue) and the gelu op in place.
+void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool tanh_approx,
+                 bool constant_weight) {
+    if (x.size(0) <= kGemvMaxM) {
+        detail::dispatch_float("linear_gelu", x.dtype(), x.device(), [&](auto tag) {
+            using T = typename decltype(tag)::type;
+            if (tanh_approx) gemv<T, GeluTanhEpilogue>(out, x, weight, bias, constant_weight);
+            else gemv<T, GeluErfEpilogue>(out, x, weight, bias, constant_weight);
+        });
+        return;
+    }
+    linear(out, x, weight, bias, constant_weight);
+    ::llaisys::ops::gelu(out, out, tanh_approx); // the gelu op (llaisys/ops.hpp)
 }
 
 } // namespace llaisys::ops::cuda
