@@ -134,7 +134,7 @@ void bench_read(benchmark::State &state, int64_t bytes) {
 }
 
 #ifdef LLAISYS_WITH_CUDA
-// One M = 1 call per device copy of the weight (N rows: linear; 2N rows: linear_swiglu into N outputs).
+// One call per device copy of the weight (N rows: linear; 2N rows: linear_swiglu into N outputs).
 void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t M, int64_t K, int64_t N, bool swiglu) {
     if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
     const Device dev = Device::cuda(0);
@@ -165,6 +165,13 @@ void register_cuda_benchmarks() {
         {QuantFormat::Q6_K, 1, 1536, 151936, false}, {QuantFormat::Q4_K, 1, 1536, 8960, true},
         {QuantFormat::Q5_0, 1, 896, 4864, true},     {QuantFormat::Q8_0, 1, 4864, 896, false},
         {QuantFormat::Q4_K, 8, 1536, 8960, true},    {QuantFormat::Q6_K, 8, 8960, 1536, false},
+        // M > 8: the tensor-core GEMM over decoded W tiles against the dense copy + cuBLASLt
+        // (LLAISYS_QUANT_TC_MAX_ROWS=0), at the 1.5B's gate/up, down and LM head
+        {QuantFormat::Q4_K, 16, 1536, 8960, true},   {QuantFormat::Q4_K, 64, 1536, 8960, true},
+        {QuantFormat::Q4_K, 128, 1536, 8960, true},  {QuantFormat::Q4_K, 256, 1536, 8960, true},
+        {QuantFormat::Q6_K, 16, 8960, 1536, false},  {QuantFormat::Q6_K, 64, 8960, 1536, false},
+        {QuantFormat::Q6_K, 256, 8960, 1536, false}, {QuantFormat::Q6_K, 64, 1536, 151936, false},
+        {QuantFormat::Q6_K, 256, 1536, 151936, false},
     };
     for (const Case &c : cases) {
         const std::string name = std::string(c.swiglu ? "QuantLinearSwiglu" : "QuantLinear") + "/cuda_graph/" +

@@ -470,11 +470,13 @@ def test_cuda_linear_matches_float64(fmt, dtype, M, N):
                                    (300, 150, 512)])
 def test_cuda_tensor_core_path_matches_float64(fmt, dtype, M, N, K):
     """M > 8 with a K-quant weight and a 16-bit x: the tensor-core GEMM that decodes W tiles in shared memory
-    (quant_linear/tc_gemm.cuh), held to the dense path's reference (W decoded and rounded to the dtype,
-    unquantized x). The shapes cover its tile heights (64, 128, 256 rows: M 9-64, 65-128, 129-256), partial
-    m16 tiles and idle warps (M = 9, 17, 65, 129), partial N tiles (N not a multiple of 64), one K step
-    (K = 256 with two splits, or one), long K split over many blocks (K = 4096) and no split at all
-    (N = 2100: enough tiles for a wave); with a bias at odd N. M = 300 is past kQuantTcMaxRows: the dense path."""
+    (quant_linear/tc_gemm.cuh) for M <= kQuantTcMaxRows (64), the dense copy + cuBLASLt above; both held to
+    the dense path's reference (W decoded and rounded to the dtype, unquantized x). The kernel's two tile
+    shapes by default (32 rows x 128 W rows up to M = 32, 64 x 64 up to 64; with LLAISYS_QUANT_TC_MAX_ROWS=256
+    in the environment also its 128- and 256-row tiles for M = 65-256), partial m16 tiles and idle warps
+    (M = 9, 17), partial N tiles (N not a multiple of 64 or 128), one K step (K = 256 with two splits, or
+    one), long K split over many blocks (K = 4096) and no split at all (N = 2100: enough tiles for a wave);
+    with a bias at odd N."""
     out, ref, tol = run_linear(fmt, dtype, M, N, K, seed=M + N + K, with_bias=N % 2 == 1, device="cuda")
     check(out, ref, tol)
 
@@ -583,9 +585,9 @@ def test_cuda_linear_nan_input_makes_its_row_nan(fmt, M):
 @pytest.mark.parametrize("M", [1, 5, 9, 100, 256])
 @pytest.mark.parametrize("I", [37, 6007, 8209])
 def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M, I):
-    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs, for the
-    K-quants in 16 bits, the tensor-core GEMM with linear's split of K (so g and u are linear's sums), else
-    the dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last
+    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M = 9-64 runs, for
+    the K-quants in 16 bits, the tensor-core GEMM with linear's split of K (so g and u are linear's sums),
+    else the dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last
     one; I = 8209: enough weights (I x 512 >= 4M) for the K-quants' chunked GEMV; I = 37 splits K."""
     w = matrix(fmt, random_blocks(fmt, 2 * I, 512, seed=8)).to("cuda")
     x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]), "cuda")

@@ -149,7 +149,7 @@ def _rel(x, ref):
 
 
 @pytest.mark.cuda
-# the dp4a GEMV (<= 8 rows), the tensor-core GEMM over W tiles decoded in shared memory (9-256 rows), then
+# the dp4a GEMV (<= 8 rows), the tensor-core GEMM over W tiles decoded in shared memory (9-64 rows), then
 # dequantize + cuBLASLt (more)
 @pytest.mark.parametrize("rows", [8, 64, 300])
 def test_cuda_quantized_is_as_close_to_hf_f32_as_hf_bf16(random_q4_k_m, rows):

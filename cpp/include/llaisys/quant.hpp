@@ -94,7 +94,9 @@ QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "port
 // (LLAISYS_QUANT_TC_MAX_ROWS overrides it, 0 turns that GEMM off), and every other case decodes the whole
 // weight into a dense copy for cuBLASLt.
 constexpr int64_t kQuantGemvMaxRows = 8;
-constexpr int64_t kQuantTcMaxRows = 256;
+// 64: the crossover measured on an H200 (bench_ops, session 34: 1536 -> 2 x 8960 Q4_K + SwiGLU 44.0 us
+// against the copy's 49.7 at 64 rows, 74.0 against 51.1 at 128; bench/RESULTS.md).
+constexpr int64_t kQuantTcMaxRows = 64;
 
 namespace ops {
 // out [..., N] = x [..., K] @ dequant(weight)[N, K]^T (+ bias [N]); x, bias and out share a float dtype.

@@ -6,8 +6,8 @@
 //   separate quantize kernel cost about as much as a small GEMV); else quantize_x_kernel does it once,
 //   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x. Large K-quant
 //   matrices (Q4_K, Q5_K, Q6_K) take quant_gemv_kq_kernel, which reads whole blocks in contiguous spans.
-//   M > 8, K-quants, 2-byte x, up to kQuantTcMaxRows rows (ops::quant_linear_tc): a tensor-core GEMM that
-//   decodes W tiles in shared memory (tc_gemm.cuh); the weight is read once, as its blocks.
+//   M > 8, K-quants, 2-byte x, up to kQuantTcMaxRows (64) rows (ops::quant_linear_tc): a tensor-core GEMM
+//   that decodes W tiles in shared memory (tc_gemm.cuh); the weight is read as its blocks, no dense copy.
 //   Other M > 8 cases (prefill chunks, Q4_0/Q5_0/Q8_0, f32): the whole weight is decoded into a dense
 //   [N, K] of x's dtype and the dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes
 //   into a transient tensor (N * K * sizeof(T) for the call, handed back to the caching allocator after it);
@@ -592,18 +592,18 @@ int tc_resident(size_t smem, int device) {
 
 // Splits K over blockIdx.y so that the N tiles times the splits fill at most one wave of resident blocks
 // (at least one step of kBK a split); with more than one split, f32 partials and quant_tc_reduce_kernel.
-// The plan counts the tiles of a plain weight of `cols` rows also for kSwiglu (whose tiles hold 32
+// The plan counts the tiles of a plain weight of `cols` rows also for kSwiglu (whose tiles hold BN / 2
 // outputs): the same splits for linear_swiglu as for its two halves through quant_linear, hence the same
-// sums in the same order, and g and u of the same bits.
-// resident: blocks an SM of the plain kernel of this tile shape (also for kSwiglu: the same plan).
+// sums in the same order, and g and u of the same bits. resident: blocks an SM of the plain kernel of this
+// tile shape (also for kSwiglu: the same plan).
 template <auto Kernel, typename D, bool kSwiglu>
-void launch_tc(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int BM, size_t smem,
-               int resident) {
+void launch_tc(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int BM, int BN,
+               size_t smem, int resident) {
     const int dev = out.device().index;
     opt_in_smem<Kernel>(smem, dev);
     const int64_t M = x.size(0), K = w.cols(), cols = out.size(1), steps = K / qtc::kBK;
-    const int64_t plain_tiles = ceil_div(cols, int64_t(qtc::kBN)), mtiles = ceil_div(M, int64_t(BM));
-    const int64_t tiles = kSwiglu ? ceil_div(cols, int64_t(qtc::kBN / 2)) : plain_tiles;
+    const int64_t plain_tiles = ceil_div(cols, int64_t(BN)), mtiles = ceil_div(M, int64_t(BM));
+    const int64_t tiles = kSwiglu ? ceil_div(cols, int64_t(BN / 2)) : plain_tiles;
     const int64_t slots = int64_t(resident) * sm_count(dev);
     int64_t splits = std::clamp<int64_t>(slots / (plain_tiles * mtiles), 1, steps);
     const int64_t per = ceil_div(steps, splits);
@@ -626,22 +626,23 @@ void launch_tc(const Tensor &out, const Tensor &x, const QuantMatrix &w, const T
     }
 }
 
-template <class F, typename D, int MT, bool kSwiglu>
-void launch_tc_mt(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, bool v16) {
-    constexpr size_t smem = qtc::smem_bytes<MT>();
+template <class F, typename D, int WM, int MT, bool kSwiglu>
+void launch_tc_shape(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, bool v16) {
+    constexpr size_t smem = qtc::smem_bytes<WM, MT>();
+    constexpr int BM = qtc::bm<WM, MT>(), BN = qtc::bn<WM>();
     constexpr bool kV16 = F::kBytes % 16 == 0;
     const int dev = out.device().index;
     if (v16 && kV16) {
-        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, MT, false, kV16>>(smem, dev);
-        launch_tc<qtc::quant_tc_kernel<F, D, MT, kSwiglu, kV16>, D, kSwiglu>(out, x, w, bias, qtc::bm<MT>(), smem, resident);
+        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, WM, MT, false, kV16>>(smem, dev);
+        launch_tc<qtc::quant_tc_kernel<F, D, WM, MT, kSwiglu, kV16>, D, kSwiglu>(out, x, w, bias, BM, BN, smem, resident);
     } else {
-        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, MT, false, false>>(smem, dev);
-        launch_tc<qtc::quant_tc_kernel<F, D, MT, kSwiglu, false>, D, kSwiglu>(out, x, w, bias, qtc::bm<MT>(), smem, resident);
+        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, WM, MT, false, false>>(smem, dev);
+        launch_tc<qtc::quant_tc_kernel<F, D, WM, MT, kSwiglu, false>, D, kSwiglu>(out, x, w, bias, BM, BN, smem, resident);
     }
 }
 
 // The tensor-core GEMM where quant_linear_tc says so and x's rows are 16-byte aligned; false (nothing
-// launched) otherwise.
+// launched) otherwise. The tile height follows M (the fewest m16 tiles a warp that cover it).
 template <typename T, bool kSwiglu>
 bool tc_gemm(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias) {
     if constexpr (sizeof(T) != 2) {
@@ -657,9 +658,14 @@ bool tc_gemm(const char *op, const Tensor &out, const Tensor &x, const QuantMatr
             if constexpr (F::kBK == 256) {
                 check_aligned<F>(op, w);
                 const bool v16 = reinterpret_cast<uintptr_t>(w.bytes().data()) % 16 == 0;
-                if (M <= qtc::bm<1>()) launch_tc_mt<F, D, 1, kSwiglu>(out, x, w, bias, v16);
-                else if (M <= qtc::bm<2>()) launch_tc_mt<F, D, 2, kSwiglu>(out, x, w, bias, v16);
-                else launch_tc_mt<F, D, 4, kSwiglu>(out, x, w, bias, v16);
+                // the tile shape by M (bench_ops, H200, session 34): up to 32 rows two warps along M and
+                // 128 W rows a block (four along M left three idle: 1536 -> 2 x 8960 at M = 16, 34.1 ->
+                // 25.9 us); up to 64, four along M and 64 W rows; past kQuantTcMaxRows (only where
+                // LLAISYS_QUANT_TC_MAX_ROWS raises it) taller tiles, W decoded once for up to 256 rows
+                if (M <= 32) launch_tc_shape<F, D, 2, 1, kSwiglu>(out, x, w, bias, v16);
+                else if (M <= 64) launch_tc_shape<F, D, 4, 1, kSwiglu>(out, x, w, bias, v16);
+                else if (M <= 128) launch_tc_shape<F, D, 4, 2, kSwiglu>(out, x, w, bias, v16);
+                else launch_tc_shape<F, D, 4, 4, kSwiglu>(out, x, w, bias, v16);
                 launched = true;
             }
         });

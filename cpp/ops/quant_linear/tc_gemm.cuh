@@ -7,11 +7,13 @@
 // the same products as the dense path (W decoded to x's dtype by decode(), 16-bit x as it is, f32 sums;
 // g and u rounded to the dtype before the SwiGLU), summed in another order.
 //
-// A block of 8 warps (4 along M x 2 along N) owns BM = 64 MT rows of x and 64 W rows (kSwiglu: 32 gate
-// rows and the 32 up rows of the same outputs), and walks its share of K in steps of 128: x's tile comes
-// by cp.async; each thread loads one K-quant chunk of W (blocks.cuh: two runs of 16 weights of one row)
-// into registers one step ahead, and decodes it into the W tile after the step's MMAs. Two stages of both
-// tiles. When the N tiles alone leave SMs idle, K is split over blockIdx.y: each split writes f32 partial
+// A block of 8 warps (WM along M x WN along N, each warp MT m16 tiles x 32 W rows) owns BM = 16 WM MT rows
+// of x and BN = 32 WN W rows (kSwiglu: BN / 2 gate rows and the up rows of the same outputs), and walks its
+// share of K in steps of 128: x's tile comes by cp.async; each thread loads WN / 2 K-quant chunks of W
+// (blocks.cuh: two runs of 16 weights of one row) into registers one step ahead, and decodes them into the
+// W tile after the step's MMAs. Two stages of both tiles. Shapes: WM = 2 (BN 128) for up to 32 rows of x,
+// WM = 4 (BN 64) above. Past 64 rows the dense copy + cuBLASLt is faster (kQuantTcMaxRows): at 256 rows
+// this kernel took ~5 us a block step, 2x cuBLASLt on the copy (bench/RESULTS.md, session 34). When the N tiles alone leave SMs idle, K is split over blockIdx.y: each split writes f32 partial
 // sums, and quant_tc_reduce_kernel adds them (then the bias, the rounding and the SwiGLU).
 #pragma once
 #include "ops/common/cuda.cuh"
@@ -25,16 +27,16 @@ namespace llaisys::ops::cuda::qtc {
 
 using namespace qblocks;
 
-constexpr int kThreads = 256;   // 8 warps: 4 along M, 2 along N
-constexpr int kBN = 64;         // W rows a block decodes (32 a warp column)
-constexpr int kBK = 128;        // K a step: 4 chunks of a row, one chunk a thread
+constexpr int kThreads = 256;   // 8 warps
+constexpr int kBK = 128;        // K a step: 4 chunks of a row
 constexpr int kPitch = kBK + 8; // shared row pitch in elements: ldmatrix's 8 rows hit 8 distinct 16-byte banks
-static_assert(kThreads == kBN * 4, "one W chunk a thread a step");
 
-template <int MT>
-constexpr int bm() { return 64 * MT; } // x rows a block: 4 warps of MT m16 tiles
-template <int MT>
-constexpr size_t smem_bytes() { return size_t(2) * (bm<MT>() + kBN) * kPitch * 2; }
+template <int WM, int MT>
+constexpr int bm() { return 16 * WM * MT; } // x rows a block
+template <int WM>
+constexpr int bn() { return 32 * (8 / WM); } // W rows a block
+template <int WM, int MT>
+constexpr size_t smem_bytes() { return size_t(2) * (bm<WM, MT>() + bn<WM>()) * kPitch * 2; }
 
 struct Args {
     const uint8_t *w;
@@ -48,16 +50,16 @@ struct Args {
     int steps_per_split; // K steps (of kBK) per blockIdx.y
 };
 
-// The W row behind shared row r (0..63) of N-tile `tile`: plain, row tile * 64 + r; kSwiglu, warp column
-// r / 32 holds 16 gate rows then the 16 up rows of outputs tile * 32 + 16 (r / 32) + (r % 16).
-template <bool kSwiglu>
+// The W row behind shared row r (0..BN-1) of N-tile `tile`: plain, row tile * BN + r; kSwiglu, warp column
+// r / 32 holds 16 gate rows then the 16 up rows of outputs tile * BN / 2 + 16 (r / 32) + (r % 16).
+template <int BN, bool kSwiglu>
 __device__ __forceinline__ int64_t w_row(int64_t tile, int r, int64_t cols, bool &valid) {
     if constexpr (kSwiglu) {
-        const int64_t col = tile * 32 + (r / 32) * 16 + r % 16;
+        const int64_t col = tile * (BN / 2) + (r / 32) * 16 + r % 16;
         valid = col < cols;
         return (r % 32 < 16 ? 0 : cols) + col;
     } else {
-        const int64_t row = tile * kBN + r;
+        const int64_t row = tile * BN + r;
         valid = row < cols;
         return row;
     }
@@ -82,42 +84,53 @@ __device__ __forceinline__ void store_run(T *dst, const Chunk &k, int run) {
     reinterpret_cast<uint4 *>(dst)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <class F, typename T, int MT, bool kSwiglu, bool kV16>
+template <class F, typename T, int WM, int MT, bool kSwiglu, bool kV16>
 __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
     using C = typename KChunkOf<F>::type;
-    constexpr int BM = bm<MT>();
+    constexpr int WN = 8 / WM, BM = bm<WM, MT>(), BN = bn<WM>(), kChunks = BN * 4 / kThreads;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *xs = reinterpret_cast<T *>(smem_raw); // [2][BM][kPitch]
-    T *ws = xs + 2 * BM * kPitch;            // [2][kBN][kPitch]
-    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wm = warp % 4, wn = warp / 4;
+    T *ws = xs + 2 * BM * kPitch;            // [2][BN][kPitch]
+    const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, wm = warp % WM, wn = warp / WM;
     const int64_t tile = blockIdx.x, m0 = int64_t(blockIdx.z) * BM;
     const int64_t steps = a.K / kBK, s0 = int64_t(blockIdx.y) * a.steps_per_split;
     const int64_t s1 = s0 + a.steps_per_split < steps ? s0 + a.steps_per_split : steps;
     const T *x = static_cast<const T *>(a.x);
 
-    // this thread's W chunk each step: shared row wr, chunk cc of the step's four
-    const int wr = tid / 4, cc = tid % 4;
-    bool wvalid;
-    const int64_t row = w_row<kSwiglu>(tile, wr, a.cols, wvalid);
-    const uint8_t *wbase = a.w + (wvalid ? row : 0) * a.row_bytes;
+    // this thread's W chunks each step: chunk i is shared row wr[i], chunk cc of the step's four
+    int wr[kChunks];
+    bool wvalid[kChunks];
+    const uint8_t *wbase[kChunks];
+    const int cc = tid % 4;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+        wr[i] = (tid + i * kThreads) / 4;
+        const int64_t row = w_row<BN, kSwiglu>(tile, wr[i], a.cols, wvalid[i]);
+        wbase[i] = a.w + (wvalid[i] ? row : 0) * a.row_bytes;
+    }
     // a step covers 128 weights of one 256-weight block: chunks 4 (s % 2) + cc
     const auto chunk_of = [&](int64_t s) { return int(4 * (s % 2) + cc); };
-    const auto load_w = [&](typename C::Raw &raw, int64_t s) {
-        if (wvalid) C::template load<kV16>(raw, wbase + (s / 2) * F::kBytes, chunk_of(s));
+    const auto load_w = [&](typename C::Raw (&raw)[kChunks], int64_t s) {
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i)
+            if (wvalid[i]) C::template load<kV16>(raw[i], wbase[i] + (s / 2) * F::kBytes, chunk_of(s));
     };
-    const auto store_w = [&](int stage, const typename C::Raw &raw, int64_t s) {
-        T *dst = ws + (stage * kBN + wr) * kPitch;
+    const auto store_w = [&](int stage, const typename C::Raw (&raw)[kChunks], int64_t s) {
         // the chunk's run A within the step (both formats: run_a less the step's start), run B kRunGap further
         const int c = chunk_of(s), ra = C::run_a(c) - 128 * (c / 4);
-        if (wvalid) {
-            const Chunk k = C::decode(raw, c);
-            store_run<T>(dst + ra, k, 0);
-            store_run<T>(dst + ra + C::kRunGap, k, 1);
-        } else {
-            const uint4 z = make_uint4(0, 0, 0, 0);
-            reinterpret_cast<uint4 *>(dst + ra)[0] = z, reinterpret_cast<uint4 *>(dst + ra)[1] = z;
-            reinterpret_cast<uint4 *>(dst + ra + C::kRunGap)[0] = z;
-            reinterpret_cast<uint4 *>(dst + ra + C::kRunGap)[1] = z;
+#pragma unroll
+        for (int i = 0; i < kChunks; ++i) {
+            T *dst = ws + (stage * BN + wr[i]) * kPitch;
+            if (wvalid[i]) {
+                const Chunk k = C::decode(raw[i], c);
+                store_run<T>(dst + ra, k, 0);
+                store_run<T>(dst + ra + C::kRunGap, k, 1);
+            } else {
+                const uint4 z = make_uint4(0, 0, 0, 0);
+                reinterpret_cast<uint4 *>(dst + ra)[0] = z, reinterpret_cast<uint4 *>(dst + ra)[1] = z;
+                reinterpret_cast<uint4 *>(dst + ra + C::kRunGap)[0] = z;
+                reinterpret_cast<uint4 *>(dst + ra + C::kRunGap)[1] = z;
+            }
         }
     };
     // x's tile: BM rows x 16 pieces of 16 bytes; rows past M are zeros
@@ -138,7 +151,7 @@ __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
         for (int n = 0; n < 4; ++n) acc[i][n][0] = acc[i][n][1] = acc[i][n][2] = acc[i][n][3] = 0.f;
     const bool rows_live = m0 + wm * 16 * MT < a.M; // warp-uniform: this warp's rows hold any of x
 
-    typename C::Raw raw;
+    typename C::Raw raw[kChunks];
     load_x(0, s0);
     cp_async_commit();
     load_w(raw, s0);
@@ -155,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
         }
         if (rows_live) {
             const T *xt = xs + (cur * BM + wm * 16 * MT) * kPitch;
-            const T *wt = ws + (cur * kBN + wn * 32) * kPitch;
+            const T *wt = ws + (cur * BN + wn * 32) * kPitch;
 #pragma unroll
             for (int kk = 0; kk < kBK / 16; ++kk) {
                 uint32_t b[2][4];
@@ -180,8 +193,13 @@ __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
     if (!rows_live) return;
 
     // Fragment (mt, n): rows lane / 4 and + 8 of the warp's m-tile mt, columns 8 n + 2 (lane % 4) + {0, 1} of
-    // the warp's 32 shared W rows.
+    // the warp's 32 shared W rows: plain, outputs tile * BN + 32 wn + ...; kSwiglu, n = 0, 1 are gate rows and
+    // n = 2, 3 the up rows of outputs tile * BN / 2 + 16 wn + 8 (n % 2) + ...
     const int64_t r_base = m0 + wm * 16 * MT + lane / 4;
+    const auto out_col = [&](int n, int e) -> int64_t {
+        return kSwiglu ? tile * (BN / 2) + wn * 16 + (n % 2) * 8 + 2 * (lane % 4) + e
+                       : tile * BN + wn * 32 + n * 8 + 2 * (lane % 4) + e;
+    };
     if (a.part != nullptr) { // split K: f32 partials [split][M][N], or [split][M][g of I | u of I]
         const int64_t width = kSwiglu ? 2 * a.cols : a.cols;
         float *part = a.part + int64_t(blockIdx.y) * a.M * width;
@@ -195,8 +213,7 @@ __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
                 for (int n = 0; n < 4; ++n)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int64_t c = kSwiglu ? tile * 32 + wn * 16 + (n % 2) * 8 + 2 * (lane % 4) + e
-                                                  : tile * kBN + wn * 32 + n * 8 + 2 * (lane % 4) + e;
+                        const int64_t c = out_col(n, e);
                         if (c >= a.cols) continue;
                         part[r * width + (kSwiglu && n >= 2 ? a.cols : 0) + c] = acc[mt][n][2 * h + e];
                     }
@@ -216,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
                 for (int n = 0; n < 2; ++n)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int64_t c = tile * 32 + wn * 16 + n * 8 + 2 * (lane % 4) + e;
+                        const int64_t c = out_col(n, e);
                         if (c >= a.cols) continue;
                         const float g = to_f32(from_f32<T>(acc[mt][n][2 * h + e]));
                         const float u = to_f32(from_f32<T>(acc[mt][n + 2][2 * h + e]));
@@ -227,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
                 for (int n = 0; n < 4; ++n)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int64_t c = tile * kBN + wn * 32 + n * 8 + 2 * (lane % 4) + e;
+                        const int64_t c = out_col(n, e);
                         if (c >= a.cols) continue;
                         float v = acc[mt][n][2 * h + e];
                         if (bias != nullptr) v = __fadd_rn(v, to_f32(bias[c]));
