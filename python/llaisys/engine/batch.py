@@ -65,10 +65,30 @@ class DecodeBatch:
         self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None and
                                   (s.params.logprobs is None or s.lp_log is not None) for s in self.seqs), bool, n)
         self.lp_log = None  # the LogprobsLog of its quiet rows with logprobs (EngineCore._log_quiet)
+        self.advanced = 0  # steps advanced so far (the clock of end_at)
+        self.end_at: np.ndarray | None = None  # [n] the value of `advanced` at which each row ends by length
+        self._rows()
         self._constrained()
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
         self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
+
+    def _rows(self) -> None:
+        """What the steps ask about the rows, kept until they change (per step a test of a flag or a counter, not
+        a pass over arrays): the rows with logprobs, the rows listed in every step's produced list (not quiet),
+        and the step at which the first row reaches its length limit (end_at, once max_seq_len is known)."""
+        self.lp_rows = np.flatnonzero(self.logprobs >= 0)
+        self.any_quiet = bool(self.quiet.any())
+        self.loud = np.flatnonzero(~self.quiet).tolist()
+        self.next_end = int(self.end_at.min(initial=1 << 62)) if self.end_at is not None else -1
+
+    def ends(self, max_seq_len: int) -> int:
+        """The value of `advanced` at which the first row ends by length (max_new_tokens, or the context
+        max_seq_len); from then on end_at says which rows do."""
+        if self.end_at is None:
+            self.end_at = self.advanced + np.minimum(self.max_new - self.num_output, max_seq_len - 1 - self.pos)
+            self.next_end = int(self.end_at.min(initial=1 << 62))
+        return self.next_end
 
     def _constrained(self) -> None:
         # rows with a constraint (structured output): masked each step, their matchers advanced by advance();
@@ -105,13 +125,14 @@ class DecodeBatch:
     def condense(self, keep: np.ndarray) -> None:
         self.seqs = [s for s, k in zip(self.seqs, keep) if k]
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
-                     "min_p", "penalty", "seeds", "logprobs", "seen_row", "quiet"):
+                     "min_p", "penalty", "seeds", "logprobs", "seen_row", "quiet", "end_at"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[keep])
         width = int(self.nblk.max(initial=1))
         if width < self.tables.shape[1]:  # the widest row left
             self.tables = np.ascontiguousarray(self.tables[:, :width])
         self._fixed = None
+        self._rows()
         self._constrained()
         self.version += 1
 
@@ -196,5 +217,7 @@ class DecodeBatch:
                 eos |= tok == e
         else:
             eos = np.array([t in s.eos for s, t in zip(self.seqs, tokens)], bool)
-        length = ~eos & ((self.num_output >= self.max_new) | (self.pos + 1 >= max_seq_len))
-        return eos, length
+        self.advanced += 1
+        if self.ends(max_seq_len) > self.advanced:  # most steps: no row reaches its length limit
+            return eos, np.zeros(len(tok), bool)
+        return eos, ~eos & (self.end_at <= self.advanced)

@@ -401,7 +401,7 @@ class EngineCore:
         # batch): as many running as rows means none ended while the step ran, and no pass over the rows
         live = None if len(self.scheduler.running) == len(b) else [s.status is Status.RUNNING for s in b.seqs]
         if entries is None and not given:  # from the step's logits rows, before rows leave
-            want = np.flatnonzero(b.logprobs >= 0)
+            want = b.lp_rows
             if want.size:
                 ks = b.logprobs[want]
                 entries = self._batch_entries(b, b.version, b.seqs, tokens, want, ks, b.quiet[want],
@@ -425,13 +425,14 @@ class EngineCore:
             self._fire_triggers(b, tokens, eos | length)
         if self.runner.deferred is not None and not self.runner.masks_started:  # the matchers moved: start now
             self._start_masks()
-        if b.quiet.any():
-            listed = np.flatnonzero(~b.quiet | eos | length).tolist()
+        ended = eos.any() or length.any()  # most steps end no row
+        if b.any_quiet:
+            listed = np.flatnonzero(~b.quiet | eos | length).tolist() if ended else b.loud
             produced = [(seqs[row], tokens[row], None) for row in listed] if entries is None else [
                 (seqs[row], tokens[row], entries[row]) for row in listed]
         else:
             produced = list(zip(seqs, tokens, repeat(None) if entries is None else entries))
-        if eos.any() or length.any():  # most steps end no row
+        if ended:
             for row in np.flatnonzero(eos).tolist():
                 self.finish(seqs[row], "stop")
             for row in np.flatnonzero(length).tolist():

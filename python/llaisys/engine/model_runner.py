@@ -107,7 +107,7 @@ class ModelRunner:
         self.deferred = step if defer else None
         b = step.batch
         if b is not None and not defer and self.device_logprobs:
-            want = np.flatnonzero(b.logprobs >= 0)
+            want = b.lp_rows
             if want.size:  # on the device behind the step, before a chained step overwrites its logits
                 ks = b.logprobs[want]
                 self.runner.enqueue_logprobs(want.tolist(), b.temperature, max(int(ks.max()), 1))
