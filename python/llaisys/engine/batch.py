@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from collections import deque
+
 from .sequence import Sequence, Status
 
 
@@ -77,6 +79,7 @@ class DecodeBatch:
         """What the steps ask about the rows, kept until they change (per step a test of a flag or a counter, not
         a pass over arrays): the rows with logprobs, the rows listed in every step's produced list (not quiet),
         and the step at which the first row reaches its length limit (end_at, once max_seq_len is known)."""
+        self.token_lists = [s.tokens for s in self.seqs]  # advance() appends to them
         self.lp_rows = np.flatnonzero(self.logprobs >= 0)
         self.any_quiet = bool(self.quiet.any())
         self.loud = np.flatnonzero(~self.quiet).tolist()
@@ -204,10 +207,11 @@ class DecodeBatch:
         move one position. Returns the (EOS, length) end masks; the caller finishes those rows."""
         self.issued -= 1
         tok = np.asarray(tokens, np.int64)
-        tokens = tok.tolist()  # plain ints in the sequences (the prefix cache hashes them)
-        for seq, t in zip(self.seqs, tokens):
-            seq.num_computed += 1
-            seq.tokens.append(t)
+        if type(tokens) is not list or (tokens and type(tokens[0]) is not int):  # (the runner's: a list of ints)
+            tokens = tok.tolist()  # plain ints in the sequences (the prefix cache hashes them)
+        # each row's token appended to its sequence's list, at C speed: the token before it counts as computed
+        # with it (Sequence.remaining stays 1), so no attribute of the sequence is written
+        deque(map(list.append, self.token_lists, tokens), 0)
         self.pos += 1
         self.num_output += 1
         self.last = tok
