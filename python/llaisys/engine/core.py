@@ -307,7 +307,7 @@ class EngineCore:
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             if seq.status is not Status.RUNNING:
                 continue
-            if entries is None and seq.params.logprobs is not None and seq.num_computed + n >= len(seq):
+            if entries is None and seq.params.logprobs is not None and n >= seq.remaining:
                 want.append((row, len(produced)))
             if self._apply(seq, n, int(token)):
                 produced.append((seq, int(token), None if entries is None else entries[row]))
@@ -326,9 +326,9 @@ class EngineCore:
     def _apply(self, seq: Sequence, n: int, token: int) -> bool:
         """The general accounting of one running row that computed n tokens: progress, prefix-cache
         registration, its token and end. Whether it produced a token (False: a prefill chunk)."""
-        seq.num_computed += n
+        seq.remaining -= n  # (num_computed += n)
         self.blocks.register_full(seq)
-        if seq.num_computed < len(seq):
+        if seq.remaining:
             return False  # a prefill chunk: more of the prompt to go
         seq.append(token)
         if token in seq.eos:
@@ -415,8 +415,9 @@ class EngineCore:
         eos, length = b.advance(tokens, self.max_seq_len)
         seqs, bs = b.seqs, self.blocks.block_size
         if self.blocks.caching:  # before a row's end frees its blocks
-            for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
-                self.blocks.register_full(seqs[row])
+            rows = np.flatnonzero(b.pos % bs == 0).tolist()  # rows whose block just filled
+            if rows:
+                self.blocks.register_rows([seqs[row] for row in rows])
         # then what the next step's masks need (constrained and trigger rows are never quiet: listed below
         # whatever their `length` becomes here), so they start early, beside the rest of the accounting
         if b.masked:
