@@ -237,8 +237,8 @@ def protocol(args) -> dict:
              **{k.replace("_s", "_us"): 1e6 * (c1[k] - c0[k]) / rows for k in parts})
     print(f"protocol ({n} requests, lengths [{lo}, {hi}], {'null runner' if args.null_runner else 'tiny model'}"
           f"{f', {args.sweep_mb:g} MB swept a call' if args.sweep_mb else ''}): {steps} steps, {rows} rows; host "
-          f"{r['host_us']:.3f} us per sequence per step (schedule {r['schedule_us']:.3f}, arrays {r['prepare_us']:.3f}, "
-          f"accounting {r['postprocess_us'] - r['overlapped_postprocess_us']:.3f} + overlapped steps' tokens -> return "
+          f"{r['host_us']:.3f} us per sequence per step (schedule {r['schedule_us']:.3f}, "
+          f"arrays {r['prepare_us']:.3f}, accounting {r['postprocess_us'] - r['overlapped_postprocess_us']:.3f} + overlapped steps' tokens -> return "
           f"{r['to_return_us']:.3f}, between steps {r['between_us']:.3f}); loop thread CPU less the runner's "
           f"{r['cpu_host_us']:.3f} us", flush=True)
     eng.close()

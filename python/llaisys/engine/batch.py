@@ -74,6 +74,7 @@ class DecodeBatch:
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
         self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
+        self.eos_set = next(iter(eos)) if len(eos) == 1 else None
 
     def _rows(self) -> None:
         """What the steps ask about the rows, kept until they change (per step a test of a flag or a counter, not
@@ -126,6 +127,7 @@ class DecodeBatch:
         return running == self.seqs
 
     def condense(self, keep: np.ndarray) -> None:
+        self.last = np.asarray(self.last, np.int64)
         self.seqs = [s for s, k in zip(self.seqs, keep) if k]
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
                      "min_p", "penalty", "seeds", "logprobs", "seen_row", "quiet", "end_at"):
@@ -191,7 +193,8 @@ class DecodeBatch:
         slots = self.tables.ravel()[offsets + blk].astype(np.int64)  # each row's block of pos
         slots *= bs
         slots += pos - blk * bs
-        return (zeros if ahead else self.last, pos, slots, q_start, (pos + 1).astype(np.int32), self.tables)
+        ids = zeros if ahead else np.asarray(self.last, np.int64)  # (advance keeps the runner's list)
+        return (ids, pos, slots, q_start, (pos + 1).astype(np.int32), self.tables)
 
     def step_made(self) -> int:
         """Counts a step made from the arrays (advance() counts it back); its version."""
@@ -206,22 +209,23 @@ class DecodeBatch:
         """Applies a step's tokens (one per row, every row running): the sequences get them, the arrays
         move one position. Returns the (EOS, length) end masks; the caller finishes those rows."""
         self.issued -= 1
-        tok = np.asarray(tokens, np.int64)
         if type(tokens) is not list or (tokens and type(tokens[0]) is not int):  # (the runner's: a list of ints)
-            tokens = tok.tolist()  # plain ints in the sequences (the prefix cache hashes them)
+            tokens = np.asarray(tokens, np.int64).tolist()  # plain ints (the prefix cache hashes them)
         # each row's token appended to its sequence's list, at C speed: the token before it counts as computed
         # with it (Sequence.remaining stays 1), so no attribute of the sequence is written
         deque(map(list.append, self.token_lists, tokens), 0)
         self.pos += 1
         self.num_output += 1
-        self.last = tok
+        self.last = tokens
         if self.eos is not None:  # a compare per EOS id: np.isin sorts, ~9x slower at 256 rows
-            eos = np.zeros(len(tok), bool)
-            for e in self.eos.tolist():
-                eos |= tok == e
+            eos = np.zeros(len(tokens), bool)
+            if not self.eos_set.isdisjoint(tokens):  # (a pass at C speed; most steps draw no EOS)
+                tok = np.asarray(tokens, np.int64)
+                for e in self.eos.tolist():
+                    eos |= tok == e
         else:
             eos = np.array([t in s.eos for s, t in zip(self.seqs, tokens)], bool)
         self.advanced += 1
         if self.ends(max_seq_len) > self.advanced:  # most steps: no row reaches its length limit
-            return eos, np.zeros(len(tok), bool)
+            return eos, np.zeros(len(tokens), bool)
         return eos, ~eos & (self.end_at <= self.advanced)
