@@ -202,13 +202,26 @@ def test_quiet_row_aborted_mid_batch_keeps_what_it_got(tiny, overlap):
     ps = prompts(eng.config.vocab_size, [6, 21], seed=12)
     kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True)
     alone = [eng.generate(p, **kw).token_ids for p in ps]
+    # the step loop waits after the step that gives the streamed request its 30th token until the abort is in:
+    # otherwise the quiet request could run all its tokens before a reader on a loaded box asks for the abort
+    reached, gate, real_step, held = threading.Event(), threading.Event(), eng._core.step, []
+
+    def gated_step():
+        out = real_step()
+        if held and not gate.is_set() and held[0].seq.num_output >= 30:
+            reached.set()
+            assert gate.wait(60), "the test never opened the gate"
+        return out
+
+    eng._core.step = gated_step
     quiet = eng.submit(ps[0], incremental=False, **kw)
     streamed = eng.submit(ps[1], **kw)
-    ids = []
-    for chunk in streamed:
-        ids += chunk.token_ids
-        if len(ids) >= 30 and not quiet.done:
-            quiet.abort()
+    held.append(streamed)
+    assert reached.wait(60)
+    assert 0 < quiet.seq.num_output < 80 and not quiet.done  # mid-decode (the loop waits)
+    quiet.abort()
+    gate.set()
+    ids = [t for chunk in streamed for t in chunk.token_ids]
     got = quiet.result()
     assert got.finish_reason == "abort" and 0 < len(got.token_ids) < 80
     assert got.token_ids == alone[0][:len(got.token_ids)] and got.usage["completion_tokens"] == len(got.token_ids)

@@ -30,7 +30,7 @@ class Chainer:
             # those chain where the runner computes them on the device behind each step (ModelRunner.launch),
             # not with a constrained row (whose sampling, deferred, comes after that)
             b = step.batch
-            return not (b.logprobs >= 0).any() or (self.runner.device_logprobs and not b.defers)
+            return not b.lp_rows.size or (self.runner.device_logprobs and not b.defers)
         # decodes, no presence/frequency penalties (their counts need the token ahead), no logprobs. The
         # min_tokens ban may chain: whether it applies depends only on how many tokens came before
         # (Sequence.biases(ahead)). A repetition penalty may chain: the sampler adds each token to the row's
@@ -109,11 +109,14 @@ class Chainer:
         if b is not self.scheduler.batch or step.version != b.version:
             return None
         n = len(b)
-        keep = (b.num_output + 1 < b.max_new) & (b.pos + 2 < self.max_seq_len)  # not ending by length
+        keep = None  # every row
+        if b.ends(self.max_seq_len) <= b.advanced + 1:  # some row ends by length with `step`'s token
+            keep = b.end_at > b.advanced + 1
         if len(self.scheduler.running) != n:  # some row ended (nothing joins `running` while a batch chains)
-            keep &= np.fromiter((s.status is Status.RUNNING for s in b.seqs), bool, n)
+            live = np.fromiter((s.status is Status.RUNNING for s in b.seqs), bool, n)
+            keep = live if keep is None else keep & live
         rows = None
-        if not keep.all():
+        if keep is not None and not keep.all():
             if not self.drop_rows or not keep.any():
                 return None
             rows = np.flatnonzero(keep).tolist()

@@ -307,7 +307,7 @@ class EngineCore:
         for row, (seq, n, token) in enumerate(zip(step.seqs, step.num_tokens, tokens)):
             if seq.status is not Status.RUNNING:
                 continue
-            if entries is None and seq.params.logprobs is not None and seq.num_computed + n >= len(seq):
+            if entries is None and seq.params.logprobs is not None and n >= seq.remaining:
                 want.append((row, len(produced)))
             if self._apply(seq, n, int(token)):
                 produced.append((seq, int(token), None if entries is None else entries[row]))
@@ -326,9 +326,9 @@ class EngineCore:
     def _apply(self, seq: Sequence, n: int, token: int) -> bool:
         """The general accounting of one running row that computed n tokens: progress, prefix-cache
         registration, its token and end. Whether it produced a token (False: a prefill chunk)."""
-        seq.num_computed += n
+        seq.remaining -= n  # (num_computed += n)
         self.blocks.register_full(seq)
-        if seq.num_computed < len(seq):
+        if seq.remaining:
             return False  # a prefill chunk: more of the prompt to go
         seq.append(token)
         if token in seq.eos:
@@ -401,7 +401,7 @@ class EngineCore:
         # batch): as many running as rows means none ended while the step ran, and no pass over the rows
         live = None if len(self.scheduler.running) == len(b) else [s.status is Status.RUNNING for s in b.seqs]
         if entries is None and not given:  # from the step's logits rows, before rows leave
-            want = np.flatnonzero(b.logprobs >= 0)
+            want = b.lp_rows
             if want.size:
                 ks = b.logprobs[want]
                 entries = self._batch_entries(b, b.version, b.seqs, tokens, want, ks, b.quiet[want],
@@ -415,8 +415,9 @@ class EngineCore:
         eos, length = b.advance(tokens, self.max_seq_len)
         seqs, bs = b.seqs, self.blocks.block_size
         if self.blocks.caching:  # before a row's end frees its blocks
-            for row in np.flatnonzero(b.pos % bs == 0).tolist():  # rows whose block just filled
-                self.blocks.register_full(seqs[row])
+            rows = np.flatnonzero(b.pos % bs == 0).tolist()  # rows whose block just filled
+            if rows:
+                self.blocks.register_rows([seqs[row] for row in rows])
         # then what the next step's masks need (constrained and trigger rows are never quiet: listed below
         # whatever their `length` becomes here), so they start early, beside the rest of the accounting
         if b.masked:
@@ -425,13 +426,14 @@ class EngineCore:
             self._fire_triggers(b, tokens, eos | length)
         if self.runner.deferred is not None and not self.runner.masks_started:  # the matchers moved: start now
             self._start_masks()
-        if b.quiet.any():
-            listed = np.flatnonzero(~b.quiet | eos | length).tolist()
+        ended = eos.any() or length.any()  # most steps end no row
+        if b.any_quiet:
+            listed = np.flatnonzero(~b.quiet | eos | length).tolist() if ended else b.loud
             produced = [(seqs[row], tokens[row], None) for row in listed] if entries is None else [
                 (seqs[row], tokens[row], entries[row]) for row in listed]
         else:
             produced = list(zip(seqs, tokens, repeat(None) if entries is None else entries))
-        if eos.any() or length.any():  # most steps end no row
+        if ended:
             for row in np.flatnonzero(eos).tolist():
                 self.finish(seqs[row], "stop")
             for row in np.flatnonzero(length).tolist():

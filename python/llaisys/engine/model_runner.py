@@ -13,6 +13,9 @@ from .seen import SeenRows
 from .sequence import Status
 
 
+_NO_BIAS: dict = {}  # a row's logit biases where it has none (never changed)
+
+
 class ModelRunner:
     def __init__(self, models: list, pools: list, block_size: int, max_blocks_per_seq: int, graph_sizes,
                  cuda_graphs: bool, vocab_size: int, tp_timeout_s: float = 300.0, mask_threads: int | None = None):
@@ -43,7 +46,7 @@ class ModelRunner:
         bs, rows = self.block_size, len(step.seqs)
         ids, starts, tables = [], [], []
         for seq, n in zip(step.seqs, step.num_tokens):
-            start = seq.num_computed + ahead
+            start = len(seq.tokens) - seq.remaining + ahead  # (num_computed + ahead)
             if n == 1:
                 ids.append(0 if ahead else seq.tokens[start])
             else:
@@ -107,7 +110,7 @@ class ModelRunner:
         self.deferred = step if defer else None
         b = step.batch
         if b is not None and not defer and self.device_logprobs:
-            want = np.flatnonzero(b.logprobs >= 0)
+            want = b.lp_rows
             if want.size:  # on the device behind the step, before a chained step overwrites its logits
                 ks = b.logprobs[want]
                 self.runner.enqueue_logprobs(want.tolist(), b.temperature, max(int(ks.max()), 1))
@@ -215,7 +218,8 @@ class ModelRunner:
             for row, (s, n) in enumerate(zip(seqs, step.num_tokens)):
                 if s.penalised and s.num_computed + n >= len(s):
                     seen[row] = self.seen.row(s, ahead)
-        biases = [s.biases(ahead) for s in seqs]
+        # (only rows with presence/frequency counts or a min_tokens can have any)
+        biases = [s.biases(ahead) if s.counts is not None or s.params.min_tokens else _NO_BIAS for s in seqs]
         if not any(biases):
             biases = []
         sampling = (

@@ -190,8 +190,10 @@ class Request:
         tail = self._tail
         if self.keeps_ids:  # one decode of every id but EOS (which never reaches the text, as in on_token)
             eos = self.seq.eos
-            self._pending = self.seq.output  # every token the core gave it (the step loop kept none)
-            tail = self._detok.decode_all([t for t in self._pending if t not in eos])
+            self._pending = ids = self.seq.output  # every token the core gave it (the step loop kept none)
+            if eos and not eos.isdisjoint(ids):  # (a pass at C speed; the filter is Python's)
+                ids = [t for t in ids if t not in eos]
+            tail = self._detok.decode_all(ids, ints=True)  # (the core's tokens are Python ints)
             if self._pending_lp is not None:  # the entries, built from the arrays the core logged
                 self._pending_lp = resolve(self._pending_lp, self.seq)
         elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix

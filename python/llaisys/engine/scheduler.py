@@ -178,9 +178,23 @@ class Scheduler:
         prefills = [s for s in self.running if s.remaining > 1]
         long_prefills = [s for s in prefills if self._is_long(s)]
         short_prefills = [s for s in prefills if not self._is_long(s)]
+        bm, bs = self.blocks, self.blocks.block_size
         for seq in decodes + long_prefills[:1] + short_prefills:
             if not room():
                 break
+            # a running decode of a dense cache: run(seq)'s effects inlined (one token; a block where its last one
+            # is full; skip_ahead and chunk_limit apply to windowed ones only); when it needs a block and none
+            # is free, run() preempts
+            if seq.remaining == 1 and not seq.kv_window and seq.status is Status.RUNNING:
+                if len(seq.block_table) * bs < len(seq.tokens):  # its last block is full
+                    if not bm.num_free:
+                        run(seq)
+                        continue
+                    bm.grow(seq)
+                step.seqs.append(seq)
+                step.num_tokens.append(1)
+                budget -= 1
+                continue
             run(seq)
         # new requests in arrival order; a long one is passed over while a long prefill runs, and comes after
         passed: list[Sequence] = []
