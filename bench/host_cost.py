@@ -310,17 +310,11 @@ def main() -> int:
     args = ap.parse_args()
     global PENALTY, STREAM
     PENALTY, STREAM = args.repetition_penalty, args.stream
-    if args.protocol:
-        r = protocol(args)
+    if args.protocol or args.arrivals:
+        r = protocol(args) if args.protocol else arrivals(args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(r, f, indent=2)
-        return 0
-    if args.arrivals:
-        rows = arrivals(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
         return 0
     import llaisys
 
