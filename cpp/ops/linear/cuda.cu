@@ -563,26 +563,34 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     });
 }
 
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight) {
+// M > 8 of linear_swiglu / linear_geglu: two GEMMs of [M, I] (the unfused path's problems) rather than one of
+// [M, 2I], so g and u each come out contiguous for the swiglu / geglu op that `combine` runs.
+template <class Combine>
+void gated_halves(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight,
+                  Combine &&combine) {
     const int64_t M = out.size(0), I = out.size(1);
+    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
+    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
+    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
+    combine(g, u);
+}
+
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight) {
+    const int64_t M = out.size(0);
     if (M <= kGemvMaxM) {
         detail::dispatch_float("linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
             gemv<typename decltype(tag)::type, SwigluEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
         });
         return;
     }
-    // Prefill: two GEMMs of [M, I] (the unfused path's problems) rather than one of [M, 2I], so g and u
-    // each come out contiguous for the swiglu kernel.
-    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
-    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
-    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
-    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
-    ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
+    gated_halves(out, x, w_gate_up, constant_weight,
+                 [&](const Tensor &g, const Tensor &u) { ::llaisys::ops::swiglu(out, g, u); });
 }
 
 // linear_swiglu's paths with the GeGLU epilogue, and for M > 8 the geglu op.
 void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool tanh_approx, bool constant_weight) {
-    const int64_t M = out.size(0), I = out.size(1);
+    const int64_t M = out.size(0);
     if (M <= kGemvMaxM) {
         detail::dispatch_float("linear_geglu", x.dtype(), x.device(), [&](auto tag) {
             using T = typename decltype(tag)::type;
@@ -591,11 +599,8 @@ void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, b
         });
         return;
     }
-    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
-    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
-    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
-    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
-    ::llaisys::ops::geglu(out, g, u, tanh_approx); // the geglu op (llaisys/ops.hpp)
+    gated_halves(out, x, w_gate_up, constant_weight,
+                 [&](const Tensor &g, const Tensor &u) { ::llaisys::ops::geglu(out, g, u, tanh_approx); });
 }
 
 // M <= 8: the GEMV with the GELU after the bias in its epilogue (no gelu launch at decode); M > 8: linear
