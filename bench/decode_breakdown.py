@@ -91,7 +91,7 @@ def prefill_report(eng, args, prompts) -> int:
 
 def main() -> int:
     from llaisys_bench.shapes import SHAPES  # this folder is sys.path[0]; llaisys_bench finds llaisys' sources
-    from llaisys_bench.throughput import random_checkpoint, requests
+    from llaisys_bench.throughput import open_engine, random_checkpoint, requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
@@ -108,15 +108,16 @@ def main() -> int:
 
     from llaisys.engine.engine import Engine
 
+    dtype = args.dtype or ("quantized" if args.gguf_types else "bf16")
+    kw = dict(device="cuda", dtype=dtype, max_seq_len=args.context + args.steps + 64, max_num_seqs=max(args.batch, 1))
     if args.gguf_types:
         from random_gguf import cached_random_gguf
 
-        path = cached_random_gguf(args.shape, args.gguf_types)
-    else:
-        path = random_checkpoint(args.shape)
-    dtype = args.dtype or ("quantized" if args.gguf_types else "bf16")
-    eng = Engine(path, device="cuda", dtype=dtype, progress=False, max_seq_len=args.context + args.steps + 64,
-                 max_num_seqs=max(args.batch, 1))
+        eng = Engine(cached_random_gguf(args.shape, args.gguf_types), progress=False, **kw)
+    elif args.shape.startswith("qwen2"):
+        eng = Engine(random_checkpoint(args.shape), progress=False, **kw)
+    else:  # the other families' shapes: random weights built in memory (random_checkpoint writes Qwen2 only)
+        eng = open_engine(shape=args.shape, **kw)[0]
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
     eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)

@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -153,7 +154,34 @@ void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t M, int64_t
     state.counters["GB/s"] = benchmark::Counter(double(w0.nbytes()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The M > 64 rows path's dense copy alone (quant_dequantize into one bf16 scratch, as models::linear does);
+// GB/s counts the weight's bytes read plus the copy's bytes written.
+void bench_dequantize_cuda(benchmark::State &state, QuantFormat f, int64_t N, int64_t K) {
+    if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
+    const Device dev = Device::cuda(0);
+    DeviceGuard guard(dev);
+    const QuantMatrix w0 = random_matrix(f, N, K);
+    std::vector<QuantMatrix> ws;
+    for (int64_t i = 0; i < llaisys::bench::cold_sets(double(w0.nbytes()), dev); ++i) ws.push_back(w0.to(dev));
+    const Tensor out = Tensor::empty({N, K}, DType::BF16, dev);
+    synchronize(dev);
+    const int batch = int(std::max<size_t>(16, ws.size()));
+    llaisys::bench::time_graph_replays(state, dev, batch,
+                                       [&](int b) { ops::quant_dequantize(out, ws[size_t(b) % ws.size()]); });
+    state.counters["GB/s"] = benchmark::Counter(double(w0.nbytes() + N * K * 2) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void register_cuda_benchmarks() {
+    for (const auto &[f, N, K] : std::vector<std::tuple<QuantFormat, int64_t, int64_t>>{
+             {QuantFormat::Q4_K, 17920, 1536}, {QuantFormat::Q4_K, 1536, 8960}, {QuantFormat::Q6_K, 1536, 8960},
+             {QuantFormat::Q6_K, 151936, 1536}, {QuantFormat::Q5_K, 17920, 1536}}) {
+        const std::string name = std::string("QuantDequantize/cuda_graph/") + quant_format_info(f).name + "/N:" +
+                                 std::to_string(N) + "/K:" + std::to_string(K);
+        benchmark::RegisterBenchmark(name.c_str(), bench_dequantize_cuda, f, N, K)
+            ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(200);
+    }
+
     struct Case {
         QuantFormat f;
         int64_t M, K, N;

@@ -685,6 +685,39 @@ def test_cuda_embedding_id_out_of_range_raises_at_synchronize():
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows, cols", [(5, 256), (37, 512), (3, 1280)])
+def test_cuda_kquant_decode_placements(fmt, dtype, rows, cols):
+    """The K-quants' decode kernel (8 lanes a block, 16-byte loads and stores where aligned) at every
+    placement its paths split on: weight bytes on a 16-byte boundary or only on their format's alignment
+    (4 bytes; Q6_K's 210-byte blocks put odd rows 2 bytes off), the output on a 16-byte boundary or one
+    element off, one block a row or several; and ids outside [0, V) zero-filling their row."""
+    data = random_blocks(fmt, rows, cols, seed=31, from_floats=False)
+    ref = gguf.quants.dequantize(data, gtype(fmt)).astype(NP_DTYPE[dtype])
+    ref_bits = ref.view(f"u{ref.itemsize}")
+    row_bytes = data.shape[1]
+    align = 2 if fmt == "q6_k" else 4
+    for shift in (0, align):  # weight bytes 16-byte aligned, then only on the format's alignment
+        raw = llaisys.tensor(np.zeros((rows * row_bytes + 16,), np.uint8), "cuda")
+        raw.slice(0, shift, shift + rows * row_bytes).copy_(llaisys.tensor(data.reshape(-1), "cuda"))
+        w = quant.QuantMatrix(fmt, rows, cols, raw.slice(0, shift, shift + rows * row_bytes).view(rows, row_bytes))
+        for off in (0, 1):  # output 16-byte aligned, then one element off
+            flat = poisoned((rows * cols + 8,), dtype, "cuda")
+            out = flat.slice(0, off, off + rows * cols).view(rows, cols)
+            quant.dequantize_(out, w)
+            np.testing.assert_array_equal(bits(out), ref_bits, err_msg=f"shift {shift}, off {off}")
+    ids = np.array([rows - 1, rows, 0, -1], np.int64)
+    emb = poisoned((4, cols), dtype, "cuda")
+    quant.embedding_(emb, llaisys.tensor(ids, "cuda"), w)
+    with pytest.raises(IndexError, match="embedding: an id is out of range"):
+        llaisys.synchronize("cuda")
+    got = bits(emb)
+    np.testing.assert_array_equal(got[[0, 2]], ref_bits[[rows - 1, 0]])
+    assert not got[[1, 3]].any()  # the bad rows are zero-filled (+0.0 in every dtype)
+
+
+@cuda
 def test_cuda_errors():
     w = matrix("q4_k", random_blocks("q4_k", 4, 256, seed=1))
     x = llaisys.tensor(np.ones((2, 256), np.float32), "cuda")

@@ -27,6 +27,7 @@
 #include "ops/quant_linear/tc_gemm.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace llaisys::ops::cuda {
 namespace {
@@ -472,6 +473,65 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_rows_kernel(T *__restri
     for (int j = 0; j < 8; ++j) o[j] = vals.v[j];
 }
 
+// The same for the K-quants, a 256-weight block by 8 lanes: lane c loads the chunk the GEMV reads (the block's
+// 16-byte head and 16 bytes of codes, qblocks::KChunkOf) and writes its two runs of 16 weights, 32 weights a
+// lane (a warp writes four whole blocks, 2 KB at 16 bits). Codes become floats by their bits (2^23 + q as a
+// float, minus 2^23 + off: exact), not by int-to-float conversions, which run at a quarter of the rate of the
+// other arithmetic; each weight is still (d * isc) * (q - off) - dm in f32, gguf-py's operations and order.
+// Flat unsigned 32-bit indexing (the host checks the range). (decode_rows_kernel took 2.2 ms for a step's
+// ~3.9 GB of copies at 256 rows of the 1.5B Q4_K_M: ~1.75 TB/s; session 35 measures this one against it.)
+template <class F, typename T, typename Id, bool kV16>
+__global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__restrict__ out, const Id *__restrict__ ids,
+                                                                     const uint8_t *__restrict__ w, int64_t row_bytes,
+                                                                     uint32_t n, int64_t V, uint32_t K, int *error_flag) {
+    using C = typename KChunkOf<F>::type;
+    const uint32_t nb = K / F::kBK, g = blockIdx.x * kDecodeThreads + threadIdx.x;
+    if (g >= n * nb * 8u) return;
+    const int c = int(g % 8u);
+    const uint32_t bi = g / 8u, i = bi / nb, b = bi % nb;
+    const int64_t r = ids ? int64_t(ids[i]) : int64_t(i);
+    T *o = out + int64_t(i) * K + b * F::kBK + C::run_a(c);
+    union {
+        T v[2][16];
+        uint4 u[2][16 * sizeof(T) / 16];
+    } vals;
+    if (r < 0 || r >= V) {
+        if (b == 0 && c == 0) *error_flag = kIdOutOfRange;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) vals.v[0][j] = vals.v[1][j] = from_f32<T>(0.f);
+    } else {
+        typename C::Raw raw;
+        C::template load<kV16>(raw, w + r * row_bytes + int64_t(b) * F::kBytes, c);
+        const Chunk k = C::decode(raw, c);
+        const float base = __fadd_rn(8388608.f, float(k.off));
+#pragma unroll
+        for (int run = 0; run < 2; ++run) {
+            const float s = __fmul_rn(k.d, float(k.isc[run]));
+            const float dm = k.dm[run]; // 0 for Q6_K (x - 0 is x, as in decode())
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float q = __fsub_rn(__int_as_float(int(__byte_perm(uint32_t(k.q[run][j / 4]), 0x4B000000u,
+                                                                           0x7540u | unsigned(j % 4)))),
+                                          base);
+                vals.v[run][j] = from_f32<T>(__fsub_rn(__fmul_rn(s, q), dm));
+            }
+        }
+    }
+    constexpr int kRunGap = C::kRunGap;
+    if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+#pragma unroll
+        for (int run = 0; run < 2; ++run)
+#pragma unroll
+            for (int v = 0; v < int(16 * sizeof(T) / 16); ++v)
+                reinterpret_cast<uint4 *>(o + run * kRunGap)[v] = vals.u[run][v];
+        return;
+    }
+#pragma unroll
+    for (int run = 0; run < 2; ++run)
+#pragma unroll
+        for (int j = 0; j < 16; ++j) o[run * kRunGap + j] = vals.v[run][j];
+}
+
 // The readers load 4-byte words at 2- or 4-byte offsets from a row start (F::kAlign): every row starts
 // so aligned when the matrix does (row_bytes is a multiple of the block size).
 template <class F>
@@ -558,12 +618,30 @@ void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMa
     LLAISYS_CHECK(n <= INT32_MAX, std::invalid_argument, op, ": too many rows for one launch: ", n);
     const int64_t blocks = ceil_div(n * (K / 8), int64_t(kDecodeThreads));
     LLAISYS_CHECK(blocks <= INT32_MAX, std::invalid_argument, op, ": too many weights for one launch: ", n * K);
+    static const bool rows_kernel = [] { // A/B switch of session 35: the old kernel for the K-quants too
+        const char *e = std::getenv("LLAISYS_QUANT_DECODE_ROWS");
+        return e != nullptr && e[0] == '1';
+    }();
+    int *const flag = ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr;
     dispatch_format(w.format(), [&](auto f) {
         using F = decltype(f);
         check_aligned<F>(op, w);
+        const uint8_t *bytes = w.bytes().data_as<uint8_t>();
+        if constexpr (F::kBK == 256) {
+            const int64_t lanes = n * (K / F::kBK) * 8;
+            if (!rows_kernel && lanes <= int64_t(UINT32_MAX) - kDecodeThreads) {
+                const bool v16 = F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(bytes) % 16 == 0 &&
+                                 w.row_bytes() % 16 == 0;
+                const auto kernel = v16 ? decode_blocks_kernel<F, device_t<T>, Id, true>
+                                        : decode_blocks_kernel<F, device_t<T>, Id, false>;
+                kernel<<<unsigned(ceil_div(lanes, int64_t(kDecodeThreads))), kDecodeThreads, 0, stream_of(out)>>>(
+                    dptr<T>(out), ids, bytes, w.row_bytes(), uint32_t(n), w.rows(), uint32_t(K), flag);
+                CUDA_CHECK_LAUNCH();
+                return;
+            }
+        }
         decode_rows_kernel<F, device_t<T>, Id><<<unsigned(blocks), kDecodeThreads, 0, stream_of(out)>>>(
-            dptr<T>(out), ids, w.bytes().data_as<uint8_t>(), w.row_bytes(), n, w.rows(), K,
-            ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr);
+            dptr<T>(out), ids, bytes, w.row_bytes(), n, w.rows(), K, flag);
         CUDA_CHECK_LAUNCH();
     });
 }

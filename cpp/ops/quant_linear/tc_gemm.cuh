@@ -87,7 +87,7 @@ __device__ __forceinline__ void store_run(T *dst, const Chunk &k, int run) {
 template <class F, typename T, int WM, int MT, bool kSwiglu, bool kV16>
 __global__ void __launch_bounds__(kThreads) quant_tc_kernel(Args a) {
     using C = typename KChunkOf<F>::type;
-    constexpr int WN = 8 / WM, BM = bm<WM, MT>(), BN = bn<WM>(), kChunks = BN * 4 / kThreads;
+    constexpr int BM = bm<WM, MT>(), BN = bn<WM>(), kChunks = BN * 4 / kThreads;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     T *xs = reinterpret_cast<T *>(smem_raw); // [2][BM][kPitch]
     T *ws = xs + 2 * BM * kPitch;            // [2][BN][kPitch]
