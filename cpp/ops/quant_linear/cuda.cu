@@ -486,20 +486,21 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__rest
                                                                      uint32_t n, int64_t V, uint32_t K, int *error_flag) {
     using C = typename KChunkOf<F>::type;
     const uint32_t nb = K / F::kBK, g = blockIdx.x * kDecodeThreads + threadIdx.x;
-    if (g >= n * nb * 8u) return;
+    // lanes past the end stay for the shuffles below (a block's 8 lanes are all live or all not: n nb 8 lanes)
+    const bool live = g < n * nb * 8u;
     const int c = int(g % 8u);
-    const uint32_t bi = g / 8u, i = bi / nb, b = bi % nb;
-    const int64_t r = ids ? int64_t(ids[i]) : int64_t(i);
+    const uint32_t bi = g / 8u, i = live ? bi / nb : 0u, b = bi % nb;
+    const int64_t r = !live ? 0 : ids ? int64_t(ids[i]) : int64_t(i);
     T *o = out + int64_t(i) * K + b * F::kBK + C::run_a(c);
     union {
         T v[2][16];
         uint4 u[2][16 * sizeof(T) / 16];
     } vals;
     if (r < 0 || r >= V) {
-        if (b == 0 && c == 0) *error_flag = kIdOutOfRange;
+        if (live && b == 0 && c == 0) *error_flag = kIdOutOfRange;
 #pragma unroll
         for (int j = 0; j < 16; ++j) vals.v[0][j] = vals.v[1][j] = from_f32<T>(0.f);
-    } else {
+    } else if (live) {
         typename C::Raw raw;
         C::template load<kV16>(raw, w + r * row_bytes + int64_t(b) * F::kBytes, c);
         const Chunk k = C::decode(raw, c);
@@ -518,18 +519,42 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__rest
         }
     }
     constexpr int kRunGap = C::kRunGap;
-    if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    const bool aligned = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+    if constexpr (sizeof(T) == 2) {
+        // Lanes 2k and 2k + 1 hold runs 16 weights apart (run_a), a 32-byte sector each half: they swap
+        // halves so that each 16-byte store instruction fills whole sectors (the even lane's first 8 with the
+        // odd lane's copy of the even run's last 8, then the rest), not half of twice as many.
+        const bool odd = c % 2;
 #pragma unroll
-        for (int run = 0; run < 2; ++run)
+        for (int run = 0; run < 2; ++run) {
+            const uint4 send = odd ? vals.u[run][0] : vals.u[run][1];
+            uint4 got;
+            got.x = __shfl_xor_sync(0xffffffffu, send.x, 1), got.y = __shfl_xor_sync(0xffffffffu, send.y, 1);
+            got.z = __shfl_xor_sync(0xffffffffu, send.z, 1), got.w = __shfl_xor_sync(0xffffffffu, send.w, 1);
+            if (!live) continue;
+            T *p = o + run * kRunGap;
+            if (aligned) { // even: own 0-7 at p, the odd run's 0-7 at p + 16; odd: the even's 8-15 at p - 8, own 8-15 at p + 8
+                *reinterpret_cast<uint4 *>(odd ? p - 8 : p) = odd ? got : vals.u[run][0];
+                *reinterpret_cast<uint4 *>(odd ? p + 8 : p + 16) = odd ? vals.u[run][1] : got;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; ++j) p[j] = vals.v[run][j];
+            }
+        }
+        return;
+    }
+    if (!live) return;
+#pragma unroll
+    for (int run = 0; run < 2; ++run) {
+        if (aligned) {
 #pragma unroll
             for (int v = 0; v < int(16 * sizeof(T) / 16); ++v)
                 reinterpret_cast<uint4 *>(o + run * kRunGap)[v] = vals.u[run][v];
-        return;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) o[run * kRunGap + j] = vals.v[run][j];
+        }
     }
-#pragma unroll
-    for (int run = 0; run < 2; ++run)
-#pragma unroll
-        for (int j = 0; j < 16; ++j) o[run * kRunGap + j] = vals.v[run][j];
 }
 
 // The readers load 4-byte words at 2- or 4-byte offsets from a row start (F::kAlign): every row starts
@@ -630,7 +655,11 @@ void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMa
         if constexpr (F::kBK == 256) {
             const int64_t lanes = n * (K / F::kBK) * 8;
             if (!rows_kernel && lanes <= int64_t(UINT32_MAX) - kDecodeThreads) {
-                const bool v16 = F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(bytes) % 16 == 0 &&
+                static const bool no_v16 = [] { // A/B switch of session 35
+                    const char *e = std::getenv("LLAISYS_QUANT_DECODE_V16");
+                    return e != nullptr && e[0] == '0';
+                }();
+                const bool v16 = !no_v16 && F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(bytes) % 16 == 0 &&
                                  w.row_bytes() % 16 == 0;
                 const auto kernel = v16 ? decode_blocks_kernel<F, device_t<T>, Id, true>
                                         : decode_blocks_kernel<F, device_t<T>, Id, false>;
