@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_rows_kernel(T *__restri
 
 // The same for the K-quants, a 256-weight block by 8 lanes: lane c loads the chunk the GEMV reads (the block's
 // 16-byte head and 16 bytes of codes, qblocks::KChunkOf) and writes its two runs of 16 weights, 32 weights a
-// lane (a warp writes four whole blocks, 2 KB at 16 bits). Codes become floats by their bits (2^23 + q as a
+// lane (a warp writes four whole blocks, 2 KB at 16 bits, through shared memory). Codes become floats by their bits (2^23 + q as a
 // float, minus 2^23 + off: exact), not by int-to-float conversions, which run at a quarter of the rate of the
 // other arithmetic; each weight is still (d * isc) * (q - off) - dm in f32, gguf-py's operations and order.
 // Flat unsigned 32-bit indexing (the host checks the range). (decode_rows_kernel took 2.2 ms for a step's
@@ -486,12 +486,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__rest
                                                                      uint32_t n, int64_t V, uint32_t K, int *error_flag) {
     using C = typename KChunkOf<F>::type;
     const uint32_t nb = K / F::kBK, g = blockIdx.x * kDecodeThreads + threadIdx.x;
-    // lanes past the end stay for the shuffles below (a block's 8 lanes are all live or all not: n nb 8 lanes)
+    // lanes past the end stay for the warp's __syncwarp below (a block's 8 lanes are all live or all not)
     const bool live = g < n * nb * 8u;
     const int c = int(g % 8u);
     const uint32_t bi = g / 8u, i = live ? bi / nb : 0u, b = bi % nb;
     const int64_t r = !live ? 0 : ids ? int64_t(ids[i]) : int64_t(i);
-    T *o = out + int64_t(i) * K + b * F::kBK + C::run_a(c);
     union {
         T v[2][16];
         uint4 u[2][16 * sizeof(T) / 16];
@@ -518,42 +517,32 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__rest
             }
         }
     }
-    constexpr int kRunGap = C::kRunGap;
-    const bool aligned = reinterpret_cast<uintptr_t>(out) % 16 == 0;
-    if constexpr (sizeof(T) == 2) {
-        // Lanes 2k and 2k + 1 hold runs 16 weights apart (run_a), a 32-byte sector each half: they swap
-        // halves so that each 16-byte store instruction fills whole sectors (the even lane's first 8 with the
-        // odd lane's copy of the even run's last 8, then the rest), not half of twice as many.
-        const bool odd = c % 2;
+    // The warp's four blocks are 1,024 consecutive weights of out (row i, block b starts at (i nb + b) 256):
+    // staged in shared memory, then written 16 bytes a lane, a warp's instruction filling four whole 128-byte
+    // lines. (Stored from the lanes' runs directly, an instruction touched 16 lines: the L2's request rate
+    // bound the kernel, call 2.)
+    constexpr int kRunGap = C::kRunGap, kWarpElems = 4 * F::kBK;
+    __shared__ __align__(16) unsigned char stage[kDecodeThreads / 32][kWarpElems * sizeof(T)];
+    const int lane = int(threadIdx.x % 32);
+    T *st = reinterpret_cast<T *>(stage[threadIdx.x / 32]);
+    if (live) {
+        T *s0 = st + (lane / 8) * F::kBK + C::run_a(c);
 #pragma unroll
-        for (int run = 0; run < 2; ++run) {
-            const uint4 send = odd ? vals.u[run][0] : vals.u[run][1];
-            uint4 got;
-            got.x = __shfl_xor_sync(0xffffffffu, send.x, 1), got.y = __shfl_xor_sync(0xffffffffu, send.y, 1);
-            got.z = __shfl_xor_sync(0xffffffffu, send.z, 1), got.w = __shfl_xor_sync(0xffffffffu, send.w, 1);
-            if (!live) continue;
-            T *p = o + run * kRunGap;
-            if (aligned) { // even: own 0-7 at p, the odd run's 0-7 at p + 16; odd: the even's 8-15 at p - 8, own 8-15 at p + 8
-                *reinterpret_cast<uint4 *>(odd ? p - 8 : p) = odd ? got : vals.u[run][0];
-                *reinterpret_cast<uint4 *>(odd ? p + 8 : p + 16) = odd ? vals.u[run][1] : got;
-            } else {
-#pragma unroll
-                for (int j = 0; j < 16; ++j) p[j] = vals.v[run][j];
-            }
-        }
-        return;
-    }
-    if (!live) return;
-#pragma unroll
-    for (int run = 0; run < 2; ++run) {
-        if (aligned) {
+        for (int run = 0; run < 2; ++run)
 #pragma unroll
             for (int v = 0; v < int(16 * sizeof(T) / 16); ++v)
-                reinterpret_cast<uint4 *>(o + run * kRunGap)[v] = vals.u[run][v];
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) o[run * kRunGap + j] = vals.v[run][j];
-        }
+                reinterpret_cast<uint4 *>(s0 + run * kRunGap)[v] = vals.u[run][v];
+    }
+    __syncwarp();
+    const uint32_t first = (g - uint32_t(lane)) / 8u; // the warp's first block
+    const uint32_t blocks = min(4u, n * nb - min(first, n * nb));
+    T *dst = out + int64_t(first) * F::kBK;
+    if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+        constexpr int kPer = 16 / int(sizeof(T));
+        for (int p = lane; p < int(blocks) * F::kBK / kPer; p += 32)
+            reinterpret_cast<uint4 *>(dst)[p] = reinterpret_cast<const uint4 *>(st)[p];
+    } else {
+        for (int e = lane; e < int(blocks) * F::kBK; e += 32) dst[e] = st[e];
     }
 }
 
