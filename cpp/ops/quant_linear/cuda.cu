@@ -27,7 +27,6 @@
 #include "ops/quant_linear/tc_gemm.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace llaisys::ops::cuda {
 namespace {
@@ -423,8 +422,8 @@ __global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
 }
 
 // out [n, K] = rows ids[i] of W [V, K] decoded (embedding; an id outside [0, V) sets the device error
-// flag and zero-fills its row), or rows i when ids is null (dequantize, the M > 8 path's dense copy of W).
-// Launch: flat over the n * K / 8 pieces of 8 weights, 256 threads a block (kDecodeThreads): four consecutive
+// flag and zero-fills its row), or rows i when ids is null (dequantize, the M > 8 path's dense copy of W), for
+// the 32-weight formats (Q4_0, Q5_0, Q8_0); the K-quants take decode_blocks_kernel below. Launch: flat over the n * K / 8 pieces of 8 weights, 256 threads a block (kDecodeThreads): four consecutive
 // lanes share a sub-block of 32 (each reads the sub-block's bytes: the same addresses within a warp's load, one
 // access for the four) and each writes its 8 weights as one 16-byte store where the row allows, so a warp's
 // store covers 512 contiguous bytes. (Before: one block of K/32 threads a row, a thread decoding and writing a
@@ -478,8 +477,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_rows_kernel(T *__restri
 // lane (a warp writes four whole blocks, 2 KB at 16 bits, through shared memory). Codes become floats by their bits (2^23 + q as a
 // float, minus 2^23 + off: exact), not by int-to-float conversions, which run at a quarter of the rate of the
 // other arithmetic; each weight is still (d * isc) * (q - off) - dm in f32, gguf-py's operations and order.
-// Flat unsigned 32-bit indexing (the host checks the range). (decode_rows_kernel took 2.2 ms for a step's
-// ~3.9 GB of copies at 256 rows of the 1.5B Q4_K_M: ~1.75 TB/s; session 35 measures this one against it.)
+// Flat unsigned 32-bit indexing (the host checks the range). H200, bench_ops QuantDequantize, against
+// decode_rows_kernel: Q4_K 17920 x 1536 26.4 -> 19.9 us (3.5 TB/s), Q6_K LM head 286 -> 165 us (4.0 TB/s).
 template <class F, typename T, typename Id, bool kV16>
 __global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__restrict__ out, const Id *__restrict__ ids,
                                                                      const uint8_t *__restrict__ w, int64_t row_bytes,
@@ -624,18 +623,15 @@ void gemv(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix 
     });
 }
 
-// out [n, K] (T, contiguous) = decode_rows_kernel over W's rows ids (or all rows when ids is null: no id
-// can be out of range, so no error flag, which the first op to use it allocates).
+// out [n, K] (T, contiguous) = W's rows ids (or all rows when ids is null: no id can be out of range, so no
+// error flag, which the first op to use it allocates) decoded by decode_blocks_kernel (K-quants, while its
+// lanes fit 32-bit indexing) or decode_rows_kernel.
 template <typename T, typename Id>
 void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMatrix &w) {
     const int64_t n = out.size(0), K = w.cols();
     LLAISYS_CHECK(n <= INT32_MAX, std::invalid_argument, op, ": too many rows for one launch: ", n);
     const int64_t blocks = ceil_div(n * (K / 8), int64_t(kDecodeThreads));
     LLAISYS_CHECK(blocks <= INT32_MAX, std::invalid_argument, op, ": too many weights for one launch: ", n * K);
-    static const bool rows_kernel = [] { // A/B switch of session 35: the old kernel for the K-quants too
-        const char *e = std::getenv("LLAISYS_QUANT_DECODE_ROWS");
-        return e != nullptr && e[0] == '1';
-    }();
     int *const flag = ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr;
     dispatch_format(w.format(), [&](auto f) {
         using F = decltype(f);
@@ -643,12 +639,8 @@ void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMa
         const uint8_t *bytes = w.bytes().data_as<uint8_t>();
         if constexpr (F::kBK == 256) {
             const int64_t lanes = n * (K / F::kBK) * 8;
-            if (!rows_kernel && lanes <= int64_t(UINT32_MAX) - kDecodeThreads) {
-                static const bool no_v16 = [] { // A/B switch of session 35
-                    const char *e = std::getenv("LLAISYS_QUANT_DECODE_V16");
-                    return e != nullptr && e[0] == '0';
-                }();
-                const bool v16 = !no_v16 && F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(bytes) % 16 == 0 &&
+            if (lanes <= int64_t(UINT32_MAX) - kDecodeThreads) {
+                const bool v16 = F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(bytes) % 16 == 0 &&
                                  w.row_bytes() % 16 == 0;
                 const auto kernel = v16 ? decode_blocks_kernel<F, device_t<T>, Id, true>
                                         : decode_blocks_kernel<F, device_t<T>, Id, false>;
