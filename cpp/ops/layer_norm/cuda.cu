@@ -126,8 +126,11 @@ template <typename T>
 device_t<T> *dptr_or_null(const Tensor *t) { return t && t->defined() ? dptr<T>(*t) : nullptr; }
 
 // Picks the vector width (16 bytes when every row is aligned) and the kernel: a warp per row, 4 rows per
-// block, for rows of at most 256 vectors (held in registers, NV = 2, 4 or 8 a lane); else a block per row
-// of up to 1024 threads holding 1, 2 or 4 vectors each, or re-reading longer rows (NV = 0). Launches on
+// block, for rows of at most 64 vectors (held in registers, 2 a lane); else a block per row of up to 1024
+// threads holding 1, 2 or 4 vectors each, or re-reading longer rows (NV = 0), as add_rms_norm does. The
+// rule depends on D only, so a row's bits do not depend on the batch. (Until session 35 a warp also took
+// rows of up to 256 vectors: at one row of 2048 bf16, a decode step's, one warp read and reduced the row
+// alone: 8.34 us against 3.65 for a block on 2560, H100, session 30.) Launches on
 // out's stream. T is the host storage type; residual is null unless FUSED; x2 and bias may be undefined.
 template <typename T, bool FUSED>
 void launch_layer_norm(const char *op, const Tensor &out, const Tensor *residual, const Tensor &x,
@@ -149,11 +152,9 @@ void launch_layer_norm(const char *op, const Tensor &out, const Tensor *residual
             launch_pdl(kernel, unsigned(blocks), unsigned(threads), 0, s, out.device().index, dptr<T>(out), res,
                        dptr<T>(x), xp2, dptr<T>(weight), bp, rows, int(D), eps);
         };
-        constexpr int rows_per_block = 4; // of the one-warp-per-row kernels
+        constexpr int rows_per_block = 4; // of the one-warp-per-row kernel
         const int64_t warp_blocks = ceil_div(rows, rows_per_block), warp_threads = 32 * rows_per_block;
         if (nvec <= 32 * 2) return go(layer_norm_kernel<DT, V, 2, true, FUSED>, warp_blocks, warp_threads);
-        if (nvec <= 32 * 4) return go(layer_norm_kernel<DT, V, 4, true, FUSED>, warp_blocks, warp_threads);
-        if (nvec <= 32 * 8) return go(layer_norm_kernel<DT, V, 8, true, FUSED>, warp_blocks, warp_threads);
         const int64_t per_thread = ceil_div(nvec, 1024); // vectors a thread must take at 1024 threads
         const int nv = per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : 0;
         const int64_t threads = nv ? ceil_div(ceil_div(nvec, nv), 32) * 32 : 1024;
