@@ -53,7 +53,7 @@ sample_rows = _ops.sample_rows
 logprobs = _ops.logprobs  # (chosen_lp, top_ids, top_lp, logits, temperature, chosen, rows)
 # LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3): bias and delta2 may be None.
 layer_norm = _ops.layer_norm  # (out, x, weight, bias, eps)
-add_layer_norm = _ops.add_layer_norm  # (out, residual, delta, delta2, weight, bias, eps)
+add_layer_norm = _ops.add_layer_norm  # (out, residual, delta, delta2, weight, bias, eps, out2=, weight2=, bias2=)
 gelu = _ops.gelu  # (out, x, tanh_approx=False)
 geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 

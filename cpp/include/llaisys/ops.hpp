@@ -201,8 +201,11 @@ void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const 
 // layer's LayerNorm in one pass. The sum is rounded to the dtype (as a separate add would) before the norm:
 // residual becomes add(add(residual, delta), delta2) bit for bit, rounded after each add. residual, delta,
 // delta2 and out [..., H] (residual is updated in place, any strides; out may alias delta or delta2).
+// out2, when defined, also gets layer_norm(residual) with weight2 and bias2 (bias2 may be undefined) from the
+// same pass: GPT-NeoX's ln2 beside the next layer's ln1; the bits of a separate layer_norm of the residual.
 void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
-                    const Tensor &weight, const Tensor &bias, float eps);
+                    const Tensor &weight, const Tensor &bias, float eps, const Tensor &out2 = Tensor(),
+                    const Tensor &weight2 = Tensor(), const Tensor &bias2 = Tensor());
 // out = gelu(x): exact erf form, or the tanh approximation (torch's approximate="tanh"), in f32.
 // x * Phi(x), Phi written with erfc for accuracy in the negative tail; tanh: 0.5 x (1 + tanh(sqrt(2/pi)
 // (x + 0.044715 x^3))). -inf gives NaN, as torch's formulas do. out may alias x.

@@ -46,10 +46,12 @@ void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Te
     else ops::rms_norm(out, x, w, config_.norm_eps);
 }
 
-// h += delta (+ delta2); out = norm(h): one pass.
+// h += delta (+ delta2); out = norm(h): one pass (LayerNorm: out2 = norm(h) with w2, b2 in the same one).
 void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2,
-                       const Tensor &w, const Tensor &b) {
-    if (config_.norm == NormKind::layer) return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps);
+                       const Tensor &w, const Tensor &b, const Tensor &out2, const Tensor &w2, const Tensor &b2) {
+    if (config_.norm == NormKind::layer)
+        return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps, out2, w2, b2);
+    LLAISYS_CHECK(!out2.defined(), std::logic_error, "model: a second norm output is a LayerNorm fusion");
     ops::add_rms_norm(out, h, delta, w, config_.norm_eps);
     if (delta2.defined()) ops::add_rms_norm(out, h, delta2, w, config_.norm_eps); // (no family needs this today)
 }
@@ -192,16 +194,22 @@ void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, con
     add_norm(x, h, mlp_out, Tensor(), final_norm_, final_norm_bias_);
 }
 
-// Parallel residual (GPT-NeoX): h += attn(ln1(h)) + mlp(ln2(h)); the two adds and the next layer's first
-// norm are one pass (add_layer_norm with both deltas).
+// Parallel residual (GPT-NeoX): h += attn(ln1(h)) + mlp(ln2(h)); the two adds and the next layer's two
+// norms are one pass (add_layer_norm with both deltas and a second output; unfused: ln2 on its own).
 void Decoder::forward_parallel(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv) {
     const int64_t T = b.num_tokens(), H = config_.hidden_size;
     Tensor x2 = Tensor::empty({T, H}, dtype_, device_), attn_out, mlp_out;
     for (int l = 0; l < int(layers_.size()); ++l) {
         const Layer &L = layers_[size_t(l)];
-        if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
-        else add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias);
-        norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        if (l == 0) {
+            norm(x, h, L.attn_norm, L.attn_norm_bias);
+            norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        } else if (fused_) {
+            add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias, x2, L.mlp_norm, L.mlp_norm_bias);
+        } else {
+            add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias);
+            norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        }
         attn_out = attention(l, BlockIn{x, {}, {}, {}, nullptr}, b, kv);
         mlp_out = mlp(l, BlockIn{x2, {}, {}, {}, nullptr});
     }

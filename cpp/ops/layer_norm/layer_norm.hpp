@@ -9,14 +9,17 @@ void check_layer_norm_args(const char *op, const Tensor &out, const char *x_name
 } // namespace llaisys::ops::detail
 
 // Backends receive validated, contiguous tensors: out/x (and residual, delta, delta2) [rows, H] flattened,
-// weight/bias [H]; bias and delta2 may be undefined. residual is read and written.
+// weight/bias [H]; bias and delta2 may be undefined. residual is read and written. out2 (with weight2, bias2)
+// is undefined or a second output like out.
 namespace llaisys::ops::cpu {
 void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, float eps);
 void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
-                    const Tensor &weight, const Tensor &bias, float eps);
+                    const Tensor &weight, const Tensor &bias, float eps, const Tensor &out2, const Tensor &weight2,
+                    const Tensor &bias2);
 } // namespace llaisys::ops::cpu
 namespace llaisys::ops::cuda {
 void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, float eps);
 void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
-                    const Tensor &weight, const Tensor &bias, float eps);
+                    const Tensor &weight, const Tensor &bias, float eps, const Tensor &out2, const Tensor &weight2,
+                    const Tensor &bias2);
 } // namespace llaisys::ops::cuda
