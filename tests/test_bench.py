@@ -679,5 +679,8 @@ def test_logprobs_gc_prints_both_heap_settings(capsys):
     out = capsys.readouterr().out
     assert len([ln for ln in out.splitlines() if ln.startswith("| 1 |")]) == 2
     assert "logprobs5, heap frozen: profiled host time" in out  # the loop's own times, after the table
+    assert mod.main(["--batch", "3", "--steps", "2", "--rounds", "1", "--read"]) == 0  # + the entries read
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 1 |")]
+    assert len(rows) == 2 and all(len([float(c) for c in r.strip("|").split("|")[2:]]) == 3 for r in rows)
     with pytest.raises(SystemExit):
         mod.main(["--steps", "0"])
