@@ -183,3 +183,191 @@ def test_entries_builder_matches_the_python_formula_on_strided_columns():
     e = got[0]
     e["more"] = [e]  # a container put in a dict: CPython tracks the dict again, so such a cycle is collected
     assert gc.is_tracked(e)
+
+
+# ---- entries built when read (issue 33: off the step loop) -------------------------------------------------
+def test_result_entries_are_built_in_the_readers_thread_when_first_read(tiny, monkeypatch):
+    """generate()'s rows with logprobs come back with their entries not built (the step loop copied each row's
+    arrays out when it ended, and built only the general path's entries); the first read of `logprobs` builds
+    them in the reading thread, and they equal the entries of the same requests streamed (built step by step).
+    Every token's entry is built once: those the step loop built plus those the reader built are one per token."""
+    import threading
+
+    from llaisys.engine import logprobs_log
+    from llaisys.engine.logprobs_log import Pending, raw_logprobs
+
+    eng = engine(tiny, "cpu", True)
+    ps = prompts(eng.config.vocab_size, [3, 17, 40, 9], seed=4)
+    kw = dict(max_new_tokens=[30, 5, 47, 60], temperature=0, logprobs=[5, 2, 0, 3], ignore_eos=True)
+    alone = [streamed(eng, p, max_new_tokens=n, temperature=0, logprobs=k, ignore_eos=True)
+             for p, n, k in zip(ps, kw["max_new_tokens"], kw["logprobs"])]
+    built, core = [], logprobs_log._core
+
+    class Counting:  # logprobs_log's _core (entries: the step loop's; Pending.build: the reader's)
+        @staticmethod
+        def logprobs_entries(tokens, *a):
+            built.append((threading.current_thread() is threading.main_thread(), len(tokens)))
+            return core.logprobs_entries(tokens, *a)
+
+    monkeypatch.setattr(logprobs_log, "_core", Counting)
+    out = eng.generate(ps, **kw)
+    on_loop = sum(n for main, n in built if not main)
+    assert not any(main for main, _ in built)  # nothing was built in this thread yet
+    assert all(type(raw_logprobs(r)) is Pending for r in out)  # (and nothing read them)
+    assert on_loop < sum(kw["max_new_tokens"]) / 2  # the first tokens' and the prefill steps' entries only
+    for r, (ids, lps, reason) in zip(out, alone):
+        assert r.token_ids == ids
+        same_entries(r.logprobs, lps)
+        assert type(r.logprobs) is list and r.logprobs is r.logprobs  # built once, then a plain attribute
+        assert "logprobs" in vars(r) and raw_logprobs(r) is r.logprobs
+    by_reader = sum(n for main, n in built if main)
+    assert by_reader > 0 and on_loop + by_reader == sum(kw["max_new_tokens"])
+    assert eng.stats()["decode_batch_steps"] > 0
+    eng.close()
+
+
+def test_a_requests_arrays_are_its_own_copies(tiny):
+    """The Pending of a result holds copies of its own rows of the batch's log (arrays that own their data,
+    one token's row each), not views of the log: a result kept unread holds no other request's arrays, and
+    rows that go on writing the log (or a new log) cannot change it."""
+    from llaisys.engine.logprobs_log import Pending, raw_logprobs
+
+    eng = engine(tiny, "cpu", False)
+    ps = prompts(eng.config.vocab_size, [5, 12, 8], seed=9)
+    first = eng.submit(ps[0], incremental=False, max_new_tokens=12, temperature=0, logprobs=4, ignore_eos=True)
+    rest = eng.submit(ps[1], incremental=False, max_new_tokens=70, temperature=0, logprobs=2, ignore_eos=True)
+    got = first.result()
+    pending = raw_logprobs(got)
+    assert type(pending) is Pending
+    segments, stack = [], [pending]
+    while stack:
+        for part in stack.pop().parts:
+            if type(part) is Pending:
+                stack.append(part)
+            elif type(part) is tuple:
+                segments.append(part)
+    assert segments and sum(len(s[0]) for s in segments) < 12  # the first token's entry was built on the loop
+    for tokens, chosen, ids, lps, (k,) in segments:
+        assert all(a.base is None for a in (chosen, ids, lps)) and k == 4
+        assert chosen.shape == (len(tokens),) and ids.shape == lps.shape == (len(tokens), 4)
+    rest.result()
+    alone = streamed(eng, ps[0], max_new_tokens=12, temperature=0, logprobs=4, ignore_eos=True)
+    same_entries(got.logprobs, alone[1])  # read after the other row ran on
+    eng.close()
+
+
+def test_pending_entries_equal_the_eager_ones_from_the_same_arrays():
+    """resolve() on a sequence's entries and Spans of two logs (one with a larger k, one ending before the
+    sequence's output does) gives a Pending whose entries are the eager builder's on the same columns, in
+    order, with the given entries in their places (the same objects)."""
+    from types import SimpleNamespace
+
+    from llaisys.engine.logprobs_log import LogprobsLog, Pending, Span, entries, resolve
+
+    rng = np.random.default_rng(3)
+    V, k = 50, 3
+    logs = []
+    for steps, K, cols in ((7, 5, 3), (9, 3, 2)):
+        log = LogprobsLog(list(range(cols)), K, V)
+        for _ in range(steps):
+            log.append(rng.standard_normal(cols).astype(np.float32), rng.integers(0, V, (cols, K)),
+                       rng.standard_normal((cols, K)).astype(np.float32))
+        logs.append(log)
+    head = {"token_id": 1, "logprob": -0.5, "top": [[1, -0.5]]}
+    mid = {"token_id": 2, "logprob": -1.5, "top": [[2, -1.5]]}
+    # output: head (1), 7 tokens in log 0's column 1, mid (1), 5 of log 1's 9 steps in column 0 (the output ends)
+    out = rng.integers(0, V, 14).tolist()
+    seq = SimpleNamespace(num_prompt=4, num_output=14, tokens=[0] * 4 + out, params=SimpleNamespace(logprobs=k))
+    items = [head, Span(logs[0], 1, 1), mid, Span(logs[1], 0, 9)]
+    got = resolve(items, seq)
+    assert type(got) is Pending
+    want = ([head] + entries(out[1:8], k, logs[0].chosen[:7, 1], logs[0].ids[:7, 1], logs[0].lps[:7, 1], V) + [mid]
+            + entries(out[9:14], k, logs[1].chosen[:5, 0], logs[1].ids[:5, 0], logs[1].lps[:5, 0], V))
+    lps = got.build()
+    assert lps == want and len(lps) == 14 and lps[0] is head and lps[8] is mid
+    assert got.build() is lps and got.parts is None  # once
+    assert resolve([head, mid], seq) == [head, mid]  # no Span: the entries as they are
+
+
+def test_lazy_results_and_chunks_behave_as_the_eager_ones():
+    """A GenerationResult or StreamChunk whose logprobs wait in a Pending shows the same thing as one made with
+    the built list: the attribute is a plain list (equal, same repr, the same list on every read, in every
+    thread at once), dataclasses.asdict/replace, json, pickle, copy and deepcopy see it built; the dataclass's
+    default is still None; merge_chunks and Request.result keep entries not built as they are until read."""
+    import copy
+    import dataclasses
+    import json
+    import pickle
+    import threading
+
+    from llaisys.engine import GenerationResult, StreamChunk
+    from llaisys.engine.logprobs_log import Pending, raw_logprobs, set_lazy
+    from llaisys.engine.request import merge_chunks
+
+    seg = ([3, 4], np.array([-0.5, -1.0], np.float32), np.array([[3, 9], [4, 1]]),
+           np.array([[-0.5, -2.0], [-1.0, -3.0]], np.float32), [2])
+    head = {"token_id": 1, "logprob": -0.25, "top": [[1, -0.25], [7, -3.0]]}
+    want = [head, {"token_id": 3, "logprob": -0.5, "top": [[3, -0.5], [9, -2.0]]},
+            {"token_id": 4, "logprob": -1.0, "top": [[4, -1.0], [1, -3.0]]}]
+
+    def lazy(cls=GenerationResult):
+        args = ("abc", [1, 3, 4], "length", {"completion_tokens": 3}, {"total_s": 1.0})
+        return set_lazy(cls(*args), Pending([head, seg])), cls(*args, logprobs=[dict(e) for e in want])
+
+    for cls in (GenerationResult, StreamChunk):
+        got, eager = lazy(cls)
+        assert type(raw_logprobs(got)) is Pending and got == eager and type(got.logprobs) is list
+        got, eager = lazy(cls)
+        assert repr(got) == repr(eager) and vars(got) == vars(eager)
+        got, eager = lazy(cls)
+        assert dataclasses.asdict(got) == dataclasses.asdict(eager)
+        assert json.dumps(lazy(cls)[0].logprobs) == json.dumps(eager.logprobs)
+        for clone in (pickle.loads(pickle.dumps(lazy(cls)[0])), copy.copy(lazy(cls)[0]), copy.deepcopy(lazy(cls)[0])):
+            assert clone == eager and vars(clone) == vars(eager)
+        got = dataclasses.replace(lazy(cls)[0], text="x")
+        assert got.logprobs == want and got.text == "x"
+        got, seen = lazy(cls)[0], []
+        threads = [threading.Thread(target=lambda: seen.append(got.logprobs)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(seen) == 8 and all(s is got.logprobs for s in seen) and got.logprobs == want
+        assert cls("", [], "stop").logprobs is None and cls.logprobs is None
+        assert [f.default for f in dataclasses.fields(cls) if f.name == "logprobs"] == [None]
+    # a pickled Pending (the engine process's child sends it so) builds the same entries
+    assert pickle.loads(pickle.dumps(Pending([head, seg]))).build() == want
+    # merge_chunks: entries not built stay so, in order after the built ones
+    first = StreamChunk("a", [9], logprobs=[{"token_id": 9, "logprob": -0.1, "top": []}])
+    merged = merge_chunks([first, set_lazy(StreamChunk("bc", [1, 3, 4], "stop"), Pending([head, seg]))])
+    assert type(raw_logprobs(merged)) is Pending
+    assert merged.logprobs == first.logprobs + want and merged.text == "abc" and merged.token_ids == [9, 1, 3, 4]
+    assert merge_chunks([StreamChunk("a", [1]), StreamChunk("b", [2], "stop")]).logprobs is None
+
+
+def test_a_pending_unpickled_elsewhere_builds_the_same_entries_without_the_native_module(monkeypatch):
+    """A Pending that crossed a process boundary (the engine process's child sends it so) builds its entries in
+    Python (py_entries), never through _core (the server's process calls none of it): the same dicts, ints and
+    floats as _core.logprobs_entries, for every k up to the segment's width (0 included)."""
+    import pickle
+
+    from llaisys.engine import logprobs_log
+    from llaisys.engine.logprobs_log import Pending, py_entries
+
+    rng = np.random.default_rng(8)
+    T, K = 11, 6
+    tokens = rng.integers(0, 1 << 40, T).tolist()
+    chosen = rng.standard_normal(T).astype(np.float32)
+    ids = rng.integers(0, 1 << 40, (T, K))
+    lps = rng.standard_normal((T, K)).astype(np.float32)
+    for k in (0, 1, 4, K, K + 2):
+        want = logprobs_log._core.logprobs_entries(tokens, chosen, ids, lps, [k])
+        got = py_entries(tokens, chosen, ids, lps, [k])
+        assert got == want and all(type(p[0]) is int and type(p[1]) is float for e in got for p in e["top"])
+        assert [type(e["token_id"]) for e in got] == [int] * T and [type(e["logprob"]) for e in got] == [float] * T
+    head = {"token_id": 5, "logprob": -0.5, "top": []}
+    parts = [head, (tokens, chosen, ids, lps, [3]), Pending([(tokens[:2], chosen[:2], ids[:2], lps[:2], [2])])]
+    want = Pending(parts).build()
+    crossed = pickle.loads(pickle.dumps(Pending(parts)))
+    monkeypatch.setattr(logprobs_log, "_core", None)  # any use of it fails
+    assert crossed.build() == want and len(want) == 1 + T + 2

@@ -378,7 +378,7 @@ class EngineCore:
         """Appends a batch step's logprobs arrays of its quiet rows (the step's layout: seqs, at the batch's
         `version`) to the batch's log (b.lp_log; engine/logprobs_log.py), begun at its first such step: each
         quiet row's sequence then gets a Span there, from its output index now (before this step's token is
-        appended). Request.finish builds their entries from it."""
+        appended). Request.finish copies their pieces out (built into entries when read)."""
         log = b.lp_log
         qrows = rows[quiet].tolist()
         if log is None:

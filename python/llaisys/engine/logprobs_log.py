@@ -6,14 +6,18 @@ does not build its entry (a dict with a list of [id, logprob] lists) nor hand it
 logprobs arrays of such rows are appended, as they are, to the batch's log (LogprobsLog: a column per such
 sequence, a row per step accounted from the batch); each of those sequences got, when the log began, a Span
 in its ordered list `Sequence.lp_log` (the list the step loop appends the entries it is handed to: the first
-token's, those of steps of the general path). Request.finish turns that list into the entries (resolve),
-built once from the stacked arrays: the same dicts, values and order as the entries built step by step
-(`entries`).
+token's, those of steps of the general path). Request.finish copies each Span's piece of the log out (a few
+small arrays a request: resolve) into a Pending, and the entries are built from those only when the caller
+first reads them (`logprobs` of the last StreamChunk or of the GenerationResult: LazyLogprobs), in the
+caller's thread: the same dicts, values and order as the entries built step by step (`entries`), never on the
+step loop (building them there at 256 rows cost ~0.7 us an entry, ~0.2 ms a step on the CPU proxy).
 
 Why a batch's log and not each row's: appending to it is a few array copies a step whatever the rows; a
 sequence's Span is made only when a batch begins (a new DecodeBatch: an admission, a prefill, a preemption
 rebuild it), not each step, nor when rows leave the batch (its log follows them)."""
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -98,25 +102,147 @@ class Span:
     def __init__(self, log: LogprobsLog, col: int, start: int):
         self.log, self.col, self.start = log, col, start
 
-    def entries(self, seq) -> list[dict]:
+    def segment(self, seq) -> tuple | None:
+        """Its piece of the log as copies (so that no reference to the log outlives the request): a
+        logprobs_entries argument tuple (tokens, chosen [n], ids [n, k], lps [n, k], [k]), k the request's
+        (at most the log's and the vocabulary's); None where it holds no token of the sequence."""
         log, col, start = self.log, self.col, self.start
         n = min(log.n, seq.num_output - start)
         if n <= 0:
-            return []
-        first = seq.num_prompt + start
-        # (entries() without its checks: one call a span of every sequence at its end)
-        return _core.logprobs_entries(seq.tokens[first:first + n], log.chosen[:n, col], log.ids[:n, col],
-                                      log.lps[:n, col], [min(seq.params.logprobs, log.k, log.V)])
+            return None
+        first, k = seq.num_prompt + start, min(seq.params.logprobs, log.k, log.V)
+        return (seq.tokens[first:first + n], log.chosen[:n, col].copy(), log.ids[:n, col, :k].copy(),
+                log.lps[:n, col, :k].copy(), [k])
 
 
-def resolve(items: list, seq) -> list[dict]:
-    """A sequence's ordered logprobs (entries, and Spans in LogprobsLogs) as entries."""
+class Pending:
+    """Logprobs entries not built yet: `parts` in order, each an entry (a dict: built on the step loop already,
+    kept as it is), a segment (the arguments of one _core.logprobs_entries call: Span.segment) or a Pending
+    (whose own entries, the same objects, come in its place). build() makes the list once, under a lock (two
+    threads reading at once get the same list), and drops the parts. Picklable: the child engine process
+    sends it, arrays and all, to the parent (engine/process_child.py), where it is built when read; a Pending
+    so unpickled builds with Python alone (py_entries: the same values), as the server's process calls nothing
+    of the native module (tests/test_server_process.py: no CUDA context there)."""
+
+    __slots__ = ("parts", "built", "lock", "native")
+
+    def __init__(self, parts: list):
+        self.parts, self.built, self.lock, self.native = parts, None, threading.Lock(), True
+
+    def build(self) -> list[dict]:
+        with self.lock:
+            if self.built is None:
+                make = _core.logprobs_entries if self.native else py_entries
+                out = []
+                for part in self.parts:
+                    kind = type(part)
+                    if kind is dict:
+                        out.append(part)
+                    elif kind is tuple:
+                        out += make(*part)
+                    else:
+                        out += part.build()
+                self.built, self.parts = out, None
+            return self.built
+
+    def __getstate__(self):
+        return self.parts, self.built
+
+    def __setstate__(self, state) -> None:
+        (self.parts, self.built), self.lock, self.native = state, threading.Lock(), False
+
+
+def py_entries(tokens: list, chosen: np.ndarray, ids: np.ndarray, lps: np.ndarray, n: list) -> list[dict]:
+    """_core.logprobs_entries of a segment (one count for every row) in Python: the same dicts of Python ints
+    and floats (~2x its time, and containers the collector tracks)."""
+    m = min(n[0], ids.shape[1])
+    if m < ids.shape[1]:
+        ids, lps = ids[:, :m], lps[:, :m]
+    return [{"token_id": t, "logprob": c, "top": list(map(list, zip(i, lp)))}
+            for t, c, i, lp in zip(tokens, chosen.tolist(), ids.tolist(), lps.tolist())]
+
+
+def resolve(items: list, seq) -> list[dict] | Pending:
+    """A sequence's ordered logprobs (entries, and Spans in LogprobsLogs) as entries, or as a Pending of
+    entries and the Spans' segments where it has any Span (the copies made here, the entries built when read)."""
     if not any(isinstance(i, Span) for i in items):
         return items
-    out = []
+    parts = []
     for item in items:
         if isinstance(item, Span):
-            out += item.entries(seq)
+            seg = item.segment(seq)
+            if seg is not None:
+                parts.append(seg)
         else:
-            out.append(item)
-    return out
+            parts.append(item)
+    return Pending(parts)
+
+
+_PENDING = "_logprobs_pending"  # where a lazy object's Pending waits in its __dict__
+
+
+class LazyLogprobs:
+    """The `logprobs` field of StreamChunk and GenerationResult: a plain attribute (the dataclass's __init__
+    stores the value in the instance's __dict__, where reads find it at C speed: this non-data descriptor is
+    not consulted), except on an object made lazy (set_lazy): its __dict__ then holds a Pending instead, and
+    the first read builds the list, stores it as the plain attribute and returns it. So every read gives a
+    list of entries (or None), as before; equality, repr, dataclasses.asdict/replace read the attribute, and
+    pickling and copying the object go through materialized_state. The class attribute (the dataclass
+    field's default) reads None."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return None
+        d = obj.__dict__
+        pending = d.get(_PENDING)
+        if pending is None:  # another thread built it just now (it sets the attribute first), or the attribute
+            return d.get(self.name)  # was deleted (None: the default, as a dataclass's class attribute gives)
+        value = pending.build()  # (the same list for every thread that gets here)
+        d[self.name] = value  # before the Pending goes: a reader at any moment finds one or the other
+        d.pop(_PENDING, None)
+        return value
+
+
+def set_lazy(obj, value):
+    """obj (a StreamChunk or GenerationResult) with `value` as its logprobs: a Pending is kept to be built on
+    the first read (LazyLogprobs), anything else set as it is. Returns obj."""
+    if type(value) is Pending:
+        d = obj.__dict__
+        d.pop("logprobs", None)
+        d[_PENDING] = value
+    else:
+        obj.logprobs = value
+    return obj
+
+
+def raw_logprobs(obj):
+    """obj's logprobs as they are: the list, None, or the Pending not built yet (which set_lazy takes)."""
+    d = obj.__dict__
+    return d["logprobs"] if "logprobs" in d else d.get(_PENDING)
+
+
+def concat(values: list):
+    """Several objects' logprobs (raw_logprobs: lists, Nones, Pendings) one after another: a list, or a Pending
+    (built when read) where any is one; None where all are None."""
+    if not any(type(v) is Pending for v in values):
+        if all(v is None for v in values):
+            return None
+        return [e for v in values for e in (v or ())]
+    parts = []
+    for v in values:
+        if type(v) is Pending:
+            parts.append(v)
+        elif v:
+            parts += v
+    return Pending(parts)
+
+
+def materialized_state(self):
+    """__getstate__ of StreamChunk and GenerationResult: their __dict__ with the logprobs built (pickle and
+    copy see what they saw before the entries were lazy)."""
+    if _PENDING in self.__dict__:
+        self.logprobs  # noqa: B018 (builds them: LazyLogprobs)
+    return self.__dict__

@@ -13,7 +13,7 @@ from typing import Iterator, Protocol
 
 from ..stops import StopStringMatcher
 from ..streaming import IncrementalDetokenizer
-from .logprobs_log import resolve
+from .logprobs_log import LazyLogprobs, concat, materialized_state, raw_logprobs, resolve, set_lazy
 from .sequence import Sequence
 
 
@@ -27,7 +27,10 @@ class StreamChunk:
     usage: dict | None = None
     timings: dict | None = None
     # with logprobs=k: one entry per token id of the chunk, {"token_id", "logprob", "top": [[id, logprob], ...]}
-    logprobs: list[dict] | None = None
+    # (the last chunk of a request read only at its end builds its entries when first read: LazyLogprobs)
+    logprobs: list[dict] | None = LazyLogprobs()
+
+    __getstate__ = materialized_state
 
 
 @dataclass
@@ -37,7 +40,9 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "abort"
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
     timings: dict = field(default_factory=dict)  # ttft_s, prefill_tokens_per_s, decode_tokens_per_s, total_s
-    logprobs: list[dict] | None = None  # one entry per token id, with logprobs=k
+    logprobs: list[dict] | None = LazyLogprobs()  # one entry per token id, with logprobs=k (built when first read)
+
+    __getstate__ = materialized_state
 
 
 _END = object()
@@ -104,11 +109,9 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
-    lps = None
-    if any(c.logprobs is not None for c in chunks):
-        lps = [e for c in chunks for e in (c.logprobs or ())]
-    return StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                       last.finish_reason, last.usage, last.timings, lps)
+    return set_lazy(StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                                last.finish_reason, last.usage, last.timings),
+                    concat([raw_logprobs(c) for c in chunks]))  # (entries not built yet stay so)
 
 
 class Request:
@@ -194,14 +197,14 @@ class Request:
             if eos and not eos.isdisjoint(ids):  # (a pass at C speed; the filter is Python's)
                 ids = [t for t in ids if t not in eos]
             tail = self._detok.decode_all(ids, ints=True)  # (the core's tokens are Python ints)
-            if self._pending_lp is not None:  # the entries, built from the arrays the core logged
-                self._pending_lp = resolve(self._pending_lp, self.seq)
+            if self._pending_lp is not None:  # the arrays the core logged, copied out: the entries are built
+                self._pending_lp = resolve(self._pending_lp, self.seq)  # when the caller reads them, not here
         elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())
             tail += "" if hit else self._stops.flush()
             if self._stops.hit:
                 reason = "stop"
-        self._emit(StreamChunk(tail, self._pending, reason, self.usage(), self.timings(), self._take_lp()))
+        self._emit(set_lazy(StreamChunk(tail, self._pending, reason, self.usage(), self.timings()), self._take_lp()))
         self.done = True
         self._end()
 
@@ -273,10 +276,11 @@ class Request:
         for chunk in self:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
-            lps.extend(chunk.logprobs or [])
+            lps.append(raw_logprobs(chunk))  # entries not built yet (the last chunk's) are built when read
             last = chunk
-        self._result = GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings,
-                                        lps if self.seq.params.logprobs is not None else None)
+        lps = None if self.seq.params.logprobs is None else (concat(lps) or [])
+        self._result = set_lazy(GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings),
+                                lps)
         return self._result
 
     def abort(self) -> None:

@@ -62,7 +62,7 @@ class Sequence:
         self.quiet = False
         # a quiet sequence's logprobs in order (engine/logprobs_log.py): the entries the step loop was handed
         # (its first token's, the general path's), and Spans of the batch layouts' logs that hold the rest's
-        # arrays; Request.finish turns them into entries. None: not kept so
+        # arrays; Request.finish copies those out, built into entries when the caller reads them. None: not kept so
         self.lp_log: list | None = None
 
     def __len__(self) -> int:
