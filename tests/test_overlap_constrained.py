@@ -382,6 +382,7 @@ def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
                                    json_schema=[SCHEMA, None, SCHEMA], regex=[None, DATE, None]))
 
     plain = go_engine(tiny, False, go)
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "0")  # (the lanes, on from 4 mask threads, never call fill)
     fill, threads = MaskFiller.fill, []
 
     def recorded(self, constraints, mask, *args):
@@ -393,12 +394,14 @@ def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
     assert len(off_loop) > 10 and len(off_loop) < len(threads)  # the first step's masks: a plain step's
 
 
-@pytest.mark.parametrize("failing", [(), (5, 8), tuple(range(3, 14, 2))], ids=["masks-ok", "masks-fail", "masks-fail-often"])
-def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing):
+@pytest.mark.parametrize("failing,lanes", [((), False), ((5, 8), False), (tuple(range(3, 14, 2)), False),
+                                           ((3, 6), True)],
+                         ids=["masks-ok", "masks-fail", "masks-fail-often", "lanes-masks-fail"])
+def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing, lanes):
     """score() runs on the loop thread between steps, where a chained constrained step may still wait for
-    its masks (on the worker). Its sampling is enqueued before score's forward overwrites the logits it
-    reads, or, when its masks fail, the step is dropped and run again: the generation's tokens are the
-    plain run's and every score equals a quiet engine's."""
+    its masks (on the worker, or the lanes: their second lane's masks fail). Its sampling is enqueued before
+    score's forward overwrites the logits it reads, or, when its masks fail, the step is dropped and run
+    again: the generation's tokens are the plain run's and every score equals a quiet engine's."""
     from llaisys.engine.core import EngineCore
     from llaisys.engine.score import score_logits
 
@@ -419,9 +422,14 @@ def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing):
             scores.append(np.asarray(score_logits(self, ids).to("cpu").to("f32").numpy(), np.float32))
         return out
     monkeypatch.setattr(EngineCore, "step", step_then_score)
-    calls = failing_mask_fills(monkeypatch, failing)
+    if lanes:
+        monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+        monkeypatch.setenv("LLAISYS_MASK_THREADS", "2")
+        flaky = flaky_lanes(monkeypatch, 1, masks=failing)
+    else:
+        calls = failing_mask_fills(monkeypatch, failing)
     assert go_engine(tiny, True, go) == plain
-    assert len(pending) > 5 and len(calls) > 8
+    assert len(pending) > 5 and (flaky[0].calls["masks"] > 6 if lanes else len(calls) > 8)
     for s in scores:
         np.testing.assert_array_equal(s, reference)
 

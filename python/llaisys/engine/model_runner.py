@@ -206,8 +206,11 @@ class ModelRunner:
     @staticmethod
     def _mask_rows(step: Step) -> list[int]:
         """The step's rows that are masked: constrained, running, and sampling a token this step."""
-        if step.batch is not None and not step.batch.masked:  # the common case: no pass over the rows
-            return []
+        if step.batch is not None:  # decodes only, each sampling its token: no pass over the rows when none
+            if not step.batch.masked:  # is constrained (the common case)
+                return []
+            running = Status.RUNNING  # (a pass of two attribute tests a row: 64 rows ~0.05 -> ~0.01 ms, CPU)
+            return [r for r, s in enumerate(step.seqs) if s.constraint is not None and s.status is running]
         return [r for r, (s, n) in enumerate(zip(step.seqs, step.num_tokens))
                 if s.constraint is not None and s.num_computed + n >= len(s) and s.status is Status.RUNNING]
 
