@@ -611,8 +611,13 @@ def test_abort_and_close_in_the_middle_of_a_constrained_batch_on_lanes(tiny, mon
     import time
 
     monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+
+    def lanes():  # lane threads alive now
+        return {t for t in threading.enumerate() if t.name.startswith("llaisys-lane")}
     alone = go_engine_kw(tiny, True, lambda eng: [_outcome(_schema_rows(eng, 6, only=i)[0]) for i in range(6)],
                          mask_threads=3)
+    gc.collect()
+    before = lanes()
     eng = f32_engine(tiny, "cpu", True, mask_threads=3)
     try:
         reqs = _schema_rows(eng, 6)
@@ -632,6 +637,7 @@ def test_abort_and_close_in_the_middle_of_a_constrained_batch_on_lanes(tiny, mon
                 for p in token_prompts(eng.config.vocab_size, [5, 6, 7, 8, 9, 10], seed=2)]
         while eng._core.runner.deferred_steps < 20:
             time.sleep(0.001)
+        assert len(lanes() - before) == 3  # this engine's
         closer = threading.Thread(target=eng.close)
         closer.start()
         closer.join(timeout=60)
@@ -644,7 +650,7 @@ def test_abort_and_close_in_the_middle_of_a_constrained_batch_on_lanes(tiny, mon
     del eng, reqs, long
     for _ in range(200):  # the lanes end when their MaskFiller is collected
         gc.collect()
-        if not [t for t in threading.enumerate() if t.name.startswith("llaisys-lane")]:
+        if not lanes() - before:
             break
         time.sleep(0.01)
-    assert not [t for t in threading.enumerate() if t.name.startswith("llaisys-lane")]
+    assert not lanes() - before
