@@ -184,9 +184,9 @@ def lanes_enabled(num_threads: int) -> bool:
     (MaskFiller.start_advanced) rather than the loop advancing them one after another before start(): with 4
     threads or more (5 CPUs or more by default); LLAISYS_MASK_LANES=1 / 0 turns them on (from 2 threads) / off
     (the A/B of bench/structured.py). Each lane is two threads (its worker and its llguidance pool), woken for
-    each step: on a 2-core box 2 lanes took ~0.1 ms longer than the loop's consumes and the pool
-    (bench/host_path.py --lanes 2, 64 rows: 0.76-0.91 against 0.65-0.81 ms a step), the threads outnumbering the
-    cores."""
+    each step: on a shared 2-core box 2 lanes took longer than the loop's consumes and the pool
+    (bench/host_path.py --lanes 2, 64 rows, 7 runs: median 0.87 against 0.81 ms a step, the caller blocked 0.54
+    against 0.15 ms), five threads on two cores."""
     env = os.environ.get("LLAISYS_MASK_LANES", "")
     if env in ("0", "1"):
         return env == "1" and num_threads >= 2
