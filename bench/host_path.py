@@ -43,6 +43,10 @@ def main() -> int:
     ap.add_argument("--scan", type=int, nargs="*", default=[], metavar="T",
                     help="then, per batch, LLExecutor's mask time and consume_token_par's at each of these thread "
                          "counts, on matchers in the same states (how the pool scales on this host)")
+    ap.add_argument("--lanes", type=int, nargs="*", default=[], metavar="T",
+                    help="then, per batch, a step's consumes + masks at each of these thread counts: the loop's consumes "
+                         "one after another then MaskFiller.fill (before), against MaskFiller.start_advanced, the "
+                         "consumes and masks on T lanes (now), on matchers in the same states")
     args = ap.parse_args()
 
     from llaisys import constraints
@@ -101,6 +105,8 @@ def main() -> int:
               f"wait {ms(handed):.3f}", flush=True)
         if args.scan:
             scan(lltok, grammar, batch, args.steps, args.scan, W, vocab)
+        if args.lanes:
+            lanes(lltok, grammar, batch, args.steps, args.lanes, W, vocab)
     eng.close()
     return 0
 
@@ -154,6 +160,61 @@ def scan(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, voca
     print(f"batch {batch:3d} scan ({len(serial_c)} steps): consumes one after another {ms(serial_c):.3f} ms; "
           + "; ".join(f"{abs(t)} threads{' one lane' if t < 0 else ''}: masks {ms(masks_t[t]):.3f}, "
                       f"consume_token_par {ms(cons_t[t]):.3f}" for t in counts), flush=True)
+
+
+def lanes(lltok, grammar, batch: int, steps: int, counts: list[int], W: int, vocab: int) -> None:
+    """At each thread count T in `counts`, a step of `batch` rows in T lanes (Constraints(lanes=T)), from the
+    step's tokens to its masks written: before, the loop's consumes one after another (with the error/done checks
+    of EngineCore._advance_constrained) then MaskFiller.fill on llguidance's pool of T threads; now,
+    MaskFiller.start_advanced (each lane's consumes then its masks, on its own thread) and wait(). Both on
+    matchers in the same states, the ways alternating; ms a step (median over steps) of the whole, and of the
+    caller's part before the masks run without it (before: the consumes; now: start_advanced's return)."""
+    from llaisys import constraints
+    rng = np.random.default_rng(2)
+    ways = [(t, way) for t in counts for way in ("before", "now")]
+    sets = {w: [m.new(grammar) for _ in range(batch)] for w in ways
+            for m in [constraints.Constraints(lltok, lanes=w[0])]}
+    fillers = {w: constraints.MaskFiller(w[0], lanes=w[1] == "now") for w in ways}
+    whole, caller = {w: [] for w in ways}, {w: [] for w in ways}
+    first = np.empty((batch, W), np.int32)
+    fillers[ways[0]].fill(sets[ways[0]], first)  # the start state's masks (nothing to consume yet)
+    for w in ways[1:]:
+        fillers[w].fill(sets[w], np.empty_like(first))  # (warms each set's lexers as the first did)
+    live, toks = list(range(batch)), random_allowed(rng, first, vocab)
+    for step in range(steps):
+        out, ended = {}, {}
+        for w in (ways if step % 2 == 0 else ways[::-1]):
+            cs = [sets[w][j] for j in live]
+            mask = np.empty((len(live), W), np.int32)
+            t0 = time.perf_counter()
+            if w[1] == "before":
+                ends = []
+                for c, tok in zip(cs, toks):
+                    m = c.matcher
+                    m.consume_token(tok)
+                    ends.append(m.is_error() or m.is_stopped())
+                t1 = time.perf_counter()
+                fillers[w].fill(cs, mask)
+            else:
+                ends = [e is not None for e in fillers[w].start_advanced(list(zip(cs, toks)), cs, mask)]
+                t1 = time.perf_counter()
+                fillers[w].wait()
+            t2 = time.perf_counter()
+            whole[w].append(t2 - t0)
+            caller[w].append(t1 - t0)
+            out[w], ended[w] = mask, ends
+        ref = ways[0]
+        assert all((out[w] == out[ref]).all() and ended[w] == ended[ref] for w in ways)
+        keep = [k for k, e in enumerate(ended[ref]) if not e]
+        if not keep:
+            break
+        live = [live[k] for k in keep]
+        toks = random_allowed(rng, out[ref][keep], vocab)
+    ms = lambda xs: statistics.median(xs) * 1e3 if xs else float("nan")  # noqa: E731
+    print(f"batch {batch:3d} lanes ({len(whole[ways[0]])} steps), tokens -> masks written, ms a step (the caller's "
+          f"part): " + "; ".join(f"{t} threads: before {ms(whole[(t, 'before')]):.3f} ({ms(caller[(t, 'before')]):.3f}), "
+                                 f"now {ms(whole[(t, 'now')]):.3f} ({ms(caller[(t, 'now')]):.3f})" for t in counts),
+          flush=True)
 
 
 if __name__ == "__main__":

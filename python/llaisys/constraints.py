@@ -8,8 +8,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -98,7 +100,8 @@ class Constraint:
 
     def __init__(self, lltok, grammar: str, matcher=None, lane: int = 0):
         """matcher: a fresh matcher of this grammar to take over (Constraints.new's copy) instead of building one;
-        lane: which of Constraints' independent start states it is a copy of."""
+        lane: the MaskFiller lane that advances and masks it (Constraints.new: copies of one start state share
+        one)."""
         self.matcher = matcher if matcher is not None else _llg().LLMatcher(lltok, grammar, log_level=0)
         self.lane = lane
         if self.matcher.is_error():
@@ -132,12 +135,20 @@ class Constraints:
     many threads the MaskFiller has (H200 host, 64 rows: 0.95-1.23 ms at 2 to 16 threads). So each grammar
     keeps `lanes` independent start states (as many as the MaskFiller has threads), built on first use, and
     its requests take copies of them in turn: rows of different lanes compute in parallel, each on a warm
-    lexer. The last `size` grammars are kept. Thread-safe (requests are submitted from any thread)."""
+    lexer. The last `size` grammars are kept. Thread-safe (requests are submitted from any thread).
+
+    A Constraint's `lane` is the MaskFiller worker that advances and masks it (start_advanced): copies of one
+    start state share a lane (their lexer lock would make them wait for each other on two), and each grammar's
+    start states begin one lane after the previous grammar's, so rows of many grammars spread over the lanes."""
 
     def __init__(self, lltok, lanes: int = 1, size: int = 64):
         self.lltok, self.lanes, self.size = lltok, max(int(lanes), 1), size
         self._start: OrderedDict[str, list] = OrderedDict()  # grammar -> its lanes' start-state matchers, LRU
-        self._turn: dict[str, int] = {}  # grammar -> requests made of it (the next one's lane)
+        self._turn: dict[str, int] = {}  # grammar -> requests made of it (the next one's start state)
+        # grammar -> the worker lane of its first start state (MaskFiller.start_advanced): grammars kept one after
+        # another start one lane further, so the first requests of different grammars do not all go to lane 0
+        self._offset: dict[str, int] = {}
+        self._grammars = 0  # grammars seen (the next one's offset)
         self._lock = threading.Lock()
 
     def new(self, grammar: str) -> Constraint:
@@ -151,10 +162,16 @@ class Constraints:
                 if lanes:
                     self._start[grammar] = lanes  # the most recent last
                     self._turn[grammar] = turn + 1
+                    if grammar not in self._offset:
+                        self._offset[grammar] = self._grammars % self.lanes
+                        self._grammars += 1
                     if len(self._start) > self.size:
-                        self._turn.pop(self._start.popitem(last=False)[0], None)
-            lane = turn % self.lanes
-            return Constraint(self.lltok, grammar, lanes[lane].deep_copy(), lane)
+                        gone = self._start.popitem(last=False)[0]
+                        self._turn.pop(gone, None)
+                        self._offset.pop(gone, None)
+            start = turn % self.lanes
+            return Constraint(self.lltok, grammar, lanes[start].deep_copy(),
+                              (start + self._offset[grammar]) % self.lanes)
 
 
 def mask_threads(num_threads: int | None = None) -> int:
@@ -162,17 +179,124 @@ def mask_threads(num_threads: int | None = None) -> int:
     return num_threads if num_threads is not None else min(32, int(0.8 * (os.cpu_count() or 1)))
 
 
+def lanes_enabled(num_threads: int) -> bool:
+    """Whether a MaskFiller of num_threads threads advances and masks the rows of a chained step on its lanes
+    (MaskFiller.start_advanced) rather than the loop advancing them one after another before start(): with 4
+    threads or more (5 CPUs or more by default); LLAISYS_MASK_LANES=1 / 0 turns them on (from 2 threads) / off
+    (the A/B of bench/structured.py). Each lane is two threads (its worker and its llguidance pool), woken for
+    each step: on a shared 2-core box 2 lanes took longer than the loop's consumes and the pool
+    (bench/host_path.py --lanes 2, 64 rows, 7 runs: median 0.87 against 0.81 ms a step, the caller blocked 0.54
+    against 0.15 ms), five threads on two cores."""
+    env = os.environ.get("LLAISYS_MASK_LANES", "")
+    if env in ("0", "1"):
+        return env == "1" and num_threads >= 2
+    return num_threads >= 4
+
+
+class _Latch:
+    """Opens once `count` arrivals came (at once for 0). wait() blocks without the GIL."""
+
+    def __init__(self, count: int):
+        self.count, self._lock, self._gate = count, threading.Lock(), threading.Lock()
+        if count:
+            self._gate.acquire()
+
+    def arrive(self) -> None:
+        with self._lock:
+            self.count -= 1
+            last = self.count == 0
+        if last:
+            self._gate.release()
+
+    def wait(self) -> None:
+        self._gate.acquire()
+        self._gate.release()
+
+
+class _LaneJob:
+    """One start_advanced() call: `entered` opens once every lane given work is inside its masks' native call
+    (or done), `done` once every lane finished; `ended[k]` is what consume[k]'s token left (None: goes on, True:
+    complete, a string: the matcher's error); `error` the first exception a lane's masks raised."""
+
+    def __init__(self, lanes: int, consumes: int):
+        self.entered, self.done = _Latch(lanes), _Latch(lanes)
+        self.ended: list = [None] * consumes
+        self.error: BaseException | None = None
+        self.t0 = time.perf_counter()
+        self.t1 = self.t0  # when the last lane finished
+
+
+def _lane_main(jobs, executor) -> None:
+    """A lane's worker thread: for each job, its rows' consumes, then their masks, each one native call on the
+    lane's own one-thread pool (both release the GIL: lanes run side by side, and a lane's masks never wait
+    for another lane's consumes). Holds no reference to the MaskFiller: it ends when the filler is collected
+    (a None on its queue)."""
+    while True:
+        got = jobs.get()
+        if got is None:
+            return
+        job, pairs, ks, items, ptr, row_bytes, rows, _keep = got  # _keep: the mask array, alive until done
+        try:
+            try:
+                if pairs:
+                    _lane_consume(executor, pairs, ks, job.ended)
+            finally:
+                job.entered.arrive()  # the caller goes on: every lane is in native code or done
+            if items:
+                executor.unsafe_compute_mask_ptr(items, ptr, row_bytes, rows)
+        except BaseException as e:  # handed to wait(); the worker goes on (a later job may succeed)
+            if job.error is None:
+                job.error = e
+        finally:
+            job.t1 = max(job.t1, time.perf_counter())
+            job.done.arrive()
+        del got, job, pairs, ks, items, _keep  # nothing of this job kept while waiting for the next
+
+
+def _lane_consume(executor, pairs: list, ks: list[int], ended: list) -> None:
+    """pairs: (matcher, token) of one lane, ks their indices in start_advanced's `consume`; ended[k]: what the
+    token left (EngineCore._constrained_end's checks). A consume that raises (not a token the grammar refuses:
+    that is the matcher's error state) ends each row of the lane with its message: which of them moved is not
+    known."""
+    try:
+        executor.consume_token_par(pairs)  # (releases the GIL: the lanes' consumes run side by side)
+        for (m, _), k in zip(pairs, ks):
+            if m.is_error():
+                ended[k] = m.get_error() or "the matcher failed"
+            elif m.is_stopped():
+                ended[k] = True
+    except Exception as e:
+        for k in ks:
+            ended[k] = f"advancing the matcher failed ({e!r})"
+
+
+def _stop_lanes(queues) -> None:
+    for q in queues:
+        q.put(None)
+
+
 class MaskFiller:
     """Writes the masks of several constraints at once: on llguidance's thread pool (LLExecutor, which
     releases the GIL; the same masks as one at a time) where it has two threads or more, else one row after
     another (on a 2-core box the pool's one thread made 16 rows 1.5x slower: bench/mask_fill.py). start()
-    runs the same fill on a worker thread, so the caller's Python work goes on while llguidance writes."""
+    runs the same fill on a worker thread, so the caller's Python work goes on while llguidance writes.
 
-    def __init__(self, num_threads: int | None = None):
+    start_advanced() (a chained step's rows, where `lanes`: lanes_enabled) also advances the matchers by
+    the step ahead's tokens, on one worker thread a lane (Constraint.lane), each with its own one-thread
+    llguidance pool: a lane consumes its rows' tokens and goes straight on to their masks, the lanes side by
+    side, where the loop used to consume every row one after another before any mask could start (64 rows:
+    ~0.25 ms on the H200 host, session 32). A lane's rows share no lexer lock with another lane's, so the
+    lanes never wait for each other."""
+
+    def __init__(self, num_threads: int | None = None, lanes: bool | None = None):
+        """lanes: whether start_advanced() may be used (default: lanes_enabled)."""
         self.num_threads = mask_threads(num_threads)
+        self.lanes = lanes_enabled(self.num_threads) if lanes is None else bool(lanes)
         self._executor = None  # started on the first batch of two or more
         self._worker = None  # start()'s thread, made on its first use
         self._pending = None  # start()'s fill not waited for yet (a Future)
+        self._queues = None  # start_advanced()'s lanes' job queues, made on first use
+        self._job = None  # start_advanced()'s job not waited for yet
 
     def fill(self, constraints: list[Constraint], mask: np.ndarray, entered: threading.Event | None = None) -> None:
         """mask: C-contiguous int32 [len(constraints), ceil(vocab / 32)]; row j gets constraints[j]'s.
@@ -208,9 +332,48 @@ class MaskFiller:
         self._pending = self._worker.submit(self._timed_fill, constraints, mask, entered)
         entered.wait()  # blocks, so the worker takes the GIL now; it gives it back in the native call
 
+    def start_advanced(self, consume: list, constraints: list[Constraint], mask: np.ndarray | None) -> list:
+        """consume: (Constraint, token) pairs; constraints: row j of `mask` gets constraints[j]'s mask (mask None
+        when there are none). On the lanes (see the class): each lane advances its constraints of `consume` by
+        their tokens, then writes the masks of its constraints of `constraints`, so a constraint in both is
+        masked after its token. Returns once every lane is inside its masks' native call (start()'s GIL
+        hand-over), with what each consume left: None (goes on), True (the grammar is complete) or the
+        matcher's error (a string). Until wait() returns the caller touches none of these matchers (llguidance
+        holds them) nor `mask`."""
+        if self._pending is not None or self._job is not None:
+            raise RuntimeError("MaskFiller.start_advanced: the last fill was not waited for")
+        L = self.num_threads
+        if self._queues is None:
+            self._queues = [_start_lane(i) for i in range(L)]
+            weakref.finalize(self, _stop_lanes, list(self._queues))
+        pairs, ks, masks = [[] for _ in range(L)], [[] for _ in range(L)], [[] for _ in range(L)]
+        for k, (c, token) in enumerate(consume):
+            lane = c.lane % L
+            pairs[lane].append((c.matcher, token))
+            ks[lane].append(k)
+        for j, c in enumerate(constraints):
+            masks[c.lane % L].append((c.matcher, j))
+        busy = [i for i in range(L) if ks[i] or masks[i]]
+        job = _LaneJob(len(busy), len(consume))
+        if mask is not None:
+            ptr, row_bytes, rows = mask.ctypes.data, mask.shape[1] * 4, mask.shape[0]
+        else:
+            ptr = row_bytes = rows = 0
+        for i in busy:
+            self._queues[i].put((job, pairs[i], ks[i], masks[i], ptr, row_bytes, rows, mask))
+        self._job = job
+        job.entered.wait()  # blocks: the lanes take the GIL in turn until each is inside its native call
+        return job.ended
+
     def wait(self) -> float:
-        """Returns once start()'s fill is written (at once when none is pending): the seconds it took on the
-        worker. Raises what the fill raised."""
+        """Returns once start()'s fill (or start_advanced()'s consumes and masks) is written (at once when none
+        is pending): the seconds it took on the worker(s). Raises what the fill raised."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            return job.t1 - job.t0
         pending, self._pending = self._pending, None
         return 0.0 if pending is None else pending.result()
 
@@ -221,6 +384,14 @@ class MaskFiller:
         finally:
             entered.set()  # never leave start() waiting
         return time.perf_counter() - t
+
+
+def _start_lane(i: int):
+    """A lane's job queue, its worker thread started (_lane_main) with its own one-thread llguidance pool."""
+    jobs = queue.SimpleQueue()
+    threading.Thread(target=_lane_main, args=(jobs, _llg().LLExecutor(1)), name=f"llaisys-lane-{i}",
+                     daemon=True).start()
+    return jobs
 
 
 class Trigger:

@@ -420,11 +420,17 @@ class EngineCore:
                 self.blocks.register_rows([seqs[row] for row in rows])
         # then what the next step's masks need (constrained and trigger rows are never quiet: listed below
         # whatever their `length` becomes here), so they start early, beside the rest of the accounting
-        if b.masked:
-            self._advance_constrained(b, tokens, eos, length)
-        if b.triggers:
+        start = self.runner.deferred is not None and not self.runner.masks_started
+        # the constrained rows that consume their token: all but EOS rows (listed before a trigger joins them)
+        moving = [row for row in b.masked if not eos[row]] if b.masked else None
+        lanes = moving is not None and start and self.runner.lanes
+        if moving is not None and not lanes:
+            self._advance_constrained(b, moving, tokens, length)
+        if b.triggers:  # (trigger rows are not constrained ones: the constrained ends leave them as they are)
             self._fire_triggers(b, tokens, eos | length)
-        if self.runner.deferred is not None and not self.runner.masks_started:  # the matchers moved: start now
+        if lanes:  # the matchers move on the lanes, each going on to its masks
+            self._advance_on_lanes(b, moving, tokens, length)
+        elif start:  # the matchers moved: start now
             self._start_masks()
         ended = eos.any() or length.any()  # most steps end no row
         if b.any_quiet:
@@ -463,13 +469,12 @@ class EngineCore:
         t["run_s"] += t2 - t1
         t["postprocess_s"] += time.perf_counter() - t2
 
-    def _advance_constrained(self, b, tokens: list[int], eos: np.ndarray, length: np.ndarray) -> None:
-        """The batch's constrained rows: their matchers advance with the step's tokens,
-        except where the token is an EOS (the row ends "stop" without it, as _account does); a row whose
-        grammar completes or fails ends here (then not by length). On the host's path between the tokens and
-        the next step's masked sampling (EngineCore.timing's consume_s)."""
+    def _advance_constrained(self, b, rows: list[int], tokens: list[int], length: np.ndarray) -> None:
+        """The batch's constrained rows (`rows`: those whose token is not an EOS: the row ends "stop" without
+        it, as _account does): their matchers advance with the step's tokens; a row whose grammar completes or
+        fails ends here (then not by length). On the host's path between the tokens and the next step's masked
+        sampling (EngineCore.timing's consume_s)."""
         t = time.perf_counter()
-        rows = [row for row in b.masked if not eos[row]]
         seqs = [b.seqs[row] for row in rows]
         # one after another: llguidance's pooled consume_token_par was slower on the H200 host (64 rows: 0.22-0.39
         # ms at 4-16 threads against 0.26 ms; session 32)
@@ -477,6 +482,33 @@ class EngineCore:
             m = seq.constraint.matcher  # _constrained_end's calls, inlined: ~1 us a row of Python less
             m.consume_token(tokens[row])
             if (m.is_error() or m.is_stopped()) and self._constrained_end(seq):
+                length[row] = False
+        self.timing["consume_s"] += time.perf_counter() - t
+
+    def _advance_on_lanes(self, b, rows: list[int], tokens: list[int], length: np.ndarray) -> None:
+        """_advance_constrained and _start_masks at once, on the MaskFiller's lanes (MaskFiller.start_advanced):
+        each lane advances its rows' matchers by this step's tokens and goes straight on to their masks of the
+        deferred step, the lanes side by side, where the loop advanced every row one after another before any
+        mask could start. Returns once every matcher advanced (the masks go on); the rows whose grammar
+        completed or failed end here as _advance_constrained ends them. consume_s: the loop's time here."""
+        t = time.perf_counter()
+        seqs = [b.seqs[row] for row in rows]
+        try:
+            ended = self.runner.start_deferred_masks([(s.constraint, tokens[row]) for row, s in zip(rows, seqs)])
+        except Exception:  # raised before any lane was given work (the mask rows or buffer): as before lanes
+            self.timing["consume_s"] += time.perf_counter() - t
+            self._advance_constrained(b, rows, tokens, length)
+            self._drain()
+            return
+        if any(ended):  # most steps end no row
+            for row, seq, end in zip(rows, seqs, ended):
+                if end is None:
+                    continue
+                if end is True:
+                    self.finish(seq, "stop")
+                else:
+                    seq.error = RuntimeError(f"structured output: {end}")
+                    self.finish(seq, "error")
                 length[row] = False
         self.timing["consume_s"] += time.perf_counter() - t
 
