@@ -382,7 +382,7 @@ def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
                                    json_schema=[SCHEMA, None, SCHEMA], regex=[None, DATE, None]))
 
     plain = go_engine(tiny, False, go)
-    monkeypatch.setenv("LLAISYS_MASK_LANES", "0")  # (the lanes, on from 4 mask threads, never call fill)
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "0")  # (the lanes, when on, never call fill)
     fill, threads = MaskFiller.fill, []
 
     def recorded(self, constraints, mask, *args):

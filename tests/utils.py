@@ -130,7 +130,7 @@ def llaisys_server(args: list[str], log_path, timeout: float = 300.0):
 def failing_mask_fills(monkeypatch, failing: tuple[int, ...]) -> list[int]:
     """MaskFiller.fill raises on its calls numbered `failing` (1-based), else fills as usual; the returned
     list gets each call's row count (tests of a mask failure in a chained step). The lanes are off
-    (LLAISYS_MASK_LANES=0; on by default from 4 mask threads they never call fill: their failures are
+    (LLAISYS_MASK_LANES=0; with LLAISYS_MASK_LANES=1 they never call fill: their failures are
     test_overlap_constrained.flaky_lanes')."""
     from llaisys.constraints import MaskFiller
 

@@ -181,16 +181,14 @@ def mask_threads(num_threads: int | None = None) -> int:
 
 def lanes_enabled(num_threads: int) -> bool:
     """Whether a MaskFiller of num_threads threads advances and masks the rows of a chained step on its lanes
-    (MaskFiller.start_advanced) rather than the loop advancing them one after another before start(): with 4
-    threads or more (5 CPUs or more by default); LLAISYS_MASK_LANES=1 / 0 turns them on (from 2 threads) / off
-    (the A/B of bench/structured.py). Each lane is two threads (its worker and its llguidance pool), woken for
-    each step: on a shared 2-core box 2 lanes took longer than the loop's consumes and the pool
+    (MaskFiller.start_advanced) rather than the loop advancing them one after another before start(): only
+    when LLAISYS_MASK_LANES=1 (from 2 threads); off by default. Each lane is two threads (its worker and its
+    llguidance pool), woken for each step. Measured slower both where it was tried: on a shared 2-core box
     (bench/host_path.py --lanes 2, 64 rows, 7 runs: median 0.87 against 0.81 ms a step, the caller blocked 0.54
-    against 0.15 ms), five threads on two cores."""
-    env = os.environ.get("LLAISYS_MASK_LANES", "")
-    if env in ("0", "1"):
-        return env == "1" and num_threads >= 2
-    return num_threads >= 4
+    against 0.15 ms) and on an H200 host of 16 CPUs, 12 mask threads (session 35, bench/structured.py 0.5B,
+    batch 64, overlap on: constrained / free x1.171 against x1.146 without lanes, the loop blocked 0.633 against
+    0.125 ms a step)."""
+    return os.environ.get("LLAISYS_MASK_LANES", "") == "1" and num_threads >= 2
 
 
 class _Latch:

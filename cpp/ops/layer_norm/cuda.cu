@@ -37,9 +37,10 @@ __device__ __forceinline__ Vec<T, VEC> normalized(const Vec<T, VEC> &a, const T 
     if (bias) b = load_vec<VEC>(bias + off);
     Vec<T, VEC> o;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        const float y = (to_f32(a.v[j]) - m - c) * rstd * to_f32(w.v[j]);
-        o.v[j] = from_f32<T>(bias ? y + to_f32(b.v[j]) : y);
+    for (int j = 0; j < VEC; ++j) { // _rn intrinsics: nvcc may not contract y + b into an FMA in one
+        // instantiation and not in another (add_layer_norm's out2 must have the bits of a call of its own)
+        const float y = __fmul_rn(__fmul_rn(__fsub_rn(__fsub_rn(to_f32(a.v[j]), m), c), rstd), to_f32(w.v[j]));
+        o.v[j] = from_f32<T>(bias ? __fadd_rn(y, to_f32(b.v[j])) : y);
     }
     return o;
 }
