@@ -3,9 +3,13 @@
 
 namespace llaisys::ops::detail {
 // The argument checks layer_norm and add_layer_norm share: x [..., H] (named x_name in messages), weight
-// [H], bias [H] or undefined, out like x, all one float dtype on one device, eps finite and >= 0.
+// [H], bias [H] or undefined, out like x, all one float dtype on one device, eps finite and >= 0. names: what
+// messages call out, weight and bias (add_layer_norm's second output: out2, weight2, bias2).
+struct NormNames {
+    const char *out = "out", *weight = "weight", *bias = "bias";
+};
 void check_layer_norm_args(const char *op, const Tensor &out, const char *x_name, const Tensor &x,
-                           const Tensor &weight, const Tensor &bias, float eps);
+                           const Tensor &weight, const Tensor &bias, float eps, NormNames names = {});
 } // namespace llaisys::ops::detail
 
 // Backends receive validated, contiguous tensors: out/x (and residual, delta, delta2) [rows, H] flattened,

@@ -8,18 +8,18 @@
 namespace llaisys::ops {
 
 void detail::check_layer_norm_args(const char *op, const Tensor &out, const char *x_name, const Tensor &x,
-                                   const Tensor &weight, const Tensor &bias, float eps) {
-    check_operands(op, {{"out", out}, {x_name, x}, {"weight", weight}});
+                                   const Tensor &weight, const Tensor &bias, float eps, NormNames names) {
+    check_operands(op, {{names.out, out}, {x_name, x}, {names.weight, weight}});
     check_float(op, x_name, x);
-    check_same_dtype(op, "weight", weight, x);
-    check_same_dtype(op, "out", out, x);
+    check_same_dtype(op, names.weight, weight, x);
+    check_same_dtype(op, names.out, out, x);
     LLAISYS_CHECK(x.ndim() >= 1, std::invalid_argument, op, ": ", x_name, " must have at least 1 dim, got a scalar");
-    check_shape(op, "weight", weight, {x.shape().back()});
-    check_shape(op, "out", out, x.shape());
+    check_shape(op, names.weight, weight, {x.shape().back()});
+    check_shape(op, names.out, out, x.shape());
     if (bias.defined()) {
         check_on_device(op, x.device(), bias);
-        check_same_dtype(op, "bias", bias, x);
-        check_shape(op, "bias", bias, {x.shape().back()});
+        check_same_dtype(op, names.bias, bias, x);
+        check_shape(op, names.bias, bias, {x.shape().back()});
     }
     LLAISYS_CHECK(eps >= 0.f && std::isfinite(eps), std::invalid_argument, op,
                   ": eps must be finite and >= 0, got ", eps);
@@ -47,18 +47,7 @@ void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &del
     // delta plays x's part in the shared checks: out, weight and bias are checked against it.
     detail::check_layer_norm_args(op, out, "delta", delta, weight, bias, eps);
     if (out2.defined()) { // the second norm's operands, checked as the first's ("add_layer_norm: weight2 ...")
-        detail::check_defined(op, "weight2", weight2);
-        detail::check_on_device(op, delta.device(), out2);
-        detail::check_on_device(op, delta.device(), weight2);
-        detail::check_same_dtype(op, "out2", out2, delta);
-        detail::check_same_dtype(op, "weight2", weight2, delta);
-        detail::check_shape(op, "out2", out2, delta.shape());
-        detail::check_shape(op, "weight2", weight2, {delta.shape().back()});
-        if (bias2.defined()) {
-            detail::check_on_device(op, delta.device(), bias2);
-            detail::check_same_dtype(op, "bias2", bias2, delta);
-            detail::check_shape(op, "bias2", bias2, {delta.shape().back()});
-        }
+        detail::check_layer_norm_args(op, out2, "delta", delta, weight2, bias2, eps, {"out2", "weight2", "bias2"});
     } else {
         LLAISYS_CHECK(!weight2.defined() && !bias2.defined(), std::invalid_argument, op,
                       ": weight2/bias2 given without out2");
