@@ -502,14 +502,9 @@ class EngineCore:
             return
         if any(ended):  # most steps end no row
             for row, seq, end in zip(rows, seqs, ended):
-                if end is None:
-                    continue
-                if end is True:
-                    self.finish(seq, "stop")
-                else:
-                    seq.error = RuntimeError(f"structured output: {end}")
-                    self.finish(seq, "error")
-                length[row] = False
+                if end is not None:
+                    self._end_constrained(seq, None if end is True else end)
+                    length[row] = False
         self.timing["consume_s"] += time.perf_counter() - t
 
     def _constrained_end(self, seq: Sequence, token: int | None = None) -> bool:
@@ -519,14 +514,18 @@ class EngineCore:
         c = seq.constraint
         if token is not None:
             c.consume(token)
-        if c.error is not None:
-            seq.error = RuntimeError(f"structured output: {c.error}")
-            self.finish(seq, "error")
-            return True
-        if c.done:
-            self.finish(seq, "stop")
+        if c.error is not None or c.done:
+            self._end_constrained(seq, c.error)
             return True
         return False
+
+    def _end_constrained(self, seq: Sequence, error: str | None) -> None:
+        """Ends a constrained sequence: "stop" (its grammar complete), or with the matcher's error text."""
+        if error is not None:
+            seq.error = RuntimeError(f"structured output: {error}")
+            self.finish(seq, "error")
+        else:
+            self.finish(seq, "stop")
 
     def _logprobs(self, rows: np.ndarray, temperature: np.ndarray, chosen: np.ndarray, ks: list[int]) -> list[dict]:
         """The logprobs entries of the last step's `rows` ([R] i64), given every row's temperature ([B] f32)
