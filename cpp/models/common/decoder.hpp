@@ -104,6 +104,7 @@ private:
     Tensor final_norm_, final_norm_bias_;
     float embed_scale_ = 1.f; // Gemma: sqrt(hidden) rounded to the compute dtype, as HF multiplies
     Tensor decode_scratch_; // CUDA, quantized: see decode_scratch_bytes(); made by check_ready
+    Tensor lm_head_decoded_; // CUDA, a quantized LM head: its bf16 copy for steps past the quantized kernels' rows
     std::vector<Layer> layers_;
     std::vector<WeightSpec> table_;           // the family's weight table for this config
     std::map<std::string, Slot> slots_;       // HF name -> where it goes

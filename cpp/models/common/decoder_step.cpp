@@ -152,7 +152,10 @@ Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
     }
     const int64_t R = rows.size(0), V = config_.vocab_size;
     Tensor part = Tensor::empty({R, vocab_part_}, dtype_, device_);
-    linear(part, rows, lm_head(), decode_scratch_);
+    if (lm_head_decoded_.defined() && R > kQuantGemvMaxRows &&
+        !ops::quant_linear_tc(rows.dtype(), rows.device(), R, lm_head().quant.format()))
+        ops::linear(part, rows, lm_head_decoded_, Tensor(), /*constant_weight=*/true);
+    else linear(part, rows, lm_head(), decode_scratch_);
     if (!comm_) return part;
     // tensor parallel: every rank gets every rank's slice ([world * R, V / world], rank-major) and lays them
     // side by side, so each holds the same [R, V] logits and samples the same tokens (no broadcast)
