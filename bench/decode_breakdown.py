@@ -45,7 +45,7 @@ def short(name: str) -> str:
     return base
 
 
-def profiled(eng, prompts, new_tokens: int):
+def profiled(eng, prompts, new_tokens: int, logprobs: int | None = None):
     """(kernel name -> [launches, device µs], wall seconds, µs the GPU ran no kernel between the call's first
     kernel and its last) of one generate call."""
     import torch
@@ -56,7 +56,7 @@ def profiled(eng, prompts, new_tokens: int):
     llaisys.synchronize(eng.device)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
         wall = time.perf_counter() - t0
     per = defaultdict(lambda: [0, 0.0])
     spans = []
@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="instead: the kernels of prefilling --batch fresh prompts of --context tokens (one "
                          "generate of 1 new token; its prompts miss the prefix cache): ms per kernel for the whole prefill")
+    ap.add_argument("--logprobs", type=int, metavar="K",
+                    help="every request asks for logprobs=K (the logprobs kernel and its copies in the step)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -120,12 +122,12 @@ def main() -> int:
         eng = open_engine(shape=args.shape, **kw)[0]
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
-    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)
+    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=args.logprobs)
     if args.prefill:
         return prefill_report(eng, args, requests(args.batch, args.context, args.context, eng.config.vocab_size,
                                                    seed=1)[0])
-    base, wall0, idle0 = profiled(eng, prompts, 1)
-    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps)
+    base, wall0, idle0 = profiled(eng, prompts, 1, args.logprobs)
+    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps, args.logprobs)
     rows = []
     for k, (n, us) in full.items():
         n0, us0 = base.get(k, (0, 0.0))
@@ -136,6 +138,8 @@ def main() -> int:
     wall = (wall1 - wall0) / args.steps * 1e6
     idle = (idle1 - idle0) / args.steps
     what = f"{args.gguf_types} GGUF ({dtype})" if args.gguf_types else dtype
+    if args.logprobs is not None:
+        what += f", logprobs={args.logprobs}"
     print(f"{args.shape}, {what}, batch {args.batch}, context {args.context}: decode step wall {wall:.1f} µs "
           f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}, GPU idle {idle:.1f} µs "
           f"(no kernel running: the host's part of a step)")

@@ -224,6 +224,11 @@ void bind_steps(nb::class_<R> &c) {
              "Writes row `row` of the repetition penalty's seen sets: words [ceil(vocab / 32)] i32, bit v % 32 of "
              "word v / 32 = token v seen (a step's seen_row names it; its sampled tokens are added on the device).")
         .def_prop_ro("launched", &R::launched, "Launched steps not finished yet.")
+        .def_prop_ro("busy", [](const R &r) {
+            if constexpr (std::is_same_v<R, Runner>) return r.busy();
+            else return false; // a RankGroup's ranks own their launches on their threads: never asked
+        }, "Whether the oldest launch still runs on the device (finish() would wait); False on the CPU and for a "
+           "tensor-parallel group.")
         .def("logits", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, bool all_logits) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);

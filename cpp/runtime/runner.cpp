@@ -533,6 +533,8 @@ void Runner::enqueue_logprobs(const std::vector<int64_t> &rows, const std::vecto
     f.lp_k = k;
 }
 
+bool Runner::busy() const { return !inflight_.empty() && !inflight_.front()->done->query(); }
+
 std::vector<int64_t> Runner::finish() {
     if (inflight_.empty() && deferred_) sample_deferred(nullptr, 0, 0, {}, int64_t(deferred_->size()));
     LLAISYS_CHECK(!inflight_.empty(), std::invalid_argument, "Runner.finish: no launched step to finish");

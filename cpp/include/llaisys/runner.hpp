@@ -109,6 +109,10 @@ public:
     void set_seen(int64_t row, const std::vector<int32_t> &words);
     // Launched steps not finished yet (a deferred one included: finish() samples it unmasked first).
     size_t launched() const { return inflight_.size() + (deferred_ ? 1 : 0); }
+    // Whether the oldest launch is still running on the device (finish() would wait for it); false with
+    // nothing launched and on the CPU, whose launches are done when they return. The step loop does host work
+    // that can wait (building logprobs entries) only while this holds.
+    bool busy() const;
     // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
     Tensor logits(const HostBatch &batch, bool all_logits);
     // The logits the last step() sampled from ([B, vocab], after penalties and biases, before

@@ -1,19 +1,22 @@
 // logprobs on CUDA: one block of kThreads threads per output row r (reading logits row b = rows[r]).
-//   1. Thread t scans elements t, t + kThreads, ... once: an online max and sum of exp((x - max) / T)
-//      (the sum rescaled when its max grows) and its own top k keys (order_key: value, then lower index),
-//      sorted in a small local array; an element is keyed only when its value is not below the thread's
-//      k-th, so after the first few elements most cost one float compare.
+//   1. Thread t scans packs of VEC elements (16 bytes when the rows allow it) at t, t + kThreads, ...
+//      with kUnroll packs in flight: an online max and sum of exp((x - max) / T) (the sum rescaled when its
+//      max grows) and its own top k keys (order_key: value, then lower index), sorted in a small local
+//      array; an element is keyed only when its value is not below the thread's k-th, so after the first
+//      few elements most cost one float compare.
 //   2. The block reduces the max, then the rescaled sums, then merges the threads' lists in k rounds of a
 //      block max over each thread's head key (the winner pops its head).
-// One block per row: a decode step's R rows fill the GPU when R >= SMs; for a few rows one SM streams a
-// whole row (~10 us for 151936 bf16), still far below the host round trip it replaces.
-// TODO: vector loads and a split path for few rows (as argmax's) if a profile ever shows this op.
+// Loads in flight are what bound it: with one 2-byte load a thread and each waiting for the last (the
+// first version), 256 rows x 151936 bf16 took ~0.3 ms on an H200 (a thread's ~600 loads in turn); packs
+// and kUnroll of them in flight make it a stream of the logits (bench/RESULTS.md, session 36).
 #include "ops/logprobs/logprobs.hpp"
 
+#include "ops/common/argmax_rows.cuh"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace llaisys::ops::cuda {
 
@@ -21,7 +24,14 @@ using namespace logprobs_rule;
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+
+// The value a key was made of (order_key's inverse on its high half; -0.0 comes back as +0.0).
+__device__ __forceinline__ float key_value(uint64_t key) {
+    const uint32_t o = uint32_t(key >> 32);
+    return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
 
 // The max key over the block; every thread gets it. `scratch` holds 32 keys; blockDim.x % 32 == 0.
 __device__ __forceinline__ uint64_t block_max_key(uint64_t k, uint64_t *scratch) {
@@ -46,7 +56,8 @@ __device__ __forceinline__ uint64_t block_max_key(uint64_t k, uint64_t *scratch)
 // chosen_lp [R], top_ids [R, k], top_lp [R, k] from logits [B, V], temperature [B], chosen [B], rows [R].
 // A row index out of range (not checked on the host: that would need a sync) gives ids -1 and NaN
 // logprobs; a chosen id out of range, a NaN chosen_lp.
-template <typename T>
+// With VEC > 1 every row is 16-byte aligned and V % VEC == 0 (rows_vectorizable).
+template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
     logprobs_kernel(float *chosen_lp, int64_t *top_ids, float *top_lp, const T *logits, const float *temperature,
                     const int64_t *chosen, const int64_t *rows, int64_t B, int V, int k) {
@@ -62,18 +73,30 @@ __global__ void __launch_bounds__(kThreads)
     uint64_t top[kMaxTopK];
     int n = 0;
     float floor_v = -INFINITY; // this thread's k-th value once n == k: a value below it loses
-    for (int i = threadIdx.x; i < V; i += kThreads) {
-        const float v = to_f32(x[i]);
-        nan |= v != v;
-        if (v > m) {
-            s = s * expf((m - v) * inv_t) + 1.f; // m = -inf at first: 0 * 0 + 1
-            m = v;
-        } else if (v > -INFINITY) {
-            s += expf((v - m) * inv_t);
-        }
-        if (k > 0 && !(n == k && v < floor_v)) { // one float compare for most elements
-            insert_key(top, n, k, order_key(v, i));
-            if (n == k) floor_v = to_f32(x[key_index(top[k - 1])]);
+    constexpr int stride = kThreads * VEC;
+    for (int base = int(threadIdx.x) * VEC; base < V; base += kUnroll * stride) {
+        RowPack<T, VEC> raw[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (base + u * stride < V) raw[u] = *reinterpret_cast<const RowPack<T, VEC> *>(x + base + u * stride);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            if (base + u * stride >= V) break;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float v = to_f32(raw[u].v[e]);
+                nan |= v != v;
+                if (v > m) {
+                    s = s * expf((m - v) * inv_t) + 1.f; // m = -inf at first: 0 * 0 + 1
+                    m = v;
+                } else if (v > -INFINITY) {
+                    s += expf((v - m) * inv_t);
+                }
+                if (k > 0 && !(n == k && v < floor_v)) { // one float compare for most elements
+                    insert_key(top, n, k, order_key(v, base + u * stride + e));
+                    if (n == k) floor_v = key_value(top[k - 1]);
+                }
+            }
         }
     }
     // 2. the row's max and sum
@@ -109,10 +132,16 @@ void logprobs(const Tensor &chosen_lp, const Tensor &top_ids, const Tensor &top_
     LLAISYS_CHECK(R <= INT32_MAX, std::invalid_argument, "logprobs: too many rows for one launch: ", R);
     detail::dispatch_float("logprobs", logits.dtype(), logits.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        logprobs_kernel<device_t<T>><<<unsigned(R), kThreads, 0, stream_of(logits)>>>(
-            chosen_lp.data_as<float>(), top_ids.data_as<int64_t>(), top_lp.data_as<float>(), dptr<T>(logits),
-            temperature.data_as<float>(), chosen.data_as<int64_t>(), rows.data_as<int64_t>(), B, int(V),
-            int(top_ids.size(1)));
+        auto launch = [&](auto vec) {
+            logprobs_kernel<decltype(vec)::value, device_t<T>><<<unsigned(R), kThreads, 0, stream_of(logits)>>>(
+                chosen_lp.data_as<float>(), top_ids.data_as<int64_t>(), top_lp.data_as<float>(), dptr<T>(logits),
+                temperature.data_as<float>(), chosen.data_as<int64_t>(), rows.data_as<int64_t>(), B, int(V),
+                int(top_ids.size(1)));
+        };
+        if (rows_vectorizable<device_t<T>>(logits.data(), V))
+            launch(std::integral_constant<int, kRowVec<device_t<T>>>{});
+        else
+            launch(std::integral_constant<int, 1>{});
         CUDA_CHECK_LAUNCH();
     });
 }
