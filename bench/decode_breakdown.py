@@ -45,7 +45,7 @@ def short(name: str) -> str:
     return base
 
 
-def profiled(eng, prompts, new_tokens: int, logprobs: int | None = None):
+def profiled(eng, prompts, new_tokens: int, **kw):
     """(kernel name -> [launches, device µs], wall seconds, µs the GPU ran no kernel between the call's first
     kernel and its last) of one generate call."""
     import torch
@@ -56,16 +56,18 @@ def profiled(eng, prompts, new_tokens: int, logprobs: int | None = None):
     llaisys.synchronize(eng.device)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True, logprobs=logprobs)
+        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True, **kw)
         wall = time.perf_counter() - t0
     per = defaultdict(lambda: [0, 0.0])
     spans = []
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 and "Memcpy" not in ev.name:
-            k = short(ev.name)
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+            copy = "Memcpy" in ev.name  # listed (with --regex, --logprobs), not counted as kernel time or busy
+            k = ev.name.split(" (")[0] if copy else short(ev.name)
             per[k][0] += 1
             per[k][1] += ev.device_time_total
-            spans.append((ev.time_range.start, ev.time_range.end))
+            if not copy:
+                spans.append((ev.time_range.start, ev.time_range.end))
     idle, reach = 0.0, None
     for start, end in sorted(spans):  # gaps in the union of the kernels' intervals
         if reach is not None and start > reach:
@@ -79,7 +81,7 @@ def prefill_report(eng, args, prompts) -> int:
     per, wall, idle = profiled(eng, prompts, 1)
     tokens = sum(map(len, prompts))
     rows = sorted(((k, n, us) for k, (n, us) in per.items()), key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
+    total = sum(r[2] for r in rows if not r[0].startswith("Memcpy"))
     print(f"{args.shape}, prefill of {args.batch} prompts x {args.context} tokens: wall {wall * 1e3:.1f} ms "
           f"(profiled; {tokens / wall:,.0f} tok/s), kernel time {total / 1e3:.1f} ms, GPU idle {idle / 1e3:.1f} ms")
     print(f"{'kernel':<44}{'launches':>9}{'ms':>10}{'share':>8}{'µs/launch':>11}")
@@ -105,6 +107,9 @@ def main() -> int:
                          "generate of 1 new token; its prompts miss the prefix cache): ms per kernel for the whole prefill")
     ap.add_argument("--logprobs", type=int, metavar="K",
                     help="every request asks for logprobs=K (the logprobs kernel and its copies in the step)")
+    ap.add_argument("--regex", metavar="RE",
+                    help="every request constrained by this regex (issue 31: the masks' copies and the deferred "
+                         "sampling in the step); memory copies are listed too")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -122,24 +127,24 @@ def main() -> int:
         eng = open_engine(shape=args.shape, **kw)[0]
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
-    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=args.logprobs)
+    gen_kw = {k: v for k, v in dict(logprobs=args.logprobs, regex=args.regex).items() if v is not None}
+    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True, **gen_kw)
     if args.prefill:
         return prefill_report(eng, args, requests(args.batch, args.context, args.context, eng.config.vocab_size,
                                                    seed=1)[0])
-    base, wall0, idle0 = profiled(eng, prompts, 1, args.logprobs)
-    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps, args.logprobs)
+    base, wall0, idle0 = profiled(eng, prompts, 1, **gen_kw)
+    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps, **gen_kw)
     rows = []
     for k, (n, us) in full.items():
         n0, us0 = base.get(k, (0, 0.0))
         if n - n0 > 0:
             rows.append((k, (n - n0) / args.steps, (us - us0) / args.steps))
     rows.sort(key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
+    total = sum(r[2] for r in rows if not r[0].startswith("Memcpy"))
     wall = (wall1 - wall0) / args.steps * 1e6
     idle = (idle1 - idle0) / args.steps
     what = f"{args.gguf_types} GGUF ({dtype})" if args.gguf_types else dtype
-    if args.logprobs is not None:
-        what += f", logprobs={args.logprobs}"
+    what += "".join(f", {k}={v}" for k, v in gen_kw.items())
     print(f"{args.shape}, {what}, batch {args.batch}, context {args.context}: decode step wall {wall:.1f} µs "
           f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}, GPU idle {idle:.1f} µs "
           f"(no kernel running: the host's part of a step)")

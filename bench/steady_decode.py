@@ -89,7 +89,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
                                  f"over the prefill ({long_s * 1e3:.2f} ms vs {short_s * 1e3:.2f} ms): noise exceeds "
                                  "the signal, raise --steps")
             result[mode] = (long_s - short_s) / steps
-        host_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch)
+            host_split(eng, lambda: timed(1 + steps, kw), lambda: timed(1, kw), steps, f"{batch} {mode}")
         if profile:
             from llaisys_bench import loop_profile
 
@@ -99,7 +99,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
     return result
 
 
-def host_split(eng, long_run, short_run, steps: int, batch: int) -> None:
+def host_split(eng, long_run, short_run, steps: int, batch) -> None:
     """Prints the engine's own split of a decode step (EngineCore.timing, ms a step; run includes the wait for
     the device's tokens): one more long run less one more short run, over the steps between them, so the
     prefill steps both runs share cancel out. A log then shows where the host's part of a step goes."""

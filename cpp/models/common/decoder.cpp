@@ -8,7 +8,6 @@
 #include "llaisys/stream.hpp"
 
 #include <cmath>
-#include <cstdlib>
 
 namespace llaisys::models {
 
@@ -360,12 +359,8 @@ void Decoder::check_ready() {
     // A quantized LM head, the largest matrix, is decoded once into a copy of its own (the scratch then only
     // needs the next largest: about the memory the scratch took for it), so a step of more rows than the
     // quantized kernels take does not decode it again every step (165 us a step at the 1.5B's Q6_K head on an
-    // H200). LLAISYS_LM_HEAD_DECODED=0: the old way (the A/B).
-    static const bool keep_head = [] {
-        const char *e = std::getenv("LLAISYS_LM_HEAD_DECODED");
-        return e == nullptr || e[0] != '0';
-    }();
-    if (device_.is_cuda() && keep_head && lm_head().quantized()) {
+    // H200; the 1.5B Q4_K_M protocol 22,854 -> 23,387 output tok/s in one call, bench/RESULTS.md session 36).
+    if (device_.is_cuda() && lm_head().quantized()) {
         const QuantMatrix &q = lm_head().quant;
         lm_head_decoded_ = Tensor::empty({q.rows(), q.cols()}, dtype_, device_);
         ops::quant_dequantize(lm_head_decoded_, q);
