@@ -244,6 +244,31 @@ def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, d
         eng.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_deferred_masks_of_a_batch_that_grows_and_shrinks(tiny, device):
+    """The runner's own mask buffers copied for batches of 3, 70 (past the first device buffer's 64 rows: it is
+    replaced while earlier steps' copies may be queued; on CUDA the copies run on a stream of their own), 5 and
+    70 again: each row's one allowed token is its token, every time (a copy that overwrote a buffer still to be
+    read, or read before it landed, would give another step's or a stale row's token)."""
+    import numpy as np
+    eng = f32_engine(tiny, device, True, max_num_seqs=80)
+    try:
+        r, W, V = eng._core.runner.runner, (eng.config.vocab_size + 31) // 32, eng.config.vocab_size
+        rng = np.random.default_rng(3)
+        for n in (3, 70, 5, 70, 64):
+            want = rng.integers(0, V, n).tolist()
+            buf = r.mask_buffer(n).numpy()
+            buf[:] = 0
+            for j, t in enumerate(want):
+                buf[j, t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            deferred_launch(eng, n=n, temperature=0.9)
+            r.sample_deferred(buf, list(range(n)), n)
+            assert r.finish() == want
+        assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("threads", [1, 4])
 def test_constrained_rows_in_the_persistent_decode_batch(tiny, monkeypatch, threads):
     """Constrained rows join the persistent decode batch (batch.py): their masks come from their matchers,
