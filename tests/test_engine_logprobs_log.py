@@ -385,16 +385,16 @@ def ahead(monkeypatch):
     so nothing would be built ahead), and every Span's parts, as Request.finish takes them, are checked: the
     entries built ahead plus those of the rest's arrays are exactly (==) the entries of the arrays alone (the
     lazy path: the same log with nothing built), so the tokens kept by the log are the sequence's, in every
-    column and step. Returns the counts: entries taken built, taken as arrays, build_step calls while rows had
-    left the log's batch (its `at` path)."""
+    column and step. chunk: LogprobsLog.chunk (None: its own). Returns the counts: entries taken built, taken
+    as arrays, build_next calls while rows had left the log's batch (its `at` path)."""
     import itertools
 
     from llaisys.engine import logprobs_log
     from llaisys.engine.logprobs_log import LogprobsLog, Pending, Span
     from llaisys.engine.model_runner import ModelRunner
 
-    counts = {"built": 0, "arrays": 0, "at_steps": 0}
-    parts, build_step = Span.parts, LogprobsLog.build_step
+    counts = {"built": 0, "arrays": 0, "at_calls": 0}
+    parts, build_next = Span.parts, LogprobsLog.build_next
 
     def checked(self, seq):
         got = parts(self, seq)
@@ -412,14 +412,16 @@ def ahead(monkeypatch):
         return got
 
     def counted(self):
-        counts["at_steps"] += self.at is not None
-        build_step(self)
+        counts["at_calls"] += self.at is not None
+        build_next(self)
 
-    def busy(pattern):
+    def busy(pattern, chunk=None):
         answers = itertools.cycle(pattern)
+        if chunk is not None:
+            monkeypatch.setattr(LogprobsLog, "chunk", chunk)
         monkeypatch.setattr(ModelRunner, "busy", property(lambda self: next(answers)))
         monkeypatch.setattr(logprobs_log.Span, "parts", checked)
-        monkeypatch.setattr(logprobs_log.LogprobsLog, "build_step", counted)
+        monkeypatch.setattr(logprobs_log.LogprobsLog, "build_next", counted)
         return counts
 
     return busy
@@ -442,10 +444,11 @@ def test_the_cpu_runner_is_never_busy_and_builds_nothing_ahead(tiny):
     eng.close()
 
 
-@pytest.mark.parametrize("pattern", [(True,), (True, False, False)], ids=["always", "mixed"])
-def test_entries_built_ahead_equal_the_lazy_ones(tiny, ahead, pattern):
+@pytest.mark.parametrize("pattern, chunk", [((True,), None), ((True, False, False), 2)], ids=["always", "mixed"])
+def test_entries_built_ahead_equal_the_lazy_ones(tiny, ahead, pattern, chunk):
     """With the device busy before every overlapped step's tokens (always: every logged step gets built; mixed:
-    one step every other wait or so, so requests end with part built, part arrays): generate() rows with
+    two entries every other wait or so, so requests end with part built, part arrays, steps part built):
+    generate() rows with
     different k (5, 0, 20, 3) ending at different steps (the log follows rows leaving: its `at` path), beside a
     streamed row and a row with a stop string (loud: their entries built each step, the log's `sel` path),
     with EOS ends and seeded sampling too. Every Span's built entries equal the lazy ones exactly (the fixture),
@@ -480,23 +483,23 @@ def test_entries_built_ahead_equal_the_lazy_ones(tiny, ahead, pattern):
             same_entries(r.logprobs, lps)
             assert [e["token_id"] for e in r.logprobs] == r.token_ids
             assert {len(e["top"]) for e in r.logprobs} == {k}
-    assert counts["built"] > 0 and counts["arrays"] > 0 and counts["at_steps"] > 0
+    assert counts["built"] > 0 and counts["arrays"] > 0 and counts["at_calls"] > 0
     if pattern == (True,):  # each request's entries were built but those of its last step or two
         assert counts["built"] > 5 * counts["arrays"]
-    assert eng._core.timing["ahead_steps"] >= counts["at_steps"] > 0
+    assert eng._core.timing["ahead_steps"] > 0 and eng._core.timing["ahead_s"] > 0
     s = eng.stats()
     assert s["decode_batch_steps"] > 0 and s["kv_blocks_used"] == 0
     eng.close()
 
 
-@pytest.mark.parametrize("pattern", [(True,), (True, False, False)], ids=["always", "mixed"])
-def test_entries_built_ahead_of_aborted_and_preempted_rows(tiny, ahead, pattern):
+@pytest.mark.parametrize("pattern, chunk", [((True,), None), ((True, False, False), 2)], ids=["always", "mixed"])
+def test_entries_built_ahead_of_aborted_and_preempted_rows(tiny, ahead, pattern, chunk):
     """Entries built ahead where a quiet row is aborted while its batch runs (its column left with steps the
     sequence never got), and where decodes preempt each other with late arrivals (each rebuild begins a new
     log, a sequence's entries then span several logs, each partly built): every Span's parts equal the lazy
     ones (the fixture), every result the same request's alone, one entry per token."""
     eng = engine(tiny, "cpu", True, block_size=4, num_kv_blocks=64, max_seq_len=200)
-    counts = ahead(pattern)
+    counts = ahead(pattern, chunk)
     ps = prompts(eng.config.vocab_size, [6, 21, 11], seed=12)
     kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True, logprobs=4)
     alone = [streamed(eng, p, **kw) for p in ps]
@@ -533,60 +536,68 @@ def test_entries_built_ahead_of_aborted_and_preempted_rows(tiny, ahead, pattern)
     eng.close()
 
 
-def test_build_step_equals_the_arrays_entries_for_every_k_and_layout():
-    """LogprobsLog.build_step on random arrays (no engine): columns with k 3, 0, 7 > V 6 (the vocabulary
-    bounds it) and 2, steps whose logprobs rows hold loud rows too (`sel`), rows leaving mid-way (`at`, the
-    built lists of those still in), built up to several points: resolve()'s entries equal the ones of the
-    arrays alone (nothing built) exactly, each a column's built prefix and its arrays' rest; a Pending with
-    built entries pickles and builds the same without the native module; the built entries are handed out in
-    a new list, the log's emptied (it keeps none a request took)."""
+def test_build_next_equals_the_arrays_entries_for_every_k_and_layout():
+    """LogprobsLog.build_next on random arrays (no engine): columns with k 3, 0, 7 > V 6 (the vocabulary
+    bounds it) and 2, steps whose logprobs rows hold loud rows too (`sel`), rows leaving mid-way (`at`), built
+    whole steps or an entry at a time (a step part built), up to several points: resolve()'s entries equal
+    the ones of the arrays alone (nothing built) exactly, each a column's built prefix and its arrays' rest; a
+    Pending with built entries pickles and builds the same without the native module; the built entries are
+    handed out in a new list, the log's emptied (it keeps none a request took)."""
     import pickle
     from types import SimpleNamespace
 
     from llaisys.engine import logprobs_log
-    from llaisys.engine.logprobs_log import LogprobsLog, Pending, Span, resolve
+    from llaisys.engine.logprobs_log import LogprobsLog, Span, resolve
 
     rng = np.random.default_rng(17)
     V, K = 6, 7
     ks = [3, 0, 7, 2]
     steps, leave = 12, {1: 5, 3: 8}  # column -> the step it leaves at (its last step is the one before)
-    for built_upto in (0, 1, 4, 7, 12):
-        log = LogprobsLog([10, 11, 12, 13], K, V, ks)
-        outs = [[] for _ in ks]
-        for i in range(steps):
-            cols = [c for c in range(4) if leave.get(c, steps) > i]
-            rows = 1 + len(cols)  # a loud row first: the quiet ones are sel
-            quiet = np.array([False] + [True] * len(cols))
-            if log.version != len(cols):
-                log.follow(len(cols), quiet, [10 + c for c in cols])
-            toks = rng.integers(0, 1 << 40, rows)
-            log.append(toks, rng.standard_normal(rows).astype(np.float32), rng.integers(0, V, (rows, K)),
-                       rng.standard_normal((rows, K)).astype(np.float32))
-            for c, t in zip(cols, toks[1:].tolist()):
-                outs[c].append(t)
-            while log.unbuilt and log.nb < min(built_upto, i):  # built lagging behind the appends
-                log.build_step()
-        while log.nb < built_upto:
-            log.build_step()
-        # every column, column 2's sequence's output ending 3 tokens before its log's steps
-        for c, out in enumerate(outs[:2] + [outs[2][:-3]] + outs[3:]):
-            k = ks[c]
-            seq = SimpleNamespace(num_prompt=2, num_output=len(out), tokens=[0, 0] + out,
-                                  params=SimpleNamespace(logprobs=k))
-            got = resolve([Span(log, c, 0)], seq)
-            kept = [p for p in got.parts if type(p) is list]
-            # (a column that left is not built for steps built after it left: the build lags the appends)
-            assert sum(map(len, kept)) == min(built_upto, len(out)) if c not in leave else \
-                sum(map(len, kept)) <= min(built_upto, len(out))
-            assert log.built[c] == [] and all(p is not log.built[c] for p in kept)  # the request's own now
-            lazy = resolve([Span(log, c, 0)], seq)  # (nothing built left: all from the arrays)
-            crossed = pickle.loads(pickle.dumps(got))
-            want = lazy.build()
-            assert got.build() == want and len(want) == len(out) and [e["token_id"] for e in want] == out
-            assert {len(e["top"]) for e in want} == {min(k, V)}
-            real = logprobs_log._core
-            logprobs_log._core = None  # an unpickled Pending calls none of it
-            try:
-                assert crossed.build() == want
-            finally:
-                logprobs_log._core = real
+    partial = 0
+    for chunk in (64, 1):
+        for built_upto in (0, 1, 4, 7, 12):
+            log = LogprobsLog([10, 11, 12, 13], K, V, ks)
+            log.chunk = chunk
+            outs = [[] for _ in ks]
+            for i in range(steps):
+                cols = [c for c in range(4) if leave.get(c, steps) > i]
+                rows = 1 + len(cols)  # a loud row first: the quiet ones are sel
+                quiet = np.array([False] + [True] * len(cols))
+                if log.version != len(cols):
+                    log.follow(len(cols), quiet, [10 + c for c in cols])
+                toks = rng.integers(0, 1 << 40, rows)
+                log.append(toks, rng.standard_normal(rows).astype(np.float32), rng.integers(0, V, (rows, K)),
+                           rng.standard_normal((rows, K)).astype(np.float32))
+                for c, t in zip(cols, toks[1:].tolist()):
+                    outs[c].append(t)
+                while log.unbuilt and log.nb < min(built_upto, i):  # built lagging behind the appends
+                    log.build_next()
+            while log.nb < built_upto:
+                log.build_next()
+            if log.unbuilt and built_upto % 2:
+                log.build_next()  # the next step's first chunk (part of it where chunk is 1)
+            partial += log.nc > 0
+            # every column, column 2's sequence's output ending 3 tokens before its log's steps
+            for c, out in enumerate(outs[:2] + [outs[2][:-3]] + outs[3:]):
+                k = ks[c]
+                seq = SimpleNamespace(num_prompt=2, num_output=len(out), tokens=[0, 0] + out,
+                                      params=SimpleNamespace(logprobs=k))
+                had = len(log.built[c])
+                if c not in leave:  # (one that left is not built for steps built after it left)
+                    assert had >= min(built_upto, steps)
+                got = resolve([Span(log, c, 0)], seq)
+                kept = [p for p in got.parts if type(p) is list]
+                assert sum(map(len, kept)) == min(had, len(out))
+                assert log.built[c] == [] and all(p is not log.built[c] for p in kept)  # the request's own now
+                lazy = resolve([Span(log, c, 0)], seq)  # (nothing built left: all from the arrays)
+                crossed = pickle.loads(pickle.dumps(got))
+                want = lazy.build()
+                assert got.build() == want and len(want) == len(out) and [e["token_id"] for e in want] == out
+                assert {len(e["top"]) for e in want} == {min(k, V)}
+                real = logprobs_log._core
+                logprobs_log._core = None  # an unpickled Pending calls none of it
+                try:
+                    assert crossed.build() == want
+                finally:
+                    logprobs_log._core = real
+    assert partial > 0  # some resolve() met a step part built
