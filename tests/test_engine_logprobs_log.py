@@ -268,10 +268,10 @@ def test_pending_entries_equal_the_eager_ones_from_the_same_arrays():
     V, k = 50, 3
     logs = []
     for steps, K, cols in ((7, 5, 3), (9, 3, 2)):
-        log = LogprobsLog(list(range(cols)), K, V)
+        log = LogprobsLog(list(range(cols)), K, V, [k] * cols)
         for _ in range(steps):
-            log.append(rng.standard_normal(cols).astype(np.float32), rng.integers(0, V, (cols, K)),
-                       rng.standard_normal((cols, K)).astype(np.float32))
+            log.append(rng.integers(0, V, cols), rng.standard_normal(cols).astype(np.float32),
+                       rng.integers(0, V, (cols, K)), rng.standard_normal((cols, K)).astype(np.float32))
         logs.append(log)
     head = {"token_id": 1, "logprob": -0.5, "top": [[1, -0.5]]}
     mid = {"token_id": 2, "logprob": -1.5, "top": [[2, -1.5]]}
@@ -371,3 +371,233 @@ def test_a_pending_unpickled_elsewhere_builds_the_same_entries_without_the_nativ
     crossed = pickle.loads(pickle.dumps(Pending(parts)))
     monkeypatch.setattr(logprobs_log, "_core", None)  # any use of it fails
     assert crossed.build() == want and len(want) == 1 + T + 2
+
+
+# ---- entries built ahead while the device computes (EngineCore._build_ahead) --------------------------------
+def _built_split(parts) -> tuple[int, int]:
+    """(entries built ahead, entries still as arrays) of a Span's parts."""
+    return (sum(len(p) for p in parts if type(p) is list), sum(len(p[0]) for p in parts if type(p) is tuple))
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    """busy(pattern): ModelRunner.busy then answers from `pattern`, cycled (on the CPU the runner is never busy,
+    so nothing would be built ahead), and every Span's parts, as Request.finish takes them, are checked: the
+    entries built ahead plus those of the rest's arrays are exactly (==) the entries of the arrays alone (the
+    lazy path: the same log with nothing built), so the tokens kept by the log are the sequence's, in every
+    column and step. chunk: LogprobsLog.chunk (None: its own). Returns the counts: entries taken built, taken
+    as arrays, build_next calls while rows had left the log's batch (its `at` path)."""
+    import itertools
+
+    from llaisys.engine import logprobs_log
+    from llaisys.engine.logprobs_log import LogprobsLog, Pending, Span
+    from llaisys.engine.model_runner import ModelRunner
+
+    counts = {"built": 0, "arrays": 0, "at_calls": 0}
+    parts, build_next = Span.parts, LogprobsLog.build_next
+
+    def checked(self, seq):
+        got = parts(self, seq)
+        built = self.log.built
+        saved, built[self.col] = built[self.col], []
+        try:
+            lazy = parts(self, seq)
+        finally:
+            built[self.col] = saved
+        assert all(type(p) is tuple for p in lazy)
+        assert Pending(list(got)).build() == Pending(lazy).build()
+        b, a = _built_split(got)
+        counts["built"] += b
+        counts["arrays"] += a
+        return got
+
+    def counted(self):
+        counts["at_calls"] += self.at is not None
+        build_next(self)
+
+    def busy(pattern, chunk=None):
+        answers = itertools.cycle(pattern)
+        if chunk is not None:
+            monkeypatch.setattr(LogprobsLog, "chunk", chunk)
+        monkeypatch.setattr(ModelRunner, "busy", property(lambda self: next(answers)))
+        monkeypatch.setattr(logprobs_log.Span, "parts", checked)
+        monkeypatch.setattr(logprobs_log.LogprobsLog, "build_next", counted)
+        return counts
+
+    return busy
+
+
+def test_the_cpu_runner_is_never_busy_and_builds_nothing_ahead(tiny):
+    """On the CPU (the device never busy) the step loop builds no entry ahead: every quiet row's entries wait
+    as arrays, as before (built by the reader)."""
+    from llaisys.engine.logprobs_log import Pending, raw_logprobs
+
+    eng = engine(tiny, "cpu", True)
+    assert eng._core.runner.busy is False and eng._core.runner.runner.busy is False  # (the native property)
+    ps = prompts(eng.config.vocab_size, [3, 17], seed=4)
+    out = eng.generate(ps, max_new_tokens=30, temperature=0, logprobs=3, ignore_eos=True)
+    for r in out:
+        pending = raw_logprobs(r)
+        assert type(pending) is Pending and not any(type(p) is list for p in pending.parts)
+        assert len(r.logprobs) == 30
+    assert eng.stats()["overlapped_steps"] > 10 and eng._core.timing["ahead_steps"] == 0
+    eng.close()
+
+
+@pytest.mark.parametrize("pattern, chunk", [((True,), None), ((True, False, False), 2)], ids=["always", "mixed"])
+def test_entries_built_ahead_equal_the_lazy_ones(tiny, ahead, pattern, chunk):
+    """With the device busy before every overlapped step's tokens (always: every logged step gets built; mixed:
+    two entries every other wait or so, so requests end with part built, part arrays, steps part built):
+    generate() rows with
+    different k (5, 0, 20, 3) ending at different steps (the log follows rows leaving: its `at` path), beside a
+    streamed row and a row with a stop string (loud: their entries built each step, the log's `sel` path),
+    with EOS ends and seeded sampling too. Every Span's built entries equal the lazy ones exactly (the fixture),
+    and the results equal the same requests streamed alone."""
+    eng = engine(tiny, "cpu", True)
+    ps = prompts(eng.config.vocab_size, [4, 19, 33, 7, 12, 9], seed=21)
+    news, ks = [40, 9, 20, 33, 30, 25], [5, 0, 20, 3, 2, 4]
+    greedy = dict(temperature=0)
+    sampled = dict(temperature=0.9, top_k=50, seed=11)
+    alone = [streamed(eng, p, max_new_tokens=n, temperature=0, logprobs=k, ignore_eos=True)
+             for p, n, k in zip(ps, news, ks)]
+    stop_at = alone[0][0][15]  # a token the first row samples mid-way: rows that sample it end there
+    text = eng.tokenizer.decode(alone[5][0])
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # a stop string the last row meets mid-way
+    counts = ahead(pattern)
+    rounds = (dict(ignore_eos=True, **greedy), dict(stop_token_ids=[stop_at], **greedy),
+              dict(ignore_eos=True, **sampled))
+    for kw in rounds:
+        want = [streamed(eng, p, max_new_tokens=n, logprobs=k, **kw, **({"stop": [stop]} if i == 5 else {}))
+                for i, (p, n, k) in enumerate(zip(ps, news, ks))]
+        loud = eng.submit(ps[4], max_new_tokens=news[4], logprobs=ks[4], **kw)  # streamed
+        stopped = eng.submit(ps[5], incremental=False, max_new_tokens=news[5], logprobs=ks[5], stop=[stop], **kw)
+        out = eng.generate(ps[:4], max_new_tokens=news[:4], logprobs=ks[:4], **kw)
+        got = list(loud)
+        out.append(type(out[0])("", [t for c in got for t in c.token_ids], got[-1].finish_reason,
+                                logprobs=[e for c in got for e in c.logprobs]))
+        out.append(stopped.result())
+        if kw is rounds[0]:  # the stop string ends it mid-way
+            assert want[5][2] == "stop" and len(want[5][0]) < news[5]
+        for r, (ids, lps, reason), k in zip(out, want, ks):
+            assert (r.token_ids, r.finish_reason) == (ids, reason)
+            same_entries(r.logprobs, lps)
+            assert [e["token_id"] for e in r.logprobs] == r.token_ids
+            assert {len(e["top"]) for e in r.logprobs} == {k}
+    assert counts["built"] > 0 and counts["arrays"] > 0 and counts["at_calls"] > 0
+    if pattern == (True,):  # each request's entries were built but those of its last step or two
+        assert counts["built"] > 5 * counts["arrays"]
+    assert eng._core.timing["ahead_steps"] > 0 and eng._core.timing["ahead_s"] > 0
+    s = eng.stats()
+    assert s["decode_batch_steps"] > 0 and s["kv_blocks_used"] == 0
+    eng.close()
+
+
+@pytest.mark.parametrize("pattern, chunk", [((True,), None), ((True, False, False), 2)], ids=["always", "mixed"])
+def test_entries_built_ahead_of_aborted_and_preempted_rows(tiny, ahead, pattern, chunk):
+    """Entries built ahead where a quiet row is aborted while its batch runs (its column left with steps the
+    sequence never got), and where decodes preempt each other with late arrivals (each rebuild begins a new
+    log, a sequence's entries then span several logs, each partly built): every Span's parts equal the lazy
+    ones (the fixture), every result the same request's alone, one entry per token."""
+    eng = engine(tiny, "cpu", True, block_size=4, num_kv_blocks=64, max_seq_len=200)
+    counts = ahead(pattern, chunk)
+    ps = prompts(eng.config.vocab_size, [6, 21, 11], seed=12)
+    kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True, logprobs=4)
+    alone = [streamed(eng, p, **kw) for p in ps]
+    quiet = eng.submit(ps[0], incremental=False, **kw)
+    other = eng.submit(ps[2], incremental=False, **kw)
+    ids = []
+    for chunk in eng.submit(ps[1], **kw):
+        ids += chunk.token_ids
+        if len(ids) >= 30 and not quiet.done:
+            quiet.abort()
+    got, rest = quiet.result(), other.result()
+    assert got.finish_reason == "abort" and 0 < len(got.token_ids) < 80
+    assert got.token_ids == alone[0][0][:len(got.token_ids)]
+    same_entries(got.logprobs, alone[0][1][:len(got.token_ids)])
+    same_entries(rest.logprobs, alone[2][1])
+    assert rest.token_ids == alone[2][0] and ids == alone[1][0]
+    aborted = dict(counts)
+
+    ps = prompts(eng.config.vocab_size, [30, 9, 3, 20, 14], seed=31)
+    news, ks = [70, 66, 75, 40, 61], [3, 5, 1, 0, 5]
+    alone = [streamed(eng, p, max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=k)
+             for p, n, k in zip(ps, news, ks)]
+    before = eng.stats()["preemptions"]
+    first = [eng.submit(p, incremental=False, max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=k)
+             for p, n, k in zip(ps[:3], news[:3], ks[:3])]
+    out = eng.generate(ps[3:], max_new_tokens=news[3:], temperature=0, ignore_eos=True, logprobs=ks[3:])
+    out = [r.result() for r in first] + out
+    assert eng.stats()["preemptions"] > before
+    for r, (ids, lps, reason) in zip(out, alone):
+        assert (r.token_ids, r.finish_reason) == (ids, reason)
+        same_entries(r.logprobs, lps)
+    assert aborted["built"] > 0 and counts["built"] > aborted["built"] and counts["arrays"] > aborted["arrays"]
+    assert eng.stats()["kv_blocks_used"] == 0
+    eng.close()
+
+
+def test_build_next_equals_the_arrays_entries_for_every_k_and_layout():
+    """LogprobsLog.build_next on random arrays (no engine): columns with k 3, 0, 7 > V 6 (the vocabulary
+    bounds it) and 2, steps whose logprobs rows hold loud rows too (`sel`), rows leaving mid-way (`at`), built
+    whole steps or an entry at a time (a step part built), up to several points: resolve()'s entries equal
+    the ones of the arrays alone (nothing built) exactly, each a column's built prefix and its arrays' rest; a
+    Pending with built entries pickles and builds the same without the native module; the built entries are
+    handed out in a new list, the log's emptied (it keeps none a request took)."""
+    import pickle
+    from types import SimpleNamespace
+
+    from llaisys.engine import logprobs_log
+    from llaisys.engine.logprobs_log import LogprobsLog, Span, resolve
+
+    rng = np.random.default_rng(17)
+    V, K = 6, 7
+    ks = [3, 0, 7, 2]
+    steps, leave = 12, {1: 5, 3: 8}  # column -> the step it leaves at (its last step is the one before)
+    partial = 0
+    for chunk in (64, 1):
+        for built_upto in (0, 1, 4, 7, 12):
+            log = LogprobsLog([10, 11, 12, 13], K, V, ks)
+            log.chunk = chunk
+            outs = [[] for _ in ks]
+            for i in range(steps):
+                cols = [c for c in range(4) if leave.get(c, steps) > i]
+                rows = 1 + len(cols)  # a loud row first: the quiet ones are sel
+                quiet = np.array([False] + [True] * len(cols))
+                if log.version != len(cols):
+                    log.follow(len(cols), quiet, [10 + c for c in cols])
+                toks = rng.integers(0, 1 << 40, rows)
+                log.append(toks, rng.standard_normal(rows).astype(np.float32), rng.integers(0, V, (rows, K)),
+                           rng.standard_normal((rows, K)).astype(np.float32))
+                for c, t in zip(cols, toks[1:].tolist()):
+                    outs[c].append(t)
+                while log.unbuilt and log.nb < min(built_upto, i):  # built lagging behind the appends
+                    log.build_next()
+            while log.nb < built_upto:
+                log.build_next()
+            if log.unbuilt and built_upto % 2:
+                log.build_next()  # the next step's first chunk (part of it where chunk is 1)
+            partial += log.nc > 0
+            # every column, column 2's sequence's output ending 3 tokens before its log's steps
+            for c, out in enumerate(outs[:2] + [outs[2][:-3]] + outs[3:]):
+                k = ks[c]
+                seq = SimpleNamespace(num_prompt=2, num_output=len(out), tokens=[0, 0] + out,
+                                      params=SimpleNamespace(logprobs=k))
+                had = len(log.built[c])
+                if c not in leave:  # (one that left is not built for steps built after it left)
+                    assert had >= min(built_upto, steps)
+                got = resolve([Span(log, c, 0)], seq)
+                kept = [p for p in got.parts if type(p) is list]
+                assert sum(map(len, kept)) == min(had, len(out))
+                assert log.built[c] == [] and all(p is not log.built[c] for p in kept)  # the request's own now
+                lazy = resolve([Span(log, c, 0)], seq)  # (nothing built left: all from the arrays)
+                crossed = pickle.loads(pickle.dumps(got))
+                want = lazy.build()
+                assert got.build() == want and len(want) == len(out) and [e["token_id"] for e in want] == out
+                assert {len(e["top"]) for e in want} == {min(k, V)}
+                real = logprobs_log._core
+                logprobs_log._core = None  # an unpickled Pending calls none of it
+                try:
+                    assert crossed.build() == want
+                finally:
+                    logprobs_log._core = real
+    assert partial > 0  # some resolve() met a step part built

@@ -189,6 +189,13 @@ class ModelRunner:
     def launched(self) -> int:
         return self.runner.launched
 
+    @property
+    def busy(self) -> bool:
+        """Whether the oldest launched step still runs on the device (finish() would wait for it): host work that
+        can wait may run meanwhile for free (EngineCore._build_ahead). Always False on the CPU and for a
+        tensor-parallel RankGroup; a runner without it (a NodeProxy) counts as never busy."""
+        return getattr(self.runner, "busy", False)
+
     def _masks(self, step: Step):
         """(token_mask [M, ceil(vocab / 32)] int32, mask_rows): the allowed tokens of each constrained row
         whose token is sampled this step (None, [] when none). Computed from the matchers as they stand, so
