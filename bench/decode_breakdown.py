@@ -56,7 +56,7 @@ def profiled(eng, prompts, new_tokens: int, **kw):
     llaisys.synchronize(eng.device)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
-        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True, **kw)
+        eng.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **{"temperature": 0, **kw})
         wall = time.perf_counter() - t0
     per = defaultdict(lambda: [0, 0.0])
     spans = []
@@ -107,6 +107,8 @@ def main() -> int:
                          "generate of 1 new token; its prompts miss the prefix cache): ms per kernel for the whole prefill")
     ap.add_argument("--logprobs", type=int, metavar="K",
                     help="every request asks for logprobs=K (the logprobs kernel and its copies in the step)")
+    ap.add_argument("--temperature", type=float, metavar="T",
+                    help="every request samples at T (the protocol's 0.6: the sampler's passes in the step)")
     ap.add_argument("--regex", metavar="RE",
                     help="every request constrained by this regex (issue 31: the masks' copies and the deferred "
                          "sampling in the step); memory copies are listed too")
@@ -127,8 +129,9 @@ def main() -> int:
         eng = open_engine(shape=args.shape, **kw)[0]
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
-    gen_kw = {k: v for k, v in dict(logprobs=args.logprobs, regex=args.regex).items() if v is not None}
-    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True, **gen_kw)
+    gen_kw = {k: v for k, v in dict(logprobs=args.logprobs, regex=args.regex, temperature=args.temperature).items()
+              if v is not None}
+    eng.generate(prompts, max_new_tokens=8, ignore_eos=True, **{"temperature": 0, **gen_kw})
     if args.prefill:
         return prefill_report(eng, args, requests(args.batch, args.context, args.context, eng.config.vocab_size,
                                                    seed=1)[0])

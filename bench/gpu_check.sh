@@ -64,7 +64,8 @@ if has structured; then # issue 31: constrained vs free decode, overlap off and 
   # STRUCT_BASE=DIR: also run the bench, first, on an older tree's python/ in DIR (e.g. `git archive REV python |
   # tar -x -C .devdeps/base`; same _core and bench/) for a same-call A/B. STRUCT_AB="VAR=value ...": also run this
   # tree's with these variables, before its plain run (e.g. LLAISYS_MASK_LANES=0: the lanes off). STRUCT_OVERLAP
-  # (default both), STRUCT_BATCH (default "1 64"), STRUCT_ARGS (e.g. "--profile 25"); HOST_PATH=1 adds
+  # (default both), STRUCT_BATCH (default "1 64"), STRUCT_ARGS (e.g. "--profile 25"), MASK_FILL=0 skips
+  # bench/mask_fill.py; HOST_PATH=1 adds
   # bench/host_path.py, with --lanes ${HOST_LANES:-4 8 12} (the loop's consumes + the pool against the lanes).
   for py in ${STRUCT_BASE:+$STRUCT_BASE/python} ${STRUCT_AB:+ab:$PWD/python} $PWD/python; do
     vars=""
@@ -76,7 +77,7 @@ if has structured; then # issue 31: constrained vs free decode, overlap off and 
       --json "$OUT/structured_$(basename "$(dirname "$py")")${vars:+_ab}.json" 2>&1 | grep -v Warning |
       tee -a "$OUT/summary.txt"
   done
-  timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
+  [ "${MASK_FILL:-1}" = 1 ] && timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
     grep -v Warning | tee -a "$OUT/summary.txt"
   [ "${HOST_PATH:-0}" = 1 ] && timeout 300 python3 bench/host_path.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} \
     --batch 16 64 --lanes ${HOST_LANES:-4 8 12} 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
