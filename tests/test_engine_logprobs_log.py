@@ -444,6 +444,35 @@ def test_the_cpu_runner_is_never_busy_and_builds_nothing_ahead(tiny):
     eng.close()
 
 
+def test_a_failure_while_building_ahead_leaves_the_entries_to_the_reader(tiny, monkeypatch):
+    """Building ahead is an optimisation: when it raises (here its third chunk, after two were appended) the step
+    goes on, a RuntimeWarning says why, nothing more is built ahead, and every request's entries (part built,
+    part arrays) equal those of the same requests streamed alone."""
+    import itertools
+
+    from llaisys.engine.logprobs_log import LogprobsLog
+    from llaisys.engine.model_runner import ModelRunner
+
+    eng = engine(tiny, "cpu", True)
+    ps = prompts(eng.config.vocab_size, [5, 11, 8], seed=9)
+    want = [streamed(eng, p, max_new_tokens=24, temperature=0, logprobs=3, ignore_eos=True) for p in ps]
+    build_next, calls = LogprobsLog.build_next, itertools.count()
+
+    def flaky(self):
+        if next(calls) == 2:
+            raise MemoryError("no room for the entries")
+        build_next(self)
+    monkeypatch.setattr(LogprobsLog, "chunk", 1)
+    monkeypatch.setattr(LogprobsLog, "build_next", flaky)
+    monkeypatch.setattr(ModelRunner, "busy", property(lambda self: True))
+    with pytest.warns(RuntimeWarning, match="building logprobs entries ahead failed .MemoryError: no room"):
+        out = eng.generate(ps, max_new_tokens=24, temperature=0, logprobs=3, ignore_eos=True)
+    assert eng._core.ahead_failed == "MemoryError: no room for the entries"
+    assert next(calls) == 3  # nothing was tried after the failure
+    assert [(r.token_ids, r.logprobs) for r in out] == [(t, lp) for t, lp, _ in want]
+    eng.close()
+
+
 @pytest.mark.parametrize("pattern, chunk", [((True,), None), ((True, False, False), 2)], ids=["always", "mixed"])
 def test_entries_built_ahead_equal_the_lazy_ones(tiny, ahead, pattern, chunk):
     """With the device busy before every overlapped step's tokens (always: every logged step gets built; mixed:

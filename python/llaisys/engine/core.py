@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from itertools import repeat
 from types import SimpleNamespace
 
@@ -75,6 +76,7 @@ class EngineCore:
         # logprobs entries built ahead while the device ran (_build_ahead): the time, inside run_s (a wait the
         # loop had anyway, so not in host_seconds), and the logged steps built whole (each: every row still there)
         self.timing.update(ahead_s=0, ahead_steps=0)
+        self.ahead_failed = ""  # why building ahead stopped for this engine ('' while it runs: _build_ahead)
         self._returned = None  # when an overlapped step() last returned (for between_s)
         self._t_tokens = 0.0  # when the tokens that started the pending deferred masks came (for to_sample_s)
 
@@ -215,10 +217,19 @@ class EngineCore:
         log = None if b is None else b.lp_log
         if log is None:
             return
+        if self.ahead_failed:
+            return
         runner, nb, t, calls = self.runner, log.nb, time.perf_counter(), 0
-        while log.unbuilt and runner.busy:
-            log.build_next()
-            calls += 1
+        try:
+            while log.unbuilt and runner.busy:
+                log.build_next()
+                calls += 1
+        except Exception as e:  # an optimisation only: the step and its rows go on, the entries stay arrays
+            # (a column's built list is a prefix of its steps whatever was appended: Span.parts takes the rest
+            # from the arrays, so nothing is lost or doubled; the reader then builds them, and sees any error)
+            self.ahead_failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"llaisys: building logprobs entries ahead failed ({self.ahead_failed}); they are built "
+                          "when read from now on", RuntimeWarning, stacklevel=2)
         if calls:
             self.timing["ahead_s"] += time.perf_counter() - t
             self.timing["ahead_steps"] += log.nb - nb
