@@ -105,12 +105,10 @@ def test_rows_read_at_the_end_get_no_entries_per_step(tiny, overlap):
     eng.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_aborted_row_read_at_the_end_keeps_an_entry_per_token(tiny, overlap):
-    """A generate-style request with logprobs (incremental=False) aborted while the batch runs: its result holds
-    one entry per token it got, equal to the entries of the same request run alone, and the row beside it
-    (which goes on, its batch condensed) too."""
-    eng = engine(tiny, "cpu", overlap)
+def aborted_beside_others(eng) -> None:
+    """A generate-style request with logprobs (incremental=False) aborted after the streamed row beside it got 30
+    tokens, and a third that goes on: the aborted one holds one entry per token it got, equal to the entries of
+    the same request run alone; the others equal theirs alone."""
     ps = prompts(eng.config.vocab_size, [6, 21, 11], seed=12)
     kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True, logprobs=4)
     alone = [streamed(eng, p, **kw) for p in ps]
@@ -127,7 +125,17 @@ def test_aborted_row_read_at_the_end_keeps_an_entry_per_token(tiny, overlap):
     same_entries(got.logprobs, alone[0][1][:len(got.token_ids)])
     assert rest.token_ids == alone[2][0]
     same_entries(rest.logprobs, alone[2][1])
-    assert ids == alone[1][0] and eng.stats()["kv_blocks_used"] == 0
+    assert ids == alone[1][0]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_aborted_row_read_at_the_end_keeps_an_entry_per_token(tiny, overlap):
+    """A generate-style request with logprobs (incremental=False) aborted while the batch runs: its result holds
+    one entry per token it got, equal to the entries of the same request run alone, and the row beside it
+    (which goes on, its batch condensed) too."""
+    eng = engine(tiny, "cpu", overlap)
+    aborted_beside_others(eng)
+    assert eng.stats()["kv_blocks_used"] == 0
     eng.close()
 
 
@@ -529,22 +537,7 @@ def test_entries_built_ahead_of_aborted_and_preempted_rows(tiny, ahead, pattern,
     ones (the fixture), every result the same request's alone, one entry per token."""
     eng = engine(tiny, "cpu", True, block_size=4, num_kv_blocks=64, max_seq_len=200)
     counts = ahead(pattern, chunk)
-    ps = prompts(eng.config.vocab_size, [6, 21, 11], seed=12)
-    kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True, logprobs=4)
-    alone = [streamed(eng, p, **kw) for p in ps]
-    quiet = eng.submit(ps[0], incremental=False, **kw)
-    other = eng.submit(ps[2], incremental=False, **kw)
-    ids = []
-    for chunk in eng.submit(ps[1], **kw):
-        ids += chunk.token_ids
-        if len(ids) >= 30 and not quiet.done:
-            quiet.abort()
-    got, rest = quiet.result(), other.result()
-    assert got.finish_reason == "abort" and 0 < len(got.token_ids) < 80
-    assert got.token_ids == alone[0][0][:len(got.token_ids)]
-    same_entries(got.logprobs, alone[0][1][:len(got.token_ids)])
-    same_entries(rest.logprobs, alone[2][1])
-    assert rest.token_ids == alone[2][0] and ids == alone[1][0]
+    aborted_beside_others(eng)
     aborted = dict(counts)
 
     ps = prompts(eng.config.vocab_size, [30, 9, 3, 20, 14], seed=31)
