@@ -246,10 +246,10 @@ def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, d
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sample_deferred_masks_of_a_batch_that_grows_and_shrinks(tiny, device):
-    """The runner's own mask buffers copied for batches of 3, 70 (past the first device buffer's 64 rows: it is
-    replaced while earlier steps' copies may be queued; on CUDA the copies run on a stream of their own), 5 and
-    70 again: each row's one allowed token is its token, every time (a copy that overwrote a buffer still to be
-    read, or read before it landed, would give another step's or a stale row's token)."""
+    """The runner's own mask buffers (two pinned buffers, alternating) for batches of 3, 70 (past their first
+    64 rows: they grow), 5 and 70 again: each row's one allowed token is its token, every time (a copy that
+    overwrote a buffer still to be read, or read before it landed, would give another step's or a stale row's
+    token)."""
     import numpy as np
     eng = f32_engine(tiny, device, True, max_num_seqs=80)
     try:

@@ -409,17 +409,7 @@ void Runner::sample_deferred(const int32_t *mask, int64_t M, int64_t W, const st
     DeviceGuard guard(model_.device());
     const Tensor masks = upload_masks(mask, M, W, mask_rows, B);
     const Tensor ids = Tensor::empty({B}, DType::I64, model_.device());
-    const auto read = [&] { // the next copy into mask_dev_ waits for what was enqueued to read it
-        if (masks.defined() && mask_read_ && masks.data() == mask_dev_.data())
-            mask_read_->record(current_stream(model_.device()));
-    };
-    try {
-        sample(ids, last_logits_, rows, masks.defined() ? &masks : nullptr);
-    } catch (...) {
-        read();
-        throw;
-    }
-    read();
+    sample(ids, last_logits_, rows, masks.defined() ? &masks : nullptr);
     record(ids, rows);
 }
 
@@ -445,34 +435,11 @@ Tensor Runner::upload_masks(const int32_t *mask, int64_t M, int64_t W, const std
             if (!buf.host.defined() || buf.host.data() != static_cast<const void *>(mask) ||
                 model_.device().is_cpu() || buf.host.size(0) < B)
                 continue;
-            const Device dev = model_.device();
-            const Stream compute = current_stream(dev);
-            if (!mask_copied_) {
-                mask_stream_ = new_stream(dev);
-                mask_copied_ = std::make_unique<Event>(dev);
-                mask_read_ = std::make_unique<Event>(dev);
-            }
-            if (!mask_dev_.defined() || mask_dev_.size(0) < B || mask_dev_.size(1) != W) {
-                // a new buffer from the compute stream's pool, which work still queued there may use: the
-                // copy stream writes it only once that is done (rare: the batch grew)
-                mask_dev_ = Tensor();
-                mask_dev_ = Tensor::empty({std::max<int64_t>(B, 64), W}, DType::I32, dev);
-                compute.synchronize();
-            }
-            mask_read_->wait(mask_stream_); // the last sampling that read mask_dev_ is done with it
-            set_current_stream(mask_stream_);
-            try {
-                runtime::memcpy_async(mask_dev_.data(), dev, mask, Device::cpu(), size_t(B) * row_bytes);
-            } catch (...) {
-                set_current_stream(compute);
-                throw;
-            }
-            set_current_stream(compute);
-            if (!buf.copied) buf.copied = std::make_unique<Event>(dev);
-            buf.copied->record(mask_stream_); // mask_buffer() hands this pinned buffer out again after it
-            mask_copied_->record(mask_stream_);
-            mask_copied_->wait(compute);
-            return mask_dev_.slice(0, 0, B);
+            Tensor out = Tensor::empty({B, W}, DType::I32, model_.device());
+            runtime::memcpy_async(out.data(), model_.device(), mask, Device::cpu(), size_t(B) * row_bytes);
+            if (!buf.copied) buf.copied = std::make_unique<Event>(model_.device());
+            buf.copied->record(current_stream(model_.device()));
+            return out;
         }
         return staging_->upload_bytes(mask, size_t(B) * row_bytes, {B, W}, DType::I32);
     }

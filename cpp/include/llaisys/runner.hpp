@@ -8,7 +8,6 @@
 #include "llaisys/graph.hpp"
 #include "llaisys/kv_pool.hpp"
 #include "llaisys/model.hpp"
-#include "llaisys/stream.hpp"
 
 #include <cstdint>
 #include <deque>
@@ -178,12 +177,6 @@ private:
     };
     MaskBuffer mask_buffers_[2];
     int mask_next_ = 0; // the buffer mask_buffer() hands out next
-    // CUDA: a batch's masks go to mask_dev_ on a copy stream of their own, so the copy (1.2 MB at 64 rows of a
-    // 152k vocabulary, ~60 us) runs beside the forward it would otherwise queue behind; the sampling waits
-    // for mask_copied_, the next copy for mask_read_ (the last token_mask that read mask_dev_).
-    Tensor mask_dev_;
-    Stream mask_stream_;
-    std::unique_ptr<Event> mask_copied_, mask_read_;
     Tensor seen_; // i32 [S, ceil(vocab / 32)]: the sequences' seen sets (set_seen), on the model's device
 };
 
