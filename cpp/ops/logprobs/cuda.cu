@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads)
     const T *x = logits + (row_ok ? b : 0) * int64_t(V);
     const float inv_t = inv_temperature(row_ok ? temperature[b] : 1.f);
     constexpr int stride = kThreads * VEC;
-    // Calls fn(index, value) for this thread's elements in increasing index order, kUnroll packs in flight.
+    // Calls fn(first index, pack) for this thread's packs in increasing index order, kUnroll packs in flight.
     auto scan = [&](auto &&fn) {
         for (int base = int(threadIdx.x) * VEC; base < V; base += kUnroll * stride) {
             RowPack<T, VEC> raw[kUnroll];

@@ -172,8 +172,7 @@ class EngineCore:
                 raise
             if self._inflight is None and not self.settle():  # nothing was launched behind it: sampled here
                 return [], []
-            # (arrays and dicts: were it to raise, a bug or MemoryError, the step fails as for any error here)
-            self._build_ahead()
+            self._build_ahead()  # (never raises: a failure there only stops building ahead)
             tokens = self.runner.finish()
             t_tokens = time.perf_counter()
         except Exception as e:
@@ -215,9 +214,7 @@ class EngineCore:
         the CPU: the entries stay arrays there."""
         b = self.scheduler.batch
         log = None if b is None else b.lp_log
-        if log is None:
-            return
-        if self.ahead_failed:
+        if log is None or self.ahead_failed:
             return
         runner, nb, t, calls = self.runner, log.nb, time.perf_counter(), 0
         try:
