@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [opsab] [bench] [sanitize]
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [opsab] [ncu] [bench] [sanitize]
 #   (default: all but steady, structured, tp, nodes, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
@@ -249,6 +249,19 @@ if has opsab; then # bench_ops rows (OPS_FILTER) under each OPS_AB setting (spac
     log "bench_ops --benchmark_filter=${OPS_FILTER:-paged_decode} ${vars:-(default)}"
     env $vars timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter="${OPS_FILTER:-paged_decode}" \
       --benchmark_min_time=0.05 2>&1 | grep -E "^Attention|^[A-Za-z].*/" | cut -c1-150 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has ncu; then # Nsight Compute's full section set of one launch per NCU_CASES entry "bench_ops filter|kernel regex"
+  # (';'-separated), text in ncu_N.txt and its headline rows in the summary; clocks left alone (METHOD.md)
+  i=0
+  IFS=';' read -ra cases <<<"${NCU_CASES:-Sample/bf16/rows:256/V:151936/t:0.6|sample_kernel}"
+  for c in "${cases[@]}"; do
+    i=$((i + 1)); filt=${c%%|*}; kern=${c##*|}
+    log "ncu $kern in bench_ops $filt"
+    timeout ${T_NCU:-180} "${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}" --clock-control none --set full -k "regex:$kern" --launch-skip ${NCU_SKIP:-30} --launch-count 1 \
+      build/gpu/bench_ops --benchmark_filter="$filt" --benchmark_min_time=0.01 >"$OUT/ncu_$i.txt" 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Waves Per SM|Block Limit|One or More Eligible|Issued Warp|No Eligible|L2 Hit Rate|Executed Ipc A" \
+      "$OUT/ncu_$i.txt" | head -40 | tee -a "$OUT/summary.txt"
   done
 fi
 if has bench; then
