@@ -465,20 +465,25 @@ def test_sample_large_kept_sets(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("V,scale", [(V_LLM, 1.3), (V_LLM, 0.02), (4099, 2.0)])
-def test_sample_top_k_draws_what_the_masked_row_draws(device, V, scale):
+@pytest.mark.parametrize("V,scale,dtype", [(V_LLM, 1.3, "bf16"), (V_LLM, 0.02, "bf16"), (16389, 2.0, "f32"),
+                                           (4099, 2.0, "bf16"), (300, 1.0, "f16")])
+def test_sample_top_k_draws_what_the_masked_row_draws(device, V, scale, dtype):
     # top_k keeps the tokens whose logit is >= the k-th largest (ties kept) and draws among them with the
     # weights the whole row gives them. The same row with every other logit at -inf (weight 0) and top_k off
     # therefore draws the same token for the same seed: the backends find top_k's tokens from a floor (the
     # k-th largest chunk or thread maximum), the masked row goes through the plain path. scale 0.02 puts
-    # thousands of tokens within a histogram bin of the max (ties of bf16 values too).
+    # thousands of tokens within a histogram bin of the max (ties of bf16 values too); the f32 rows have runs
+    # of -inf (whole CPU chunks and CUDA threads without a number); 300 tokens leave most CUDA threads empty.
     rows = 6
-    a = (np.random.default_rng(V).standard_normal((rows, V)) * scale).astype(NP_DTYPE["bf16"])
+    a = (np.random.default_rng(V).standard_normal((rows, V)) * scale).astype(NP_DTYPE[dtype])
+    if dtype == "f32":
+        a[:, 1000:1600] = -np.inf
+        a[::2, 5000:5300] = -np.inf
     x = llaisys.tensor(a, device)
     for k, extra in [(1, {}), (5, {}), (50, {}), (20, dict(top_p=0.8)), (64, dict(top_p=0.95, min_p=0.2)),
                      (1000, {})]:
         a64 = a.astype(np.float64)
-        kth = -np.sort(-a64, axis=-1)[:, k - 1:k]
+        kth = -np.sort(-a64, axis=-1)[:, min(k, V) - 1:min(k, V)]  # k >= V keeps every token
         masked = llaisys.tensor(np.where(a64 >= kth, a64, -np.inf).astype(NP_DTYPE["f32"]), device)
         for offset in range(4):
             got = run_sample(x, device, temperature=0.7, top_k=k, seed=9, offset=offset, **extra)
