@@ -426,7 +426,9 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 // 512-2048 keys and the nano-vllm protocol +7-9%, session 33.) A stage's rows are padded by 16 bytes (no bank
 // conflicts for hd 64's fragment reads). After the loop the stages hold the warps' accumulators for
 // merge_warps.
-constexpr int kMmaWarps = 4, kMmaKeys = 16, kMmaTile = kMmaWarps * kMmaKeys, kMmaRows = 16;
+// WARPS warps a block (4, or 3 where a batch's blocks overflow one wave of 4-warp blocks but fit in one of
+// 3-warp blocks: see decode_warps); a step of a block covers WARPS * kMmaKeys keys.
+constexpr int kMmaKeys = 16, kMmaRows = 16;
 
 constexpr int kPipePad = 16; // bytes after each staged K/V row
 
@@ -434,10 +436,10 @@ template <int HD>
 __host__ __device__ constexpr int pipe_pitch() { return HD * 2 + kPipePad; }
 template <int HD>
 __host__ __device__ constexpr int pipe_stage_bytes() { return 2 * kMmaKeys * pipe_pitch<HD>(); } // K then V rows
-template <int HD, int STAGES>
+template <int HD, int STAGES, int WARPS>
 __host__ __device__ constexpr int pipe_smem_bytes() {
-    const int stages = kMmaWarps * STAGES * pipe_stage_bytes<HD>();
-    const int merge = kMmaWarps * kMmaRows * HD * 4;
+    const int stages = WARPS * STAGES * pipe_stage_bytes<HD>();
+    const int merge = WARPS * kMmaRows * HD * 4;
     return stages > merge ? stages : merge;
 }
 
@@ -452,8 +454,9 @@ __device__ __forceinline__ void stage_words(uint32_t (&w)[N], const unsigned cha
     }
 }
 
-template <typename T, int HD, bool WINDOW, int STAGES>
-__global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const PagedArgs<T> a) {
+template <typename T, int HD, bool WINDOW, int STAGES, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) paged_decode_pipe_kernel(const PagedArgs<T> a) {
+    constexpr int kMmaTile = WARPS * kMmaKeys;
     constexpr unsigned all = 0xffffffffu;
     constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
     constexpr int PITCH = pipe_pitch<HD>(), STAGE = pipe_stage_bytes<HD>();
@@ -461,7 +464,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const
     constexpr int PIECES = kMmaKeys * PPR / 32;    // pieces of K (and of V) a lane copies a step
     static_assert(PIECES * 32 == kMmaKeys * PPR && 32 % PPR == 0, "whole rows a round of lanes");
     extern __shared__ __align__(16) unsigned char smem[];
-    __shared__ float wm[kMmaWarps][kMmaRows], wl[kMmaWarps][kMmaRows];
+    __shared__ float wm[WARPS][kMmaRows], wl[WARPS][kMmaRows];
     __shared__ uint4 qfrag[KS][32];
     pdl_trigger();
     if (!a.settled) pdl_wait();
@@ -621,7 +624,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32) paged_decode_pipe_kernel(const
         l[h] += __shfl_xor_sync(all, l[h], 2);
     }
     __syncthreads(); // every warp is done with its stages: they hold the accumulators now
-    auto &wacc = *reinterpret_cast<float(*)[kMmaWarps][kMmaRows][HD]>(smem);
+    auto &wacc = *reinterpret_cast<float(*)[WARPS][kMmaRows][HD]>(smem);
     if (c == 0) wm[warp][g] = m[0], wl[warp][g] = l[0], wm[warp][g + 8] = m[1], wl[warp][g + 8] = l[1];
 #pragma unroll
     for (int d = 0; d < NT; ++d)
@@ -732,33 +735,52 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-template <typename T, int HD, bool WINDOW, int STAGES>
+template <typename T, int HD, bool WINDOW, int STAGES, int WARPS>
 void launch_decode_pipe(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES>());
-    opt_in_smem<paged_decode_pipe_kernel<T, HD, WINDOW, STAGES>>(smem, device.index);
-    launch_pdl(paged_decode_pipe_kernel<T, HD, WINDOW, STAGES>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
-               dim3(kMmaWarps * 32), smem, stream, device.index, a);
+    constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES, WARPS>());
+    opt_in_smem<paged_decode_pipe_kernel<T, HD, WINDOW, STAGES, WARPS>>(smem, device.index);
+    launch_pdl(paged_decode_pipe_kernel<T, HD, WINDOW, STAGES, WARPS>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
+               dim3(WARPS * 32), smem, stream, device.index, a);
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-// Blocks of paged_decode_pipe_kernel<.., HD, .., STAGES> an SM of `device` holds at once (its shared
+// Blocks of paged_decode_pipe_kernel<.., HD, .., STAGES, WARPS> an SM of `device` holds at once (its shared
 // memory decides), asked of the runtime once per process (every GPU of a machine is the same model).
-template <int HD, int STAGES>
+template <int HD, int STAGES, int WARPS>
 int pipe_resident(int device) {
     static const int n = [device] {
-        constexpr auto kernel = &paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES>;
-        constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES>());
+        constexpr auto kernel = &paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES, WARPS>;
+        constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES, WARPS>());
         opt_in_smem<kernel>(smem, device);
         int blocks = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kMmaWarps * 32, smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, WARPS * 32, smem));
         return std::max(1, blocks);
     }();
     return n;
 }
 
-int pipe_resident(int hd, int stages, int device) {
-    if (hd == 64) return stages == 2 ? pipe_resident<64, 2>(device) : pipe_resident<64, 3>(device);
-    return stages == 2 ? pipe_resident<128, 2>(device) : pipe_resident<128, 3>(device);
+int pipe_resident(int hd, int stages, int warps, int device) {
+    if (warps == 3) return stages == 2 ? pipe_resident<128, 2, 3>(device) : pipe_resident<128, 3, 3>(device);
+    if (hd == 64) return stages == 2 ? pipe_resident<64, 2, 4>(device) : pipe_resident<64, 3, 4>(device);
+    return stages == 2 ? pipe_resident<128, 2, 4>(device) : pipe_resident<128, 3, 4>(device);
+}
+
+// Warps a block of the tensor-core decode kernel: 4, except for head dim 128 where a batch's blocks (kv heads
+// x sequences) overflow one wave of 4-warp blocks (3 an SM of an H200) but fit in one of 3-warp blocks (4 an
+// SM: the same warps an SM): the 4-warp grid's second wave runs part-empty (256 rows of the 1.5B shape took
+// 1.52x the time of 198 rows, one full wave; session 37). LLAISYS_DECODE_WARPS=3 or 4 fixes it (read once;
+// an A/B switch for benchmarks).
+int decode_warps(int64_t blocks, int hd, int stages, int device) {
+    static const int forced = [] {
+        const char *e = std::getenv("LLAISYS_DECODE_WARPS");
+        const long v = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+        return v == 3 || v == 4 ? int(v) : 0;
+    }();
+    if (hd != 128) return 4;
+    if (forced != 0) return forced;
+    const int64_t sms = sm_count(device);
+    const bool overflow4 = blocks > int64_t(pipe_resident(hd, stages, 4, device)) * sms;
+    return overflow4 && blocks <= int64_t(pipe_resident(hd, stages, 3, device)) * sms ? 3 : 4;
 }
 
 template <typename T, int HD>
@@ -836,13 +858,14 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                             prefill_mma_enabled() && rows16(q) && aligned(k_cache, 16) && aligned(v_cache, 16) &&
                             aligned(out, 4) && (out.stride(0) * elem) % 4 == 0 && (out.stride(1) * elem) % 4 == 0 &&
                             B <= 65535;
-    const int granule = mma ? kMmaTile : decode ? kDecTile : kTile;
+    const int stages = mma ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
+    const int warps = stages > 0 ? decode_warps(B * nkvh, int(hd), stages, out.device().index) : 0;
+    const int granule = mma ? warps * kMmaKeys : decode ? kDecTile : kTile;
     const int64_t blocks = decode || mma ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
-    const int stages = mma ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
-    const int resident = stages > 0 ? pipe_resident(int(hd), stages, out.device().index) : 0;
+    const int resident = stages > 0 ? pipe_resident(int(hd), stages, warps, out.device().index) : 0;
     const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
     if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
@@ -865,10 +888,12 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                 if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
             }
             if constexpr (sizeof(D) == 2) {
-                if (stages == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2>(a, bi, out.device(), stream);
-                if (stages == 2) return launch_decode_pipe<D, 128, W, 2>(a, bi, out.device(), stream);
-                if (stages == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3>(a, bi, out.device(), stream);
-                if (stages == 3) return launch_decode_pipe<D, 128, W, 3>(a, bi, out.device(), stream);
+                if (stages == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2, 4>(a, bi, out.device(), stream);
+                if (stages == 2 && warps == 3) return launch_decode_pipe<D, 128, W, 2, 3>(a, bi, out.device(), stream);
+                if (stages == 2) return launch_decode_pipe<D, 128, W, 2, 4>(a, bi, out.device(), stream);
+                if (stages == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3, 4>(a, bi, out.device(), stream);
+                if (stages == 3 && warps == 3) return launch_decode_pipe<D, 128, W, 3, 3>(a, bi, out.device(), stream);
+                if (stages == 3) return launch_decode_pipe<D, 128, W, 3, 4>(a, bi, out.device(), stream);
             }
             if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
             if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
