@@ -158,17 +158,19 @@ int register_linear_benchmarks() {
                     ->Unit(benchmark::kMicrosecond)->UseRealTime();
         }
 #ifdef LLAISYS_WITH_CUDA
-        for (int64_t M : {1, 512, 2048}) {
+        for (int64_t M : {1, 64, 256, 512, 2048}) { // 64 and 256: decode batches (the GEMMs cuBLASLt's choice is timed for)
             const LinearCase c{M, K, N};
             benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
                 ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
-            if (N == 1536 || N == 4864)
+            if ((N == 1536 || N == 4864) && (M == 1 || M >= 512))
                 benchmark::RegisterBenchmark(linear_name("cuda", DType::F32, c).c_str(), bench_linear_cuda, c, DType::F32)
                     ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
         }
-        for (int64_t M : {1, 2, 4, 8}) { // decode without launch costs; M > 1: the GEMV's other instantiations
+        // decode without launch costs; M 2-8: the GEMV's other instantiations; 64 and 256: cuBLASLt at the batch
+        // sizes of a decode graph (what LLAISYS_GEMM_TUNE's choice is for), weights cold as in a step
+        for (int64_t M : {1, 2, 4, 8, 64, 256}) {
             const LinearCase c{M, K, N};
-            if (M == 1 || (K == 1536 && N == 8960))
+            if (M == 1 || M >= 64 || (K == 1536 && N == 8960))
                 benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph,
                                              c, DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()
                     ->Iterations(kCudaIterations);

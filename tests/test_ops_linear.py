@@ -328,6 +328,29 @@ def test_linear_cuda_matches_cpu(dtype, M, K, N, with_bias):
 
 
 @pytest.mark.cuda
+@CUBLAS
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_cuda_half_gemm_sums_in_f32_at_any_alignment(dtype, with_bias):
+    """cuBLASLt at decode-batch and prefill sizes (9..513 rows) in bf16/f16, on contiguous operands and on
+    column slices at odd element offsets (2-byte alignment): every result near float64. At the slices'
+    alignment cuBLASLt's first choice used to be a split-K whose partial sums were rounded to the output dtype
+    (0.08 off on outputs near zero); now only split-K summed in f32 is allowed."""
+    K, N = 1536, 384
+    w, w64 = rand((N, K), dtype, "cuda", seed=31, scale=0.5)
+    wide, wide64 = rand((N, K + 8), dtype, "cuda", seed=32, scale=0.5)
+    b, b64 = rand((N,), dtype, "cuda", seed=33) if with_bias else (None, None)
+    for i, M in enumerate([200, 256, 129, 130, 9, 16, 17, 512, 513, 255]):
+        x, x64 = rand((M, K), dtype, "cuda", seed=40 + i, scale=0.5)
+        out = run_linear(x, w, b, (M, N), dtype, "cuda")
+        assert_close(out, ref_linear(x64, w64, b64), dtype, **tol(dtype, K, 0.5, 0.5))
+        xw, xw64 = rand((M, K + 8), dtype, "cuda", seed=60 + i, scale=0.5)
+        x_cols, x_cols64 = xw.slice(1, 3, 3 + K), xw64[:, 3:3 + K]  # x and w at odd element offsets
+        out = run_linear(x_cols, wide.slice(1, 5, 5 + K), b, (M, N), dtype, "cuda")
+        assert_close(out, ref_linear(x_cols64, wide64[:, 5:5 + K], b64), dtype, **tol(dtype, K, 0.5, 0.5))
+
+
+@pytest.mark.cuda
 @needs_caching_allocator
 @CUBLAS
 def test_linear_cuda_lm_head_and_steady_state():

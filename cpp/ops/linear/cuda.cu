@@ -16,6 +16,7 @@
 
 #include <cublasLt.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -480,9 +481,23 @@ void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.d(), dt, uint64_t(N), uint64_t(M), N));
 }
 
+// Whether split-K partial sums may be kept in the output's dtype: LLAISYS_GEMM_EXACT_SPLITK=0 allows it (as
+// before session 38; an A/B switch only).
+bool lossy_splitk_allowed() {
+    static const bool allowed = [] {
+        const char *e = std::getenv("LLAISYS_GEMM_EXACT_SPLITK");
+        return e && std::string(e) == "0";
+    }();
+    return allowed;
+}
+
 // cuBLASLt's first choice for the described problem, told the real alignments of w, x and out
 // (its default assumes 256 bytes, and a kernel picked on that assumption faults on a column slice).
-bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3], cublasLtMatmulAlgo_t &algo) {
+// Split-K partials are summed in f32 only (`exact_reduction`, for bf16/f16 outputs): a partial rounded to bf16
+// loses ~2^-9 of its own size, which is much more than the output's rounding where partials cancel (session 38:
+// 2-byte-aligned operands at K = 1536 got such an algorithm, 0.08 off on outputs near zero).
+bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3], bool exact_reduction,
+                  cublasLtMatmulAlgo_t &algo) {
     cublasLtMatmulPreferenceOpaque_t pref_storage;
     cublasLtMatmulPreference_t pref = &pref_storage;
     CUBLASLT_CHECK(cublasLtMatmulPreferenceInit(pref));
@@ -494,6 +509,11 @@ bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3]
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; ++i) // C is D (out)
         CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &align[std::min(i, 2)], sizeof(uint32_t)));
+    if (exact_reduction && !lossy_splitk_allowed()) {
+        const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                                            sizeof(mask)));
+    }
     cublasLtMatmulHeuristicResult_t result;
     int count = 0;
     const cublasStatus_t st =
@@ -528,7 +548,8 @@ bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, 
     auto found = s.algos.find(key);
     if (found == s.algos.end()) {
         cublasLtMatmulAlgo_t chosen{};
-        const bool ok = lt_heuristic(handle, c, {uint32_t(align_w), uint32_t(align_x), uint32_t(align_o)}, chosen);
+        const bool ok = lt_heuristic(handle, c, {uint32_t(align_w), uint32_t(align_x), uint32_t(align_o)},
+                                     !std::is_same_v<T, float>, chosen);
         found = s.algos.emplace(key, std::make_pair(ok, chosen)).first;
     }
     algo = found->second.second;
