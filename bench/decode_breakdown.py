@@ -17,82 +17,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections import defaultdict
 
-def short(name: str) -> str:
-    """A kernel's name without namespaces, template arguments and parameter list; a GEMV keeps its
-    epilogue (Plain / Swiglu) so linear and linear_swiglu show apart."""
-    name = name.replace("(anonymous namespace)::", "").replace("void ", "")
-    name = name.split("(")[0]
-    depth, out, targs = 0, [], []
-    for ch in name:
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif depth == 0:
-            out.append(ch)
-        else:
-            targs.append(ch)
-    base = "".join(out).strip().split("::")[-1] or name[:60]
-    t = "".join(targs)
-    for epilogue in ("PlainEpilogue", "SwigluEpilogue"):
-        if epilogue in t:
-            base += "/" + epilogue.replace("Epilogue", "").lower()
-    if base.startswith("quant_gemv") and t.rstrip().endswith("true"):
-        base += "/swiglu"
-    return base
-
-
-def profiled(eng, prompts, new_tokens: int, **kw):
-    """(kernel name -> [launches, device µs], wall seconds, µs the GPU ran no kernel between the call's first
-    kernel and its last) of one generate call."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    import llaisys
-
-    llaisys.synchronize(eng.device)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        eng.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True, **{"temperature": 0, **kw})
-        wall = time.perf_counter() - t0
-    per = defaultdict(lambda: [0, 0.0])
-    spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
-            copy = "Memcpy" in ev.name  # listed (with --regex, --logprobs), not counted as kernel time or busy
-            k = ev.name.split(" (")[0] if copy else short(ev.name)
-            per[k][0] += 1
-            per[k][1] += ev.device_time_total
-            if not copy:
-                spans.append((ev.time_range.start, ev.time_range.end))
-    idle, reach = 0.0, None
-    for start, end in sorted(spans):  # gaps in the union of the kernels' intervals
-        if reach is not None and start > reach:
-            idle += start - reach
-        reach = end if reach is None else max(reach, end)
-    return per, wall, idle
-
+from llaisys_bench.kernel_profile import print_rows, profiled  # this folder is sys.path[0]
 
 def prefill_report(eng, args, prompts) -> int:
     """--prefill: every kernel of one generate(prompts, 1 new token) with prompts the cache has not seen."""
     per, wall, idle = profiled(eng, prompts, 1)
     tokens = sum(map(len, prompts))
-    rows = sorted(((k, n, us) for k, (n, us) in per.items()), key=lambda r: -r[2])
-    total = sum(r[2] for r in rows if not r[0].startswith("Memcpy"))
+    total = sum(us for k, (n, us) in per.items() if not k.startswith("Memcpy"))
     print(f"{args.shape}, prefill of {args.batch} prompts x {args.context} tokens: wall {wall * 1e3:.1f} ms "
           f"(profiled; {tokens / wall:,.0f} tok/s), kernel time {total / 1e3:.1f} ms, GPU idle {idle / 1e3:.1f} ms")
-    print(f"{'kernel':<44}{'launches':>9}{'ms':>10}{'share':>8}{'µs/launch':>11}")
-    for k, n, us in rows:
-        print(f"{k[:43]:<44}{n:9d}{us / 1e3:10.2f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1):11.2f}")
+    print_rows(per)
     eng.close()
     return 0
 
 
 def main() -> int:
-    from llaisys_bench.shapes import SHAPES  # this folder is sys.path[0]; llaisys_bench finds llaisys' sources
+    from llaisys_bench.shapes import SHAPES  # llaisys_bench finds llaisys' sources
     from llaisys_bench.throughput import open_engine, random_checkpoint, requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -88,12 +88,15 @@ if has serving; then # the batched engine: one request's decode, then nano-vllm'
     log "batched engine, one request, $shape (compare: llaisys bench --shape $shape in 'model')"
     [ -z "${SERVE_SINGLE-1}" ] || timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
       grep -E "^(llaisys|one)" | tee -a "$OUT/summary.txt"
-    if [ -n "${SERVE_AB:-}" ]; then # the same protocol with these variables first (e.g. LLAISYS_CHAIN_DROP=0): an A/B in one call
-      log "batched engine throughput, $shape, ${N_REQ:-256} requests, with $SERVE_AB"
-      env $SERVE_AB timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} \
-        2>&1 | tee "$OUT/throughput_${shape}_ab.log" | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" |
-        tee -a "$OUT/summary.txt"
-    fi
+    # SERVE_AB: the same protocol first under each setting (space-separated; VAR=v,VAR2=w sets two; e.g.
+    # LLAISYS_CHAIN_DROP=0): an A/B in one call against the default run below
+    for setting in ${SERVE_AB:-}; do
+      vars=$(echo "$setting" | tr ',' ' ')
+      log "batched engine throughput, $shape, ${N_REQ:-256} requests, with $vars"
+      env $vars timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} \
+        2>&1 | tee "$OUT/throughput_${shape}_ab_$(echo $setting | tr -cd 'A-Za-z0-9').log" | grep -v Warning |
+        grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+    done
     log "batched engine throughput, $shape, ${N_REQ:-256} requests ${PEERS:+(with HF generate_batch)}"
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} ${PEERS:+--peers} \
       ${SERVE_ARGS:-} 2>&1 | tee "$OUT/throughput_$shape.log" | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" |

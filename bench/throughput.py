@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run the requests again under cProfile (the step loop's thread) and print the N functions "
                          "with the most own host time per step")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="run the requests again under torch.profiler (CUDA) and print the N kernels with the most "
+                         "device time over the whole run")
     ap.add_argument("--json", metavar="FILE", help="also write the result dict as JSON to FILE")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N GPUs")
     return ap
@@ -66,7 +69,8 @@ def main(argv=None) -> int:
                       dtype=dtype, num_requests=args.num_requests, min_len=args.min_len, max_len=args.max_len,
                       temperature=args.temperature, max_num_seqs=args.max_num_seqs, solo=args.solo,
                       peers=args.peers, single=tuple(args.single) if args.single else None,
-                      tensor_parallel_size=args.tensor_parallel_size, profile=args.profile)
+                      tensor_parallel_size=args.tensor_parallel_size, profile=args.profile,
+                      kernels=args.kernels)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -190,7 +190,7 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
                max_len: int = 1024, temperature: float = 0.6, max_num_seqs: int = 256, solo: bool = False,
                peers: bool = False, single: tuple[int, int] | None = None,
                out: Callable[[str], None] = print, tensor_parallel_size: int = 1, nodes: dict | None = None,
-               profile: int = 0) -> dict:
+               profile: int = 0, kernels: int = 0) -> dict:
     """Run the protocol (or with `single`, one request's decode instead), printing each result line through
     `out`; returns the result dict (what --json writes)."""
     check(num_requests, min_len, max_len, temperature, max_num_seqs)
@@ -228,6 +228,19 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
             again = {}
             times = loop_profile.own_times(eng, lambda: again.update(run_llaisys(eng, prompts, outs, temperature)))
             loop_profile.report(f"{num_requests} requests, {again['steps']} steps", times, again["steps"], profile)
+        if kernels:  # the same requests again under torch.profiler: device time per kernel over the whole run
+            from .kernel_profile import print_rows, profiled_call
+
+            again = {}
+            per, wall, idle = profiled_call(eng.device, lambda: again.update(run_llaisys(eng, prompts, outs,
+                                                                                         temperature)))
+            busy = sum(us for k, (n, us) in per.items() if not k.startswith("Memcpy"))
+            out(f"kernels of {num_requests} requests ({again['steps']} steps, profiled): wall {wall * 1e3:.0f} ms, "
+                f"kernel time {busy / 1e3:.0f} ms, GPU idle {idle / 1e3:.0f} ms")
+            rows = []
+            print_rows(per, rows.append)
+            for line in rows[:kernels + 1]:
+                out(line)
         if solo:
             s = result["solo"] = run_solo(eng, prompts, outs)
             out(f"one at a time: {s['output_tok_s']:.1f} output tok/s ({s['seconds']:.1f} s); "
