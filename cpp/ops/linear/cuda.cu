@@ -1,7 +1,8 @@
 // CUDA linear: out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), accumulated in f32.
 //   M <= 8 (decode): gemv_kernel, which streams W once at memory bandwidth; for M = 1 and a small W the
 //   caller declared constant, gemv_preload_kernel, which loads W before the kernel ahead has finished.
-//   M > 8 (prefill): cuBLASLt with f32 compute (no TF32) and the bias fused as an epilogue; the
+//   M > 8 (prefill, decode batches): cuBLASLt with f32 compute (no TF32; for bf16/f16 outputs only split-K
+//   algorithms whose partial sums stay f32) and the bias fused as an epilogue; the
 //   GEMV also serves as the fallback if cuBLASLt offers no algorithm (and for K = 0).
 // linear_swiglu / linear_geglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for
 // M <= 8; two cuBLASLt GEMMs and the swiglu / geglu kernel for M > 8. linear_gelu: the GEMV with linear's
