@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -57,10 +58,13 @@ struct Q8Act<256> {
 // kPackRows x rows; per block the rows' codes + 128 as u8 (the unsigned operand of VPDPBUSD or maddubs)
 // and their d, side by side, so that one vector multiply gives a weight block's scales for the whole
 // tile. Rows past M are 0 (d = 0).
+// On the AVX-512 path dx holds each row pair's d again, spread as its 512-bit kernel multiplies them (row 2p's
+// in lanes 0-7, row 2p + 1's in lanes 8-15: kernels.inc, tile_u8_pairs); the other paths leave it unwritten.
 constexpr int kPackRows = 16;
-struct alignas(32) XTile32 {
+struct alignas(64) XTile32 {
     uint8_t q[kPackRows][32];
     float d[kPackRows];
+    float dx[kPackRows / 2][16];
 };
 
 // One block of a W row decoded once for every x row of a prefill call (kernels.inc: decode_u8): its codes
@@ -229,22 +233,34 @@ QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
     return quantize_x<quant::kQK_K, T>(x, M, K, 0);
 }
 
-// xq's M rows of Q8Act<32> blocks -> ceil(M / kPackRows) tiles of nb XTile32 blocks.
-const XTile32 *pack_x(const QuantizedX &xq) {
+// xq's M rows of Q8Act<32> blocks -> ceil(M / kPackRows) tiles of nb XTile32 blocks (pairs: dx too).
+const XTile32 *pack_x(const QuantizedX &xq, bool pairs) {
     const int64_t M = xq.M, nb = xq.nb, tiles = (M + kPackRows - 1) / kPackRows;
     auto *out = reinterpret_cast<XTile32 *>(x_buffer<1>(size_t(tiles * nb) * sizeof(XTile32)));
     parallel_for(tiles, kPackRows * nb * 32, [&](int64_t t) {
         for (int64_t b = 0; b < nb; ++b) {
             XTile32 &o = out[t * nb + b];
-            std::memset(&o, 0, sizeof o);
+            std::memset(&o, 0, offsetof(XTile32, dx));
             for (int r = 0; r < kPackRows && t * kPackRows + r < M; ++r) {
                 const Q8Act<32> &a = static_cast<const Q8Act<32> *>(xq.row(t * kPackRows + r))[b];
                 for (int e = 0; e < 32; ++e) o.q[r][e] = uint8_t(uint8_t(a.q[e]) ^ 0x80u); // q + 128
                 o.d[r] = a.d;
             }
+            if (pairs)
+                for (int r = 0; r < kPackRows; ++r)
+                    for (int l = 0; l < 8; ++l) o.dx[r / 2][8 * (r % 2) + l] = o.d[r];
         }
     });
     return out;
+}
+
+// Whether the current path's packed kernel reads XTile32::dx.
+bool pair_tiles() {
+#ifdef LLAISYS_QUANT_X86
+    return g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni && quant_isa::Avx512Vnni::kPairTile;
+#else
+    return false;
+#endif
 }
 
 constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
@@ -296,7 +312,7 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
     const uint8_t *w0 = w.row(0);
     const DecodeU8Fn dec = decode_u8_fn(w.format(), w.layout());
     const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
-    const XTile32 *xt = dec ? pack_x(xq) : nullptr;
+    const XTile32 *xt = dec ? pack_x(xq, pair_tiles()) : nullptr;
     const ColumnFn fn = column_fn(w.format(), w.layout());
     const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : kMaxGroup;
     parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
