@@ -75,6 +75,15 @@ struct alignas(32) WBlockU8 {
     int32_t corr[8];
 };
 
+// The K-quants' prefill x on the AVX-512 path (kernels.inc: column_kpairs): rows 2p and 2p + 1 of a call side
+// by side per 256-element block, each 32-element chunk of one row followed by the same chunk of the other (one
+// 512-bit load), their 16-sums likewise, and dx as XTile32's. A missing last row is zeros.
+struct alignas(64) XPair256 {
+    int8_t q[8][2][32];
+    int16_t sums[2][16];
+    float dx[16];
+};
+
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
 // out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
@@ -83,6 +92,8 @@ using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, cons
 using DecodeU8Fn = void (*)(const uint8_t *w_row, int64_t nb, WBlockU8 *w, float *wd);
 // col [mm] = one decoded W row . the first mm rows of one tile (xt: its nb blocks).
 using ColumnU8Fn = void (*)(const WBlockU8 *w, const float *wd, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
+// col [mm] = one W row . mm x rows from pair xp on (XPair256: ceil(mm / 2) pairs of nb blocks).
+using ColumnPairFn = void (*)(const uint8_t *w_row, const XPair256 *xp, int64_t mm, int64_t nb, float *col);
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -163,6 +174,15 @@ DecodeU8Fn decode_u8_fn(QuantFormat format, QuantLayout layout) {
 #endif
     default: return nullptr;
     }
+}
+
+// The K-quants' pair kernel of this format on the current path, or nullptr (then column_fn's).
+ColumnPairFn column_pairs_fn(QuantFormat format) {
+#ifdef LLAISYS_QUANT_X86
+    if (g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni) return vnni::column_pairs_fn(format);
+#endif
+    (void)format;
+    return nullptr;
 }
 
 ColumnU8Fn column_u8_fn() {
@@ -263,6 +283,30 @@ bool pair_tiles() {
 #endif
 }
 
+// xq's M rows of Q8Act<256> blocks -> ceil(M / 2) pairs of nb XPair256 blocks.
+const XPair256 *pack_x_pairs(const QuantizedX &xq) {
+    const int64_t M = xq.M, nb = xq.nb, pairs = (M + 1) / 2;
+    auto *out = reinterpret_cast<XPair256 *>(x_buffer<1>(size_t(pairs * nb) * sizeof(XPair256)));
+    parallel_for(pairs, 2 * nb * 256, [&](int64_t p) {
+        for (int64_t b = 0; b < nb; ++b) {
+            XPair256 &o = out[p * nb + b];
+            for (int r = 0; r < 2; ++r) {
+                if (2 * p + r >= M) {
+                    for (int c = 0; c < 8; ++c) std::memset(o.q[c][r], 0, 32);
+                    std::memset(o.sums[r], 0, sizeof o.sums[r]);
+                    for (int l = 0; l < 8; ++l) o.dx[8 * r + l] = 0.f;
+                    continue;
+                }
+                const Q8Act<256> &a = static_cast<const Q8Act<256> *>(xq.row(2 * p + r))[b];
+                for (int c = 0; c < 8; ++c) std::memcpy(o.q[c][r], a.q + 32 * c, 32);
+                std::memcpy(o.sums[r], a.sums, sizeof a.sums);
+                for (int l = 0; l < 8; ++l) o.dx[8 * r + l] = a.d;
+            }
+        }
+    });
+    return out;
+}
+
 constexpr int64_t kChunk = 64; // x rows per call (prefill), W rows per call (decode): a stack buffer
 static_assert(kPackRows <= kChunk, "a packed tile's column fits the buffer");
 
@@ -313,8 +357,14 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
     const DecodeU8Fn dec = decode_u8_fn(w.format(), w.layout());
     const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
     const XTile32 *xt = dec ? pack_x(xq, pair_tiles()) : nullptr;
+    const ColumnPairFn fp = dec ? nullptr : column_pairs_fn(w.format());
+    const XPair256 *xp = fp ? pack_x_pairs(xq) : nullptr;
     const ColumnFn fn = column_fn(w.format(), w.layout());
-    const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : kMaxGroup;
+    // x rows a pass: a packed tile; on the K-quants' pair path one 8-row tile (4 pairs), whose blocks (K = 2048:
+    // 20 KB) stay in L1 beside the group's 16 W rows (18 KB of Q4_K) while every row of the group reads them; a
+    // 64-row chunk (80 KB) was read from L2 by each W row (Q4_K 640 x 2048 at M = 32: 1.16x the 8-row ymm
+    // tiles' speed, then 1.5x).
+    const int64_t rows = dec ? kPackRows : fp ? 8 : kChunk, group = dec ? 8 : kMaxGroup;
     parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
         WBlockU8 *wb = nullptr; // [group][nb] decoded blocks, then wd [group][nb] scales
         float *wd = nullptr;
@@ -332,6 +382,7 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
                 for (int64_t n = g; n < g_end; ++n) {
                     float *col = cols[n - g];
                     if (dec) fn_u8(wb + (n - g) * nb, wd + (n - g) * nb, xt + m0 / kPackRows * nb, mm, nb, col);
+                    else if (fp) fp(w0 + n * rb, xp + m0 / 2 * nb, mm, nb, col);
                     else fn(w0 + n * rb, xq.row(m0), mm, nb, col);
                 }
                 for (int64_t i = 0; i < mm; ++i)

@@ -357,6 +357,15 @@ struct Avx512Vnni : Avx2 {
     LLAISYS_TARGET_VNNI static ZF add_zf(ZF a, ZF b) { return _mm512_add_ps(a, b); }
     LLAISYS_TARGET_VNNI static Z dot_ux_z(Z acc, Z xu, Z ws) { return _mm512_dpbusd_epi32(acc, xu, ws); }
     LLAISYS_TARGET_VNNI static ZF fmadd_z(ZF acc, Z v, ZF s) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, acc); }
+    LLAISYS_TARGET_VNNI static Z dup(B v) { return _mm512_broadcast_i64x4(v); } // v in both halves
+    LLAISYS_TARGET_VNNI static Z set1_wz(int v) { return _mm512_set1_epi16(short(v)); }
+    LLAISYS_TARGET_VNNI static Z zero_z() { return _mm512_setzero_si512(); }
+    LLAISYS_TARGET_VNNI static Z dot_scaled_z(Z acc, Z w, Z x, Z sc) {
+        return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(w, x), sc);
+    }
+    LLAISYS_TARGET_VNNI static Z madd_z(Z a, Z b) { return _mm512_madd_epi16(a, b); }
+    LLAISYS_TARGET_VNNI static Z sub_shl_z(Z a, Z b, int n) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, n)); }
+    LLAISYS_TARGET_VNNI static ZF fnmadd_z(ZF acc, Z v, ZF s) { return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(v), s, acc); }
     LLAISYS_TARGET_VNNI static F lo(ZF a) { return _mm512_castps512_ps256(a); }
     LLAISYS_TARGET_VNNI static F hi(ZF a) {
         return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
