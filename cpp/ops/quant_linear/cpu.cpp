@@ -374,18 +374,19 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
         }
         for (int64_t g = begin; g < end; g += group) {
             const int64_t g_end = std::min(end, g + group);
-            // The next group's weight rows, asked into L2 while this group computes: decode_u8's first load of
-            // each block waited on DRAM for two thirds of its samples (the weights stream once per 32-row chunk).
-            // Gemma-3-270M prefill, AVX-512, 5 interleaved rounds: 1.02-1.08x (session 30 on AVX2: 1.007).
-            if (dec || fp)
-                for (const uint8_t *p = w0 + g_end * rb, *p1 = w0 + std::min(end, g_end + group) * rb; p < p1; p += 64)
-                    __builtin_prefetch(p, 0, 2);
             for (int64_t n = g; dec && n < g_end; ++n) dec(w0 + n * rb, nb, wb + (n - g) * nb, wd + (n - g) * nb);
             for (int64_t m0 = 0; m0 < M; m0 += rows) {
                 const int64_t mm = std::min(rows, M - m0);
                 float cols[kMaxGroup][kChunk]; // [W row][x row]: written out by x row, so that the stores of
                                                // a column (N floats apart) do not all land in one L1 set
                 for (int64_t n = g; n < g_end; ++n) {
+                    // The next group's weight rows, asked into L2 while this group computes, a row before each
+                    // call of the first x chunk: decode_u8's first load of each block waited on DRAM for two
+                    // thirds of its samples (the weights stream once per 32-row chunk). Gemma-3-270M prefill, AVX-512,
+                    // 5 interleaved rounds: 1.08x against none, 1.04-1.09x against the whole group at once
+                    // before its decode (whose burst of prefetches stalled on the fill buffers).
+                    if (m0 == 0 && (dec || fp) && n + group < end)
+                        for (int64_t off = 0; off < rb; off += 64) __builtin_prefetch(w0 + (n + group) * rb + off, 0, 2);
                     float *col = cols[n - g];
                     if (dec) fn_u8(wb + (n - g) * nb, wd + (n - g) * nb, xt + m0 / kPackRows * nb, mm, nb, col);
                     else if (fp) fp(w0 + n * rb, xp + m0 / 2 * nb, mm, nb, col);
