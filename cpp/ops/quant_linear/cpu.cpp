@@ -7,8 +7,9 @@
 // Decode (M = 1) reads each weight byte once, so it is bound by memory bandwidth: the quantized rows
 // are 3.5-7 times fewer bytes than bf16 ones. Prefill (M > 1) is bound by the arithmetic per block: on
 // VNNI the 32-element formats, on AVX2 Q4_0 and Q5_0, get their own kernel over x packed in 16-row tiles
-// (kernels.inc: column_u8), with the decode kernel's integers and float operations, so a row's bits never
-// depend on M.
+// (kernels.inc: column_u8; on AVX-512 two x rows a 512-bit vector, tile_u8_pairs), and on AVX-512 the K-quants
+// take x packed in row pairs (XPair256, kernels.inc: column_kpairs), all with the decode kernel's integers and
+// float operations lane by lane, so a row's bits never depend on M.
 //
 // This file is compiled with -ffp-contract=off (CMakeLists.txt), so a*b+c is never fused behind our
 // back: the three paths round the same float operations and return the same bits.
