@@ -36,8 +36,10 @@ nb::ndarray<nb::numpy, T> owned_array(const std::vector<T> &v, std::initializer_
 }
 
 HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const Array<int64_t> &slots,
-                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len, const Tables &tables) {
+                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len, const Tables &tables,
+                     bool logits = true) {
     HostBatch b;
+    b.logits = logits;
     b.ids = to_vector(ids);
     b.pos = to_vector(pos);
     b.slots = to_vector(slots);
@@ -171,8 +173,8 @@ void bind_steps(nb::class_<R> &c) {
                         Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                         Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                         std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
-                        std::optional<Tables> token_mask, std::vector<int64_t> mask_rows) {
-            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+                        std::optional<Tables> token_mask, std::vector<int64_t> mask_rows, bool logits) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables, logits);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
                                                          seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
@@ -182,17 +184,18 @@ void bind_steps(nb::class_<R> &c) {
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("token_mask").none() = nb::none(),
-             nb::arg("mask_rows") = std::vector<int64_t>(),
+             nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("logits") = true,
              "Runs one step and returns one sampled token id per sequence. token_mask [M, ceil(vocab / 32)] (i32): "
-             "the allowed-token bitmasks of rows mask_rows (structured output).")
+             "the allowed-token bitmasks of rows mask_rows (structured output). logits False: no row samples a "
+             "token this step (prompt chunks before their prompt's last): no LM head, every row gets token 0.")
         .def("launch", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                           Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                           Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                           std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
                           bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
-                          bool defer_sampling, std::vector<int64_t> chain_rows) {
-            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+                          bool defer_sampling, std::vector<int64_t> chain_rows, bool logits) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables, logits);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
                                                          seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
@@ -208,10 +211,10 @@ void bind_steps(nb::class_<R> &c) {
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"), nb::arg("token_mask").none() = nb::none(),
              nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("defer_sampling") = false,
-             nb::arg("chain_rows") = std::vector<int64_t>(),
+             nb::arg("chain_rows") = std::vector<int64_t>(), nb::arg("logits") = true,
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
              "previous launch's tokens, on the device (chain_rows: of those rows, increasing). defer_sampling (a Runner only): the forward alone; "
-             "sample_deferred() samples it.")
+             "sample_deferred() samples it. logits: as step()'s.")
         .def("finish", [](R &r) {
             nb::gil_scoped_release release;
             return r.finish();

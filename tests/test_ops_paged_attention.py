@@ -538,3 +538,17 @@ def test_cuda_device_mismatch_and_head_dim_limit():
         kc = poisoned((6, 4, 2, hd), dtype, "cuda")
         with pytest.raises(ValueError, match=f"paged_attention: head dim {hd} in {dtype} is not supported on CUDA"):
             call([poisoned((3, 4, hd), dtype, "cuda"), q, kc, kc, *args[4:]])
+
+
+@pytest.mark.parametrize("heads", [(8, 1, 40), (8, 2, 256), (7, 1, 19)], ids=["g8-hd40", "g4-hd256", "g7-hd19"])
+def test_cpu_query_heads_folded_together_same_bits_as_alone(heads):
+    """The CPU folds 4 heads of one query together (each K/V line loaded once for them, GQA): every row's
+    bits are those of the head alone, i.e. of the same caches repeated for each head (group 1)."""
+    nh, nkvh, hd = heads
+    batch = Batch([37, 64, 1], [300, 64, 250], 16, heads, "f32", "cpu", seed=nh + hd)
+    grouped = batch.run(hd ** -0.5).numpy()
+    kc, vc = (np.repeat(a.astype(np.float32), nh // nkvh, axis=2) for a in (batch.ref_k, batch.ref_v))
+    alone = poisoned(batch.shape, "f32", "cpu")
+    llaisys.ops.paged_attention(alone, batch.q, llaisys.tensor(kc), llaisys.tensor(vc), *batch.meta, hd ** -0.5,
+                                batch.max_q_len)
+    np.testing.assert_array_equal(bits(llaisys.tensor(grouped)), bits(alone))

@@ -5,6 +5,7 @@ a sequence generates. The engine's defaults per device, and the same texts on a 
 import random
 from collections import deque
 
+import numpy as np
 import pytest
 
 from llaisys.engine.block_manager import BlockManager
@@ -281,3 +282,49 @@ def test_hol_latency_runs_before_and_after_on_a_tiny_model(tmp_path, capsys):
     assert (after["tokens_per_step"], after["chunk"]) == (256, 32)
     for p in (before, after):
         assert p["short_ttft_s"]["n"] == 2 and p["short_itl_s"]["n"] == 2 * 3 and p["long_ttft_s"] > 0
+
+
+class _RunnerSpy:
+    """The C++ runner, recording each step()/launch()'s logits flag (their last positional argument) and ids."""
+
+    def __init__(self, runner):
+        self._r, self.flags, self.ids = runner, [], []
+
+    def step(self, *args):
+        self.flags.append(args[-1])
+        ids = self._r.step(*args)
+        self.ids.append(list(ids))
+        return ids
+
+    def launch(self, *args):
+        self.flags.append(args[-1])
+        return self._r.launch(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._r, name)
+
+
+def test_prompt_chunks_before_the_last_skip_the_lm_head(tmp_path):
+    """A prompt alone in its steps: each chunk but its last runs without the LM head (HostBatch::logits False,
+    token 0 a row), and the tokens are those of the whole prompt in one step."""
+    pytest.importorskip("torch")
+    from llaisys.engine.engine import Engine
+    from tiny_model import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path / "m", seed=5, max_position_embeddings=512)
+    prompt = [random.Random(1).randrange(200) for _ in range(100)]
+    out = {}
+    for chunk in (16, 4096):
+        with Engine(path, device="cpu", dtype="f32", progress=False, max_seq_len=512, num_kv_blocks=64,
+                    max_num_batched_tokens=4096, max_prefill_chunk=chunk) as eng:
+            spy = _RunnerSpy(eng._core.runner.runner)
+            eng._core.runner.runner = spy
+            r = eng.generate(prompt, max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+            out[chunk] = (r.token_ids, [e["logprob"] for e in r.logprobs], spy.flags, spy.ids)
+    tokens, lps, flags, ids = out[16]
+    assert flags[:7] == [False] * 6 + [True]  # 100 tokens: 6 chunks of 16, then the last 4 with the logits
+    assert all(flags[7:])
+    assert ids[:6] == [[0]] * 6
+    assert out[4096][2][0] is True
+    assert tokens == out[4096][0]
+    np.testing.assert_allclose(lps, out[4096][1], rtol=1e-5, atol=1e-6)

@@ -369,6 +369,15 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
                       last_launched_.numel(), ", got ", chain_rows[i], " at ", i);
     const int64_t size = begin(b, false);
     DeviceGuard guard(model_.device());
+    if (!b.logits && size == 0 && !defer_sampling) { // prompt chunks only: no LM head, no sampling
+        StepBatch s = upload(b);
+        if (chain) chain_ids(s.ids, last_launched_, chain_rows);
+        s.last = Tensor();
+        model_.forward_step(s, pool_.view());
+        last_logits_ = Tensor();
+        record(Tensor::zeros({B}, DType::I64, model_.device()), rows);
+        return;
+    }
     if (size > 0 && !defer_sampling && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
         const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr, chain_rows);
         last_logits_ = g.logits.slice(0, 0, B);

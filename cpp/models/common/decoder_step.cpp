@@ -231,6 +231,7 @@ Tensor Decoder::forward_step(const StepBatch &b, const KVView &kv, bool all_logi
     if (config_.scale_embeddings) ops::scale(h, h, embed_scale_);
     if (config_.parallel_residual) forward_parallel(h, x, b, kv);
     else forward_serial(h, x, b, kv);
+    if (!all_logits && !b.last.defined()) return Tensor(); // no row wants its logits (HostBatch::logits)
     return logits(x, b, all_logits);
 }
 

@@ -104,6 +104,15 @@ void tile_scores(const float *q, const float *kT, int64_t n, int64_t hd, float *
         for (int64_t d = 0; d < hd; ++d) s = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), _mm256_loadu_ps(kT + d * kKeyTile + c0), s);
         _mm256_storeu_ps(scores + c0, s);
     }
+    if (c0 < n) { // the last 1-7 keys in 8 lanes (each lane's sum is the scalar loop's): the lanes past n read
+        __m256 s = _mm256_setzero_ps(); // what follows them in the scratch (kT's next line, or vt: never past
+        for (int64_t d = 0; d < hd; ++d)  // attend_item's buffer) and are dropped
+            s = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), _mm256_loadu_ps(kT + d * kKeyTile + c0), s);
+        alignas(32) float t[8];
+        _mm256_store_ps(t, s);
+        for (int64_t c = c0; c < n; ++c) scores[c] = t[c - c0];
+        c0 = n;
+    }
 #endif
     for (; c0 < n; ++c0) {
         float s = 0.f;
@@ -112,9 +121,8 @@ void tile_scores(const float *q, const float *kT, int64_t n, int64_t hd, float *
     }
 }
 
-// acc[d] += p[c] * v[c][d] for c < n, each over c in key order (v[c]: key c's row [hd]).
-void tile_values(float *acc, const float *p, const float *const *v, int64_t n, int64_t hd) {
-    int64_t d0 = 0;
+// acc[d] += p[c] * v[c][d] for c < n, each over c in key order (v[c]: key c's row [hd]), d from d0 on.
+void tile_values(float *acc, const float *p, const float *const *v, int64_t n, int64_t hd, int64_t d0 = 0) {
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d0 + 16 <= hd; d0 += 16) {
         __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
@@ -139,11 +147,60 @@ void tile_values(float *acc, const float *p, const float *const *v, int64_t n, i
     }
 }
 
-// Folds the first n keys of a gathered tile into a row's state. q [hd] is pre-scaled, kT [hd, kKeyTile]
-// (transposed: one vectorised loop accumulates the scores of many keys), v [n] the keys' value rows [hd].
-void fold_tile(RowState &st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
-               float *scores) {
-    tile_scores(q, kT, n, hd, scores);
+// The scores and values of kRows rows that see the same keys of a tile (the heads of one query, GQA): each
+// key row, value row and kT line loaded once for all of them, each row's sums in the order and with the
+// operations of tile_scores / tile_values (its bits). Single-row loops finish what the 16-wide ones leave.
+constexpr int kRows = 4;
+void tile_scores_rows(const float *const (&q)[kRows], const float *kT, int64_t n, int64_t hd, float *const (&scores)[kRows]) {
+    int64_t c0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; c0 + 16 <= n; c0 += 16) {
+        __m256 s[kRows][2];
+        for (auto &r : s) r[0] = r[1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < hd; ++d) {
+            const float *kd = kT + d * kKeyTile + c0;
+            const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+            for (int r = 0; r < kRows; ++r) {
+                const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+                s[r][0] = _mm256_fmadd_ps(qd, k0, s[r][0]);
+                s[r][1] = _mm256_fmadd_ps(qd, k1, s[r][1]);
+            }
+        }
+        for (int r = 0; r < kRows; ++r) {
+            _mm256_storeu_ps(scores[r] + c0, s[r][0]);
+            _mm256_storeu_ps(scores[r] + c0 + 8, s[r][1]);
+        }
+    }
+#endif
+    if (c0 < n)
+        for (int r = 0; r < kRows; ++r) tile_scores(q[r], kT + c0, n - c0, hd, scores[r] + c0);
+}
+
+void tile_values_rows(float *const (&acc)[kRows], const float *const (&p)[kRows], const float *const *v, int64_t n,
+                      int64_t hd) {
+    int64_t d0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d0 + 16 <= hd; d0 += 16) {
+        __m256 a[kRows][2];
+        for (int r = 0; r < kRows; ++r) a[r][0] = _mm256_loadu_ps(acc[r] + d0), a[r][1] = _mm256_loadu_ps(acc[r] + d0 + 8);
+        for (int64_t c = 0; c < n; ++c) {
+            const __m256 v0 = _mm256_loadu_ps(v[c] + d0), v1 = _mm256_loadu_ps(v[c] + d0 + 8);
+            for (int r = 0; r < kRows; ++r) {
+                const __m256 pc = _mm256_broadcast_ss(p[r] + c);
+                a[r][0] = _mm256_fmadd_ps(pc, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(pc, v1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(acc[r] + d0, a[r][0]), _mm256_storeu_ps(acc[r] + d0 + 8, a[r][1]);
+    }
+#endif
+    if (d0 < hd)
+        for (int r = 0; r < kRows; ++r) tile_values(acc[r], p[r], v, n, hd, d0);
+}
+
+// A row's online-softmax update from its tile scores: the new max, the old state rescaled, the scores turned
+// into weights (in place) and summed in key order.
+void fold_scores(RowState &st, float *scores, int64_t n, int64_t hd) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < n; ++c) mx = std::max(mx, scores[c]); // skips a NaN score; the sum keeps it
     const float m_new = std::max(st.m, mx);
@@ -155,8 +212,28 @@ void fold_tile(RowState &st, const float *q, const float *kT, const float *const
     // in key order as before
     for (int64_t c = 0; c < n; ++c) scores[c] = exp_nonpositive(scores[c] - m_ref);
     for (int64_t c = 0; c < n; ++c) st.l += scores[c];
-    tile_values(st.acc, scores, v, n, hd);
     st.m = m_new;
+}
+
+// fold_tile for kRows rows st[0..kRows) (q rows hd apart) that see the same n keys; scores [kRows][kKeyTile].
+void fold_tile_rows(RowState *st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
+                    float *scores) {
+    const float *const qs[kRows] = {q, q + hd, q + 2 * hd, q + 3 * hd};
+    float *const sc[kRows] = {scores, scores + kKeyTile, scores + 2 * kKeyTile, scores + 3 * kKeyTile};
+    tile_scores_rows(qs, kT, n, hd, sc);
+    for (int r = 0; r < kRows; ++r) fold_scores(st[r], sc[r], n, hd);
+    float *const acc[kRows] = {st[0].acc, st[1].acc, st[2].acc, st[3].acc};
+    const float *const p[kRows] = {sc[0], sc[1], sc[2], sc[3]};
+    tile_values_rows(acc, p, v, n, hd);
+}
+
+// Folds the first n keys of a gathered tile into a row's state. q [hd] is pre-scaled, kT [hd, kKeyTile]
+// (transposed: one vectorised loop accumulates the scores of many keys), v [n] the keys' value rows [hd].
+void fold_tile(RowState &st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
+               float *scores) {
+    tile_scores(q, kT, n, hd, scores);
+    fold_scores(st, scores, n, hd);
+    tile_values(st.acc, scores, v, n, hd);
 }
 
 // A work item: queries [i0, i1) of sequence b with the heads of kv head kvh.
@@ -239,7 +316,7 @@ void attend_item(const Paged<T> &p, const Item &it) {
     // first key query i sees
     const auto first_key = [&](int64_t i) { return p.window > 0 ? std::max<int64_t>(0, i + off - p.window + 1) : 0; };
     static thread_local Scratch scratch;
-    const size_t need = size_t(2 * rows * hd + 2 * kKeyTile * hd + kKeyTile);
+    const size_t need = size_t(2 * rows * hd + 2 * kKeyTile * hd + kRows * kKeyTile);
     if (scratch.buf.size() < need) scratch.buf.resize(need);
     if (scratch.st.size() < size_t(rows)) scratch.st.resize(size_t(rows));
     float *qs = scratch.buf.data(), *acc = qs + rows * hd, *kT = acc + rows * hd, *vt = kT + kKeyTile * hd,
@@ -255,10 +332,15 @@ void attend_item(const Paged<T> &p, const Item &it) {
     for (int64_t j0 = first_key(it.i0); j0 < kv_end; j0 += kKeyTile) {
         const int64_t n = std::min(kKeyTile, kv_end - j0);
         gather_tile(p, it, j0, n, kT, vt, scratch.vrows);
-        for (int64_t r = 0; r < rows; ++r) { // the row sees the tile's keys [c0, visible)
+        for (int64_t r = 0; r < rows;) { // the row sees the tile's keys [c0, visible); the heads of one query alike
             const int64_t i = it.i0 + r / group, visible = std::min(n, i + off + 1 - j0);
             const int64_t c0 = std::max<int64_t>(0, first_key(i) - j0);
-            if (visible > c0) fold_tile(st[r], qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
+            const int64_t take = r % group + kRows <= group ? kRows : 1;
+            if (visible > c0 && take == kRows)
+                fold_tile_rows(st + r, qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
+            else if (visible > c0)
+                fold_tile(st[r], qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
+            r += take;
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

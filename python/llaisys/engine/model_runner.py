@@ -81,7 +81,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         arrays, sampling = self._inputs(step, 0)
         self.prepare_s += time.perf_counter() - t0
-        return self.runner.step(*arrays, *sampling, *self._masks(step))
+        return self.runner.step(*arrays, *sampling, *self._masks(step), self._wants_logits(step))
+
+    @staticmethod
+    def _wants_logits(step: Step) -> bool:
+        """Whether any row samples a token this step; False when every row is a prompt chunk before its prompt's
+        last (a long prompt alone in its steps): the runner then skips the LM head (HostBatch::logits)."""
+        if step.batch is not None:
+            return True
+        return any(s.num_computed + n >= len(s) for s, n in zip(step.seqs, step.num_tokens))
 
     def _inputs(self, step: Step, ahead: int):
         b = step.batch
@@ -106,7 +114,7 @@ class ModelRunner:
         masks = (None, []) if chain else self._masks(step)
         if before is not None:
             before()
-        self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows or [])
+        self.runner.launch(*arrays, *sampling, chain, *masks, defer, step.chain_rows or [], self._wants_logits(step))
         self.deferred = step if defer else None
         b = step.batch
         if b is not None and not defer and self.device_logprobs:
