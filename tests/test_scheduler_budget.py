@@ -46,7 +46,8 @@ def check_step(sched, step):
     assert sum(step.num_tokens) <= sched.max_tokens
     for s, n in zip(step.seqs, step.num_tokens):
         assert 1 <= n <= s.remaining and s.status is Status.RUNNING
-        if sched.max_chunk is not None:
+        alone = len(step.seqs) == 1 and len(sched.running) + len(sched.waiting) == 1  # the whole budget, then
+        if sched.max_chunk is not None and not alone:
             assert n <= sched.max_chunk
 
 
@@ -117,12 +118,35 @@ def test_a_long_prompt_passed_over_is_admitted_after_short_ones():
     assert step.seqs == [running, short, waiting_long] and step.num_tokens == [8, 3, 8]
 
 
+def test_a_prompt_alone_takes_the_whole_budget_and_the_cap_returns_with_company():
+    sched = Scheduler(BlockManager(num_blocks=400, block_size=4), max_num_seqs=16, max_num_batched_tokens=32,
+                      max_prefill_chunk=8)
+    long = seq(range(100, 200), max_new=3)  # 100 tokens
+    sched.add(long)
+    step = sched.schedule()
+    assert step.seqs == [long] and step.num_tokens == [32]  # alone: the budget, not the cap
+    run_step(sched, step)
+    short = seq([1, 2, 3], max_new=5)
+    sched.add(short)  # waiting: the long prompt has company again
+    step = sched.schedule()
+    assert step.seqs == [long, short] and step.num_tokens == [8, 3]
+    run_step(sched, step)
+    step = sched.schedule()  # short decodes beside the long prompt's chunks of the cap
+    assert step.seqs == [short, long] and step.num_tokens == [1, 8]
+    while short.status is Status.RUNNING:
+        run_step(sched, sched.schedule())
+    step = sched.schedule()  # alone again
+    assert step.seqs == [long] and step.num_tokens == [min(32, long.remaining)]
+    assert long.remaining > 8
+
+
 def test_a_new_request_that_does_not_fit_stops_admission():
     bm = BlockManager(num_blocks=12, block_size=4)  # 44 tokens
     sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=64, max_prefill_chunk=8)
-    big = seq(range(40), max_new=1)
+    big = seq(range(39), max_new=5)  # alone: its whole prompt in one step (10 blocks), then it decodes in block 10
     sched.add(big)
     run_step(sched, sched.schedule())
+    assert big.num_computed == 39
     blocked, short = seq(range(100, 108), max_new=1), seq([1, 2], max_new=1)  # 2 blocks, 1 free
     sched.add(blocked)
     sched.add(short)
@@ -314,9 +338,9 @@ def test_prompt_chunks_before_the_last_skip_the_lm_head(tmp_path):
     path = make_tiny_qwen2(tmp_path / "m", seed=5, max_position_embeddings=512)
     prompt = [random.Random(1).randrange(200) for _ in range(100)]
     out = {}
-    for chunk in (16, 4096):
+    for chunk in (16, 4096):  # (a prompt alone takes the whole budget a step: the budget makes the chunks)
         with Engine(path, device="cpu", dtype="f32", progress=False, max_seq_len=512, num_kv_blocks=64,
-                    max_num_batched_tokens=4096, max_prefill_chunk=chunk) as eng:
+                    max_num_seqs=4, max_num_batched_tokens=chunk, max_prefill_chunk=chunk) as eng:
             spy = _RunnerSpy(eng._core.runner.runner)
             eng._core.runner.runner = spy
             r = eng.generate(prompt, max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=2)

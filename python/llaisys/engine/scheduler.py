@@ -2,7 +2,8 @@
 
 A step has at most max_num_seqs sequences and max_num_batched_tokens tokens, and no sequence computes more
 than max_prefill_chunk prompt tokens in it: a step's time is bounded, and a long prompt cannot hold up the
-others, it is computed in chunks beside them. A step takes, in this order:
+others, it is computed in chunks beside them (a prompt alone, with nothing else running or waiting, takes
+the whole token budget a step). A step takes, in this order:
 
 1. the running decodes (one token each): a stream never waits for a prompt;
 2. one chunk of the oldest long prefill (more than max_prefill_chunk tokens to go), running or new: the
@@ -141,7 +142,12 @@ class Scheduler:
             return fast
         self.batch = None
         step, budget = Step(), self.max_tokens
-        cap = self.max_tokens if self.max_chunk is None else self.max_chunk
+        # A prompt alone (nothing else running or waiting) protects no one by its chunks: it takes the whole
+        # budget a step (CPU, 2-core AVX-512, a 512-token prompt alone: chunks of 32 -> 256, Gemma-3-270M 1,051
+        # -> 1,319 tok/s, Qwen2.5-Coder-0.5B 433 -> 507; each chunk streams every weight again). A request that
+        # arrives meanwhile waits at most one step of the budget, as beside any full step.
+        alone = len(self.running) + len(self.waiting) == 1
+        cap = self.max_tokens if self.max_chunk is None or alone else self.max_chunk
 
         def room() -> bool:
             return budget > 0 and len(step.seqs) < self.max_num_seqs
