@@ -375,7 +375,9 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
         s.last = Tensor();
         model_.forward_step(s, pool_.view());
         last_logits_ = Tensor();
-        record(Tensor::zeros({B}, DType::I64, model_.device()), rows);
+        if (!no_tokens_.defined() || no_tokens_.numel() < B) // made once (zeros on CUDA wait for the device), then
+            no_tokens_ = Tensor::zeros({std::max<int64_t>(2 * B, 64)}, DType::I64, model_.device()); // only read
+        record(no_tokens_.slice(0, 0, B), rows);
         return;
     }
     if (size > 0 && !defer_sampling && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back

@@ -173,6 +173,7 @@ private:
     std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
     FinishedLogprobs finished_lp_;
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
+    Tensor no_tokens_;     // zeros (i64, grown by doubling): the tokens of a step without the LM head
     std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
     std::vector<int32_t> masks_host_; // sample_deferred's [B, W] masks when only some rows are masked (reused)
     struct MaskBuffer {

@@ -346,8 +346,9 @@ void run_rows(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o) {
 }
 
 // Prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in groups,
-// each group through one x chunk before the next, so that the chunk (a packed tile of K = 896: 16 KiB) and
-// the group's weight rows stay in L1 while every row of the group reads them. On the packed path a group's
+// each group through one x chunk before the next, so that the chunk (a packed tile of K = 896: 16 KiB of codes
+// and scales, 30 KiB on the AVX-512 path with XTile32::dx) and the group's weight rows stay in L1 (or close to it:
+// 30 + 15 KiB on a 48 KiB L1d) while every row of the group reads them. On the packed path a group's
 // rows are decoded once, for all the tiles (68 bytes a block: 8 rows of K = 896 are 15 KiB; a group of 16
 // would not leave the tile its L1).
 template <typename T>
