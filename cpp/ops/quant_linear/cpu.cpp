@@ -96,6 +96,16 @@ using ColumnU8Fn = void (*)(const WBlockU8 *w, const float *wd, const XTile32 *x
 // col [mm] = one W row . mm x rows from pair xp on (XPair256: ceil(mm / 2) pairs of nb blocks).
 using ColumnPairFn = void (*)(const uint8_t *w_row, const XPair256 *xp, int64_t mm, int64_t nb, float *col);
 
+// A prefill's kernels, all of one path (kernels.inc: prefill_fns): the x packing they read (XTile32::dx for
+// the pair tile, XPair256) must be the path's whose kernel reads it, whatever set_cpu_path does meanwhile.
+struct PrefillFns {
+    DecodeU8Fn dec = nullptr;       // the packed-x kernel's row decoder (32-element formats), or nullptr
+    ColumnU8Fn u8 = nullptr;        // that kernel (where dec)
+    bool pair_tiles = false;        // whether u8 reads XTile32::dx (AVX-512)
+    ColumnPairFn kpairs = nullptr;  // the K-quants' pair kernel (AVX-512), or nullptr
+    ColumnFn column = nullptr;      // the unpacked kernel (neither of the above)
+};
+
 namespace portable {
 using S = quant_isa::Portable;
 #include "ops/quant_linear/kernels.inc"
@@ -146,16 +156,6 @@ QuantCpuPath detect_best() {
 const QuantCpuPath kBest = detect_best();
 std::atomic<QuantCpuPath> g_path{kBest};
 
-ColumnFn column_fn(QuantFormat format, QuantLayout layout) {
-    switch (g_path.load(std::memory_order_relaxed)) {
-#ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_fn(format, layout);
-    case QuantCpuPath::Avx2: return avx2::column_fn(format, layout);
-#endif
-    default: return portable::column_fn(format, layout);
-    }
-}
-
 RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
@@ -166,33 +166,14 @@ RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     }
 }
 
-// The packed-x prefill kernel's row decoder of this format on the current path, or nullptr (then column_fn's).
-DecodeU8Fn decode_u8_fn(QuantFormat format, QuantLayout layout) {
+// The prefill kernels of the current path, from one read of it.
+PrefillFns prefill_fns(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::decode_u8_fn(format, layout);
-    case QuantCpuPath::Avx2: return avx2::decode_u8_fn(format, layout);
+    case QuantCpuPath::Avx512Vnni: return vnni::prefill_fns(format, layout);
+    case QuantCpuPath::Avx2: return avx2::prefill_fns(format, layout);
 #endif
-    default: return nullptr;
-    }
-}
-
-// The K-quants' pair kernel of this format on the current path, or nullptr (then column_fn's).
-ColumnPairFn column_pairs_fn(QuantFormat format) {
-#ifdef LLAISYS_QUANT_X86
-    if (g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni) return vnni::column_pairs_fn(format);
-#endif
-    (void)format;
-    return nullptr;
-}
-
-ColumnU8Fn column_u8_fn() {
-    switch (g_path.load(std::memory_order_relaxed)) {
-#ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn();
-    case QuantCpuPath::Avx2: return avx2::column_u8_fn();
-#endif
-    default: return nullptr;
+    default: return portable::prefill_fns(format, layout);
     }
 }
 
@@ -275,15 +256,6 @@ const XTile32 *pack_x(const QuantizedX &xq, bool pairs) {
     return out;
 }
 
-// Whether the current path's packed kernel reads XTile32::dx.
-bool pair_tiles() {
-#ifdef LLAISYS_QUANT_X86
-    return g_path.load(std::memory_order_relaxed) == QuantCpuPath::Avx512Vnni && quant_isa::Avx512Vnni::kPairTile;
-#else
-    return false;
-#endif
-}
-
 // xq's M rows of Q8Act<256> blocks -> ceil(M / 2) pairs of nb XPair256 blocks.
 const XPair256 *pack_x_pairs(const QuantizedX &xq) {
     const int64_t M = xq.M, nb = xq.nb, pairs = (M + 1) / 2;
@@ -356,12 +328,13 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
     constexpr int64_t kMaxGroup = 16;
     const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes(), nb = xq.nb;
     const uint8_t *w0 = w.row(0);
-    const DecodeU8Fn dec = decode_u8_fn(w.format(), w.layout());
-    const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
-    const XTile32 *xt = dec ? pack_x(xq, pair_tiles()) : nullptr;
-    const ColumnPairFn fp = dec ? nullptr : column_pairs_fn(w.format());
+    const PrefillFns k = prefill_fns(w.format(), w.layout());
+    const DecodeU8Fn dec = k.dec;
+    const ColumnU8Fn fn_u8 = k.u8;
+    const XTile32 *xt = dec ? pack_x(xq, k.pair_tiles) : nullptr;
+    const ColumnPairFn fp = k.kpairs;
     const XPair256 *xp = fp ? pack_x_pairs(xq) : nullptr;
-    const ColumnFn fn = column_fn(w.format(), w.layout());
+    const ColumnFn fn = k.column;
     // x rows a pass: a packed tile; on the K-quants' pair path one 8-row tile (4 pairs), whose blocks (K = 2048:
     // 20 KB) stay in L1 beside the group's 16 W rows (18 KB of Q4_K) while every row of the group reads them; a
     // 64-row chunk (80 KB) was read from L2 by each W row (Q4_K 640 x 2048 at M = 32: 1.16x the 8-row ymm

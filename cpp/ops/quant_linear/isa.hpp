@@ -311,7 +311,6 @@ struct Avx2 {
 struct Avx512Vnni : Avx2 {
     static constexpr int kTileRows = 8; // AVX-512VL has 32 ymm registers: 8 rows fit
     static constexpr bool kU8Act = true;
-    static constexpr int kU8Rows = 16; // (column_u8 takes the pair tile below instead of tile_u8)
     static constexpr bool u8_format_ok(int) { return true; } // VPDPBUSD sums in int32: never saturates
     LLAISYS_TARGET_VNNI static B q5(const uint8_t *qs, uint32_t qh) {
         const __m256i q = nibbles16(qs);
