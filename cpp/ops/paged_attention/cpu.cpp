@@ -99,19 +99,18 @@ void tile_scores(const float *q, const float *kT, int64_t n, int64_t hd, float *
         _mm256_storeu_ps(scores + c0, s0);
         _mm256_storeu_ps(scores + c0 + 8, s1);
     }
-    for (; c0 + 8 <= n; c0 += 8) {
+    // 8 keys at a time, the last 1-7 too (each lane's sum is the scalar loop's): there the lanes past n read what
+    // follows them in the scratch (kT's next line, or vt: never past attend_item's buffer) and are dropped
+    for (; c0 < n; c0 += 8) {
         __m256 s = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; ++d) s = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), _mm256_loadu_ps(kT + d * kKeyTile + c0), s);
-        _mm256_storeu_ps(scores + c0, s);
-    }
-    if (c0 < n) { // the last 1-7 keys in 8 lanes (each lane's sum is the scalar loop's): the lanes past n read
-        __m256 s = _mm256_setzero_ps(); // what follows them in the scratch (kT's next line, or vt: never past
-        for (int64_t d = 0; d < hd; ++d)  // attend_item's buffer) and are dropped
-            s = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), _mm256_loadu_ps(kT + d * kKeyTile + c0), s);
-        alignas(32) float t[8];
-        _mm256_store_ps(t, s);
-        for (int64_t c = c0; c < n; ++c) scores[c] = t[c - c0];
-        c0 = n;
+        if (c0 + 8 <= n) {
+            _mm256_storeu_ps(scores + c0, s);
+        } else {
+            alignas(32) float t[8];
+            _mm256_store_ps(t, s);
+            for (int64_t c = c0; c < n; ++c) scores[c] = t[c - c0];
+        }
     }
 #endif
     for (; c0 < n; ++c0) {
