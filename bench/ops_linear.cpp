@@ -184,6 +184,13 @@ int register_linear_benchmarks() {
     const std::vector<LinearCase> mlp = {{1, 896, 2 * 4864, Epi::swiglu}, {1, 1536, 2 * 8960, Epi::swiglu},
                                          {1, 1152, 2 * 6912, Epi::geglu}, {1, 1152, 2 * 6912},
                                          {1, 2048, 8192, Epi::gelu},      {1, 2048, 8192}};
+    // The 0.5B and 1.5B gate/up + SwiGLU at decode batches of 64 and 256 rows (cuBLASLt, then swiglu), replayed:
+    // LLAISYS_GATED_GEMM=halves against the default's one batched launch.
+    for (int64_t M : {64, 256})
+        for (const LinearCase &c : {LinearCase{M, 896, 2 * 4864, Epi::swiglu}, LinearCase{M, 1536, 2 * 8960, Epi::swiglu}})
+            benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph, c,
+                                         DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()
+                ->Iterations(kCudaIterations);
     for (const LinearCase &c : mlp) {
         if (c.epi == Epi::swiglu)
             benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)

@@ -486,6 +486,22 @@ def test_linear_swiglu_equals_unfused(device, dtype, M, K, I, constant_weight):
 
 
 @pytest.mark.cuda
+@CUBLAS
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,I", [(9, 896, 4864), (64, 1536, 8960), (256, 1536, 8960), (300, 111, 19),
+                                   (130, 67, 1111)])
+def test_linear_swiglu_cuda_batch_rows_match_float64_and_unfused(dtype, M, K, I):
+    """Past 8 rows the gate and up halves run as one batched cuBLASLt launch: the Qwen2 MLP shapes at decode
+    batches, and odd K / I (weight halves and outputs at 2-byte alignments). Near float64 and near the unfused
+    path's two GEMMs and swiglu."""
+    x, x64, w, w64, ws = rand_swiglu_operands(M, K, I, dtype, "cuda", seed=50)
+    out = poisoned((M, I), dtype, "cuda")
+    llaisys.ops.linear_swiglu(out, x, w)
+    assert_close(out, ref_linear_swiglu(x64, w64, dtype), dtype, **tol_swiglu(dtype, K, ws))
+    assert_close(out, to_f64(run_unfused(x, w, M, I, dtype, "cuda", False)), dtype, **tol_swiglu(dtype, K, ws))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("M,K,I", [(1, 896, 4864), (1, 1536, 8960), (2, 896, 4864), (8, 1536, 8960)])
 def test_linear_swiglu_cuda_decode_equals_unfused(dtype, M, K, I):

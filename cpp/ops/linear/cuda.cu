@@ -430,8 +430,8 @@ struct LtState {
     std::mutex mu;
     std::map<int, cublasLtHandle_t> handles;
     std::map<std::pair<int, cudaStream_t>, Tensor> workspaces;
-    // (device, dtype, M, N, K, ldx, ldw, bias, alignments of w, x, out, bias) -> algorithm, if any
-    using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, int, int>;
+    // (device, dtype, M, N, K, ldx, ldw, bias, alignments of w, x, out, bias, batch) -> algorithm, if any
+    using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, int, int, int>;
     std::map<Key, std::pair<bool, cublasLtMatmulAlgo_t>> algos;
 };
 LtState &lt_state() {
@@ -464,8 +464,11 @@ struct LtCall {
     cublasLtMatrixLayout_t d() { return &d_storage; }
 };
 
+// batch > 1 (linear_swiglu's gate and up halves in one launch): `batch` problems of N outputs each, weight
+// matrix b at w + b N ldw, the same x for all, out [batch, M, N] contiguous.
 template <typename T>
-void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, const void *bias) {
+void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, const void *bias,
+                 int batch = 1) {
     const cudaDataType_t dt = lt_type<T>();
     // f32 compute, never TF32, so f32 results match the CPU's within f32 rounding.
     CUBLASLT_CHECK(cublasLtMatmulDescInit(c.desc(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -480,6 +483,16 @@ void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.a(), dt, uint64_t(K), uint64_t(N), ldw));
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.b(), dt, uint64_t(K), uint64_t(M), ldx));
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.d(), dt, uint64_t(N), uint64_t(M), N));
+    if (batch > 1) {
+        const int64_t strides[3] = {N * ldw, 0, N * M}; // A (w), B (x, shared), D (out)
+        cublasLtMatrixLayout_t layouts[3] = {c.a(), c.b(), c.d()};
+        for (int i = 0; i < 3; ++i) {
+            CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                                            sizeof(batch)));
+            CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                            &strides[i], sizeof(strides[i])));
+        }
+    }
 }
 
 // Whether split-K partial sums may be kept in the output's dtype: LLAISYS_GEMM_EXACT_SPLITK=0 allows it (as
@@ -526,9 +539,9 @@ bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3]
 
 // Handle, workspace and algorithm for this call, created once per key; false if cuBLASLt has none.
 template <typename T>
-bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, const void *bias,
+bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, const void *bias, int batch,
                 cudaStream_t stream, cublasLtHandle_t &handle, Tensor &workspace, cublasLtMatmulAlgo_t &algo) {
-    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+    const int64_t M = x.size(0), N = w.size(0) / batch, K = w.size(1);
     const int64_t ldx = detail::ld(x), ldw = detail::ld(w), es = int64_t(sizeof(T));
     const int dev = out.device().index;
     LtState &s = lt_state();
@@ -545,7 +558,8 @@ bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, 
     workspace = ws;
     const int align_w = alignment(w.data(), ldw * es), align_x = alignment(x.data(), ldx * es);
     const int align_o = alignment(out.data(), N * es), align_b = bias ? alignment(bias, 0) : 0;
-    const LtState::Key key{dev, int(out.dtype()), M, N, K, ldx, ldw, bias != nullptr, align_w, align_x, align_o, align_b};
+    const LtState::Key key{dev, int(out.dtype()), M, N, K, ldx, ldw, bias != nullptr, align_w, align_x, align_o, align_b,
+                           batch};
     auto found = s.algos.find(key);
     if (found == s.algos.end()) {
         cublasLtMatmulAlgo_t chosen{};
@@ -557,17 +571,18 @@ bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, 
     return found->second.first;
 }
 
+// out [M, N] = x @ w^T (+ bias); with batch = 2, out [2, M, N] contiguous = x @ w[:N]^T, x @ w[N:]^T (w [2N, K]).
 template <typename T>
-bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
-    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, int batch = 1) {
+    const int64_t M = x.size(0), N = w.size(0) / batch, K = w.size(1);
     const void *bias_ptr = bias.defined() ? bias.data() : nullptr;
     LtCall c;
-    lt_describe<T>(c, M, N, K, detail::ld(x), detail::ld(w), bias_ptr);
+    lt_describe<T>(c, M, N, K, detail::ld(x), detail::ld(w), bias_ptr, batch);
     const cudaStream_t stream = stream_of(out);
     cublasLtHandle_t handle;
     Tensor workspace;
     cublasLtMatmulAlgo_t algo;
-    if (!lt_prepare<T>(c, out, x, w, bias_ptr, stream, handle, workspace, algo)) return false;
+    if (!lt_prepare<T>(c, out, x, w, bias_ptr, batch, stream, handle, workspace, algo)) return false;
     const float alpha = 1.f, beta = 0.f;
     CUBLASLT_CHECK(cublasLtMatmul(handle, c.desc(), &alpha, w.data(), c.a(), x.data(), c.b(), &beta, out.data(), c.d(),
                                   out.data(), c.d(), &algo, workspace.data(), kLtWorkspaceBytes, stream));
@@ -585,16 +600,34 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     });
 }
 
-// M > 8 of linear_swiglu / linear_geglu: two GEMMs of [M, I] (the unfused path's problems) rather than one of
-// [M, 2I], so g and u each come out contiguous for the swiglu / geglu op that `combine` runs.
+// LLAISYS_GATED_GEMM=halves: linear_swiglu / linear_geglu past 8 rows run two GEMMs (as before session 38),
+// not one batched launch (an A/B switch, read once).
+bool gated_batched() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_GATED_GEMM");
+        return !(e && std::string(e) == "halves");
+    }();
+    return on;
+}
+
+// M > 8 of linear_swiglu / linear_geglu: g and u as [2, M, I], each half contiguous for the swiglu / geglu op
+// that `combine` runs. One cuBLASLt launch of two batched problems (w_gate_up's halves, the same x): at
+// decode batches a GEMM of I = 8960 outputs is too short to fill the GPU on its own; else two GEMMs.
 template <class Combine>
 void gated_halves(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight,
                   Combine &&combine) {
     const int64_t M = out.size(0), I = out.size(1);
     const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
     const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
-    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
-    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
+    bool done = false;
+    if (gated_batched() && w_gate_up.size(1) > 0)
+        detail::dispatch_float("linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
+            done = lt_matmul<typename decltype(tag)::type>(gu, x, w_gate_up, Tensor(), 2);
+        });
+    if (!done) {
+        linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
+        linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
+    }
     combine(g, u);
 }
 
