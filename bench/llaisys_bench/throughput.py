@@ -115,12 +115,14 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
                        seed=list(range(len(prompts))))
     dt = time.perf_counter() - t
     gen = sum(len(r.token_ids) for r in res)
+    # when the last request got its first token: the end of the run's prefill phase (decode steps ran beside it)
+    prefill_s = max(r.timings.get("ttft_s", 0.0) for r in res)
     prompt_tokens = sum(map(len, prompts))
     tm = dict(core.timing)
     steps = max(tm["steps"], 1)
     stats = eng.stats()
     return {"seconds": dt, "prompt_tokens": prompt_tokens, "output_tokens": gen, "output_tok_s": gen / dt,
-            "total_tok_s": (gen + prompt_tokens) / dt, "steps": tm["steps"], "ms_per_step": 1e3 * dt / steps,
+            "total_tok_s": (gen + prompt_tokens) / dt, "last_first_token_s": prefill_s, "steps": tm["steps"], "ms_per_step": 1e3 * dt / steps,
             "schedule_ms": 1e3 * tm["schedule_s"] / steps, "arrays_ms": 1e3 * core.runner.prepare_s / steps,
             "runner_ms": 1e3 * (tm["run_s"] - core.runner.prepare_s) / steps,
             "postprocess_ms": 1e3 * tm["postprocess_s"] / steps,
@@ -179,7 +181,7 @@ def run_hf(path: str, device: str, prompts, new_tokens: int) -> dict:
 
 def format_line(r: dict) -> str:
     return (f"batched: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s "
-            f"({r['seconds']:.1f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
+            f"({r['seconds']:.1f} s, last first token at {r.get('last_first_token_s', 0):.2f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
             f"{r['schedule_ms']:.2f}, arrays {r['arrays_ms']:.2f}, runner {r['runner_ms']:.2f}, "
             f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']}; overlapped "
             f"{r.get('overlapped', 0)} steps; host {r.get('host_us_per_seq_step', 0):.2f} us per sequence per step)")
@@ -190,7 +192,7 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
                max_len: int = 1024, temperature: float = 0.6, max_num_seqs: int = 256, solo: bool = False,
                peers: bool = False, single: tuple[int, int] | None = None,
                out: Callable[[str], None] = print, tensor_parallel_size: int = 1, nodes: dict | None = None,
-               profile: int = 0, kernels: int = 0) -> dict:
+               profile: int = 0, kernels: int = 0, max_num_batched_tokens: int | None = None) -> dict:
     """Run the protocol (or with `single`, one request's decode instead), printing each result line through
     `out`; returns the result dict (what --json writes)."""
     check(num_requests, min_len, max_len, temperature, max_num_seqs)
@@ -198,7 +200,8 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
     max_seq_len = max(sum(single) + 16, 256) if single else 2 * max_len + 16
     eng, path, label, dtype = open_engine(shape, model, gguf_types, device, dtype, max_seq_len, max_num_seqs,
                                           checkpoint=peers and not model, tensor_parallel_size=tensor_parallel_size,
-                                          nodes=nodes)
+                                          nodes=nodes, **({"max_num_batched_tokens": max_num_batched_tokens}
+                                                          if max_num_batched_tokens else {}))
     if (nodes or {}).get("node_rank"):  # a follower: node 0's steps until node 0 ends; node 0 reports
         eng.follow()
         return {}
@@ -232,7 +235,10 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
             from .kernel_profile import print_rows, profiled_call
 
             again = {}
-            per, wall, idle = profiled_call(eng.device, lambda: again.update(run_llaisys(eng, prompts, outs,
+            # another first token a prompt: the prefix cache holds the timed run's prompts, and a hit would
+            # leave their prefill out of the profile
+            fresh = [[(p[0] + 1) % eng.config.vocab_size] + p[1:] for p in prompts]
+            per, wall, idle = profiled_call(eng.device, lambda: again.update(run_llaisys(eng, fresh, outs,
                                                                                          temperature)))
             busy = sum(us for k, (n, us) in per.items() if not k.startswith("Memcpy"))
             out(f"kernels of {num_requests} requests ({again['steps']} steps, profiled): wall {wall * 1e3:.0f} ms, "
