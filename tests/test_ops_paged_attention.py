@@ -394,6 +394,32 @@ def test_cuda_large(qlens, kvlens, block_size, heads, dtype, device):
     assert_close(out, to_f64(cpu), dtype)
 
 
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128), (16, 1, 128)], ids=["0.5B", "1.5B", "g16"])
+@pytest.mark.parametrize("case", ["many-decodes", "few-long-decodes", "padded"])
+def test_cuda_mixed_step_decodes_beside_prompt_chunks(case, heads, dtype, device):
+    """A step of prompt chunks (fresh and after a prefix hit) beside decodes: the decodes run on the decode
+    kernel in a launch of their own (one split a sequence, or with few of them several, whose partials are
+    kept a sequence), the chunks on the tensor-core prefill; all rows equal the float64 reference and the
+    CPU op."""
+    rng = np.random.default_rng(len(case) + heads[0])
+    if case == "many-decodes":  # 130 decodes of up to 2,048 keys around a 300-query chunk and a fresh prompt
+        qlens = [1] * 64 + [300] + [1] * 66 + [40]
+        kvlens = rng.integers(1, 2049, len(qlens)).tolist()
+        kvlens[64], kvlens[-1] = 1000, 40
+    elif case == "few-long-decodes":  # 2 decodes of many keys: the decode launch splits them
+        qlens, kvlens = [1, 129, 1], [6000, 129, 3001]
+    else:  # sequences without queries, chunks of under 64 and over 64 queries, a decode of one key
+        qlens, kvlens = [0, 17, 1, 0, 65, 1], [30, 17, 1, 9, 200, 64]
+    b = Batch(qlens, kvlens, 16, heads, dtype, device, seed=13)
+    out = check(b)
+    cpu = poisoned(b.shape, dtype, "cpu")
+    llaisys.ops.paged_attention(cpu, b.q.to("cpu"), b.k.to("cpu"), b.v.to("cpu"), *[m.to("cpu") for m in b.meta],
+                                b.shape[2] ** -0.5, b.max_q_len)
+    assert_close(out, to_f64(cpu), dtype)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("heads", [(12, 2, 128), (14, 2, 64), (8, 8, 64)], ids=["1.5B", "0.5B", "g1"])
@@ -428,15 +454,17 @@ def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("qlens", [[2, 1], [1, 1]], ids=["split-kernel", "decode-kernel"])
-def test_cuda_bad_metadata_raises_at_synchronize(qlens):
+@pytest.mark.parametrize("qlens,kvlens,heads,dtype", [
+    ([2, 1], [5, 7], (4, 2, 32), "f32"), ([1, 1], [5, 7], (4, 2, 32), "f32"),
+    ([20, 1], [25, 7], (4, 2, 64), "bf16")], ids=["split-kernel", "decode-kernel", "mixed-tensor-cores"])
+def test_cuda_bad_metadata_raises_at_synchronize(qlens, kvlens, heads, dtype):
     """kv_len < qlen and a block id out of range: the kernels clamp (nothing out of bounds is read) and
     the next synchronize raises; the flag is cleared after."""
-    b = Batch(qlens, [5, 7], 4, (4, 2, 32), "f32", "cuda", seed=10)
-    for tables, kv_len in [(b.tables, np.array([0, 7], np.int32)),
+    b = Batch(qlens, kvlens, 4, heads, dtype, "cuda", seed=10)
+    for tables, kv_len in [(b.tables, np.array([0, kvlens[1]], np.int32)),
                            (np.where(np.arange(b.tables.shape[1]) == 0, 10 ** 6, b.tables).astype(np.int32),
                             b.kv_len)]:
-        out = poisoned(b.shape, "f32", "cuda")
+        out = poisoned(b.shape, dtype, "cuda")
         llaisys.ops.paged_attention(out, b.q, b.k, b.v, llaisys.tensor(tables, "cuda"), b.meta[1],
                                     llaisys.tensor(kv_len, "cuda"), 0.5, max(qlens))
         with pytest.raises(IndexError, match="paged_attention: "):

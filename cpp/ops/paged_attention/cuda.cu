@@ -103,7 +103,7 @@ __device__ __forceinline__ void finish(const PagedArgs<T> &a, const Smem &lay, c
         if (a.nsplit == 1) {
             a.out[t * a.o_s0 + rows.h(r) * a.o_s1 + d] = from_f32<T>(acc / l);
         } else {
-            float *dst = a.part + ((int64_t(blockIdx.z) * a.tokens + t) * a.nh + rows.h(r)) * (a.hd + 2);
+            float *dst = a.part + ((int64_t(blockIdx.z) * a.part_rows + t) * a.nh + rows.h(r)) * (a.hd + 2);
             dst[d] = acc;
             if (d == 0) {
                 dst[a.hd] = split_kv::row_max(red, r);
@@ -186,24 +186,57 @@ __device__ __forceinline__ void gather_rows_async(T *tile, const T *any, RowPtr 
     }
 }
 
+// The query tiles of a step, numbered so that a grid needs no per-sequence size from the host: sequence b's
+// ceil(qlen_b / 64) tiles are numbers [first(b), first(b) + ceil(qlen_b / 64)), first(b) = floor(q_start[b] / 64)
+// + b. These ranges are disjoint and in order (floor(x / 64) + ceil(y / 64) <= floor((x + y) / 64) + 1), and all
+// lie below floor(tokens / 64) + B: the grid's y size. (A grid of ceil(max_q_len / 64) tiles for every sequence
+// gave a step of one 2048-token chunk beside 256 decodes 32 x 257 blocks a head, nearly all returning at once.)
+__host__ __device__ constexpr int64_t tc_tiles(int64_t tokens, int64_t B) { return tokens / flash_tc::kTcBQ + B; }
+
+// The block's (sequence, query tile from the sequence's start) for tile number v, found by the block's threads
+// together (each checks some sequences); {-1, 0} in a gap between two sequences' tiles. q_start must rise from 0
+// to at most tokens: a sequence where it does not is reported (kErrPagedMetadata) and its tiles are never found.
+template <typename T>
+__device__ __forceinline__ int2 tc_tile_of(const PagedArgs<T> &a, int v) {
+    __shared__ int2 found;
+    if (threadIdx.x == 0) found = make_int2(-1, 0);
+    __syncthreads();
+    for (int b = threadIdx.x; b < a.batch; b += blockDim.x) {
+        const int q0 = a.q_start[b], q1 = a.q_start[b + 1];
+        if (q0 < 0 || q1 < q0 || q1 > a.tokens) {
+            *a.error = kErrPagedMetadata;
+            continue;
+        }
+        const int first = q0 / flash_tc::kTcBQ + b, n = (q1 - q0 + flash_tc::kTcBQ - 1) / flash_tc::kTcBQ;
+        if (v >= first && v < first + n) found = make_int2(b, v - first);
+    }
+    __syncthreads();
+    return found;
+}
+
 // Tensor-core prefill over the paged cache (flash-attention-2: the Q fragments, key loop and row store are
-// those of self_attention's prefill kernel, ops/common/flash_tc.cuh; only the K/V tile fetch is its own). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
-// rows of one head of one sequence and walks the K/V tiles of 64 keys up to the last key they see, each
-// tile's rows gathered through the block table; blocks past the sequence's queries return at once, the
-// latest (heaviest) query blocks start first. Query i of a sequence (position kv - qlen + i) sees keys
-// [0, kv - qlen + i]. Dynamic smem: Q [64][HD+8], K [64][HD+8], V [64][HD+8]; V_t streams in during
-// S = Q K_t^T, K_{t+1} during softmax and O += P V_t. P is rounded to 16 bits for P V (as the decode mma
-// kernel and flash attention do); keys past the sequence are never loaded.
+// those of self_attention's prefill kernel, ops/common/flash_tc.cuh; only the K/V tile fetch is its own).
+// Grid (nh, tc_tiles(tokens, B)), 128 threads: a block owns 64 query rows of one head of one sequence
+// (tc_tile_of) and walks the K/V tiles of 64 keys up to the last key they see, each tile's rows gathered
+// through the block table; a sequence's latest (heaviest) query tile has its lowest number, so it starts
+// first. Query i of a sequence (position kv - qlen + i) sees keys [0, kv - qlen + i]. In a kManyQueries
+// launch sequences of one query are the decode kernel's. Dynamic smem: Q [64][HD+8], K [64][HD+8],
+// V [64][HD+8]; V_t streams in during S = Q K_t^T, K_{t+1} during softmax and O += P V_t. P is rounded to 16
+// bits for P V (as the decode mma kernel and flash attention do); keys past the sequence are never loaded.
 template <typename T, int HD>
 __global__ void __launch_bounds__(flash_tc::kTcWarps * 32) paged_prefill_tc_kernel(const PagedArgs<T> a) {
     using namespace flash_tc;
     extern __shared__ __align__(16) unsigned char smem[];
     pdl_trigger();
     pdl_wait();
-    const int h = blockIdx.x, b = blockIdx.z;
+    const int h = blockIdx.x;
+    const int2 bt = tc_tile_of(a, int(blockIdx.y));
+    const int b = bt.x;
+    if (b < 0) return;
     const Seq s = load_seq(a, b);
-    const int i0 = (int(gridDim.y) - 1 - int(blockIdx.y)) * kTcBQ;
-    if (i0 >= s.qlen) return;
+    const int tiles = (s.qlen + kTcBQ - 1) / kTcBQ;
+    if (bt.y >= tiles || (a.select == kManyQueries && s.qlen == 1)) return;
+    const int i0 = (tiles - 1 - bt.y) * kTcBQ;
     T *qs = reinterpret_cast<T *>(smem), *ks = qs + kTcBQ * tc_pitch<HD>(), *vs = ks + kTcBK * tc_pitch<HD>();
     const int kvh = h / (a.nh / a.nkvh), off = s.kv - s.qlen, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kv_end = min(s.kv, min(i0 + kTcBQ, s.qlen) + off); // keys seen by the block's last query
@@ -260,13 +293,20 @@ __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int
     return x + __shfl_xor_sync(all, x, 1);
 }
 
+// The row of the split partials a decode block of sequence b (its query at token t) writes: the token, or in
+// a kOneQuery launch the sequence (partials for B rows, not for every token of a step of prompt chunks).
+template <typename T>
+__device__ __forceinline__ int part_row(const PagedArgs<T> &a, int b, int t) {
+    return a.select == kOneQuery ? b : t;
+}
+
 // The decode kernels' last stage: the block's WARPS warps each hold (max, sum, acc) of the group's rows over
 // their own keys (wm, wl, wacc: HD = a.hd dims); merged per output element into out (one split) or into the
-// chunk's partials for paged_combine_kernel.
+// chunk's partials (row prow, part_row) for paged_combine_kernel.
 template <typename T, int WARPS, int ROWS, int HD>
 __device__ __forceinline__ void merge_warps(const PagedArgs<T> &a, const float (&wm)[WARPS][ROWS],
                                             const float (&wl)[WARPS][ROWS], const float (&wacc)[WARPS][ROWS][HD],
-                                            int kvh, int group, int t) {
+                                            int kvh, int group, int t, int prow) {
     for (int idx = threadIdx.x; idx < group * HD; idx += WARPS * 32) {
         const int r = idx / HD, d = idx % HD, h = kvh * group + r;
         float mm = -INFINITY;
@@ -283,7 +323,7 @@ __device__ __forceinline__ void merge_warps(const PagedArgs<T> &a, const float (
         if (a.nsplit == 1) {
             a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
         } else {
-            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
+            float *dst = a.part + ((int64_t(blockIdx.x) * a.part_rows + prow) * a.nh + h) * (a.hd + 2);
             dst[d] = o;
             if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
         }
@@ -400,7 +440,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 #pragma unroll
         for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
     __syncthreads();
-    merge_warps(a, wm, wl, wacc, kvh, group, t);
+    merge_warps(a, wm, wl, wacc, kvh, group, t, part_row(a, ck.b, t));
 }
 
 // Decode steps on tensor cores (16-bit K/V, head dim 64 or 128, a GQA group of at most 16 query heads).
@@ -631,11 +671,12 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_pipe_kernel(const Pag
 #pragma unroll
         for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
     __syncthreads();
-    merge_warps(a, wm, wl, wacc, kvh, group, t);
+    merge_warps(a, wm, wl, wacc, kvh, group, t, part_row(a, ck.b, t));
 }
 
-// Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
-// row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
+// Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B) (a kOneQuery launch: one
+// query a sequence, its partials at the sequence's row), 4 warps: warp w takes row (query i, head h) =
+// blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
 // and may be unwritten) are weighted by 2^(m_c - max) and summed per dim.
 template <typename T, bool WINDOW>
@@ -646,14 +687,14 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, rho = blockIdx.x * kCombineWarps + warp;
     const Seq s = load_seq(a, blockIdx.y);
     const int i = rho / a.nh, h = rho % a.nh;
-    if (i >= s.qlen) return; // whole warps return; only warp-level syncs follow
+    if (i >= s.qlen || (a.select == kOneQuery && s.qlen != 1)) return; // whole warps return; only warp syncs follow
     // the chunks holding keys this query sees: [first, used) of the span [base, kv)
     const int lim = i + s.kv - s.qlen, base = span_base<WINDOW>(s, a.window);
     const int L = chunk_len(s.kv - base, a.nsplit, a.granule), used = (lim - base) / L + 1;
     const int first = WINDOW ? (max(base, lim - a.window + 1) - base) / L : 0;
     const int t = s.q0 + i;
-    const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
-    const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
+    const int64_t stride = int64_t(a.part_rows) * a.nh * (a.hd + 2); // between chunks
+    const float *p0 = a.part + (int64_t(part_row(a, int(blockIdx.y), t)) * a.nh + h) * (a.hd + 2);
     float *wt = wts[warp], *lt = sums[warp];
     float m = -INFINITY, l = 0.f;
     for (int c = first + lane; c < used; c += 32) { // each chunk's (m, l), read together
@@ -712,7 +753,8 @@ int plan_splits(int64_t blocks, int64_t capacity, int granule, int device, int r
 template <typename T, bool WINDOW>
 void launch_combine(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     if (a.nsplit == 1) return;
-    const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));
+    const int64_t rows = a.select == kOneQuery ? 1 : a.max_q_len; // query rows a sequence
+    const dim3 grid(unsigned(ceil_div(rows * a.nh, kCombineWarps)), unsigned(B));
     launch_pdl(paged_combine_kernel<T, WINDOW>, grid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
 }
 
@@ -787,7 +829,7 @@ template <typename T, int HD>
 void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     constexpr size_t smem = flash_tc::tc_smem_bytes<HD>();
     opt_in_smem<paged_prefill_tc_kernel<T, HD>>(smem, device.index);
-    const dim3 grid(unsigned(a.nh), unsigned(ceil_div(a.max_q_len, flash_tc::kTcBQ)), unsigned(B));
+    const dim3 grid(unsigned(a.nh), unsigned(tc_tiles(a.tokens, B)));
     launch_pdl(paged_prefill_tc_kernel<T, HD>, grid, dim3(flash_tc::kTcWarps * 32), smem, stream, device.index, a);
 }
 
@@ -795,6 +837,16 @@ void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t
 bool prefill_mma_enabled() {
     static const bool on = [] {
         const char *e = std::getenv("LLAISYS_PREFILL_MMA");
+        return e == nullptr || std::strcmp(e, "0") != 0;
+    }();
+    return on;
+}
+
+// A mixed step's sequences of one query run on the tensor-core decode kernel (kOneQuery) where it applies;
+// LLAISYS_PAGED_MIXED=0 leaves them to the tensor-core prefill's 64-row tiles (an A/B switch, read once).
+bool mixed_split_enabled() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_PAGED_MIXED");
         return e == nullptr || std::strcmp(e, "0") != 0;
     }();
     return on;
@@ -857,18 +909,27 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     const bool prefill_tc = mq >= flash_tc::kTcMinQueries && elem == 2 && (hd == 64 || hd == 128) && window == 0 &&
                             prefill_mma_enabled() && rows16(q) && aligned(k_cache, 16) && aligned(v_cache, 16) &&
                             aligned(out, 4) && (out.stride(0) * elem) % 4 == 0 && (out.stride(1) * elem) % 4 == 0 &&
-                            B <= 65535;
-    const int stages = mma ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
+                            tc_tiles(tokens, B) <= 65535;
+    // A step of prompt chunks and decodes (several sequences, tensor-core prefill): the sequences of one query
+    // go to the tensor-core decode kernel in a launch of their own (kOneQuery), not to 64-row query tiles that
+    // read their keys once a query head (session 39: the 1.5B protocol's prefill kernel took 385 us a launch)
+    const bool mixed = prefill_tc && B > 1 && mixed_split_enabled() && (nh / nkvh) <= kMmaRows && decode_mma_enabled() &&
+                       aligned(q, 4) && (q.stride(0) * elem) % 4 == 0 && (q.stride(1) * elem) % 4 == 0;
+    // the tensor-core decode kernel: a decode step's, or the one-query launch of a mixed step
+    const int stages = mma || mixed ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
     const int warps = stages > 0 ? decode_warps(B * nkvh, int(hd), stages, out.device().index) : 0;
-    const int granule = mma ? warps * kMmaKeys : decode ? kDecTile : kTile;
-    const int64_t blocks = decode || mma ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
+    const int granule = stages > 0 ? warps * kMmaKeys : decode ? kDecTile : kTile;
+    const int64_t blocks = decode || stages > 0 ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
     const int resident = stages > 0 ? pipe_resident(int(hd), stages, warps, out.device().index) : 0;
-    const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
+    // splits of the decode or split kernel (the tensor-core prefill takes a sequence's keys whole)
+    const int nsplit = prefill_tc && !mixed ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
+    // its partials' rows: one a token, or one a sequence in a mixed step's one-query launch
+    const int64_t part_rows = mixed ? B : tokens;
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
-    if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
+    if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * part_rows * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
         using H = typename decltype(tag)::type;
         using D = device_t<H>;
@@ -878,22 +939,31 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
-                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window)};
+                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window),
+                             mixed ? kOneQuery : kAllSeqs, int(B), int(part_rows)};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
         const auto go = [&](auto window) {
             constexpr bool W = decltype(window)::value;
-            if constexpr (sizeof(D) == 2 && !W) {
-                if (prefill_tc && hd == 64) return launch_prefill_tc<D, 64>(a, bi, out.device(), stream);
-                if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
-            }
             if constexpr (sizeof(D) == 2) {
-                if (stages == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2, 4>(a, bi, out.device(), stream);
-                if (stages == 2 && warps == 3) return launch_decode_pipe<D, 128, W, 2, 3>(a, bi, out.device(), stream);
-                if (stages == 2) return launch_decode_pipe<D, 128, W, 2, 4>(a, bi, out.device(), stream);
-                if (stages == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3, 4>(a, bi, out.device(), stream);
-                if (stages == 3 && warps == 3) return launch_decode_pipe<D, 128, W, 3, 3>(a, bi, out.device(), stream);
-                if (stages == 3) return launch_decode_pipe<D, 128, W, 3, 4>(a, bi, out.device(), stream);
+                const auto pipe = [&](const PagedArgs<D> &x) { // paged_decode_pipe_kernel's instance
+                    if (stages == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2, 4>(x, bi, out.device(), stream);
+                    if (stages == 2 && warps == 3) return launch_decode_pipe<D, 128, W, 2, 3>(x, bi, out.device(), stream);
+                    if (stages == 2) return launch_decode_pipe<D, 128, W, 2, 4>(x, bi, out.device(), stream);
+                    if (stages == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3, 4>(x, bi, out.device(), stream);
+                    if (stages == 3 && warps == 3) return launch_decode_pipe<D, 128, W, 3, 3>(x, bi, out.device(), stream);
+                    launch_decode_pipe<D, 128, W, 3, 4>(x, bi, out.device(), stream);
+                };
+                if constexpr (!W) {
+                    if (prefill_tc) {
+                        if (mixed) pipe(a); // a mixed step's sequences of one query (kOneQuery), then the others
+                        PagedArgs<D> p = a;
+                        p.nsplit = 1, p.part = nullptr, p.select = mixed ? kManyQueries : kAllSeqs;
+                        if (hd == 64) return launch_prefill_tc<D, 64>(p, bi, out.device(), stream);
+                        return launch_prefill_tc<D, 128>(p, bi, out.device(), stream);
+                    }
+                }
+                if (stages > 0) return pipe(a);
             }
             if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
             if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);
