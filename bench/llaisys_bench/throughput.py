@@ -211,8 +211,9 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
 
     with eng:
         what = "one request" if single else f"{num_requests} requests, lengths [{min_len}, {max_len}]"
+        captured = eng._core.runner.capture_s
         out(f"llaisys {getattr(llaisys, '__version__', '')} on {eng.device}: {label}, dtype {dtype} (computes "
-            f"{eng.dtype}), {what}")
+            f"{eng.dtype}), {what}" + (f"; decode graphs captured at start in {captured:.2f} s" if captured else ""))
         result = {"engine": "llaisys", "model": label, "device": eng.device, "dtype": dtype,
                   "compute_dtype": eng.dtype, "num_requests": num_requests, "min_len": min_len, "max_len": max_len,
                   "temperature": temperature, "max_num_seqs": max_num_seqs}

@@ -24,6 +24,7 @@ class ModelRunner:
         runners = [_core.Runner(m, p, list(graph_sizes), max_blocks_per_seq, cuda_graphs) for m, p in zip(models, pools)]
         self.runner = runners[0] if len(runners) == 1 else _core.RankGroup(runners, tp_timeout_s)
         self.prepare_s = 0.0  # host time building the step's arrays (read by benchmarks)
+        self.capture_s = 0.0  # time capture_graphs() took (read by benchmarks)
         self.mask_s, self.mask_rows = 0.0, 0  # host time computing token masks, and rows masked (benchmarks)
         self.masks = MaskFiller(mask_threads)
         self._mask_host = None  # the masks' host array, reused (_mask_buffer)
@@ -36,6 +37,32 @@ class ModelRunner:
         # would be freed only by a collection after close()
         me = weakref.ref(self)
         self.seen = SeenRows(lambda row, words: me().runner.set_seen(row, words), vocab_size)
+
+    def capture_graphs(self, sizes, progress: bool = False) -> list[int]:
+        """Captures the decode graph of every size in `sizes` not captured yet, now rather than at the first step
+        of that many rows (vLLM and SGLang capture theirs at start too): a step of P rows of one token each, all
+        at position 0 of the reserved block 0 (where padded rows write), greedy, its tokens dropped. Returns the
+        sizes captured. A batch that grew to a new size no longer waits for a capture in the middle of serving
+        (the nano-vllm protocol on an H200 passes through ~20 sizes as its requests end)."""
+        import sys
+
+        from tqdm import tqdm
+
+        todo = sorted(set(sizes) - set(self.runner.captured_batch_sizes), reverse=True)
+        bar = progress and getattr(sys.stderr, "isatty", lambda: False)()
+        t = time.perf_counter()
+        for p in tqdm(todo, desc="capturing decode graphs", unit="graph", disable=not bar, file=sys.stderr,
+                      leave=False):
+            zeros64, zeros32 = np.zeros(p, np.int64), np.zeros(p, np.int32)
+            self.runner.step(zeros64, zeros64, zeros64, np.arange(p + 1, dtype=np.int32), np.ones(p, np.int32),
+                             np.zeros((p, 1), np.int32), np.zeros(p, np.float32), zeros32, np.ones(p, np.float32),
+                             np.zeros(p, np.float32), np.ones(p, np.float32), np.zeros(p, np.uint64),
+                             np.zeros(p, np.uint64), np.full(p, -1, np.int32), [], [])
+        self.capture_s += time.perf_counter() - t
+        if progress and not bar and todo:
+            print(f"llaisys: captured {len(todo)} decode graphs ({min(todo)} to {max(todo)} rows) in "
+                  f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        return todo[::-1]
 
     def _arrays(self, step: Step, ahead: int = 0):
         """The step's host arrays. ahead = 1: a decode one token past what the host knows (the token it
