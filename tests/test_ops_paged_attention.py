@@ -421,6 +421,59 @@ def test_cuda_mixed_step_decodes_beside_prompt_chunks(case, heads, dtype, device
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128)], ids=["0.5B", "1.5B"])
+def test_cuda_mixed_step_settled_history_strided_and_untouched_rows(heads, dtype):
+    """A mixed step as the model calls it (settled_history=True: the one-query launch reads the older keys
+    before the kernel ahead ends): the bits of the default; q inside wider rows, out with a row stride, rows
+    past the last sequence untouched; and the newest key of every sequence, written by a kernel launched just
+    before the attention, is the one read (decodes split several ways: partials kept a sequence)."""
+    qlens, kvlens = [1, 40, 1, 0, 130, 1], [300, 40, 5000, 9, 400, 1]
+    b = Batch(qlens, kvlens, 16, heads, dtype, "cuda", seed=21, extra_rows=3, q_layout="strided")
+    scale = heads[2] ** -0.5
+    plain = b.run(scale)
+    settled = poisoned(b.shape, dtype, "cuda")
+    llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, b.max_q_len, settled_history=True)
+    np.testing.assert_array_equal(bits(settled), bits(plain))
+    live = [i for i, kv in enumerate(kvlens) if kv]
+    j = np.array([kvlens[i] - 1 for i in live])
+    bs = b.ref_k.shape[1]
+    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    nkvh, hd = heads[1], heads[2]
+    rng = np.random.default_rng(22)
+    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
+    rows = b.ref_k.shape[0] * bs
+    idx = llaisys.tensor(slots, "cuda")
+    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
+    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
+    T, nh, _ = b.shape
+    buf = poisoned((T, nh, 2 * hd), dtype, "cuda")
+    llaisys.ops.paged_attention(buf.slice(2, 0, hd), b.q, b.k, b.v, *b.meta, scale, b.max_q_len,
+                                settled_history=True)
+    for ref, new in ((b.ref_k, new_k), (b.ref_v, new_v)):
+        ref.reshape(rows, nkvh, hd)[slots] = new.astype(np.float64).reshape(-1, nkvh, hd)
+    assert_close(to_f64(buf)[..., :hd], b.expected(scale), dtype)
+    assert np.isnan(to_f64(buf)[..., hd:]).all(), "wrote outside the out view"
+    assert np.isnan(to_f64(buf)[-3:]).all(), "wrote rows of no sequence"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("q_start", [[0, 20, 19, 22], [0, 20, 21, 40], [-3, 20, 21, 22]],
+                         ids=["falls", "past-tokens", "negative"])
+def test_cuda_mixed_step_bad_q_start_raises_at_synchronize(q_start):
+    """q_start that falls, passes the step's tokens or starts below 0, in a mixed step (the tensor-core
+    prefill's tile search and the one-query launch): nothing out of bounds is read (run under
+    compute-sanitizer to see it) and the next synchronize raises; the flag is cleared after."""
+    b = Batch([20, 1, 1], [25, 7, 9], 4, (4, 2, 64), "bf16", "cuda", seed=10)
+    out = poisoned(b.shape, "bf16", "cuda")
+    llaisys.ops.paged_attention(out, b.q, b.k, b.v, b.meta[0], llaisys.tensor(np.array(q_start, np.int32), "cuda"),
+                                b.meta[2], 0.125, 20)
+    with pytest.raises(IndexError, match="paged_attention: "):
+        llaisys.synchronize("cuda")
+    llaisys.synchronize("cuda")
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("heads", [(12, 2, 128), (14, 2, 64), (8, 8, 64)], ids=["1.5B", "0.5B", "g1"])
 def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype):
