@@ -198,8 +198,8 @@ __host__ __device__ constexpr int64_t tc_tiles(int64_t tokens, int64_t B) { retu
 // to at most tokens: a sequence where it does not is reported (kErrPagedMetadata) and its tiles are never found.
 template <typename T>
 __device__ __forceinline__ int2 tc_tile_of(const PagedArgs<T> &a, int v) {
-    __shared__ int2 found;
-    if (threadIdx.x == 0) found = make_int2(-1, 0);
+    __shared__ int found; // the sequence (the largest that claims v, should malformed ranges overlap)
+    if (threadIdx.x == 0) found = -1;
     __syncthreads();
     for (int b = threadIdx.x; b < a.batch; b += blockDim.x) {
         const int q0 = a.q_start[b], q1 = a.q_start[b + 1];
@@ -208,10 +208,11 @@ __device__ __forceinline__ int2 tc_tile_of(const PagedArgs<T> &a, int v) {
             continue;
         }
         const int first = q0 / flash_tc::kTcBQ + b, n = (q1 - q0 + flash_tc::kTcBQ - 1) / flash_tc::kTcBQ;
-        if (v >= first && v < first + n) found = make_int2(b, v - first);
+        if (v >= first && v < first + n) atomicMax(&found, b);
     }
     __syncthreads();
-    return found;
+    const int b = found;
+    return b < 0 ? make_int2(-1, 0) : make_int2(b, v - (a.q_start[b] / flash_tc::kTcBQ + b));
 }
 
 // Tensor-core prefill over the paged cache (flash-attention-2: the Q fragments, key loop and row store are

@@ -17,7 +17,7 @@ struct PagedArgs {
     const T *q;                               // [tokens, nh, hd], strides (q_s0, q_s1, 1)
     const T *k, *v;                           // [num_blocks, block_size, nkvh, hd] contiguous
     const int32_t *tables, *q_start, *kv_len; // [B, max_blocks], [B + 1], [B]
-    float *part;                              // nsplit > 1: partials [nsplit][tokens][nh][hd + 2] (acc, m, l)
+    float *part;                              // nsplit > 1: partials [nsplit][part_rows][nh][hd + 2] (acc, m, l)
     int *error;
     int64_t q_s0, q_s1, o_s0, o_s1;
     int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
