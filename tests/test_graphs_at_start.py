@@ -55,3 +55,16 @@ def test_graphs_at_start_setting():
     assert EngineConfig(graphs_at_start=False).graphs_at_start is False
     with pytest.raises(ValueError, match="graphs_at_start must be True or False"):
         EngineConfig(graphs_at_start="yes")
+
+
+def test_warm_up_of_a_model_that_computes_nan_leaves_the_error_to_requests(tmp_path):
+    """A checkpoint with a NaN weight: the warm-up steps (whose tokens are dropped) do not fail the engine's
+    start; each request still raises its non-finite-logits error at its first token (on CUDA the engine's own
+    start runs them: tests/test_model.py's NaN test covers that path)."""
+    from test_model import _nan_checkpoint
+
+    path = _nan_checkpoint(tmp_path, "model.norm.weight")
+    with engine(path, "cpu", graph_batch_sizes=SIZES, max_num_seqs=8, max_seq_len=256) as eng:
+        assert eng._core.runner.capture_graphs(eng._core.config.graph_sizes) == list(SIZES)
+        with pytest.raises(RuntimeError, match=r"non-finite logits \(NaN or Inf\) at generation step 0"):
+            eng.generate([1, 2, 3], max_new_tokens=4, temperature=0)
