@@ -420,6 +420,24 @@ def test_cuda_mixed_step_decodes_beside_prompt_chunks(case, heads, dtype, device
     assert_close(out, to_f64(cpu), dtype)
 
 
+def write_newest_keys(b, kvlens, heads, dtype, seed):
+    """New K/V rows for each sequence's newest key (kv_len - 1), written into the CUDA caches by index_copy (a
+    kernel on the stream right before the attention, as rope_qkv_cache is in a step): (cache rows, the slots,
+    new K, new V), for the caller to put into its float64 reference."""
+    live = [i for i, kv in enumerate(kvlens) if kv]
+    j = np.array([kvlens[i] - 1 for i in live])
+    bs = b.ref_k.shape[1]
+    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    nkvh, hd = heads[1], heads[2]
+    rng = np.random.default_rng(seed)
+    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
+    rows = b.ref_k.shape[0] * bs
+    idx = llaisys.tensor(slots, "cuda")
+    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
+    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
+    return rows, slots, new_k, new_v
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 @pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128)], ids=["0.5B", "1.5B"])
@@ -435,17 +453,8 @@ def test_cuda_mixed_step_settled_history_strided_and_untouched_rows(heads, dtype
     settled = poisoned(b.shape, dtype, "cuda")
     llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, b.max_q_len, settled_history=True)
     np.testing.assert_array_equal(bits(settled), bits(plain))
-    live = [i for i, kv in enumerate(kvlens) if kv]
-    j = np.array([kvlens[i] - 1 for i in live])
-    bs = b.ref_k.shape[1]
-    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    rows, slots, new_k, new_v = write_newest_keys(b, kvlens, heads, dtype, seed=22)
     nkvh, hd = heads[1], heads[2]
-    rng = np.random.default_rng(22)
-    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
-    rows = b.ref_k.shape[0] * bs
-    idx = llaisys.tensor(slots, "cuda")
-    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
-    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
     T, nh, _ = b.shape
     buf = poisoned((T, nh, 2 * hd), dtype, "cuda")
     llaisys.ops.paged_attention(buf.slice(2, 0, hd), b.q, b.k, b.v, *b.meta, scale, b.max_q_len,
@@ -488,17 +497,8 @@ def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype
     llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True)
     np.testing.assert_array_equal(settled.to("cpu").numpy().view(np.uint8), plain.to("cpu").numpy().view(np.uint8))
     # new newest rows, through a kernel on the same stream right before the attention
-    live = [i for i, kv in enumerate(kvlens) if kv]
-    j = np.array([kvlens[i] - 1 for i in live])
-    bs = b.ref_k.shape[1]
-    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    rows, slots, new_k, new_v = write_newest_keys(b, kvlens, heads, dtype, seed=13)
     nkvh, hd = heads[1], heads[2]
-    rng = np.random.default_rng(13)
-    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
-    rows = b.ref_k.shape[0] * bs
-    idx = llaisys.tensor(slots, "cuda")
-    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
-    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
     out = poisoned(b.shape, dtype, "cuda")
     llaisys.ops.paged_attention(out, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True)
     for ref, new in ((b.ref_k, new_k), (b.ref_v, new_v)):
