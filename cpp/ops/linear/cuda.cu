@@ -495,16 +495,6 @@ void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_
     }
 }
 
-// Whether split-K partial sums may be kept in the output's dtype: LLAISYS_GEMM_EXACT_SPLITK=0 allows it (as
-// before session 38; an A/B switch only).
-bool lossy_splitk_allowed() {
-    static const bool allowed = [] {
-        const char *e = std::getenv("LLAISYS_GEMM_EXACT_SPLITK");
-        return e && std::string(e) == "0";
-    }();
-    return allowed;
-}
-
 // cuBLASLt's first choice for the described problem, told the real alignments of w, x and out
 // (its default assumes 256 bytes, and a kernel picked on that assumption faults on a column slice).
 // Split-K partials are summed in f32 only (`exact_reduction`, for bf16/f16 outputs): a partial rounded to bf16
@@ -523,7 +513,7 @@ bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3]
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; ++i) // C is D (out)
         CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &align[std::min(i, 2)], sizeof(uint32_t)));
-    if (exact_reduction && !lossy_splitk_allowed()) {
+    if (exact_reduction) {
         const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
         CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
                                                             sizeof(mask)));
