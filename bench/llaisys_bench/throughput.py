@@ -122,7 +122,8 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
     steps = max(tm["steps"], 1)
     stats = eng.stats()
     return {"seconds": dt, "prompt_tokens": prompt_tokens, "output_tokens": gen, "output_tok_s": gen / dt,
-            "total_tok_s": (gen + prompt_tokens) / dt, "last_first_token_s": prefill_s, "steps": tm["steps"], "ms_per_step": 1e3 * dt / steps,
+            "total_tok_s": (gen + prompt_tokens) / dt, "last_first_token_s": prefill_s, "steps": tm["steps"],
+            "ms_per_step": 1e3 * dt / steps,
             "schedule_ms": 1e3 * tm["schedule_s"] / steps, "arrays_ms": 1e3 * core.runner.prepare_s / steps,
             "runner_ms": 1e3 * (tm["run_s"] - core.runner.prepare_s) / steps,
             "postprocess_ms": 1e3 * tm["postprocess_s"] / steps,
@@ -181,7 +182,8 @@ def run_hf(path: str, device: str, prompts, new_tokens: int) -> dict:
 
 def format_line(r: dict) -> str:
     return (f"batched: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s "
-            f"({r['seconds']:.1f} s, last first token at {r.get('last_first_token_s', 0):.2f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
+            f"({r['seconds']:.1f} s, last first token at {r.get('last_first_token_s', 0):.2f} s, {r['steps']} steps, "
+            f"{r['ms_per_step']:.2f} ms/step: schedule "
             f"{r['schedule_ms']:.2f}, arrays {r['arrays_ms']:.2f}, runner {r['runner_ms']:.2f}, "
             f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']}; overlapped "
             f"{r.get('overlapped', 0)} steps; host {r.get('host_us_per_seq_step', 0):.2f} us per sequence per step)")

@@ -64,10 +64,11 @@ class ModelRunner:
                 # request says so at its first token, as without the warm-up; anything else is raised
                 if not str(e).startswith("non-finite logits"):
                     raise
-        self.capture_s += time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.capture_s += took
         if progress and not bar and todo:
-            print(f"llaisys: captured {len(todo)} decode graphs ({min(todo)} to {max(todo)} rows) in "
-                  f"{time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            print(f"llaisys: captured {len(todo)} decode graphs ({min(todo)} to {max(todo)} rows) in {took:.1f} s",
+                  file=sys.stderr, flush=True)
         return todo[::-1]
 
     def _arrays(self, step: Step, ahead: int = 0):
