@@ -17,81 +17,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections import defaultdict
 
-def short(name: str) -> str:
-    """A kernel's name without namespaces, template arguments and parameter list; a GEMV keeps its
-    epilogue (Plain / Swiglu) so linear and linear_swiglu show apart."""
-    name = name.replace("(anonymous namespace)::", "").replace("void ", "")
-    name = name.split("(")[0]
-    depth, out, targs = 0, [], []
-    for ch in name:
-        if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth -= 1
-        elif depth == 0:
-            out.append(ch)
-        else:
-            targs.append(ch)
-    base = "".join(out).strip().split("::")[-1] or name[:60]
-    t = "".join(targs)
-    for epilogue in ("PlainEpilogue", "SwigluEpilogue"):
-        if epilogue in t:
-            base += "/" + epilogue.replace("Epilogue", "").lower()
-    if base.startswith("quant_gemv") and t.rstrip().endswith("true"):
-        base += "/swiglu"
-    return base
-
-
-def profiled(eng, prompts, new_tokens: int):
-    """(kernel name -> [launches, device µs], wall seconds, µs the GPU ran no kernel between the call's first
-    kernel and its last) of one generate call."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    import llaisys
-
-    llaisys.synchronize(eng.device)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        eng.generate(prompts, max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-        wall = time.perf_counter() - t0
-    per = defaultdict(lambda: [0, 0.0])
-    spans = []
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 and "Memcpy" not in ev.name:
-            k = short(ev.name)
-            per[k][0] += 1
-            per[k][1] += ev.device_time_total
-            spans.append((ev.time_range.start, ev.time_range.end))
-    idle, reach = 0.0, None
-    for start, end in sorted(spans):  # gaps in the union of the kernels' intervals
-        if reach is not None and start > reach:
-            idle += start - reach
-        reach = end if reach is None else max(reach, end)
-    return per, wall, idle
-
+from llaisys_bench.kernel_profile import print_rows, profiled  # this folder is sys.path[0]
 
 def prefill_report(eng, args, prompts) -> int:
     """--prefill: every kernel of one generate(prompts, 1 new token) with prompts the cache has not seen."""
     per, wall, idle = profiled(eng, prompts, 1)
     tokens = sum(map(len, prompts))
-    rows = sorted(((k, n, us) for k, (n, us) in per.items()), key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
+    total = sum(us for k, (n, us) in per.items() if not k.startswith("Memcpy"))
     print(f"{args.shape}, prefill of {args.batch} prompts x {args.context} tokens: wall {wall * 1e3:.1f} ms "
           f"(profiled; {tokens / wall:,.0f} tok/s), kernel time {total / 1e3:.1f} ms, GPU idle {idle / 1e3:.1f} ms")
-    print(f"{'kernel':<44}{'launches':>9}{'ms':>10}{'share':>8}{'µs/launch':>11}")
-    for k, n, us in rows:
-        print(f"{k[:43]:<44}{n:9d}{us / 1e3:10.2f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1):11.2f}")
+    print_rows(per)
     eng.close()
     return 0
 
 
 def main() -> int:
-    from llaisys_bench.shapes import SHAPES  # this folder is sys.path[0]; llaisys_bench finds llaisys' sources
-    from llaisys_bench.throughput import random_checkpoint, requests
+    from llaisys_bench.shapes import SHAPES  # llaisys_bench finds llaisys' sources
+    from llaisys_bench.throughput import open_engine, random_checkpoint, requests
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
@@ -103,38 +46,49 @@ def main() -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="instead: the kernels of prefilling --batch fresh prompts of --context tokens (one "
                          "generate of 1 new token; its prompts miss the prefix cache): ms per kernel for the whole prefill")
+    ap.add_argument("--logprobs", type=int, metavar="K",
+                    help="every request asks for logprobs=K (the logprobs kernel and its copies in the step)")
+    ap.add_argument("--temperature", type=float, metavar="T",
+                    help="every request samples at T (the protocol's 0.6: the sampler's passes in the step)")
+    ap.add_argument("--regex", metavar="RE",
+                    help="every request constrained by this regex (issue 31: the masks' copies and the deferred "
+                         "sampling in the step); memory copies are listed too")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     from llaisys.engine.engine import Engine
 
+    dtype = args.dtype or ("quantized" if args.gguf_types else "bf16")
+    kw = dict(device="cuda", dtype=dtype, max_seq_len=args.context + args.steps + 64, max_num_seqs=max(args.batch, 1))
     if args.gguf_types:
         from random_gguf import cached_random_gguf
 
-        path = cached_random_gguf(args.shape, args.gguf_types)
-    else:
-        path = random_checkpoint(args.shape)
-    dtype = args.dtype or ("quantized" if args.gguf_types else "bf16")
-    eng = Engine(path, device="cuda", dtype=dtype, progress=False, max_seq_len=args.context + args.steps + 64,
-                 max_num_seqs=max(args.batch, 1))
+        eng = Engine(cached_random_gguf(args.shape, args.gguf_types), progress=False, **kw)
+    elif args.shape.startswith("qwen2"):
+        eng = Engine(random_checkpoint(args.shape), progress=False, **kw)
+    else:  # the other families' shapes: random weights built in memory (random_checkpoint writes Qwen2 only)
+        eng = open_engine(shape=args.shape, **kw)[0]
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
-    eng.generate(prompts, max_new_tokens=8, temperature=0, ignore_eos=True)
+    gen_kw = {k: v for k, v in dict(logprobs=args.logprobs, regex=args.regex, temperature=args.temperature).items()
+              if v is not None}
+    eng.generate(prompts, max_new_tokens=8, ignore_eos=True, **{"temperature": 0, **gen_kw})
     if args.prefill:
         return prefill_report(eng, args, requests(args.batch, args.context, args.context, eng.config.vocab_size,
                                                    seed=1)[0])
-    base, wall0, idle0 = profiled(eng, prompts, 1)
-    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps)
+    base, wall0, idle0 = profiled(eng, prompts, 1, **gen_kw)
+    full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps, **gen_kw)
     rows = []
     for k, (n, us) in full.items():
         n0, us0 = base.get(k, (0, 0.0))
         if n - n0 > 0:
             rows.append((k, (n - n0) / args.steps, (us - us0) / args.steps))
     rows.sort(key=lambda r: -r[2])
-    total = sum(r[2] for r in rows)
+    total = sum(r[2] for r in rows if not r[0].startswith("Memcpy"))
     wall = (wall1 - wall0) / args.steps * 1e6
     idle = (idle1 - idle0) / args.steps
     what = f"{args.gguf_types} GGUF ({dtype})" if args.gguf_types else dtype
+    what += "".join(f", {k}={v}" for k, v in gen_kw.items())
     print(f"{args.shape}, {what}, batch {args.batch}, context {args.context}: decode step wall {wall:.1f} µs "
           f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}, GPU idle {idle:.1f} µs "
           f"(no kernel running: the host's part of a step)")

@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [bench] [sanitize]
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [opsab] [ncu] [bench] [sanitize]
 #   (default: all but steady, structured, tp, nodes, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
@@ -61,11 +61,26 @@ if has test; then
 fi
 
 if has structured; then # issue 31: constrained vs free decode, overlap off and on (needs llguidance)
-  log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b}"
-  timeout ${T_BENCH:-400} python3 bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --device cuda \
-    --batch 1 64 --repeat 3 --overlap both --json "$OUT/structured.json" 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
-  timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
+  # STRUCT_BASE=DIR: also run the bench, first, on an older tree's python/ in DIR (e.g. `git archive REV python |
+  # tar -x -C .devdeps/base`; same _core and bench/) for a same-call A/B. STRUCT_AB="VAR=value ...": also run this
+  # tree's with these variables, before its plain run (e.g. LLAISYS_MASK_LANES=0: the lanes off). STRUCT_OVERLAP
+  # (default both), STRUCT_BATCH (default "1 64"), STRUCT_ARGS (e.g. "--profile 25"), MASK_FILL=0 skips
+  # bench/mask_fill.py; HOST_PATH=1 adds
+  # bench/host_path.py, with --lanes ${HOST_LANES:-4 8 12} (the loop's consumes + the pool against the lanes).
+  for py in ${STRUCT_BASE:+$STRUCT_BASE/python} ${STRUCT_AB:+ab:$PWD/python} $PWD/python; do
+    vars=""
+    case $py in ab:*) py=${py#ab:}; vars=$STRUCT_AB ;; esac
+    log "bench/structured.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} (python/ of $py${vars:+, with $vars})"
+    env $vars PYTHONPATH=$py:$PYTHONPATH timeout ${T_BENCH:-400} python3 bench/structured.py \
+      --shape ${STRUCT_SHAPE:-qwen2-0.5b} --device cuda --batch ${STRUCT_BATCH:-1 64} --repeat 3 \
+      --overlap ${STRUCT_OVERLAP:-both} ${STRUCT_ARGS:-} \
+      --json "$OUT/structured_$(basename "$(dirname "$py")")${vars:+_ab}.json" 2>&1 | grep -v Warning |
+      tee -a "$OUT/summary.txt"
+  done
+  [ "${MASK_FILL:-1}" = 1 ] && timeout 300 python3 bench/mask_fill.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} --batch 1 16 64 2>&1 |
     grep -v Warning | tee -a "$OUT/summary.txt"
+  [ "${HOST_PATH:-0}" = 1 ] && timeout 300 python3 bench/host_path.py --shape ${STRUCT_SHAPE:-qwen2-0.5b} \
+    --batch 16 64 --lanes ${HOST_LANES:-4 8 12} 2>&1 | grep -v Warning | tee -a "$OUT/summary.txt"
 fi
 
 if has serving; then # the batched engine: one request's decode, then nano-vllm's throughput protocol
@@ -73,12 +88,15 @@ if has serving; then # the batched engine: one request's decode, then nano-vllm'
     log "batched engine, one request, $shape (compare: llaisys bench --shape $shape in 'model')"
     [ -z "${SERVE_SINGLE-1}" ] || timeout 240 python3 bench/throughput.py --shape $shape --device cuda --single 128 256 2>&1 | grep -v Warning |
       grep -E "^(llaisys|one)" | tee -a "$OUT/summary.txt"
-    if [ -n "${SERVE_AB:-}" ]; then # the same protocol with these variables first (e.g. LLAISYS_CHAIN_DROP=0): an A/B in one call
-      log "batched engine throughput, $shape, ${N_REQ:-256} requests, with $SERVE_AB"
-      env $SERVE_AB timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} \
-        2>&1 | tee "$OUT/throughput_${shape}_ab.log" | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" |
-        tee -a "$OUT/summary.txt"
-    fi
+    # SERVE_AB: the same protocol first under each setting (space-separated; VAR=v,VAR2=w sets two; e.g.
+    # LLAISYS_CHAIN_DROP=0): an A/B in one call against the default run below
+    for setting in ${SERVE_AB:-}; do
+      vars=$(echo "$setting" | tr ',' ' ')
+      log "batched engine throughput, $shape, ${N_REQ:-256} requests, with $vars"
+      env $vars timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} \
+        2>&1 | tee "$OUT/throughput_${shape}_ab_$(echo $setting | tr -cd 'A-Za-z0-9').log" | grep -v Warning |
+        grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+    done
     log "batched engine throughput, $shape, ${N_REQ:-256} requests ${PEERS:+(with HF generate_batch)}"
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape $shape --device cuda -n ${N_REQ:-256} ${PEERS:+--peers} \
       ${SERVE_ARGS:-} 2>&1 | tee "$OUT/throughput_$shape.log" | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" |
@@ -87,10 +105,18 @@ if has serving; then # the batched engine: one request's decode, then nano-vllm'
 fi
 
 if has quant; then # GGUF blocks kept quantized (random Q4_K/Q6_K weights of the 1.5B shape) vs the same shape in bf16
+  # QUANT_AB: space-separated VAR=value settings (VAR=v,VAR2=w sets two), each running the protocol first (an A/B
+  # in one call, e.g. LLAISYS_QUANT_TC_MAX_ROWS=0 for the dense-copy path); QUANT_SINGLE= skips batch 1
   for types in q4_k_m q8_0; do
     log "quantized ($types) vs bf16, qwen2-1.5b: one request (batch 1), then ${N_REQ:-256} requests"
-    timeout 300 python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda --single 128 256 2>&1 |
+    [ -z "${QUANT_SINGLE-1}" ] || timeout 300 python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda --single 128 256 2>&1 |
       grep -v Warning | grep -E "^(llaisys|one)|Error|error" | tee -a "$OUT/summary.txt"
+    for setting in ${QUANT_AB:-}; do
+      log "quantized ($types) protocol with $setting"
+      env $(echo "$setting" | tr ',' ' ') timeout ${T_SERVE:-400} python3 bench/throughput.py --shape qwen2-1.5b \
+        --gguf-types $types --device cuda -n ${N_REQ:-256} 2>&1 | grep -v Warning |
+        grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
+    done
     timeout ${T_SERVE:-400} python3 bench/throughput.py --shape qwen2-1.5b --gguf-types $types --device cuda \
       -n ${N_REQ:-256} 2>&1 | grep -v Warning | grep -E "^(llaisys|batched|fixed|one)|Error|error" | tee -a "$OUT/summary.txt"
     [ -n "${QUANT_ONLY_FIRST:-}" ] && break
@@ -217,6 +243,28 @@ if has breakdown; then # per-kernel time of a decode step of the batched engine 
         --json "$OUT/breakdown_$(echo $args $setting | tr -d ' =-').json" 2>&1 | grep -v Warning | head -${BREAKDOWN_LINES:-24} |
         tee -a "$OUT/summary.txt"
     done
+  done
+fi
+if has opsab; then # bench_ops rows (OPS_FILTER) under each OPS_AB setting (space-separated; VAR=v,VAR2=w sets two;
+  # "-" is the default environment): a kernel A/B in one call
+  for setting in ${OPS_AB:--}; do
+    vars=$(echo "$setting" | tr ',' ' '); [ "$vars" = - ] && vars=
+    log "bench_ops --benchmark_filter=${OPS_FILTER:-paged_decode} ${vars:-(default)}"
+    env $vars timeout ${T_BENCH:-200} build/gpu/bench_ops --benchmark_filter="${OPS_FILTER:-paged_decode}" \
+      --benchmark_min_time=0.05 2>&1 | grep -E "^Attention|^[A-Za-z].*/" | cut -c1-150 | tee -a "$OUT/summary.txt"
+  done
+fi
+if has ncu; then # Nsight Compute's full section set of one launch per NCU_CASES entry "bench_ops filter|kernel regex"
+  # (';'-separated), text in ncu_N.txt and its headline rows in the summary; clocks left alone (METHOD.md)
+  i=0
+  IFS=';' read -ra cases <<<"${NCU_CASES:-Sample/bf16/rows:256/V:151936/t:0.6|sample_kernel}"
+  for c in "${cases[@]}"; do
+    i=$((i + 1)); filt=${c%%|*}; kern=${c##*|}
+    log "ncu $kern in bench_ops $filt"
+    timeout ${T_NCU:-180} "${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)}" --clock-control none --set full -k "regex:$kern" --launch-skip ${NCU_SKIP:-30} --launch-count 1 \
+      build/gpu/bench_ops --benchmark_filter="$filt" --benchmark_min_time=0.01 >"$OUT/ncu_$i.txt" 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Waves Per SM|Block Limit|One or More Eligible|Issued Warp|No Eligible|L2 Hit Rate|Executed Ipc A" \
+      "$OUT/ncu_$i.txt" | head -40 | tee -a "$OUT/summary.txt"
   done
 fi
 if has bench; then

@@ -28,6 +28,17 @@ incremental): each token is detokenized and delivered as a chunk, the per-token 
 
     python bench/host_cost.py --batches 1 256 --stream --cpu
 
+With --protocol, nano-vllm's protocol as bench/throughput.py runs it, on the tiny model: --requests requests at
+once (default 256), prompt and output lengths uniform in --lengths (default 100 1024), temperature 0.6, a seed
+each, EOS ignored, CUDA's step budget (4096 tokens, chunks of 2048) and chained steps; it prints
+EngineCore.host_seconds() per sequence per step (issue 33's number) with its parts, and the loop thread's CPU time
+less the runner's. --null-runner replaces the C++ runner by one that computes nothing (its tokens come from a
+counter), so the host's work runs with warm caches, as on a GPU host, and the spread is small; --sweep-mb MB then
+writes that much memory in each of its calls (the caches a forward would have evicted).
+
+    LLAISYS_NUM_THREADS=1 python bench/host_cost.py --protocol --null-runner
+    LLAISYS_NUM_THREADS=1 python bench/host_cost.py --protocol              # the tiny model's own forward
+
 With --arrivals, requests arrive during decode instead (overlap_steps on, as on CUDA; on the CPU nothing
 overlaps in time, but the same steps are chained): a queue (--queue requests at once, --batch of them
 running, the others waiting while full steps decode) and arrivals (--requests requests, one
@@ -164,6 +175,76 @@ def step_ms(eng, batch: int, prompt: int, new: int, repeat: int, variants=(None,
     return best
 
 
+class _NullRunner:
+    """--null-runner: the Runner's step/launch/finish computing nothing (tokens from a counter, never an EOS of
+    the tiny tokenizer, whose ids are all words); everything else is the real runner's."""
+
+    def __init__(self, inner, sweep_mb: float = 0.0):
+        import numpy as np
+
+        self._inner, self._launched, self._k = inner, [], 0
+        self._sweep = np.zeros(int(sweep_mb * (1 << 20)) // 8, np.int64) if sweep_mb else None
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _tokens(self, n: int) -> list[int]:
+        if self._sweep is not None:
+            self._sweep += 1
+        self._k += 1
+        return [(self._k * 31 + 17 * i) % 499 + 1 for i in range(n)]
+
+    def step(self, ids, pos, slots, q_start, *args, **kw):
+        return self._tokens(len(q_start) - 1)
+
+    def launch(self, ids, pos, slots, q_start, *args, **kw):
+        self._launched.append(len(q_start) - 1)
+
+    def finish(self):
+        return self._tokens(self._launched.pop(0))
+
+    @property
+    def launched(self) -> int:
+        return len(self._launched)
+
+
+def protocol(args) -> dict:
+    """The --protocol run (see the docstring): host us per sequence per step, and the parts."""
+    import random
+
+    import llaisys
+
+    lo, hi = args.lengths if args.lengths != [16, 64] else (100, 1024)
+    n = args.requests if args.requests != 128 else 256
+    eng = llaisys.Engine.from_loaded(tiny_loaded(), device=args.device, dtype="f32", max_seq_len=2 * hi + 16,
+                                     max_num_seqs=256, overlap_steps=True, progress=False,
+                                     max_num_batched_tokens=4096, max_prefill_chunk=2048)
+    core = eng._core
+    if args.null_runner:
+        core.runner.runner = _NullRunner(core.runner.runner, args.sweep_mb)
+    core.runner.runner = _CpuRunner(core.runner.runner)
+    eng.generate([[1, 2, 3]] * 4, max_new_tokens=4, temperature=0.6, ignore_eos=True)  # warm-up
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    outs = [rng.randint(lo, hi) for _ in range(n)]
+    parts = ("schedule_s", "prepare_s", "postprocess_s", "overlapped_postprocess_s", "to_return_s", "between_s")
+    c0, h0 = _clock(eng), core.host_seconds()
+    eng.generate(prompts, max_new_tokens=outs, temperature=0.6, ignore_eos=True, seed=list(range(n)))
+    c1, h1 = _clock(eng), core.host_seconds()
+    rows, steps = c1["rows"] - c0["rows"], c1["steps"] - c0["steps"]
+    r = dict(steps=steps, rows=rows, host_us=1e6 * (h1 - h0) / rows,
+             cpu_host_us=1e6 * ((c1["cpu_s"] - c0["cpu_s"]) - (c1["cpu_kernels_s"] - c0["cpu_kernels_s"])) / rows,
+             **{k.replace("_s", "_us"): 1e6 * (c1[k] - c0[k]) / rows for k in parts})
+    print(f"protocol ({n} requests, lengths [{lo}, {hi}], {'null runner' if args.null_runner else 'tiny model'}"
+          f"{f', {args.sweep_mb:g} MB swept a call' if args.sweep_mb else ''}): {steps} steps, {rows} rows; host "
+          f"{r['host_us']:.3f} us per sequence per step (schedule {r['schedule_us']:.3f}, "
+          f"arrays {r['prepare_us']:.3f}, accounting {r['postprocess_us'] - r['overlapped_postprocess_us']:.3f} + overlapped steps' tokens -> return "
+          f"{r['to_return_us']:.3f}, between steps {r['between_us']:.3f}); loop thread CPU less the runner's "
+          f"{r['cpu_host_us']:.3f} us", flush=True)
+    eng.close()
+    return r
+
+
 def arrivals(args) -> list[dict]:
     """The --arrivals runs (see the docstring): steps, chained steps and their share, output tokens."""
     import random
@@ -216,20 +297,24 @@ def main() -> int:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
                     help="on every request (the default model's generation config has 1.1)")
     ap.add_argument("--arrivals", action="store_true", help="requests arriving during decode (see above)")
+    ap.add_argument("--protocol", action="store_true", help="nano-vllm's protocol on the tiny model (see above)")
+    ap.add_argument("--null-runner", action="store_true", help="with --protocol: a runner that computes nothing")
+    ap.add_argument("--sweep-mb", type=float, default=0.0, help="with --null-runner: memory written a call")
     ap.add_argument("--queue", type=int, default=256)
-    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=128, help="--arrivals' (default 128) or --protocol's (256)")
     ap.add_argument("--interval-ms", type=float, default=5.0, help="between two --arrivals submissions")
     ap.add_argument("--batch", type=int, default=32, help="max_num_seqs of the --arrivals runs")
     ap.add_argument("--lengths", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"),
-                    help="new tokens of each --arrivals request, uniform in [LO, HI]")
+                    help="new tokens of each --arrivals request, uniform in [LO, HI] (--protocol: prompt and output "
+                         "lengths, default 100 1024)")
     args = ap.parse_args()
     global PENALTY, STREAM
     PENALTY, STREAM = args.repetition_penalty, args.stream
-    if args.arrivals:
-        rows = arrivals(args)
+    if args.protocol or args.arrivals:
+        r = protocol(args) if args.protocol else arrivals(args)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
+                json.dump(r, f, indent=2)
         return 0
     import llaisys
 

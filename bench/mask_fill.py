@@ -23,6 +23,23 @@ from llaisys_bench.throughput import open_engine  # this folder is sys.path[0] w
 from structured import SCHEMA
 
 
+def random_allowed(rng, masks: np.ndarray, vocab: int) -> list[int]:
+    """A random allowed token of each row of masks ([rows, ceil(vocab / 32)] int32 bitmasks)."""
+    bits = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return [int(rng.choice(np.flatnonzero(row))) for row in bits]
+
+
+def setup(args):
+    """(engine on the CPU, vocabulary size, llguidance tokenizer, the SCHEMA's grammar, a MaskFiller) for
+    --model/--shape and --threads (bench/host_path.py uses it too)."""
+    from llaisys import catalog, constraints
+
+    eng = open_engine(args.shape, None if args.shape else (args.model or catalog.DEFAULT_MODEL), device="cpu",
+                      checkpoint=bool(args.shape))[0]
+    return (eng, eng.config.vocab_size, eng._admit.ll_tokenizer(), constraints.compile_constraint(json_schema=SCHEMA),
+            constraints.MaskFiller(args.threads))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
@@ -32,13 +49,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="LLExecutor threads (default: llguidance's)")
     args = ap.parse_args()
 
-    from llaisys import catalog, constraints
+    from llaisys import constraints
 
-    eng = open_engine(args.shape, None if args.shape else (args.model or catalog.DEFAULT_MODEL), device="cpu",
-                      checkpoint=bool(args.shape))[0]
-    vocab, lltok = eng.config.vocab_size, eng._admit.ll_tokenizer()
-    grammar = constraints.compile_constraint(json_schema=SCHEMA)
-    filler = constraints.MaskFiller(args.threads)
+    eng, vocab, lltok, grammar, filler = setup(args)
     W = (vocab + 31) // 32
     print(f"{os.cpu_count()} CPUs, vocab {vocab}, load average {os.getloadavg()[0]:.2f}")
     for batch in args.batch:
@@ -67,10 +80,7 @@ def main() -> int:
             for f in ((one_by_one, batched) if step % 2 == 0 else (batched, one_by_one)):
                 f()
             assert (a == b).all()  # the same masks
-            toks = []
-            for j in range(len(live)):  # a random allowed token each
-                bits = np.unpackbits(a[j].view(np.uint8), bitorder="little")[:vocab]
-                toks.append(int(rng.choice(np.flatnonzero(bits))))
+            toks = random_allowed(rng, a, vocab)
 
             t = time.perf_counter()  # EngineCore._advance_constrained's calls, row after row
             for (c, _), tok in zip(live, toks):

@@ -106,10 +106,14 @@ void bench_attn_cuda(benchmark::State &state, AttnShape s) {
 #endif
 
 #ifdef LLAISYS_WITH_CUDA
+// batch sequences of one query at `context` keys; with prompts > 0 also that many fresh prompts of prompt_len
+// queries (a step of prompt chunks beside decodes, as the engine's first steps of a batch are)
 struct PagedShape {
-    int64_t batch, context, nh, nkvh, hd;
+    int64_t batch, context, nh, nkvh, hd, prompts = 0, prompt_len = 0;
     static constexpr int64_t block_size = 16;
-    double kv_bytes() const { return 2.0 * double(batch * context * nkvh * hd) * 2; } // bf16 K and V
+    int64_t seqs() const { return batch + prompts; }
+    int64_t tokens() const { return batch + prompts * prompt_len; }
+    double kv_bytes() const { return 2.0 * double((batch * context + prompts * prompt_len) * nkvh * hd) * 2; } // bf16 K and V
 };
 
 Tensor i32_on(const std::vector<int32_t> &v, const Shape &shape, Device device) {
@@ -118,26 +122,33 @@ Tensor i32_on(const std::vector<int32_t> &v, const Shape &shape, Device device) 
     return host.to(device);
 }
 
-// Independent paged caches (every sequence's blocks at shuffled ids) and the decode calls on them.
+// Independent paged caches (every sequence's blocks at shuffled ids) and the step's calls on them: the
+// decodes first, then the prompts.
 std::vector<std::function<void()>> paged_calls(const PagedShape &s, Device device) {
-    const int64_t per_seq = (s.context + s.block_size - 1) / s.block_size, blocks = s.batch * per_seq;
+    const int64_t per_seq = (std::max(s.context, s.prompt_len) + s.block_size - 1) / s.block_size,
+                  blocks = s.seqs() * per_seq, B = s.seqs();
     const int64_t sets = llaisys::bench::cold_sets(s.kv_bytes(), device);
     std::vector<std::function<void()>> calls;
     for (int64_t i = 0; i < sets; ++i) {
         const uint32_t seed = uint32_t(5 * i);
-        std::vector<int32_t> ids(static_cast<size_t>(blocks)), starts(static_cast<size_t>(s.batch + 1)),
-            lens(static_cast<size_t>(s.batch), int32_t(s.context));
+        std::vector<int32_t> ids(static_cast<size_t>(blocks)), starts(static_cast<size_t>(B + 1)),
+            lens(static_cast<size_t>(B), int32_t(s.context));
         std::iota(ids.begin(), ids.end(), 0);
         std::shuffle(ids.begin(), ids.end(), std::mt19937(seed));
-        std::iota(starts.begin(), starts.end(), 0); // one query per sequence
-        const Tensor tables = i32_on(ids, {s.batch, per_seq}, device), q_start = i32_on(starts, {s.batch + 1}, device),
-                     kv_len = i32_on(lens, {s.batch}, device);
-        const Tensor q = attn_random({s.batch, s.nh, s.hd}, device, seed),
+        for (int64_t b = 0; b < B; ++b) { // one query a decode, prompt_len a prompt (all of its keys)
+            const int64_t qlen = b < s.batch ? 1 : s.prompt_len;
+            starts[size_t(b + 1)] = int32_t(starts[size_t(b)] + qlen);
+            if (b >= s.batch) lens[size_t(b)] = int32_t(s.prompt_len);
+        }
+        const Tensor tables = i32_on(ids, {B, per_seq}, device), q_start = i32_on(starts, {B + 1}, device),
+                     kv_len = i32_on(lens, {B}, device);
+        const Tensor q = attn_random({s.tokens(), s.nh, s.hd}, device, seed),
                      k = attn_random({blocks, s.block_size, s.nkvh, s.hd}, device, seed + 1),
                      v = attn_random({blocks, s.block_size, s.nkvh, s.hd}, device, seed + 2);
-        const Tensor out = Tensor::empty({s.batch, s.nh, s.hd}, DType::BF16, device);
+        const Tensor out = Tensor::empty({s.tokens(), s.nh, s.hd}, DType::BF16, device);
         const float scale = 1.f / std::sqrt(float(s.hd));
-        calls.push_back([=] { ops::paged_attention(out, q, k, v, tables, q_start, kv_len, scale, 1); });
+        const int64_t mq = s.prompts > 0 ? s.prompt_len : 1;
+        calls.push_back([=] { ops::paged_attention(out, q, k, v, tables, q_start, kv_len, scale, mq); });
     }
     return calls;
 }
@@ -184,8 +195,11 @@ int register_attention_benchmarks() {
         const AttnShape step{1, 256, nh, nkvh, hd, 4096}; // the decode step's call
         benchmark::RegisterBenchmark(attn_name("decode", "cuda", step).c_str(), bench_attn_cuda, step)
             ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
-        for (int64_t batch : {1, 64, 256})
-            for (int64_t context : {512, 2048}) {
+        // 132 and 198 rows x 2 kv heads: one and 1.5 blocks an SM of an H200 (132 SMs), against 256's
+        // 1.94 (the decode kernel's wave tail, issue 33)
+        for (int64_t batch : {1, 64, 132, 198, 256})
+            for (int64_t context : {256, 512, 2048}) {
+                if (context == 256 && batch < 132) continue;
                 const PagedShape p{batch, context, nh, nkvh, hd};
                 const std::string name = "Attention/paged_decode/cuda/bf16/heads:" + std::to_string(nh) + "x" +
                                          std::to_string(nkvh) + "x" + std::to_string(hd) + "/batch:" +
@@ -193,6 +207,16 @@ int register_attention_benchmarks() {
                 benchmark::RegisterBenchmark(name.c_str(), bench_paged_decode_cuda, p)
                     ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
             }
+        // A step of the nano-vllm protocol's first second: two 2048-token prompt chunks (the CUDA step budget,
+        // 4096 tokens) beside 0, 64 or 256 decodes of 512 keys (LLAISYS_PAGED_MIXED=0: the old split of work)
+        for (int64_t batch : {0, 64, 256}) {
+            const PagedShape p{batch, 512, nh, nkvh, hd, 2, 2048};
+            const std::string name = "Attention/paged_mixed/cuda/bf16/heads:" + std::to_string(nh) + "x" +
+                                     std::to_string(nkvh) + "x" + std::to_string(hd) + "/decodes:" +
+                                     std::to_string(batch) + "/context:512/prompts:2x2048/block:16";
+            benchmark::RegisterBenchmark(name.c_str(), bench_paged_decode_cuda, p)
+                ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(20);
+        }
 #endif
     }
     return 0;

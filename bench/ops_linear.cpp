@@ -1,7 +1,9 @@
 // linear at the Qwen2 shapes: decode (M = 1) is bound by streaming the weight and is read in GB/s
 // (weight + x + out bytes); prefill (M = 64 on the CPU, 512 and 2048 on CUDA) in TFLOP/s (2 M N K).
 // LinearSwiglu/... is the fused MLP gate/up projection + SwiGLU at decode (weight [2I, K], out [M, I]),
-// read the same way; the unfused path is two Linear/.../N:I calls and a swiglu.
+// read the same way; the unfused path is two Linear/.../N:I calls and a swiglu. LinearGeglu/... is the same
+// with Gemma 3's tanh GeGLU, LinearGelu/... a plain MLP's up projection with its bias and erf GELU (GPT-NeoX):
+// against Linear/... of the same K and N, what the epilogue costs over the GEMV it replaces a kernel beside.
 // Compare with the ceilings in ops_ceilings.cpp (device copy bandwidth, cuBLAS GEMM peak, CPU memory).
 //
 // Each iteration cycles through enough copies of the weight (>= 256 MiB in all) that they cannot sit
@@ -24,18 +26,31 @@ namespace {
 
 using namespace llaisys;
 
+// linear; linear_swiglu / linear_geglu (tanh): out [M, N / 2] from the gate and up halves; linear_gelu
+// (erf, with a bias of N).
+enum class Epi { plain, swiglu, geglu, gelu };
+
 struct LinearCase {
-    int64_t M, K, N;     // N: weight rows (2I for linear_swiglu)
-    bool swiglu = false; // linear_swiglu: out [M, N / 2] = swiglu of the gate and up halves
+    int64_t M, K, N; // N: weight rows (2I for linear_swiglu / linear_geglu)
+    Epi epi = Epi::plain;
 };
 
-int64_t out_cols(const LinearCase &c) { return c.swiglu ? c.N / 2 : c.N; }
+bool gated(const LinearCase &c) { return c.epi == Epi::swiglu || c.epi == Epi::geglu; }
+int64_t out_cols(const LinearCase &c) { return gated(c) ? c.N / 2 : c.N; }
 
 // The weights are written before timing (the device synchronized after) and then only read, as a
-// model's are: constant_weight, which the Qwen2 model passes too.
-void run_case(const LinearCase &c, const Tensor &out, const Tensor &x, const Tensor &w) {
-    if (c.swiglu) ops::linear_swiglu(out, x, w, /*constant_weight=*/true);
-    else ops::linear(out, x, w, Tensor(), /*constant_weight=*/true);
+// model's are: constant_weight, which the Qwen2 model passes too. bias: [N] for linear_gelu, else undefined.
+void run_case(const LinearCase &c, const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
+    switch (c.epi) {
+    case Epi::swiglu: return ops::linear_swiglu(out, x, w, /*constant_weight=*/true);
+    case Epi::geglu: return ops::linear_geglu(out, x, w, /*tanh_approx=*/true, /*constant_weight=*/true);
+    case Epi::gelu: return ops::linear_gelu(out, x, w, bias, /*tanh_approx=*/false, /*constant_weight=*/true);
+    case Epi::plain: return ops::linear(out, x, w, Tensor(), /*constant_weight=*/true);
+    }
+}
+
+Tensor bias_of(const LinearCase &c, DType dtype, Device device) {
+    return c.epi == Epi::gelu ? Tensor::empty({c.N}, dtype).fill_(0.01).to(device) : Tensor();
 }
 
 // Copies of a [N, K] weight filling at least 256 MiB (at most 256 copies).
@@ -58,11 +73,11 @@ void set_linear_counters(benchmark::State &state, const LinearCase &c, DType dty
 
 void bench_linear_cpu(benchmark::State &state, LinearCase c, DType dtype) {
     const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5);
-    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype);
+    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype), bias = bias_of(c, dtype, Device::cpu());
     const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, Device::cpu());
     size_t i = 0;
     for (auto _ : state) {
-        run_case(c, out, x, ws[i++ % ws.size()]);
+        run_case(c, out, x, ws[i++ % ws.size()], bias);
         benchmark::ClobberMemory();
     }
     set_linear_counters(state, c, dtype);
@@ -74,17 +89,17 @@ void bench_linear_cuda(benchmark::State &state, LinearCase c, DType dtype) {
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5).to(dev);
-    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype, dev);
+    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype, dev), bias = bias_of(c, dtype, dev);
     const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, dev);
     synchronize(dev);
     const Stream stream = current_stream(dev);
     const int batch = 16;
     size_t i = 0;
-    for (int w = 0; w < 3; ++w) run_case(c, out, x, ws[i++ % ws.size()]); // warm-up (handles, workspace)
+    for (int w = 0; w < 3; ++w) run_case(c, out, x, ws[i++ % ws.size()], bias); // warm-up (handles, workspace)
     Event start(dev, true), stop(dev, true);
     for (auto _ : state) {
         start.record(stream);
-        for (int b = 0; b < batch; ++b) run_case(c, out, x, ws[i++ % ws.size()]);
+        for (int b = 0; b < batch; ++b) run_case(c, out, x, ws[i++ % ws.size()], bias);
         stop.record(stream);
         stop.synchronize();
         state.SetIterationTime(double(start.elapsed_ms(stop)) * 1e-3 / batch);
@@ -100,13 +115,14 @@ void bench_linear_cuda_graph(benchmark::State &state, LinearCase c, DType dtype)
     const Device dev = Device::cuda(0);
     DeviceGuard guard(dev);
     const Tensor x = Tensor::empty({c.M, c.K}, dtype).fill_(0.5).to(dev);
-    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype, dev);
+    const Tensor out = Tensor::empty({c.M, out_cols(c)}, dtype, dev), bias = bias_of(c, dtype, dev);
     const std::vector<Tensor> ws = linear_weight_copies(c.N, c.K, dtype, dev);
     synchronize(dev);
     const int64_t w_bytes = c.N * c.K * int64_t(dtype_size(dtype));
     const int64_t want = std::max<int64_t>(16, ((int64_t(128) << 20) + w_bytes - 1) / w_bytes);
     const int batch = int(std::min<int64_t>(want, int64_t(ws.size())));
-    llaisys::bench::time_graph_replays(state, dev, batch, [&](int b) { run_case(c, out, x, ws[size_t(b) % ws.size()]); });
+    llaisys::bench::time_graph_replays(state, dev, batch,
+                                       [&](int b) { run_case(c, out, x, ws[size_t(b) % ws.size()], bias); });
     set_linear_counters(state, c, dtype);
 }
 #endif
@@ -123,8 +139,10 @@ const std::vector<std::pair<int64_t, int64_t>> kLinearKN = {
 constexpr int kCudaIterations = 200;
 
 std::string linear_name(const char *device, DType dtype, const LinearCase &c) {
-    return std::string(c.swiglu ? "LinearSwiglu/" : "Linear/") + device + "/" + dtype_name(dtype) + "/M:" +
-           std::to_string(c.M) + "/K:" + std::to_string(c.K) + (c.swiglu ? "/I:" : "/N:") + std::to_string(out_cols(c));
+    const char *op = c.epi == Epi::swiglu ? "LinearSwiglu/" : c.epi == Epi::geglu ? "LinearGeglu/"
+                     : c.epi == Epi::gelu ? "LinearGelu/" : "Linear/";
+    return std::string(op) + device + "/" + dtype_name(dtype) + "/M:" + std::to_string(c.M) + "/K:" +
+           std::to_string(c.K) + (gated(c) ? "/I:" : "/N:") + std::to_string(out_cols(c));
 }
 
 int register_linear_benchmarks() {
@@ -140,17 +158,19 @@ int register_linear_benchmarks() {
                     ->Unit(benchmark::kMicrosecond)->UseRealTime();
         }
 #ifdef LLAISYS_WITH_CUDA
-        for (int64_t M : {1, 512, 2048}) {
+        for (int64_t M : {1, 64, 256, 512, 2048}) { // 64 and 256: decode batches (the GEMMs cuBLASLt's choice is timed for)
             const LinearCase c{M, K, N};
             benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
                 ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
-            if (N == 1536 || N == 4864)
+            if ((N == 1536 || N == 4864) && (M == 1 || M >= 512))
                 benchmark::RegisterBenchmark(linear_name("cuda", DType::F32, c).c_str(), bench_linear_cuda, c, DType::F32)
                     ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
         }
-        for (int64_t M : {1, 2, 4, 8}) { // decode without launch costs; M > 1: the GEMV's other instantiations
+        // decode without launch costs; M 2-8: the GEMV's other instantiations; 64 and 256: cuBLASLt at the batch
+        // sizes of a decode graph (what LLAISYS_GEMM_TUNE's choice is for), weights cold as in a step
+        for (int64_t M : {1, 2, 4, 8, 64, 256}) {
             const LinearCase c{M, K, N};
-            if (M == 1 || (K == 1536 && N == 8960))
+            if (M == 1 || M >= 64 || (K == 1536 && N == 8960))
                 benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph,
                                              c, DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()
                     ->Iterations(kCudaIterations);
@@ -159,10 +179,22 @@ int register_linear_benchmarks() {
     }
 #ifdef LLAISYS_WITH_CUDA
     // The 0.5B and 1.5B MLP gate/up + SwiGLU at decode (K = hidden, I = MLP width), launched and replayed.
-    for (const auto &[K, I] : std::vector<std::pair<int64_t, int64_t>>{{896, 4864}, {1536, 8960}}) {
-        const LinearCase c{1, K, 2 * I, true};
-        benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
-            ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
+    // Gemma-3-1B's gate/up + GeGLU (1152 -> 2 x 6912) and Pythia-1.4B's up + bias + GELU (2048 -> 8192), each
+    // beside the plain GEMV of the same weight.
+    const std::vector<LinearCase> mlp = {{1, 896, 2 * 4864, Epi::swiglu}, {1, 1536, 2 * 8960, Epi::swiglu},
+                                         {1, 1152, 2 * 6912, Epi::geglu}, {1, 1152, 2 * 6912},
+                                         {1, 2048, 8192, Epi::gelu},      {1, 2048, 8192}};
+    // The 0.5B and 1.5B gate/up + SwiGLU at decode batches of 64 and 256 rows (cuBLASLt, then swiglu), replayed:
+    // LLAISYS_GATED_GEMM=halves against the default's one batched launch.
+    for (int64_t M : {64, 256})
+        for (const LinearCase &c : {LinearCase{M, 896, 2 * 4864, Epi::swiglu}, LinearCase{M, 1536, 2 * 8960, Epi::swiglu}})
+            benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph, c,
+                                         DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()
+                ->Iterations(kCudaIterations);
+    for (const LinearCase &c : mlp) {
+        if (c.epi == Epi::swiglu)
+            benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
+                ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
         benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph, c,
                                      DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
     }

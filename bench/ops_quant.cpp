@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -134,7 +135,7 @@ void bench_read(benchmark::State &state, int64_t bytes) {
 }
 
 #ifdef LLAISYS_WITH_CUDA
-// One M = 1 call per device copy of the weight (N rows: linear; 2N rows: linear_swiglu into N outputs).
+// One call per device copy of the weight (N rows: linear; 2N rows: linear_swiglu into N outputs).
 void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t M, int64_t K, int64_t N, bool swiglu) {
     if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
     const Device dev = Device::cuda(0);
@@ -153,7 +154,34 @@ void bench_quant_cuda(benchmark::State &state, QuantFormat f, int64_t M, int64_t
     state.counters["GB/s"] = benchmark::Counter(double(w0.nbytes()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The M > 64 rows path's dense copy alone (quant_dequantize into one bf16 scratch, as models::linear does);
+// GB/s counts the weight's bytes read plus the copy's bytes written.
+void bench_dequantize_cuda(benchmark::State &state, QuantFormat f, int64_t N, int64_t K) {
+    if (cuda_device_count() == 0) return state.SkipWithError("no CUDA device visible");
+    const Device dev = Device::cuda(0);
+    DeviceGuard guard(dev);
+    const QuantMatrix w0 = random_matrix(f, N, K);
+    std::vector<QuantMatrix> ws;
+    for (int64_t i = 0; i < llaisys::bench::cold_sets(double(w0.nbytes()), dev); ++i) ws.push_back(w0.to(dev));
+    const Tensor out = Tensor::empty({N, K}, DType::BF16, dev);
+    synchronize(dev);
+    const int batch = int(std::max<size_t>(16, ws.size()));
+    llaisys::bench::time_graph_replays(state, dev, batch,
+                                       [&](int b) { ops::quant_dequantize(out, ws[size_t(b) % ws.size()]); });
+    state.counters["GB/s"] = benchmark::Counter(double(w0.nbytes() + N * K * 2) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void register_cuda_benchmarks() {
+    for (const auto &[f, N, K] : std::vector<std::tuple<QuantFormat, int64_t, int64_t>>{
+             {QuantFormat::Q4_K, 17920, 1536}, {QuantFormat::Q4_K, 1536, 8960}, {QuantFormat::Q6_K, 1536, 8960},
+             {QuantFormat::Q6_K, 151936, 1536}, {QuantFormat::Q5_K, 17920, 1536}}) {
+        const std::string name = std::string("QuantDequantize/cuda_graph/") + quant_format_info(f).name + "/N:" +
+                                 std::to_string(N) + "/K:" + std::to_string(K);
+        benchmark::RegisterBenchmark(name.c_str(), bench_dequantize_cuda, f, N, K)
+            ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(200);
+    }
+
     struct Case {
         QuantFormat f;
         int64_t M, K, N;
@@ -165,6 +193,13 @@ void register_cuda_benchmarks() {
         {QuantFormat::Q6_K, 1, 1536, 151936, false}, {QuantFormat::Q4_K, 1, 1536, 8960, true},
         {QuantFormat::Q5_0, 1, 896, 4864, true},     {QuantFormat::Q8_0, 1, 4864, 896, false},
         {QuantFormat::Q4_K, 8, 1536, 8960, true},    {QuantFormat::Q6_K, 8, 8960, 1536, false},
+        // M > 8: the tensor-core GEMM over decoded W tiles against the dense copy + cuBLASLt
+        // (LLAISYS_QUANT_TC_MAX_ROWS=0), at the 1.5B's gate/up, down and LM head
+        {QuantFormat::Q4_K, 16, 1536, 8960, true},   {QuantFormat::Q4_K, 64, 1536, 8960, true},
+        {QuantFormat::Q4_K, 128, 1536, 8960, true},  {QuantFormat::Q4_K, 256, 1536, 8960, true},
+        {QuantFormat::Q6_K, 16, 8960, 1536, false},  {QuantFormat::Q6_K, 64, 8960, 1536, false},
+        {QuantFormat::Q6_K, 256, 8960, 1536, false}, {QuantFormat::Q6_K, 64, 1536, 151936, false},
+        {QuantFormat::Q6_K, 256, 1536, 151936, false},
     };
     for (const Case &c : cases) {
         const std::string name = std::string(c.swiglu ? "QuantLinearSwiglu" : "QuantLinear") + "/cuda_graph/" +

@@ -109,6 +109,25 @@ void bench_sample(benchmark::State &state, Device dev, DType dtype, SampleCase c
     set_bytes(state, double(kSamplingVocab) * double(dtype_size(dtype)));
 }
 
+// rows x 151936 bf16 at temperature 0.6 (a sampled batch step's call), Normal(0, sd) logits (0.78: a random
+// model of the 1.5B shape's, whose steps take HF's default top_k 50), cold copies of the logits as
+// bench_argmax's batch rows.
+void bench_sample_rows(benchmark::State &state, Device dev, int64_t rows, float sd, int top_k, float top_p) {
+    if (!sampling_device_ok(state, dev)) return;
+    const double bytes = double(rows) * double(kSamplingVocab) * 2.0;
+    std::vector<Tensor> xs;
+    for (int64_t i = 0, sets = llaisys::bench::cold_sets(bytes, dev); i < sets; ++i)
+        xs.push_back(sampling_random({rows, kSamplingVocab}, DType::BF16, dev, sd, uint32_t(1 + i)));
+    const Tensor out = Tensor::empty({rows}, DType::I64, dev);
+    const Tensor t = Tensor::empty({rows}, DType::F32).fill_(0.6f).to(dev);
+    const Tensor k = Tensor::empty({rows}, DType::I32).fill_(top_k).to(dev);
+    const Tensor p = Tensor::empty({rows}, DType::F32).fill_(top_p).to(dev);
+    const Tensor min_p = Tensor::zeros({rows}, DType::F32, dev);
+    uint64_t offset = 0;
+    sampling_timed(state, dev, [&](size_t i) { ops::sample(out, xs[i % xs.size()], t, k, p, min_p, 1234, offset++); });
+    set_bytes(state, bytes);
+}
+
 // Rows of the full 151936-row table at random ids; on CUDA each set of ids and outputs is distinct, so
 // neither the rows read nor the outputs sit in L2 between calls.
 void bench_embedding(benchmark::State &state, Device dev, int64_t n, int64_t D) {
@@ -161,6 +180,14 @@ int register_sampling_benchmarks() {
             reg(std::string("Sample/") + dtype_name(dt) + "/V:151936/" + case_names[0], bench_sample, dt, cases[0]);
         for (int c = 1; c < 3; ++c) // plain temperature; top_p alone (the slow path on these flat logits)
             reg(std::string("Sample/bf16/V:151936/") + case_names[c], bench_sample, DType::BF16, cases[c]);
+        if (d.device.is_cuda())
+            for (int64_t rows : {64, 256}) {
+                const std::string r = "Sample/bf16/rows:" + std::to_string(rows) + "/V:151936/t:0.6";
+                reg(r + "/sd:3", bench_sample_rows, rows, 3.f, 0, 1.f);
+                reg(r + "/sd:0.78", bench_sample_rows, rows, 0.78f, 0, 1.f);
+                reg(r + "/sd:0.78/top_k:50", bench_sample_rows, rows, 0.78f, 50, 1.f);
+                reg(r + "/sd:3/top_k:20/top_p:0.8", bench_sample_rows, rows, 3.f, 20, 0.8f);
+            }
         for (int64_t n : {1, 512, 2048, 8192})
             for (int64_t D : {896, 1536})
                 if (n <= 512 || d.device.is_cuda())

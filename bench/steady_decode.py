@@ -40,7 +40,10 @@ MODES_KW = {"greedy": lambda b: dict(temperature=0),
             # without top_p: random weights give flat distributions, where top_p 0.9 keeps ~90% of the vocabulary
             # and takes the sampler's slow path (ops/sample/cuda.cu); a trained model's peaked rows rarely do
             "temperature": lambda b: dict(temperature=0.7, seed=list(range(1, b + 1))),
-            "logprobs5": lambda b: dict(temperature=0, logprobs=5)}
+            "logprobs5": lambda b: dict(temperature=0, logprobs=5),
+            # the same with every result's entries read inside the timed run: generate() leaves them as arrays
+            # until read (engine/logprobs_log.py), so logprobs5 alone times no entry being built
+            "logprobs5read": lambda b: dict(temperature=0, logprobs=5, read_logprobs=True)}
 
 
 def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int, dtype: str,
@@ -58,9 +61,13 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
                             max_seq_len=context + steps + 8, max_num_seqs=batch, enable_prefix_caching=not cold,
                             progress=False) as eng:
         def timed(n: int, kw=MODES_KW["greedy"](batch)) -> float:
+            kw = dict(kw)
+            read = kw.pop("read_logprobs", False)
             t = _clock()
             out = eng.generate(prompts, max_new_tokens=n, ignore_eos=True, **kw)
             assert all(len(r.token_ids) == n for r in out)
+            if read:
+                assert all(len(r.logprobs) == n for r in out)
             return _clock() - t
 
         t0 = _clock()
@@ -82,7 +89,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
                                  f"over the prefill ({long_s * 1e3:.2f} ms vs {short_s * 1e3:.2f} ms): noise exceeds "
                                  "the signal, raise --steps")
             result[mode] = (long_s - short_s) / steps
-        host_split(eng, lambda: timed(1 + steps), lambda: timed(1), steps, batch)
+            host_split(eng, lambda: timed(1 + steps, kw), lambda: timed(1, kw), steps, f"{batch} {mode}")
         if profile:
             from llaisys_bench import loop_profile
 
@@ -92,7 +99,7 @@ def llaisys_step_s(shape: str, device: str, batch: int, context: int, steps: int
     return result
 
 
-def host_split(eng, long_run, short_run, steps: int, batch: int) -> None:
+def host_split(eng, long_run, short_run, steps: int, batch) -> None:
     """Prints the engine's own split of a decode step (EngineCore.timing, ms a step; run includes the wait for
     the device's tokens): one more long run less one more short run, over the steps between them, so the
     prefill steps both runs share cancel out. A log then shows where the host's part of a step goes."""
@@ -188,7 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES_KW), default=["greedy"],
                     help="what every request asks for, each timed in the same engine: greedy (the peer's), sampled "
                          "(temperature 0.7, top_p 0.9, a seed a request), temperature (the same without top_p), "
-                         "logprobs5 (greedy with logprobs=5); each is printed against greedy's step where greedy runs")
+                         "logprobs5 (greedy with logprobs=5), logprobs5read (the same, every entry read in the timed "
+                         "run); each is printed against greedy's step where greedy runs")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # the child of peer_step_s
     args = ap.parse_args(argv)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from llaisys_bench.throughput import open_engine  # this folder is sys.path[0] when run as a script
@@ -110,6 +111,20 @@ def measure(eng, batch: int, repeat: int, max_new: int) -> dict:
     return best
 
 
+def profile(eng, batch: int, max_new: int, top: int, name: str) -> None:
+    """cProfile of the step loop thread: a constrained run, then its free twin (the profiler slows Python
+    calls: shares, not times)."""
+    from llaisys_bench import loop_profile
+    got = {}
+    times = loop_profile.own_times(eng, lambda: got.update(out=run(eng, batch, True, max_new)))
+    out, _, c = got["out"]
+    loop_profile.report(f"overlap {name} batch {batch} constrained", times, max(c["steps"], 1), top, out=sys.stdout)
+    lengths = [len(r.token_ids) for r in out]
+    times = loop_profile.own_times(eng, lambda: got.update(out=run(eng, batch, False, max_new, lengths)))
+    loop_profile.report(f"overlap {name} batch {batch} free", times, max(got["out"][2]["steps"], 1), top,
+                        out=sys.stdout)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a model (default: the catalog's default, unless --shape)")
@@ -122,6 +137,9 @@ def main() -> int:
     ap.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
                     help="overlapped steps (default: the device's default, on for CUDA)")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then a cProfile of the step loop over one constrained run of the largest batch and one "
+                         "free run of its lengths: the top N functions by own time per step, each")
     args = ap.parse_args()
 
     from llaisys import catalog, constraints
@@ -161,6 +179,8 @@ def main() -> int:
                   f"{best['to_return_ms']:.3f} vs {best['free_to_return_ms']:.3f} ms, outside step() "
                   f"{best['between_ms']:.3f} vs {best['free_between_ms']:.3f} ms"
                   if best["overlapped_share"] else ""), flush=True)
+        if args.profile:
+            profile(eng, max(args.batch), args.max_new, args.profile, name)
         eng.close()
     print(f"schema compile: {res['compile_cold_ms']:.1f} ms cold, {res['compile_cached_ms']:.3f} ms cached; "
           f"llguidance tokenizer {res['ll_tokenizer_s']:.2f} s (once per engine)")

@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-len", type=int, default=bt.DEFAULTS["max_len"])
     ap.add_argument("--temperature", type=float, default=bt.DEFAULTS["temperature"])
     ap.add_argument("--max-num-seqs", type=int, default=bt.DEFAULTS["max_num_seqs"])
+    ap.add_argument("--max-num-batched-tokens", type=int, metavar="T",
+                    help="the engine's token budget a step (default: the engine's for the device)")
     ap.add_argument("--solo", action="store_true", help="also run the requests one at a time")
     ap.add_argument("--peers", action="store_true", help="also run HF transformers' generate_batch")
     ap.add_argument("--single", nargs=2, type=int, metavar=("PROMPT", "NEW"),
@@ -44,6 +46,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="run the requests again under cProfile (the step loop's thread) and print the N functions "
                          "with the most own host time per step")
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="run the requests again under torch.profiler (CUDA) and print the N kernels with the most "
+                         "device time over the whole run")
     ap.add_argument("--json", metavar="FILE", help="also write the result dict as JSON to FILE")
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N GPUs")
     return ap
@@ -56,6 +61,8 @@ def main(argv=None) -> int:
         ap.error("--gguf-types writes a random GGUF of --shape: give --shape")
     try:
         bt.check(args.num_requests, args.min_len, args.max_len, args.temperature, args.max_num_seqs)
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
         if args.single and min(args.single) < 1:
             raise ValueError(f"--single PROMPT NEW must both be >= 1, got {args.single}")
     except ValueError as e:
@@ -66,7 +73,8 @@ def main(argv=None) -> int:
                       dtype=dtype, num_requests=args.num_requests, min_len=args.min_len, max_len=args.max_len,
                       temperature=args.temperature, max_num_seqs=args.max_num_seqs, solo=args.solo,
                       peers=args.peers, single=tuple(args.single) if args.single else None,
-                      tensor_parallel_size=args.tensor_parallel_size, profile=args.profile)
+                      tensor_parallel_size=args.tensor_parallel_size, profile=args.profile,
+                      kernels=args.kernels, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -31,6 +31,13 @@ void bind_ops(nb::module_ &m) {
           nb::arg("constant_weight") = false, G());
     o.def("linear_swiglu", &ops::linear_swiglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"), nb::kw_only(),
           nb::arg("constant_weight") = false, G());
+    o.def("linear_geglu", &ops::linear_geglu, nb::arg("out"), nb::arg("x"), nb::arg("w_gate_up"),
+          nb::arg("tanh_approx") = false, nb::kw_only(), nb::arg("constant_weight") = false, G());
+    o.def("linear_gelu", [](const Tensor &out, const Tensor &x, const Tensor &w, const Tensor *bias, bool tanh_approx,
+                            bool constant_weight) {
+        ops::linear_gelu(out, x, w, bias ? *bias : Tensor(), tanh_approx, constant_weight);
+    }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), nb::arg("tanh_approx") = false,
+          nb::kw_only(), nb::arg("constant_weight") = false, G());
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
     o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
           nb::arg("eps"), G());
@@ -93,10 +100,14 @@ void bind_ops(nb::module_ &m) {
         ops::layer_norm(out, x, weight, bias ? *bias : Tensor(), eps);
     }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias").none(), nb::arg("eps"), G());
     o.def("add_layer_norm", [](const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor *delta2,
-                               const Tensor &weight, const Tensor *bias, float eps) {
-        ops::add_layer_norm(out, residual, delta, delta2 ? *delta2 : Tensor(), weight, bias ? *bias : Tensor(), eps);
+                               const Tensor &weight, const Tensor *bias, float eps, const Tensor *out2,
+                               const Tensor *weight2, const Tensor *bias2) {
+        const auto opt = [](const Tensor *t) { return t ? *t : Tensor(); };
+        ops::add_layer_norm(out, residual, delta, opt(delta2), weight, opt(bias), eps, opt(out2), opt(weight2),
+                            opt(bias2));
     }, nb::arg("out"), nb::arg("residual"), nb::arg("delta"), nb::arg("delta2").none(), nb::arg("weight"),
-          nb::arg("bias").none(), nb::arg("eps"), G());
+          nb::arg("bias").none(), nb::arg("eps"), nb::arg("out2").none() = nb::none(),
+          nb::arg("weight2").none() = nb::none(), nb::arg("bias2").none() = nb::none(), G());
     o.def("gelu", &ops::gelu, nb::arg("out"), nb::arg("x"), nb::arg("tanh_approx") = false, G());
     o.def("geglu", &ops::geglu, nb::arg("out"), nb::arg("gate"), nb::arg("up"), nb::arg("tanh_approx") = false, G());
     // ---- end LayerNorm and GELU ----

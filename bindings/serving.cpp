@@ -9,6 +9,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <type_traits>
 
 using namespace llaisys;
@@ -25,9 +26,20 @@ std::vector<U> to_vector(const Array<T> &a) {
 
 using Tables = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
+// A new NumPy array of `shape` holding a copy of v (its own buffer, freed with the array).
+template <typename T>
+nb::ndarray<nb::numpy, T> owned_array(const std::vector<T> &v, std::initializer_list<size_t> shape) {
+    T *buf = new T[std::max<size_t>(v.size(), 1)];
+    std::copy(v.begin(), v.end(), buf);
+    nb::capsule owner(buf, [](void *p) noexcept { delete[] static_cast<T *>(p); });
+    return nb::ndarray<nb::numpy, T>(buf, shape.size(), shape.begin(), owner);
+}
+
 HostBatch host_batch(const Array<int64_t> &ids, const Array<int64_t> &pos, const Array<int64_t> &slots,
-                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len, const Tables &tables) {
+                     const Array<int32_t> &q_start, const Array<int32_t> &kv_len, const Tables &tables,
+                     bool logits = true) {
     HostBatch b;
+    b.logits = logits;
     b.ids = to_vector(ids);
     b.pos = to_vector(pos);
     b.slots = to_vector(slots);
@@ -90,6 +102,60 @@ std::vector<std::vector<int32_t>> row_masks(size_t B, const std::optional<Tables
     return masks;
 }
 
+// Strided read-only views: a column of a logprobs log ([steps, rows, k] arrays, engine/logprobs_log.py).
+using Lp1 = nb::ndarray<const float, nb::ndim<1>, nb::device::cpu>;
+template <typename T>
+using Lp2 = nb::ndarray<const T, nb::ndim<2>, nb::device::cpu>;
+
+// A new untracked object (see logprobs_entries), or the error nanobind raises.
+PyObject *checked(PyObject *o) {
+    if (!o) throw nb::python_error();
+    return o;
+}
+
+// The logprobs entries {"token_id", "logprob", "top": [[id, logprob] x n]} of T rows, as the engine's
+// Python built them (logprobs_log.entries' docstring): Python ints from the i64 ids, floats from the f32
+// logprobs. The containers are left out of the garbage collector (PyObject_GC_UnTrack): plain data made here,
+// in no reference cycle, freed by their reference counts as any; tracked, the ~7 of each entry were walked
+// by every collection while results piled up (half the cost of building them at 256 rows, CPU proxy). A dict
+// is tracked again by CPython once a container is put in it; a list is not (a cycle made through it would
+// never be collected).
+nb::list logprobs_entries(const std::vector<int64_t> &tokens, const Lp1 &chosen, const Lp2<int64_t> &ids,
+                          const Lp2<float> &lps, const std::vector<int64_t> &n) {
+    const size_t T = tokens.size();
+    LLAISYS_CHECK(chosen.shape(0) == T && ids.shape(0) == T && lps.shape(0) == T &&
+                      ids.shape(1) == lps.shape(1) && (n.size() == T || n.size() == 1),
+                  std::invalid_argument, "logprobs_entries: ", T, " tokens, ", chosen.shape(0), " logprobs, ",
+                  ids.shape(0), " x ", ids.shape(1), " ids, ", lps.shape(0), " x ", lps.shape(1), " top, ",
+                  n.size(), " counts");
+    static PyObject *k_token = PyUnicode_InternFromString("token_id"), *k_lp = PyUnicode_InternFromString("logprob"),
+                    *k_top = PyUnicode_InternFromString("top");
+    const int64_t K = int64_t(ids.shape(1));
+    nb::list out = nb::steal<nb::list>(checked(PyList_New(Py_ssize_t(T))));
+    for (size_t i = 0; i < T; ++i) {
+        const int64_t m = std::min(n.size() == 1 ? n[0] : n[i], K);
+        LLAISYS_CHECK(m >= 0, std::invalid_argument, "logprobs_entries: a negative count");
+        nb::object top = nb::steal(checked(PyList_New(Py_ssize_t(m))));
+        for (int64_t j = 0; j < m; ++j) {
+            PyObject *pair = checked(PyList_New(2));
+            PyList_SET_ITEM(top.ptr(), j, pair); // owned by top from here (freed with it on an error)
+            PyList_SET_ITEM(pair, 0, checked(PyLong_FromLongLong(ids(i, j))));
+            PyList_SET_ITEM(pair, 1, checked(PyFloat_FromDouble(double(lps(i, j)))));
+            PyObject_GC_UnTrack(pair);
+        }
+        PyObject_GC_UnTrack(top.ptr());
+        nb::object entry = nb::steal(checked(PyDict_New()));
+        nb::object token = nb::steal(checked(PyLong_FromLongLong(tokens[i])));
+        nb::object lp = nb::steal(checked(PyFloat_FromDouble(double(chosen(i)))));
+        if (PyDict_SetItem(entry.ptr(), k_token, token.ptr()) || PyDict_SetItem(entry.ptr(), k_lp, lp.ptr()) ||
+            PyDict_SetItem(entry.ptr(), k_top, top.ptr()))
+            throw nb::python_error();
+        PyObject_GC_UnTrack(entry.ptr());
+        PyList_SET_ITEM(out.ptr(), Py_ssize_t(i), entry.release().ptr());
+    }
+    return out;
+}
+
 void add_masks(std::vector<RowSampling> &rows, const std::optional<Tables> &token_mask,
                const std::vector<int64_t> &mask_rows) {
     std::vector<std::vector<int32_t>> masks = row_masks(rows.size(), token_mask, mask_rows);
@@ -107,8 +173,8 @@ void bind_steps(nb::class_<R> &c) {
                         Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                         Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                         std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
-                        std::optional<Tables> token_mask, std::vector<int64_t> mask_rows) {
-            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+                        std::optional<Tables> token_mask, std::vector<int64_t> mask_rows, bool logits) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables, logits);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
                                                          seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
@@ -118,17 +184,18 @@ void bind_steps(nb::class_<R> &c) {
              nb::arg("block_tables"), nb::arg("temperature"), nb::arg("top_k"), nb::arg("top_p"), nb::arg("min_p"),
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("token_mask").none() = nb::none(),
-             nb::arg("mask_rows") = std::vector<int64_t>(),
+             nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("logits") = true,
              "Runs one step and returns one sampled token id per sequence. token_mask [M, ceil(vocab / 32)] (i32): "
-             "the allowed-token bitmasks of rows mask_rows (structured output).")
+             "the allowed-token bitmasks of rows mask_rows (structured output). logits False: no row samples a "
+             "token this step (prompt chunks before their prompt's last): no LM head, every row gets token 0.")
         .def("launch", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, Array<float> temperature,
                           Array<int32_t> top_k, Array<float> top_p, Array<float> min_p, Array<float> repetition_penalty,
                           Array<uint64_t> seed, Array<uint64_t> step, Array<int32_t> seen_row,
                           std::vector<std::vector<int64_t>> bias_ids, std::vector<std::vector<float>> bias,
                           bool chain, std::optional<Tables> token_mask, std::vector<int64_t> mask_rows,
-                          bool defer_sampling, std::vector<int64_t> chain_rows) {
-            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
+                          bool defer_sampling, std::vector<int64_t> chain_rows, bool logits) {
+            const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables, logits);
             std::vector<RowSampling> rows = row_sampling(b, temperature, top_k, top_p, min_p, repetition_penalty,
                                                          seed, step, seen_row, bias_ids, bias);
             add_masks(rows, token_mask, mask_rows);
@@ -144,10 +211,10 @@ void bind_steps(nb::class_<R> &c) {
              nb::arg("repetition_penalty"), nb::arg("seed"), nb::arg("step"), nb::arg("seen_row"),
              nb::arg("bias_ids"), nb::arg("bias"), nb::arg("chain"), nb::arg("token_mask").none() = nb::none(),
              nb::arg("mask_rows") = std::vector<int64_t>(), nb::arg("defer_sampling") = false,
-             nb::arg("chain_rows") = std::vector<int64_t>(),
+             nb::arg("chain_rows") = std::vector<int64_t>(), nb::arg("logits") = true,
              "Runs one step without waiting for its tokens (finish() returns them); chain: its input ids are the "
              "previous launch's tokens, on the device (chain_rows: of those rows, increasing). defer_sampling (a Runner only): the forward alone; "
-             "sample_deferred() samples it.")
+             "sample_deferred() samples it. logits: as step()'s.")
         .def("finish", [](R &r) {
             nb::gil_scoped_release release;
             return r.finish();
@@ -160,6 +227,11 @@ void bind_steps(nb::class_<R> &c) {
              "Writes row `row` of the repetition penalty's seen sets: words [ceil(vocab / 32)] i32, bit v % 32 of "
              "word v / 32 = token v seen (a step's seen_row names it; its sampled tokens are added on the device).")
         .def_prop_ro("launched", &R::launched, "Launched steps not finished yet.")
+        .def_prop_ro("busy", [](const R &r) {
+            if constexpr (std::is_same_v<R, Runner>) return r.busy();
+            else return false; // a RankGroup's ranks own their launches on their threads: never asked
+        }, "Whether the oldest launch still runs on the device (finish() would wait); False on the CPU and for a "
+           "tensor-parallel group.")
         .def("logits", [](R &r, Array<int64_t> ids, Array<int64_t> pos, Array<int64_t> slots,
                           Array<int32_t> q_start, Array<int32_t> kv_len, Tables tables, bool all_logits) {
             const HostBatch b = host_batch(ids, pos, slots, q_start, kv_len, tables);
@@ -179,6 +251,11 @@ void bind_steps(nb::class_<R> &c) {
 }
 
 void bind_serving(nb::module_ &m) {
+    m.def("logprobs_entries", &logprobs_entries, nb::arg("tokens"), nb::arg("chosen"), nb::arg("top_ids"),
+          nb::arg("top_lp"), nb::arg("n"),
+          "Logprobs entries {'token_id', 'logprob', 'top': [[id, logprob], ...]} of rows: tokens [T] ints, chosen "
+          "[T] f32, top_ids [T, K] i64 and top_lp [T, K] f32 (strided views allowed), n: each row's count of top "
+          "pairs (one for every row, or T), at most K. Its containers are not tracked by the garbage collector.");
     m.def("device_memory_info", [](const std::string &d) {
         const DeviceMemoryInfo info = device_memory_info(Device::parse(d));
         return std::make_pair(info.free, info.total);
@@ -217,6 +294,9 @@ void bind_serving(nb::module_ &m) {
     }, nb::arg("token_mask").none(), nb::arg("mask_rows"), nb::arg("num_rows"),
        "Samples the deferred launch (launch(defer_sampling=True)) of num_rows rows, rows mask_rows masked by "
        "token_mask [M, ceil(vocab / 32)] (i32).");
+    runner.def("mask_buffer", &Runner::mask_buffer, nb::arg("rows"),
+               "A host buffer [rows, ceil(vocab / 32)] i32 for the next sample_deferred's token masks (pinned on "
+               "CUDA: copied to the device as it is). Two alternate; write it only before that call.");
     runner.def("enqueue_logprobs", [](Runner &r, std::vector<int64_t> rows, Array<float> temperature, int64_t k) {
         std::vector<float> t = to_vector(temperature);
         nb::gil_scoped_release release;
@@ -228,15 +308,12 @@ void bind_serving(nb::module_ &m) {
         const Runner::FinishedLogprobs &f = r.finished_logprobs();
         if (f.k == 0) return nb::none();
         const size_t R = f.chosen.size(), k = size_t(f.k);
-        std::vector<std::vector<int64_t>> ids(R);
-        std::vector<std::vector<float>> top(R);
-        for (size_t i = 0; i < R; ++i) {
-            ids[i].assign(f.top_ids.begin() + i * k, f.top_ids.begin() + (i + 1) * k);
-            top[i].assign(f.top_lp.begin() + i * k, f.top_lp.begin() + (i + 1) * k);
-        }
-        return nb::make_tuple(f.chosen, ids, top);
-    }, "(chosen_lp [R], top_ids [R][k], top_lp [R][k]) of the step finish() returned last, or None when "
-       "enqueue_logprobs was not called for it.");
+        // NumPy arrays (each owning a copy): the engine keeps them as they are for rows read at their end
+        // (engine/logprobs_log.py), rather than lists of R lists of k Python numbers built every step
+        return nb::make_tuple(owned_array(f.chosen, {R}), owned_array(f.top_ids, {R, k}),
+                              owned_array(f.top_lp, {R, k}));
+    }, "(chosen_lp [R] f32, top_ids [R, k] i64, top_lp [R, k] f32) NumPy arrays of the step finish() returned "
+       "last, or None when enqueue_logprobs was not called for it.");
 
     nb::class_<RankGroup> group(m, "RankGroup",
                                 "The runners of a tensor-parallel group driven as one: one thread per rank (rank_group.hpp).");

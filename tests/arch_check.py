@@ -102,6 +102,24 @@ def check_greedy(path: str, n: int = 40, device: str = "cpu") -> None:
         assert a.token_ids == hf_greedy(hf, p, n)
 
 
+def check_fused_equals_unfused(path: str, dtype: str = "f32") -> None:
+    """fused_projections=True on the CPU (CUDA's default: one q/k/v matrix; gate/up with SwiGLU or GeGLU in one
+    op; a plain MLP's GELU inside its up projection) gives the unfused model's logits bit for bit, since the CPU
+    sums every output in the same order and rounds as the unfused ops do; and its batched greedy tokens. A wrong
+    wiring (gate and up halves swapped, the bias or the GELU form lost) changes the logits."""
+    runs = []
+    for fused in (True, False):
+        with Engine(path, device="cpu", dtype=dtype, progress=False, fused_projections=fused) as eng:
+            assert eng._model.fused_projections == fused
+            ids = prompt(eng.config.vocab_size, 33, seed=5)
+            prompts = [prompt(eng.config.vocab_size, k, seed=k) for k in (6, 13)]
+            outs = eng.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True)
+            runs.append((eng.score(ids), [o.token_ids for o in outs]))
+    (fused_logits, fused_tokens), (plain_logits, plain_tokens) = runs
+    np.testing.assert_array_equal(fused_logits.view(np.uint32), plain_logits.view(np.uint32))  # score: f32
+    assert fused_tokens == plain_tokens
+
+
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf LlamaModel.permute: HF's rotate-half rows to its interleaved layout."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

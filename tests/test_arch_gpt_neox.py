@@ -28,6 +28,11 @@ def test_gpt_neox_gguf_greedy_equals_hf(tiny, tmp_path):
     arch_check.check_gguf_greedy(tiny, tmp_path, "gpt_neox")
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_gpt_neox_fused_projections_equal_unfused_on_cpu(tiny, dtype):
+    arch_check.check_fused_equals_unfused(tiny, dtype)
+
+
 @pytest.mark.cuda
 def test_cuda_bf16_close_to_hf_f32(tiny):
     arch_check.check_half(tiny, "cuda")

@@ -624,9 +624,9 @@ def test_steady_decode_times_a_step_of_the_whole_batch(monkeypatch, capsys):
     assert len(rows) == 2 and all(float(r.split("|")[2]) > 0 and r.rstrip().endswith("- | - | - |") for r in rows), out
     # --modes: every mode timed in the same engine, each compared with greedy's step
     assert steady_decode.main(["--shape", "tiny-test", "--device", "cpu", "--batch", "2", "--context", "20",
-                               "--steps", "32", "--modes", "greedy", "sampled", "logprobs5"]) == 0
+                               "--steps", "32", "--modes", "greedy", "sampled", "logprobs5", "logprobs5read"]) == 0
     out = capsys.readouterr().out
-    for mode in ("greedy", "sampled", "logprobs5"):
+    for mode in ("greedy", "sampled", "logprobs5", "logprobs5read"):
         line = next(ln for ln in out.splitlines() if ln.startswith(f"batch 2 {mode}: "))
         assert float(line.split()[3]) > 0 and line.endswith("x greedy's step"), out
     with pytest.raises(SystemExit):
@@ -675,5 +675,12 @@ def test_logprobs_gc_prints_both_heap_settings(capsys):
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert len([float(x) for x in cells[2:]]) == 2  # greedy's and logprobs' ms a step (noise may make either < 0)
+    assert mod.main(["--batch", "3", "--steps", "2", "--rounds", "1", "--warm", "--profile", "3"]) == 0
+    out = capsys.readouterr().out
+    assert len([ln for ln in out.splitlines() if ln.startswith("| 1 |")]) == 2
+    assert "logprobs5, heap frozen: profiled host time" in out  # the loop's own times, after the table
+    assert mod.main(["--batch", "3", "--steps", "2", "--rounds", "1", "--read"]) == 0  # + the entries read
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 1 |")]
+    assert len(rows) == 2 and all(len([float(c) for c in r.strip("|").split("|")[2:]]) == 3 for r in rows)
     with pytest.raises(SystemExit):
         mod.main(["--steps", "0"])

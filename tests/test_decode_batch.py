@@ -4,6 +4,8 @@ arrays advance in place instead of being rebuilt from the sequences. The referen
 the rest of the suite checks against HF: with the batch switched off, every token, text, finish reason,
 block count and prefix-cache hit must be the same. Also: generate()'s one decode at the end equals the
 streamed text piece by piece."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -115,15 +117,28 @@ def test_aborts_and_late_arrivals_mid_batch(tiny, overlap):
     kw = dict(max_new_tokens=50, temperature=0, ignore_eos=True)
     alone = [eng.generate(p, **kw).token_ids for p in ps]
     before = eng.stats()["decode_batch_steps"]
+    # the step loop waits after its second step (the requests' prefill, then one decode step of the three) until
+    # the abort and the late request are in: otherwise the doomed request could run all its tokens before the
+    # abort arrives (on a loaded box 2 runs in 8 failed so)
+    reached, gate, real_step, calls = threading.Event(), threading.Event(), eng._core.step, []
+
+    def gated_step():
+        out = real_step()
+        calls.append(1)
+        if len(calls) == 2:
+            reached.set()
+            assert gate.wait(60), "the test never opened the gate"
+        return out
+
+    eng._core.step = gated_step
     reqs = [eng.submit(p, **kw) for p in ps[:3]]
-    it = iter(reqs[0])
-    ids = list(next(it).token_ids)
+    assert reached.wait(60)
+    assert all(0 < r.seq.num_output < 50 for r in reqs)  # all three mid-decode (the loop waits)
     doomed = reqs[2]
-    next(iter(doomed))
     doomed.abort()
     late = eng.submit(ps[3], **kw)
-    for chunk in it:
-        ids += chunk.token_ids
+    gate.set()
+    ids = [t for chunk in reqs[0] for t in chunk.token_ids]
     assert ids == alone[0] and reqs[1].result().token_ids == alone[1] and late.result().token_ids == alone[3]
     assert doomed.result().finish_reason == "abort"
     s = eng.stats()
@@ -187,13 +202,26 @@ def test_quiet_row_aborted_mid_batch_keeps_what_it_got(tiny, overlap):
     ps = prompts(eng.config.vocab_size, [6, 21], seed=12)
     kw = dict(max_new_tokens=80, temperature=0, ignore_eos=True)
     alone = [eng.generate(p, **kw).token_ids for p in ps]
+    # the step loop waits after the step that gives the streamed request its 30th token until the abort is in:
+    # otherwise the quiet request could run all its tokens before a reader on a loaded box asks for the abort
+    reached, gate, real_step, held = threading.Event(), threading.Event(), eng._core.step, []
+
+    def gated_step():
+        out = real_step()
+        if held and not gate.is_set() and held[0].seq.num_output >= 30:
+            reached.set()
+            assert gate.wait(60), "the test never opened the gate"
+        return out
+
+    eng._core.step = gated_step
     quiet = eng.submit(ps[0], incremental=False, **kw)
     streamed = eng.submit(ps[1], **kw)
-    ids = []
-    for chunk in streamed:
-        ids += chunk.token_ids
-        if len(ids) >= 30 and not quiet.done:
-            quiet.abort()
+    held.append(streamed)
+    assert reached.wait(60)
+    assert 0 < quiet.seq.num_output < 80 and not quiet.done  # mid-decode (the loop waits)
+    quiet.abort()
+    gate.set()
+    ids = [t for chunk in streamed for t in chunk.token_ids]
     got = quiet.result()
     assert got.finish_reason == "abort" and 0 < len(got.token_ids) < 80
     assert got.token_ids == alone[0][:len(got.token_ids)] and got.usage["completion_tokens"] == len(got.token_ids)

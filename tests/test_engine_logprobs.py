@@ -1,4 +1,4 @@
-"""The engine's logprobs entries (EngineCore._logprobs: one ops.logprobs call a step) against the float64
+"""The engine's logprobs entries (EngineCore._logprobs_arrays: one ops.logprobs call a step) against the float64
 formula EngineCore used before, applied to the very logits each step sampled from: every row that asked,
 in the persistent decode batch and in the general path, greedy and sampled, k from 0 to 20."""
 import numpy as np
@@ -28,22 +28,25 @@ def reference_entry(x64, temperature: float, token: int, k: int) -> dict:
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_entries_equal_the_float64_formula_on_the_steps_logits(tiny, device, dtype, monkeypatch):
     seen = []
-    own = EngineCore._logprobs
+    own = EngineCore._logprobs_arrays
 
-    def spy(self, rows, temperature, chosen, ks):
-        out = own(self, rows, temperature, chosen, ks)
+    def spy(self, rows, temperature, chosen, k):  # every logprobs computed from a step's logits come here
+        out = own(self, rows, temperature, chosen, k)
+        chosen_lp, top_ids, top_lp = out
+        assert top_ids.shape == top_lp.shape == (len(rows), k)
         logits = self.runner.last_logits().to("cpu").to("f32").numpy().astype(np.float64)
-        for row, k, entry in zip(rows.tolist(), ks, out):
+        for i, row in enumerate(rows.tolist()):
             ref = reference_entry(logits[row], float(temperature[row]), int(chosen[row]), k)
-            assert entry["token_id"] == ref["token_id"]
-            assert entry["logprob"] == pytest.approx(ref["logprob"], abs=1e-4)  # f32 sum over V (test_ops_logprobs)
-            assert [i for i, _ in entry["top"]] == [i for i, _ in ref["top"]]
-            np.testing.assert_allclose([x for _, x in entry["top"]], [x for _, x in ref["top"]], atol=1e-4)
-        seen.append(len(out))
+            assert chosen_lp[i] == pytest.approx(ref["logprob"], abs=1e-4)  # f32 sum over V (test_ops_logprobs)
+            assert top_ids[i].tolist() == [i for i, _ in ref["top"]]
+            np.testing.assert_allclose(top_lp[i], [x for _, x in ref["top"]], atol=1e-4)
+        seen.append(len(rows))
         return out
 
-    monkeypatch.setattr(EngineCore, "_logprobs", spy)
-    # overlap off: every step's entries come from EngineCore._logprobs (the device path below is compared with it)
+    monkeypatch.setattr(EngineCore, "_logprobs_arrays", spy)
+    # overlap off: every step's logprobs come from EngineCore._logprobs_arrays (the device path below is compared
+    # with it); the rows of generate() are quiet (read at their end), their entries built from those arrays then
+    # (engine/logprobs_log.py); test_engine_logprobs_log.py compares them with streamed ones, built step by step
     with Engine(tiny, device=device, dtype=dtype, progress=False, max_seq_len=256, num_kv_blocks=256,
                 overlap_steps=False) as eng:
         rng = np.random.default_rng(3)

@@ -210,3 +210,4 @@ def test_penalised_rows_past_the_first_seen_rows_grow_them(tiny):
             assert eng._core.runner.runner.steps_sampled_in_graph > 0 and eng.stats()["overlapped_steps"] > 0
         eng.close()
     assert results[0] == results[1]
+

@@ -104,6 +104,40 @@ def test_frames_over_a_socket_and_a_closed_peer():
             recv_frame(b)
 
 
+class _Comm:
+    def __init__(self):
+        self.aborted = []
+
+    def abort(self, why):
+        self.aborted.append(why)
+
+
+@pytest.mark.parametrize("close_first", [True, False], ids=["close-then-eof", "eof-alone"])
+def test_a_follower_reader_takes_node_0s_close_then_eof_as_a_clean_end(close_first):
+    """A follower's reader thread that gets node 0's ["close"] and then the end of the connection (node 0 closes
+    its socket right after) breaks nothing, whether or not the main thread has read the close yet: before, the
+    end could look like a lost node 0, and the failure path aborted the communicators from that daemon thread
+    while the process exited (std::terminate in CI). Without the close, the end still breaks the group."""
+    from llaisys.engine.nodes import CLOSED, Node
+    node = Node(1, 2, 1, 2, timeout_s=5.0, progress=False)
+    comm = _Comm()
+    node.comms, node.inbox[0] = [comm], __import__("queue").Queue()
+    a, b = socket.socketpair()
+    if close_first:
+        send_frame(a, ["close"])
+    a.close()
+    reader = threading.Thread(target=node._read, args=(0, b))
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive()
+    got = [node.inbox[0].get_nowait() for _ in range(node.inbox[0].qsize())]
+    if close_first:
+        assert got == [["close"], CLOSED] and node.broken == "" and comm.aborted == [] and node.closing
+    else:
+        assert got == [CLOSED] and "connection to node 0 closed" in node.broken and comm.aborted == [node.broken]
+    b.close()
+
+
 # ---- arguments and the rendezvous -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("settings, match", [

@@ -53,9 +53,10 @@ def weight_bias(H, dtype, device, seed, bias=True):
     return w, w1, b, br
 
 
-# H covers every CUDA kernel choice: 19/111 (one warp a row, 2 and 4 vectors a lane, unaligned widths),
-# 989 (a block a row, 1 vector a thread), 2048 (a warp of 8 x 16-byte vectors a lane in bf16/f16, a block in
-# f32), 2050 (a block, 3 vectors a thread), 4099 (longer than a block holds in registers: re-read), and 1.
+# H covers every CUDA kernel choice: 1 and 19 (one warp a row: rows of at most 64 vectors), 111 and 989 (a
+# block a row, 1 vector a thread; 111 unaligned), 2048 (a block of 256 16-byte vectors in bf16/f16, a decode
+# row of Pythia-1.4B), 2050 (a block, up to 4 vectors a thread), 4099 (longer than a block holds in registers:
+# re-read).
 HS = [1, 19, 111, 989, 2048, 2050, 4099]
 
 
@@ -262,6 +263,56 @@ def test_add_layer_norm_nan_stays_in_its_row(device):
     assert np.isnan(got_out[1]).all() and np.isnan(got_res[1]).sum() == 1
     new_res = round_to(round_to(resr + dr, "bf16") + d2n, "bf16")
     assert_close(got_out[[0, 2]], ref_layer_norm(new_res[[0, 2]], wr, br, 1e-5), "bf16")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("H", HS)
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("bias2", [True, False])
+def test_add_layer_norm_second_output(device, dtype, H, rows, bias2):
+    """out2 (GPT-NeoX's ln2 of the same residual): float64's LayerNorm of the summed residual with weight2 and
+    bias2; bit for bit the out of add_layer_norm called with those weights on the same inputs; and out itself
+    unchanged by asking for out2."""
+    res0, resr = rand((rows, H), dtype, device, seed=50, scale=4.0)
+    d, dr = rand((rows, H), dtype, device, seed=51)
+    d2, d2r = rand((rows, H), dtype, device, seed=52)
+    w, wr, b, br = weight_bias(H, dtype, device, seed=53)
+    w2, w2r, b2, b2r = weight_bias(H, dtype, device, seed=54, bias=bias2)
+    res = res0.clone()
+    out, out2 = poisoned((rows, H), dtype, device), poisoned((rows, H), dtype, device)
+    ops.add_layer_norm(out, res, d, d2, w, b, 1e-5, out2=out2, weight2=w2, bias2=b2)
+    new_res = round_to(round_to(resr + dr, dtype) + d2r, dtype)
+    assert_close(res, new_res, dtype)
+    assert_close(out, ref_layer_norm(new_res, wr, br, 1e-5), dtype)
+    assert_close(out2, ref_layer_norm(new_res, w2r, b2r, 1e-5), dtype)
+    alone = res0.clone()
+    np.testing.assert_array_equal(bits(add_layer_norm(alone, d, d2, w, b, 1e-5)), bits(out))
+    alone2 = res0.clone()
+    np.testing.assert_array_equal(bits(add_layer_norm(alone2, d, d2, w2, b2, 1e-5)), bits(out2))
+    np.testing.assert_array_equal(bits(alone), bits(res))
+
+
+def test_add_layer_norm_second_output_errors():
+    d, _ = rand((4, 896), "f32")
+    w, _ = rand((896,), "f32")
+
+    def call(out2=None, w2=None, b2=None):
+        return ops.add_layer_norm(poisoned((4, 896)), d.clone(), d, None, w, None, 1e-5, out2=out2, weight2=w2,
+                                  bias2=b2)
+
+    with pytest.raises(ValueError, match="add_layer_norm: weight2 is an undefined tensor"):
+        call(out2=poisoned((4, 896)))
+    with pytest.raises(ValueError, match="add_layer_norm: weight2/bias2 given without out2"):
+        call(w2=w)
+    with pytest.raises(ValueError, match=r"add_layer_norm: out2 must have shape \[4, 896\]"):
+        call(out2=poisoned((4, 895)), w2=w)
+    with pytest.raises(TypeError, match="add_layer_norm: out2 must have dtype f32"):
+        call(out2=poisoned((4, 896), "bf16"), w2=w)
+    with pytest.raises(ValueError, match=r"add_layer_norm: weight2 must have shape \[896\]"):
+        call(out2=poisoned((4, 896)), w2=rand((895,), "f32")[0])
+    with pytest.raises(TypeError, match="add_layer_norm: bias2 must have dtype f32"):
+        call(out2=poisoned((4, 896)), w2=w, b2=rand((896,), "bf16")[0])
 
 
 def test_functional_forms():

@@ -328,6 +328,29 @@ def test_linear_cuda_matches_cpu(dtype, M, K, N, with_bias):
 
 
 @pytest.mark.cuda
+@CUBLAS
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_linear_cuda_half_gemm_sums_in_f32_at_any_alignment(dtype, with_bias):
+    """cuBLASLt at decode-batch and prefill sizes (9..513 rows) in bf16/f16, on contiguous operands and on
+    column slices at odd element offsets (2-byte alignment): every result near float64. At the slices'
+    alignment cuBLASLt's first choice used to be a split-K whose partial sums were rounded to the output dtype
+    (0.08 off on outputs near zero); now only split-K summed in f32 is allowed."""
+    K, N = 1536, 384
+    w, w64 = rand((N, K), dtype, "cuda", seed=31, scale=0.5)
+    wide, wide64 = rand((N, K + 8), dtype, "cuda", seed=32, scale=0.5)
+    b, b64 = rand((N,), dtype, "cuda", seed=33) if with_bias else (None, None)
+    for i, M in enumerate([200, 256, 129, 130, 9, 16, 17, 512, 513, 255]):
+        x, x64 = rand((M, K), dtype, "cuda", seed=40 + i, scale=0.5)
+        out = run_linear(x, w, b, (M, N), dtype, "cuda")
+        assert_close(out, ref_linear(x64, w64, b64), dtype, **tol(dtype, K, 0.5, 0.5))
+        xw, xw64 = rand((M, K + 8), dtype, "cuda", seed=60 + i, scale=0.5)
+        x_cols, x_cols64 = xw.slice(1, 3, 3 + K), xw64[:, 3:3 + K]  # x and w at odd element offsets
+        out = run_linear(x_cols, wide.slice(1, 5, 5 + K), b, (M, N), dtype, "cuda")
+        assert_close(out, ref_linear(x_cols64, wide64[:, 5:5 + K], b64), dtype, **tol(dtype, K, 0.5, 0.5))
+
+
+@pytest.mark.cuda
 @needs_caching_allocator
 @CUBLAS
 def test_linear_cuda_lm_head_and_steady_state():
@@ -460,6 +483,22 @@ def test_linear_swiglu_equals_unfused(device, dtype, M, K, I, constant_weight):
     when K is odd), so there the two only have to agree within the tolerance. With constant_weight the
     unfused linear takes the preloading GEMV for the small M = 1 shapes, and linear_swiglu its order."""
     check_equals_unfused(device, dtype, M, K, I, constant_weight)
+
+
+@pytest.mark.cuda
+@CUBLAS
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("M,K,I", [(9, 896, 4864), (64, 1536, 8960), (256, 1536, 8960), (300, 111, 19),
+                                   (130, 67, 1111)])
+def test_linear_swiglu_cuda_batch_rows_match_float64_and_unfused(dtype, M, K, I):
+    """Past 8 rows the gate and up halves run as one batched cuBLASLt launch: the Qwen2 MLP shapes at decode
+    batches, and odd K / I (weight halves and outputs at 2-byte alignments). Near float64 and near the unfused
+    path's two GEMMs and swiglu."""
+    x, x64, w, w64, ws = rand_swiglu_operands(M, K, I, dtype, "cuda", seed=50)
+    out = poisoned((M, I), dtype, "cuda")
+    llaisys.ops.linear_swiglu(out, x, w)
+    assert_close(out, ref_linear_swiglu(x64, w64, dtype), dtype, **tol_swiglu(dtype, K, ws))
+    assert_close(out, to_f64(run_unfused(x, w, M, I, dtype, "cuda", False)), dtype, **tol_swiglu(dtype, K, ws))
 
 
 @pytest.mark.cuda

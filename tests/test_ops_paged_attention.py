@@ -394,6 +394,94 @@ def test_cuda_large(qlens, kvlens, block_size, heads, dtype, device):
     assert_close(out, to_f64(cpu), dtype)
 
 
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128), (16, 1, 128)], ids=["0.5B", "1.5B", "g16"])
+@pytest.mark.parametrize("case", ["many-decodes", "few-long-decodes", "padded"])
+def test_cuda_mixed_step_decodes_beside_prompt_chunks(case, heads, dtype, device):
+    """A step of prompt chunks (fresh and after a prefix hit) beside decodes: the decodes run on the decode
+    kernel in a launch of their own (one split a sequence, or with few of them several, whose partials are
+    kept a sequence), the chunks on the tensor-core prefill; all rows equal the float64 reference and the
+    CPU op."""
+    rng = np.random.default_rng(len(case) + heads[0])
+    if case == "many-decodes":  # 130 decodes of up to 2,048 keys around a 300-query chunk and a fresh prompt
+        qlens = [1] * 64 + [300] + [1] * 66 + [40]
+        kvlens = rng.integers(1, 2049, len(qlens)).tolist()
+        kvlens[64], kvlens[-1] = 1000, 40
+    elif case == "few-long-decodes":  # 2 decodes of many keys: the decode launch splits them
+        qlens, kvlens = [1, 129, 1], [6000, 129, 3001]
+    else:  # sequences without queries, chunks of under 64 and over 64 queries, a decode of one key
+        qlens, kvlens = [0, 17, 1, 0, 65, 1], [30, 17, 1, 9, 200, 64]
+    b = Batch(qlens, kvlens, 16, heads, dtype, device, seed=13)
+    out = check(b)
+    cpu = poisoned(b.shape, dtype, "cpu")
+    llaisys.ops.paged_attention(cpu, b.q.to("cpu"), b.k.to("cpu"), b.v.to("cpu"), *[m.to("cpu") for m in b.meta],
+                                b.shape[2] ** -0.5, b.max_q_len)
+    assert_close(out, to_f64(cpu), dtype)
+
+
+def write_newest_keys(b, kvlens, heads, dtype, seed):
+    """New K/V rows for each sequence's newest key (kv_len - 1), written into the CUDA caches by index_copy (a
+    kernel on the stream right before the attention, as rope_qkv_cache is in a step): (cache rows, the slots,
+    new K, new V), for the caller to put into its float64 reference."""
+    live = [i for i, kv in enumerate(kvlens) if kv]
+    j = np.array([kvlens[i] - 1 for i in live])
+    bs = b.ref_k.shape[1]
+    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    nkvh, hd = heads[1], heads[2]
+    rng = np.random.default_rng(seed)
+    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
+    rows = b.ref_k.shape[0] * bs
+    idx = llaisys.tensor(slots, "cuda")
+    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
+    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
+    return rows, slots, new_k, new_v
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("heads", [(14, 2, 64), (12, 2, 128)], ids=["0.5B", "1.5B"])
+def test_cuda_mixed_step_settled_history_strided_and_untouched_rows(heads, dtype):
+    """A mixed step as the model calls it (settled_history=True: the one-query launch reads the older keys
+    before the kernel ahead ends): the bits of the default; q inside wider rows, out with a row stride, rows
+    past the last sequence untouched; and the newest key of every sequence, written by a kernel launched just
+    before the attention, is the one read (decodes split several ways: partials kept a sequence)."""
+    qlens, kvlens = [1, 40, 1, 0, 130, 1], [300, 40, 5000, 9, 400, 1]
+    b = Batch(qlens, kvlens, 16, heads, dtype, "cuda", seed=21, extra_rows=3, q_layout="strided")
+    scale = heads[2] ** -0.5
+    plain = b.run(scale)
+    settled = poisoned(b.shape, dtype, "cuda")
+    llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, b.max_q_len, settled_history=True)
+    np.testing.assert_array_equal(bits(settled), bits(plain))
+    rows, slots, new_k, new_v = write_newest_keys(b, kvlens, heads, dtype, seed=22)
+    nkvh, hd = heads[1], heads[2]
+    T, nh, _ = b.shape
+    buf = poisoned((T, nh, 2 * hd), dtype, "cuda")
+    llaisys.ops.paged_attention(buf.slice(2, 0, hd), b.q, b.k, b.v, *b.meta, scale, b.max_q_len,
+                                settled_history=True)
+    for ref, new in ((b.ref_k, new_k), (b.ref_v, new_v)):
+        ref.reshape(rows, nkvh, hd)[slots] = new.astype(np.float64).reshape(-1, nkvh, hd)
+    assert_close(to_f64(buf)[..., :hd], b.expected(scale), dtype)
+    assert np.isnan(to_f64(buf)[..., hd:]).all(), "wrote outside the out view"
+    assert np.isnan(to_f64(buf)[-3:]).all(), "wrote rows of no sequence"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("q_start", [[0, 20, 19, 22], [0, 20, 21, 40], [-3, 20, 21, 22]],
+                         ids=["falls", "past-tokens", "negative"])
+def test_cuda_mixed_step_bad_q_start_raises_at_synchronize(q_start):
+    """q_start that falls, passes the step's tokens or starts below 0, in a mixed step (the tensor-core
+    prefill's tile search and the one-query launch): nothing out of bounds is read (run under
+    compute-sanitizer to see it) and the next synchronize raises; the flag is cleared after."""
+    b = Batch([20, 1, 1], [25, 7, 9], 4, (4, 2, 64), "bf16", "cuda", seed=10)
+    out = poisoned(b.shape, "bf16", "cuda")
+    llaisys.ops.paged_attention(out, b.q, b.k, b.v, b.meta[0], llaisys.tensor(np.array(q_start, np.int32), "cuda"),
+                                b.meta[2], 0.125, 20)
+    with pytest.raises(IndexError, match="paged_attention: "):
+        llaisys.synchronize("cuda")
+    llaisys.synchronize("cuda")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("heads", [(12, 2, 128), (14, 2, 64), (8, 8, 64)], ids=["1.5B", "0.5B", "g1"])
@@ -409,17 +497,8 @@ def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype
     llaisys.ops.paged_attention(settled, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True)
     np.testing.assert_array_equal(settled.to("cpu").numpy().view(np.uint8), plain.to("cpu").numpy().view(np.uint8))
     # new newest rows, through a kernel on the same stream right before the attention
-    live = [i for i, kv in enumerate(kvlens) if kv]
-    j = np.array([kvlens[i] - 1 for i in live])
-    bs = b.ref_k.shape[1]
-    slots = b.tables[live, j // bs].astype(np.int64) * bs + j % bs
+    rows, slots, new_k, new_v = write_newest_keys(b, kvlens, heads, dtype, seed=13)
     nkvh, hd = heads[1], heads[2]
-    rng = np.random.default_rng(13)
-    new_k, new_v = (rng.standard_normal((len(live), nkvh * hd)).astype(NP_DTYPE[dtype]) for _ in range(2))
-    rows = b.ref_k.shape[0] * bs
-    idx = llaisys.tensor(slots, "cuda")
-    llaisys.ops.index_copy(b.k.view(rows, nkvh * hd), idx, llaisys.tensor(new_k, "cuda"))
-    llaisys.ops.index_copy(b.v.view(rows, nkvh * hd), idx, llaisys.tensor(new_v, "cuda"))
     out = poisoned(b.shape, dtype, "cuda")
     llaisys.ops.paged_attention(out, b.q, b.k, b.v, *b.meta, scale, 1, settled_history=True)
     for ref, new in ((b.ref_k, new_k), (b.ref_v, new_v)):
@@ -428,15 +507,17 @@ def test_cuda_settled_history_same_bits_and_sees_the_steps_own_keys(heads, dtype
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("qlens", [[2, 1], [1, 1]], ids=["split-kernel", "decode-kernel"])
-def test_cuda_bad_metadata_raises_at_synchronize(qlens):
+@pytest.mark.parametrize("qlens,kvlens,heads,dtype", [
+    ([2, 1], [5, 7], (4, 2, 32), "f32"), ([1, 1], [5, 7], (4, 2, 32), "f32"),
+    ([20, 1], [25, 7], (4, 2, 64), "bf16")], ids=["split-kernel", "decode-kernel", "mixed-tensor-cores"])
+def test_cuda_bad_metadata_raises_at_synchronize(qlens, kvlens, heads, dtype):
     """kv_len < qlen and a block id out of range: the kernels clamp (nothing out of bounds is read) and
     the next synchronize raises; the flag is cleared after."""
-    b = Batch(qlens, [5, 7], 4, (4, 2, 32), "f32", "cuda", seed=10)
-    for tables, kv_len in [(b.tables, np.array([0, 7], np.int32)),
+    b = Batch(qlens, kvlens, 4, heads, dtype, "cuda", seed=10)
+    for tables, kv_len in [(b.tables, np.array([0, kvlens[1]], np.int32)),
                            (np.where(np.arange(b.tables.shape[1]) == 0, 10 ** 6, b.tables).astype(np.int32),
                             b.kv_len)]:
-        out = poisoned(b.shape, "f32", "cuda")
+        out = poisoned(b.shape, dtype, "cuda")
         llaisys.ops.paged_attention(out, b.q, b.k, b.v, llaisys.tensor(tables, "cuda"), b.meta[1],
                                     llaisys.tensor(kv_len, "cuda"), 0.5, max(qlens))
         with pytest.raises(IndexError, match="paged_attention: "):
@@ -538,3 +619,17 @@ def test_cuda_device_mismatch_and_head_dim_limit():
         kc = poisoned((6, 4, 2, hd), dtype, "cuda")
         with pytest.raises(ValueError, match=f"paged_attention: head dim {hd} in {dtype} is not supported on CUDA"):
             call([poisoned((3, 4, hd), dtype, "cuda"), q, kc, kc, *args[4:]])
+
+
+@pytest.mark.parametrize("heads", [(8, 1, 40), (8, 2, 256), (7, 1, 19)], ids=["g8-hd40", "g4-hd256", "g7-hd19"])
+def test_cpu_query_heads_folded_together_same_bits_as_alone(heads):
+    """The CPU folds 4 heads of one query together (each K/V line loaded once for them, GQA): every row's
+    bits are those of the head alone, i.e. of the same caches repeated for each head (group 1)."""
+    nh, nkvh, hd = heads
+    batch = Batch([37, 64, 1], [300, 64, 250], 16, heads, "f32", "cpu", seed=nh + hd)
+    grouped = batch.run(hd ** -0.5).numpy()
+    kc, vc = (np.repeat(a.astype(np.float32), nh // nkvh, axis=2) for a in (batch.ref_k, batch.ref_v))
+    alone = poisoned(batch.shape, "f32", "cpu")
+    llaisys.ops.paged_attention(alone, batch.q, llaisys.tensor(kc), llaisys.tensor(vc), *batch.meta, hd ** -0.5,
+                                batch.max_q_len)
+    np.testing.assert_array_equal(bits(llaisys.tensor(grouped)), bits(alone))

@@ -465,6 +465,33 @@ def test_sample_large_kept_sets(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("V,scale,dtype", [(V_LLM, 1.3, "bf16"), (V_LLM, 0.02, "bf16"), (16389, 2.0, "f32"),
+                                           (4099, 2.0, "bf16"), (300, 1.0, "f16")])
+def test_sample_top_k_draws_what_the_masked_row_draws(device, V, scale, dtype):
+    # top_k keeps the tokens whose logit is >= the k-th largest (ties kept) and draws among them with the
+    # weights the whole row gives them. The same row with every other logit at -inf (weight 0) and top_k off
+    # therefore draws the same token for the same seed: the backends find top_k's tokens from a floor (the
+    # k-th largest chunk or thread maximum), the masked row goes through the plain path. scale 0.02 puts
+    # thousands of tokens within a histogram bin of the max (ties of bf16 values too); the f32 rows have runs
+    # of -inf (whole CPU chunks and CUDA threads without a number); 300 tokens leave most CUDA threads empty.
+    rows = 6
+    a = (np.random.default_rng(V).standard_normal((rows, V)) * scale).astype(NP_DTYPE[dtype])
+    if dtype == "f32":
+        a[:, 1000:1600] = -np.inf
+        a[::2, 5000:5300] = -np.inf
+    x = llaisys.tensor(a, device)
+    for k, extra in [(1, {}), (5, {}), (50, {}), (20, dict(top_p=0.8)), (64, dict(top_p=0.95, min_p=0.2)),
+                     (1000, {})]:
+        a64 = a.astype(np.float64)
+        kth = -np.sort(-a64, axis=-1)[:, min(k, V) - 1:min(k, V)]  # k >= V keeps every token
+        masked = llaisys.tensor(np.where(a64 >= kth, a64, -np.inf).astype(NP_DTYPE["f32"]), device)
+        for offset in range(4):
+            got = run_sample(x, device, temperature=0.7, top_k=k, seed=9, offset=offset, **extra)
+            want = run_sample(masked, device, temperature=0.7, seed=9, offset=offset, **extra)
+            np.testing.assert_array_equal(got, want, err_msg=f"top_k={k} {extra} offset {offset}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sample_non_contiguous_logits(device):
     xt, xt64 = rand((19, 3), "f32", device, seed=14, scale=4.0)
     x = xt.transpose(0, 1)  # [3, 19]
@@ -493,6 +520,21 @@ def test_sample_cuda_matches_cpu(dtype):
         a = run_sample(xl, "cpu", seed=22, **params)
         b = run_sample(xl.to("cuda"), "cuda", seed=22, **params)
         assert (a == b).mean() >= 0.5, f"{params}: CPU and CUDA agree on {(a == b).mean():.1%} of rows"
+
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("params", [dict(temperature=0.6, top_k=50), dict(temperature=0.7, top_k=20, top_p=0.8),
+                                    dict(temperature=0.7, top_k=50, min_p=0.3),  # fewer survivors than k
+                                    dict(temperature=1.0, top_k=50, top_p=0.5, min_p=0.2),
+                                    dict(temperature=1.0, top_k=1000)])
+def test_sample_cuda_top_k_at_llm_vocab_matches_cpu(params):
+    # top_k on CUDA takes its cut-off from the threads' maxima of the max pass (no histogram of the row);
+    # the kept set and the draw are the rule's, so the tokens are the CPU's but for fast-exp rounding
+    x, _ = rand((64, V_LLM), "bf16", "cpu", seed=17, scale=1.3)
+    a = run_sample(x, "cpu", seed=23, offset=5, **params)
+    b = run_sample(x.to("cuda"), "cuda", seed=23, offset=5, **params)
+    assert (a == b).mean() >= 0.95, f"{params}: CPU and CUDA agree on {(a == b).mean():.1%} of rows"
 
 
 def test_sample_argument_errors():

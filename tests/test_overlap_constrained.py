@@ -222,6 +222,15 @@ def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, d
             deferred_launch(eng, temperature=temperature)
             r.sample_deferred(only(12, 19), [1, 0], 2)  # rows out of order
             assert r.finish() == [19, 12]
+            for want in ([21, 8], [3, 50], [64, 7]):  # the runner's own buffers (pinned on CUDA), alternating
+                buf = r.mask_buffer(2).numpy()
+                assert buf.shape == (2, W) and buf.dtype == np.int32
+                buf[:] = only(*want)
+                deferred_launch(eng, temperature=temperature)
+                r.sample_deferred(buf, [0, 1], 2)
+                assert r.finish() == want
+        with pytest.raises(ValueError, match="rows must be >= 1"):
+            r.mask_buffer(0)
         for args, match in [((only(4), [0, 1], 2), "has 1 rows but mask_rows names 2"),
                             ((only(4), [2], 2), "mask row 2 outside the batch of 2"),
                             ((None, [], 3), "num_rows 3 for a launch of 2 rows"),
@@ -230,6 +239,31 @@ def test_sample_deferred_applies_each_rows_mask_and_checks_its_arguments(tiny, d
             with pytest.raises((ValueError, IndexError), match=match):
                 r.sample_deferred(*args)
             assert r.launched == 0
+        assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sample_deferred_masks_of_a_batch_that_grows_and_shrinks(tiny, device):
+    """The runner's own mask buffers (two pinned buffers, alternating) for batches of 3, 70 (past their first
+    64 rows: they grow), 5 and 70 again: each row's one allowed token is its token, every time (a copy that
+    overwrote a buffer still to be read, or read before it landed, would give another step's or a stale row's
+    token)."""
+    import numpy as np
+    eng = f32_engine(tiny, device, True, max_num_seqs=80)
+    try:
+        r, W, V = eng._core.runner.runner, (eng.config.vocab_size + 31) // 32, eng.config.vocab_size
+        rng = np.random.default_rng(3)
+        for n in (3, 70, 5, 70, 64):
+            want = rng.integers(0, V, n).tolist()
+            buf = r.mask_buffer(n).numpy()
+            buf[:] = 0
+            for j, t in enumerate(want):
+                buf[j, t // 32] = np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+            deferred_launch(eng, n=n, temperature=0.9)
+            r.sample_deferred(buf, list(range(n)), n)
+            assert r.finish() == want
         assert eng.generate([5, 6, 7], max_new_tokens=3, temperature=0, ignore_eos=True).finish_reason == "length"
     finally:
         eng.close()
@@ -280,6 +314,54 @@ def test_mask_filler_threads_give_the_masks_of_one_row_at_a_time(tiny):
         eng.close()
 
 
+def test_constraints_are_copies_of_a_kept_start_state_that_never_moves(tiny):
+    """Constraints.new hands out deep copies of one matcher per grammar in its start state: each copy masks
+    and advances as a matcher built from the grammar does, whatever another copy consumed before it; a bad
+    grammar raises every time (nothing kept of it); the oldest grammar leaves once `size` are kept."""
+    import numpy as np
+
+    from llaisys.constraints import Constraint, Constraints, compile_constraint
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        lltok, V = eng._admit.ll_tokenizer(), eng.config.vocab_size
+        made = Constraints(lltok, size=2)
+        schema, date, yn = (compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
+                            compile_constraint(choice=["yes", "no"]))
+
+        def masks(c, text):  # the mask before each token of text, then after the last
+            out = []
+            for t in eng.tokenizer.encode(text) + [None]:
+                row = np.empty((V + 31) // 32, np.int32)
+                c.mask_into(row)
+                out.append(row)
+                if t is not None:
+                    c.consume(t)
+            return np.stack(out), c.done
+
+        for grammar, text in ((schema, '{"n": 12, "s": "ab"}'), (date, "2024-05-06"), (yn, "yes")):
+            want = masks(Constraint(lltok, grammar), text)
+            for _ in range(2):  # the second copy comes after the first one consumed the whole text
+                got = masks(made.new(grammar), text)
+                assert (got[0] == want[0]).all() and got[1] == want[1]
+            assert want[0].shape[0] > 2 and want[1]
+        assert list(made._start) == [date, yn]  # size 2: the schema's start state was dropped
+        bad = '{"grammars": [{"lark_grammar": "start: nope"}]}'
+        for _ in range(2):
+            with pytest.raises(ValueError, match="constraint"):
+                made.new(bad)
+        assert list(made._start) == [date, yn]
+        # lanes: independent start states (llguidance's copies share one lexer lock), taken in turn
+        laned = Constraints(lltok, lanes=3)
+        got = [laned.new(schema) for _ in range(7)]
+        assert [c.lane for c in got] == [0, 1, 2, 0, 1, 2, 0] and len(laned._start[schema]) == 3
+        want = masks(Constraint(lltok, schema), '{"n": 12, "s": "ab"}')
+        for c in got:
+            m, done = masks(c, '{"n": 12, "s": "ab"}')
+            assert (m == want[0]).all() and done == want[1]
+    finally:
+        eng.close()
+
+
 def test_mask_filler_start_gives_the_masks_of_fill_on_its_worker(tiny):
     """MaskFiller.start computes on a worker thread what fill computes (one row and several, one thread and a
     pool); wait() returns once written, re-raises what the fill raised, and a second start before wait()
@@ -325,23 +407,26 @@ def test_deferred_masks_are_computed_off_the_step_loop(tiny, monkeypatch):
                                    json_schema=[SCHEMA, None, SCHEMA], regex=[None, DATE, None]))
 
     plain = go_engine(tiny, False, go)
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "0")  # (the lanes, when on, never call fill)
     fill, threads = MaskFiller.fill, []
 
-    def recorded(self, constraints, mask):
+    def recorded(self, constraints, mask, *args):
         threads.append(threading.current_thread().name)
-        return fill(self, constraints, mask)
+        return fill(self, constraints, mask, *args)
     monkeypatch.setattr(MaskFiller, "fill", recorded)
     assert go_engine(tiny, True, go) == plain
     off_loop = [n for n in threads if n.startswith("llaisys-masks")]
     assert len(off_loop) > 10 and len(off_loop) < len(threads)  # the first step's masks: a plain step's
 
 
-@pytest.mark.parametrize("failing", [(), (5, 8), tuple(range(3, 14, 2))], ids=["masks-ok", "masks-fail", "masks-fail-often"])
-def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing):
+@pytest.mark.parametrize("failing,lanes", [((), False), ((5, 8), False), (tuple(range(3, 14, 2)), False),
+                                           ((3, 6), True)],
+                         ids=["masks-ok", "masks-fail", "masks-fail-often", "lanes-masks-fail"])
+def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing, lanes):
     """score() runs on the loop thread between steps, where a chained constrained step may still wait for
-    its masks (on the worker). Its sampling is enqueued before score's forward overwrites the logits it
-    reads, or, when its masks fail, the step is dropped and run again: the generation's tokens are the
-    plain run's and every score equals a quiet engine's."""
+    its masks (on the worker, or the lanes: their second lane's masks fail). Its sampling is enqueued before
+    score's forward overwrites the logits it reads, or, when its masks fail, the step is dropped and run
+    again: the generation's tokens are the plain run's and every score equals a quiet engine's."""
     from llaisys.engine.core import EngineCore
     from llaisys.engine.score import score_logits
 
@@ -362,8 +447,235 @@ def test_score_between_chained_constrained_steps(tiny, monkeypatch, failing):
             scores.append(np.asarray(score_logits(self, ids).to("cpu").to("f32").numpy(), np.float32))
         return out
     monkeypatch.setattr(EngineCore, "step", step_then_score)
-    calls = failing_mask_fills(monkeypatch, failing)
+    if lanes:
+        monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+        monkeypatch.setenv("LLAISYS_MASK_THREADS", "2")
+        flaky = flaky_lanes(monkeypatch, 1, masks=failing)
+    else:
+        calls = failing_mask_fills(monkeypatch, failing)
     assert go_engine(tiny, True, go) == plain
-    assert len(pending) > 5 and len(calls) > 8
+    assert len(pending) > 5 and (flaky[0].calls["masks"] > 6 if lanes else len(calls) > 8)
     for s in scores:
         np.testing.assert_array_equal(s, reference)
+
+
+# ---- lanes (MaskFiller.start_advanced): each lane's worker advances its rows' matchers, then masks them ----
+
+class _FlakyExecutor:
+    """An LLExecutor whose consume_token_par / unsafe_compute_mask_ptr raise on the calls numbered in
+    `consume` / `masks` (1-based, counted per method), else call the real one."""
+
+    def __init__(self, inner, consume=(), masks=()):
+        self.inner, self.fail, self.calls = inner, {"consume": consume, "masks": masks}, {"consume": 0, "masks": 0}
+
+    def _call(self, kind, fn, *args):
+        self.calls[kind] += 1
+        if self.calls[kind] in self.fail[kind]:
+            raise RuntimeError(f"injected {kind}")
+        return fn(*args)
+
+    def consume_token_par(self, pairs):
+        return self._call("consume", self.inner.consume_token_par, pairs)
+
+    def unsafe_compute_mask_ptr(self, *args):
+        return self._call("masks", self.inner.unsafe_compute_mask_ptr, *args)
+
+
+def flaky_lanes(monkeypatch, lane: int, consume=(), masks=()) -> list:
+    """Lane `lane` of every MaskFiller started from now on gets a _FlakyExecutor; returns the list of them."""
+    import queue
+    import threading
+
+    from llaisys import constraints
+    made = []
+
+    def start_lane(i):
+        jobs, ex = queue.SimpleQueue(), constraints._llg().LLExecutor(1)
+        if i == lane:
+            ex = _FlakyExecutor(ex, consume, masks)
+            made.append(ex)
+        threading.Thread(target=constraints._lane_main, args=(jobs, ex), daemon=True,
+                         name=f"llaisys-lane-{i}").start()
+        return jobs
+    monkeypatch.setattr(constraints, "_start_lane", start_lane)
+    return made
+
+
+def test_lanes_advance_and_mask_as_one_row_at_a_time(tiny):
+    """MaskFiller.start_advanced: each constraint consumes its token, then its row of the mask is what
+    mask_into writes after the same consume, on 3 lanes of several grammars; a row only masked (an EOS row)
+    gets its mask as it stands; each consume reports what it left: None (goes on), True (complete) or the
+    matcher's error. A second start before wait() raises; wait() re-raises a lane's failure once."""
+    from llaisys.constraints import Constraint, Constraints, MaskFiller, compile_constraint
+    eng = f32_engine(tiny, "cpu", False)
+    try:
+        lltok, V, enc = eng._admit.ll_tokenizer(), eng.config.vocab_size, eng.tokenizer.encode
+        W = (V + 31) // 32
+        made = Constraints(lltok, lanes=3)
+        grammars = [compile_constraint(json_schema=SCHEMA), compile_constraint(regex=DATE),
+                    compile_constraint(choice=["yes", "no"])]
+        texts = ['{"n": 1', "2024-0", "ye"]
+        cs = [made.new(g) for g in grammars for _ in range(3)]  # 9 rows, each grammar on every lane
+        ref = [Constraint(lltok, g) for g in grammars for _ in range(3)]
+        assert sorted({c.lane for c in cs}) == [0, 1, 2]
+        for c, r, text in zip(cs, ref, [t for t in texts for _ in range(3)]):
+            for t in enc(text):
+                c.consume(t)
+                r.consume(t)
+        # tokens: the next byte of an allowed text; "s" completes "yes"; "x" is refused by the schema
+        nxt = [enc(x)[0] for x in (",", "x", '"', "5", "1", "5", "s", "s", "s")]
+        consume = [(c, t) for j, (c, t) in enumerate(zip(cs, nxt)) if j != 4]  # row 4: an EOS row, masked only
+        for r, (j, t) in zip(ref, enumerate(nxt)):
+            if j != 4:
+                r.consume(t)
+        want = np.empty((len(ref), W), np.int32)
+        for r, row in zip(ref, want):
+            r.mask_into(row)
+        filler = MaskFiller(3, lanes=True)
+        got = np.full_like(want, 7)
+        ended = filler.start_advanced(consume, cs, got)
+        with pytest.raises(RuntimeError, match="not waited for"):
+            filler.start_advanced([], cs, got)
+        assert filler.wait() >= 0.0 and filler.wait() == 0.0
+        assert (got == want).all()
+        rows = [j for j in range(len(ref)) if j != 4]
+        assert ended == [ref[j].error if ref[j].error is not None else (True if ref[j].done else None) for j in rows]
+        assert None in ended and True in ended and isinstance(ended[1], str) and ended[1]  # each outcome
+        # a lane whose masks raise: wait() raises it once, and the filler serves the next call
+        broken = MaskFiller(2, lanes=True)
+        short = np.empty((2, W - 1), np.int32)  # a row too short: llguidance refuses the buffer
+        broken.start_advanced([], cs[6:8], short)
+        with pytest.raises(Exception):
+            broken.wait()
+        assert broken.wait() == 0.0
+        again = np.empty((2, W), np.int32)
+        broken.start_advanced([], cs[6:8], again)
+        broken.wait()
+        assert (again == want[6:8]).all()
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_lanes_give_the_tokens_of_the_loops_consumes(tiny, monkeypatch, threads):
+    """With the lanes on (LLAISYS_MASK_LANES=1) a chained constrained batch step's matchers advance on them:
+    the tokens and finish reasons are those of overlap off, of the lanes off, and of each request alone."""
+    from llaisys.constraints import MaskFiller
+    calls = []
+    start = MaskFiller.start_advanced
+
+    def counted(self, consume, constraints, mask):
+        calls.append(len(consume))
+        return start(self, consume, constraints, mask)
+    monkeypatch.setattr(MaskFiller, "start_advanced", counted)
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+    plain, over, n = run_both(tiny, lambda eng: mixed(eng, 0.9, 7), mask_threads=threads)
+    assert result(over) == result(plain) and n > 5 and len(calls) > 5 and max(calls) >= 3
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "0")
+    calls.clear()
+    off = go_engine_kw(tiny, True, lambda eng: mixed(eng, 0.9, 7), mask_threads=threads)
+    assert result(off) == result(plain) and not calls
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+
+    def alone(eng):  # each of mixed()'s requests by itself
+        ps = token_prompts(eng.config.vocab_size, [5, 19, 8, 33, 12, 7], seed=4)
+        kws = [dict(max_new_tokens=40, json_schema=SCHEMA), dict(max_new_tokens=30, ignore_eos=True),
+               dict(max_new_tokens=24, regex=DATE), dict(max_new_tokens=12, choice=["yes", "no", "maybe"]),
+               dict(max_new_tokens=16, grammar='start: "a" "b"* "c"'), dict(max_new_tokens=30, json_schema=True)]
+        return [eng.generate(p, temperature=0.9, seed=7, **kw) for p, kw in zip(ps, kws)]
+    assert result(go_engine_kw(tiny, True, alone, mask_threads=threads)) == result(plain)
+
+
+def go_engine_kw(tiny, overlap, fn, **kw):
+    eng = f32_engine(tiny, "cpu", overlap, **kw)
+    try:
+        return fn(eng)
+    finally:
+        eng.close()
+
+
+def _schema_rows(eng, n, only=None):
+    """n requests of SCHEMA, seeded (only: the i-th of them alone)."""
+    ps = token_prompts(eng.config.vocab_size, [7 + i for i in range(n)], seed=31)
+    return [eng.submit(p, max_new_tokens=30, temperature=0.8, seed=9 + i, json_schema=SCHEMA, ignore_eos=True)
+            for i, p in enumerate(ps) if only is None or i == only]
+
+
+def _outcome(req):
+    try:
+        r = req.result()
+        return r.token_ids, r.finish_reason
+    except Exception as e:
+        return repr(e)
+
+
+def test_a_lane_that_raises_fails_only_its_rows(tiny, monkeypatch):
+    """A lane whose masks raise drops that step (its rows run again: the tokens of the plain run); a lane
+    whose consumes raise ends its own rows with a structured-output error on their requests, and the rows of
+    the other lane go on with the plain run's tokens. Nothing hangs."""
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+    plain = go_engine_kw(tiny, False, lambda eng: [_outcome(r) for r in _schema_rows(eng, 4)], mask_threads=2)
+    assert all(isinstance(o, tuple) for o in plain)
+    flaky = flaky_lanes(monkeypatch, 1, masks=(3, 6))
+    assert go_engine_kw(tiny, True, lambda eng: [_outcome(r) for r in _schema_rows(eng, 4)], mask_threads=2) == plain
+    assert flaky and flaky[0].calls["masks"] > 6
+    flaky = flaky_lanes(monkeypatch, 1, consume=(4,))
+    got = go_engine_kw(tiny, True, lambda eng: [_outcome(r) for r in _schema_rows(eng, 4)], mask_threads=2)
+    # requests take the lanes in turn: rows 0 and 2 on lane 0, rows 1 and 3 on lane 1
+    assert got[0] == plain[0] and got[2] == plain[2]
+    for failed in (got[1], got[3]):
+        assert isinstance(failed, str) and "structured output" in failed and "injected consume" in failed
+
+
+def test_abort_and_close_in_the_middle_of_a_constrained_batch_on_lanes(tiny, monkeypatch):
+    """Requests aborted while their batch's masks are on the lanes end there; the others get the tokens they
+    get alone. close() while constrained rows run on the lanes returns (nothing waits forever), their
+    requests fail with the engine's error, and the lanes' threads end once the engine is gone."""
+    import gc
+    import threading
+    import time
+
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "1")
+
+    def lanes():  # lane threads alive now
+        return {t for t in threading.enumerate() if t.name.startswith("llaisys-lane")}
+    alone = go_engine_kw(tiny, True, lambda eng: [_outcome(_schema_rows(eng, 6, only=i)[0]) for i in range(6)],
+                         mask_threads=3)
+    gc.collect()
+    before = lanes()
+    eng = f32_engine(tiny, "cpu", True, mask_threads=3)
+    try:
+        reqs = _schema_rows(eng, 6)
+        for chunk in reqs[1]:  # a few steps in, then two rows leave
+            if len(chunk.token_ids) >= 1 and eng._core.runner.deferred_steps > 3:
+                break
+        reqs[1].abort()
+        reqs[4].abort()
+        got = [_outcome(r) for r in reqs]
+        for i in (0, 2, 3, 5):
+            assert got[i] == alone[i]
+        for i in (1, 4):
+            assert isinstance(got[i], str) or got[i][1] == "abort"
+        assert eng._core.runner.deferred_steps > 3
+        # close in the middle: long rows, closed once the lanes are busy
+        long = [eng.submit(p, max_new_tokens=300, temperature=0.8, seed=3, regex="[a-z]{500}", ignore_eos=True)
+                for p in token_prompts(eng.config.vocab_size, [5, 6, 7, 8, 9, 10], seed=2)]
+        while eng._core.runner.deferred_steps < 20:
+            time.sleep(0.001)
+        assert len(lanes() - before) == 3  # this engine's
+        closer = threading.Thread(target=eng.close)
+        closer.start()
+        closer.join(timeout=60)
+        assert not closer.is_alive()
+        for r in long:
+            with pytest.raises(RuntimeError, match="closed"):
+                r.result()
+    finally:
+        eng.close()
+    del eng, reqs, long
+    for _ in range(200):  # the lanes end when their MaskFiller is collected
+        gc.collect()
+        if not lanes() - before:
+            break
+        time.sleep(0.01)
+    assert not lanes() - before

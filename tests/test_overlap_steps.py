@@ -6,6 +6,9 @@ that is not chained, within a bounded number of steps), penalties (a repetition 
 penalties run the plain way) and the prefix cache.
 On the CPU the step runs on the calling thread, so nothing overlaps in time, but the same code paths run
 (overlap_steps=True forces them); on CUDA the whole engine suite runs overlapped by default."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -275,9 +278,9 @@ def _record_launches(core):
     """Wraps core.runner.launch: a list of (chained, requests waiting, from the decode batch) per launched step."""
     launches, real = [], core.runner.launch
 
-    def launch(step, chain):
+    def launch(step, chain, before=None):
         launches.append((chain, bool(core.scheduler.waiting), step.batch is not None))
-        return real(step, chain)
+        return real(step, chain, before)
     core.runner.launch = launch
     return launches
 
@@ -415,14 +418,59 @@ def test_chained_while_submitted_requests_wait_in_the_loop(tiny):
     kw = dict(max_new_tokens=40, temperature=0.8, seed=3, ignore_eos=True)
     alone = [eng.generate(p, **kw).token_ids for p in ps]
     launches = eng._loop.call(lambda: _record_launches(eng._core))
-    a, b = eng.submit(ps[0], **kw), eng.submit(ps[1], **kw)
-    it = iter(a)
-    ids = list(next(it).token_ids)
+    # a's chunks go to a sink, whose put runs on the loop thread: it holds the loop after a's first chunk
+    # until the late requests are in. (Read from a's own queue, a busy box could keep this thread away until
+    # a and b had finished, 40 steps of the tiny model, a few ms, and no step had requests waiting.)
+    first, gate, done = threading.Event(), threading.Event(), threading.Event()
+
+    class HoldAfterFirst:
+        def __init__(self):
+            self.items = []
+
+        def put(self, request, item):
+            self.items.append(item)
+            if len(self.items) == 1:
+                first.set()
+                gate.wait(60)
+            if isinstance(item, BaseException) or item.finish_reason is not None:
+                done.set()
+
+        def flush(self):
+            pass
+
+    sink = HoldAfterFirst()
+    eng.submit(ps[0], sink=sink, **kw)
+    b = eng.submit(ps[1], **kw)
+    assert first.wait(60)
     late = [eng.submit(p, **kw) for p in ps[2:]]
-    for chunk in it:
-        ids += chunk.token_ids
+    gate.set()
+    assert done.wait(60)
+    ids = [t for chunk in sink.items for t in chunk.token_ids]
     assert [ids, b.result().token_ids] + [r.result().token_ids for r in late] == alone
     assert sum(c and w for c, w, _ in launches) >= 10
     s = eng.stats()
     assert s["kv_blocks_used"] == 0 and s["running"] == 0
+    eng.close()
+
+
+def test_host_seconds_counts_each_interval_once(tiny):
+    """EngineCore.host_seconds (the host us per sequence per step of bench/throughput.py): its parts are disjoint
+    intervals of the loop thread, so with the runner's time (launches and the waits for the device, less the
+    arrays counted on the host side) they add up to no more than the caller's wall time; an overlapped step's
+    accounting is in its to_return_s and counted once (before session 33 it was also added as postprocess_s)."""
+    eng = engine(tiny, "cpu", True)
+    core = eng._core
+    ps = prompts(eng.config.vocab_size, [5, 9, 30, 12, 7, 21], seed=3)
+    eng.generate(ps, max_new_tokens=2, ignore_eos=True)  # warm-up
+    core.timing.update(dict.fromkeys(core.timing, 0))
+    core.runner.prepare_s = 0.0
+    t = time.perf_counter()
+    eng.generate(ps, max_new_tokens=40, ignore_eos=True)
+    wall = time.perf_counter() - t
+    tm = core.timing
+    assert tm["overlapped"] > 20 and tm["overlapped_postprocess_s"] > 0
+    assert tm["overlapped_postprocess_s"] <= tm["postprocess_s"] and tm["overlapped_postprocess_s"] <= tm["to_return_s"]
+    host = core.host_seconds()
+    assert 0 < host
+    assert host + tm["run_s"] - core.runner.prepare_s <= wall
     eng.close()

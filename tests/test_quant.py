@@ -463,6 +463,47 @@ def test_cuda_linear_matches_float64(fmt, dtype, M, N):
 
 
 @cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("M,N,K", [(9, 64, 256), (17, 200, 2048), (64, 1000, 512), (65, 129, 1536),
+                                   (128, 96, 4096), (129, 300, 768), (200, 2100, 256), (256, 77, 1024),
+                                   (300, 150, 512)])
+def test_cuda_tensor_core_path_matches_float64(fmt, dtype, M, N, K):
+    """M > 8 with a K-quant weight and a 16-bit x: the tensor-core GEMM that decodes W tiles in shared memory
+    (quant_linear/tc_gemm.cuh) for M <= kQuantTcMaxRows (64), the dense copy + cuBLASLt above; both held to
+    the dense path's reference (W decoded and rounded to the dtype, unquantized x). The kernel's two tile
+    shapes by default (32 rows x 128 W rows up to M = 32, 64 x 64 up to 64; with LLAISYS_QUANT_TC_MAX_ROWS=256
+    in the environment also its 128- and 256-row tiles for M = 65-256), partial m16 tiles and idle warps
+    (M = 9, 17), partial N tiles (N not a multiple of 64 or 128), one K step (K = 256 with two splits, or
+    one), long K split over many blocks (K = 4096) and no split at all (N = 2100: enough tiles for a wave);
+    with a bias at odd N."""
+    out, ref, tol = run_linear(fmt, dtype, M, N, K, seed=M + N + K, with_bias=N % 2 == 1, device="cuda")
+    check(out, ref, tol)
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_cuda_tensor_core_path_strided_x_and_nan(fmt):
+    """x as a column slice of a wider tensor (rows ld elements apart, 16-byte aligned) goes through the
+    tensor-core GEMM as a dense x does; a NaN in one row of x makes only that row NaN."""
+    M, N, K = 40, 70, 512
+    data = random_blocks(fmt, N, K, seed=31)
+    w = matrix(fmt, data).to("cuda")
+    wide = np.random.default_rng(32).standard_normal((M, K + 64)).astype(NP_DTYPE["bf16"])
+    wide[5, 17] = np.nan
+    x = llaisys.tensor(wide, "cuda").slice(1, 0, K)
+    out = poisoned((M, N), "bf16", "cuda")
+    quant.linear_(out, x, w)
+    got = np.asarray(out.to("cpu").numpy()).astype(np.float64)
+    assert np.isnan(got[5]).all() and np.isfinite(np.delete(got, 5, axis=0)).all()
+    x64 = np.delete(wide[:, :K].astype(np.float64), 5, axis=0)
+    wd = gguf.quants.dequantize(data, gtype(fmt)).astype(NP_DTYPE["bf16"]).astype(np.float64)
+    ref, (rtol, atol) = x64 @ wd.T, dense_tol("bf16", x64, wd)
+    err = np.abs(np.delete(got, 5, axis=0) - ref)
+    assert (err <= atol + rtol * np.abs(ref)).all(), f"worst error {err.max():.3g}"
+
+
+@cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("M", [1, 2, 8])
 @pytest.mark.parametrize("K", [512, 4096])
@@ -541,12 +582,13 @@ def test_cuda_linear_nan_input_makes_its_row_nan(fmt, M):
 @cuda
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_0", "q6_k", "q8_0"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("M", [1, 5, 9])
+@pytest.mark.parametrize("M", [1, 5, 9, 100, 256])
 @pytest.mark.parametrize("I", [37, 6007, 8209])
 def test_cuda_linear_swiglu_equals_linear_then_swiglu(fmt, dtype, M, I):
-    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M > 8 runs the
-    dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last one;
-    I = 8209: enough weights (I x 512 >= 4M) for the K-quants' chunked GEMV."""
+    """Bit for bit on CUDA too: the fused GEMV sums g and u in linear's order (M <= 8); M = 9-64 runs, for
+    the K-quants in 16 bits, the tensor-core GEMM with linear's split of K (so g and u are linear's sums),
+    else the dense linear_swiglu on the same decoded weight. I = 6007: several waves of blocks, a partial last
+    one; I = 8209: enough weights (I x 512 >= 4M) for the K-quants' chunked GEMV; I = 37 splits K."""
     w = matrix(fmt, random_blocks(fmt, 2 * I, 512, seed=8)).to("cuda")
     x = llaisys.tensor(np.random.default_rng(9).standard_normal((M, 512)).astype(NP_DTYPE[dtype]), "cuda")
     out = poisoned((M, I), dtype, "cuda")
@@ -640,6 +682,39 @@ def test_cuda_embedding_id_out_of_range_raises_at_synchronize():
     got = out.to("cpu").numpy()
     np.testing.assert_array_equal(got[1], 0.0)  # the bad row is zero-filled, so the output is defined
     np.testing.assert_array_equal(got[[0, 2]], gguf.quants.dequantize(data, GQT.Q8_0)[[2, 3]])
+
+
+@cuda
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("rows, cols", [(5, 256), (37, 512), (3, 1280)])
+def test_cuda_kquant_decode_placements(fmt, dtype, rows, cols):
+    """The K-quants' decode kernel (8 lanes a block, 16-byte loads and stores where aligned) at every
+    placement its paths split on: weight bytes on a 16-byte boundary or only on their format's alignment
+    (4 bytes; Q6_K's 210-byte blocks put odd rows 2 bytes off), the output on a 16-byte boundary or one
+    element off, one block a row or several; and ids outside [0, V) zero-filling their row."""
+    data = random_blocks(fmt, rows, cols, seed=31, from_floats=False)
+    ref = gguf.quants.dequantize(data, gtype(fmt)).astype(NP_DTYPE[dtype])
+    ref_bits = ref.view(f"u{ref.itemsize}")
+    row_bytes = data.shape[1]
+    align = 2 if fmt == "q6_k" else 4
+    for shift in (0, align):  # weight bytes 16-byte aligned, then only on the format's alignment
+        raw = llaisys.tensor(np.zeros((rows * row_bytes + 16,), np.uint8), "cuda")
+        raw.slice(0, shift, shift + rows * row_bytes).copy_(llaisys.tensor(data.reshape(-1), "cuda"))
+        w = quant.QuantMatrix(fmt, rows, cols, raw.slice(0, shift, shift + rows * row_bytes).view(rows, row_bytes))
+        for off in (0, 1):  # output 16-byte aligned, then one element off
+            flat = poisoned((rows * cols + 8,), dtype, "cuda")
+            out = flat.slice(0, off, off + rows * cols).view(rows, cols)
+            quant.dequantize_(out, w)
+            np.testing.assert_array_equal(bits(out), ref_bits, err_msg=f"shift {shift}, off {off}")
+    ids = np.array([rows - 1, rows, 0, -1], np.int64)
+    emb = poisoned((4, cols), dtype, "cuda")
+    quant.embedding_(emb, llaisys.tensor(ids, "cuda"), w)
+    with pytest.raises(IndexError, match="embedding: an id is out of range"):
+        llaisys.synchronize("cuda")
+    got = bits(emb)
+    np.testing.assert_array_equal(got[[0, 2]], ref_bits[[rows - 1, 0]])
+    assert not got[[1, 3]].any()  # the bad rows are zero-filled (+0.0 in every dtype)
 
 
 @cuda

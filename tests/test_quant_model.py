@@ -149,7 +149,9 @@ def _rel(x, ref):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [8, 300])  # the dp4a GEMV (<= 8 rows), then dequantize + cuBLASLt
+# the dp4a GEMV (<= 8 rows), the tensor-core GEMM over W tiles decoded in shared memory (9-64 rows), then
+# dequantize + cuBLASLt (more)
+@pytest.mark.parametrize("rows", [8, 64, 300])
 def test_cuda_quantized_is_as_close_to_hf_f32_as_hf_bf16(random_q4_k_m, rows):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(random_q4_k_m), gguf_file=os.path.basename(random_q4_k_m), dtype=torch.float32).eval().cuda()
@@ -176,10 +178,13 @@ def test_cuda_quantized_is_as_close_to_hf_f32_as_hf_bf16(random_q4_k_m, rows):
 
 @pytest.mark.cuda
 def test_cuda_batched_decode_graphs_read_the_decode_scratch(random_q4_k_m):
-    """16 sequences decoding together: every linear of a step has 16 rows, so each quantized weight is
-    decoded in turn into the model's one scratch and read there by cuBLASLt (models::linear), in steps
-    replayed from the captured CUDA graph of batch 16 (the fused gate/up's linear_swiglu included). The
-    model holds the file's blocks plus that one scratch, no decoded copies. Each generated token is held
+    """16 sequences decoding together: every linear of a step has 16 rows, so each quantized weight runs
+    the tensor-core GEMM that decodes its tiles in shared memory (its split-K partials from the stream's
+    allocator), in steps replayed from the captured CUDA graph of batch 16 (the fused gate/up's
+    linear_swiglu included); longer rows (here none) decode into the model's one scratch for cuBLASLt
+    (models::linear). The model holds the file's blocks plus that one scratch, sized for the largest matrix
+    but the LM head, and the LM head's own decoded copy (read by steps of more rows than the quantized kernels
+    take; here none). Each generated token is held
     to the same model's eager forward of the finished sequence (score(): prefill rows, decoded into the
     same scratch): greedy picks its top-1 up to near-ties, and reports its logprob. A replay that read a
     stale or overwritten scratch would pick tokens unrelated to those logits."""
@@ -192,7 +197,8 @@ def test_cuda_batched_decode_graphs_read_the_decode_scratch(random_q4_k_m):
         d, c = eng.describe(), eng.config
         for fmt in ("q4_k", "q6_k"):  # blocks only: the bytes the file holds
             assert d["weight_formats"][fmt]["bytes"] == file_bytes[fmt]
-        assert d["decode_scratch_bytes"] == 2 * c.vocab_size * c.hidden_size  # the LM head in bf16, the largest
+        # the LM head's bf16 copy plus the scratch, sized for the next largest: the fused gate/up
+        assert d["decode_scratch_bytes"] == 2 * c.vocab_size * c.hidden_size + 2 * 2 * c.intermediate_size * c.hidden_size
         rng = np.random.default_rng(5)
         prompts = [[int(t) for t in rng.integers(0, 150000, 6 + 3 * i)] for i in range(16)]
         outs = eng.generate(prompts, max_new_tokens=4, temperature=0, ignore_eos=True, logprobs=1)

@@ -5,6 +5,7 @@ a sequence generates. The engine's defaults per device, and the same texts on a 
 import random
 from collections import deque
 
+import numpy as np
 import pytest
 
 from llaisys.engine.block_manager import BlockManager
@@ -12,6 +13,7 @@ from llaisys.engine.config import EngineConfig
 from llaisys.engine.scheduler import Scheduler, Step
 from llaisys.engine.sequence import Sequence, Status
 from llaisys.sampling import resolve_sampling
+from utils import DEVICES
 
 
 def seq(tokens, max_new=4):
@@ -45,7 +47,8 @@ def check_step(sched, step):
     assert sum(step.num_tokens) <= sched.max_tokens
     for s, n in zip(step.seqs, step.num_tokens):
         assert 1 <= n <= s.remaining and s.status is Status.RUNNING
-        if sched.max_chunk is not None:
+        alone = len(step.seqs) == 1 and len(sched.running) + len(sched.waiting) == 1  # the whole budget, then
+        if sched.max_chunk is not None and not alone:
             assert n <= sched.max_chunk
 
 
@@ -116,12 +119,35 @@ def test_a_long_prompt_passed_over_is_admitted_after_short_ones():
     assert step.seqs == [running, short, waiting_long] and step.num_tokens == [8, 3, 8]
 
 
+def test_a_prompt_alone_takes_the_whole_budget_and_the_cap_returns_with_company():
+    sched = Scheduler(BlockManager(num_blocks=400, block_size=4), max_num_seqs=16, max_num_batched_tokens=32,
+                      max_prefill_chunk=8)
+    long = seq(range(100, 200), max_new=3)  # 100 tokens
+    sched.add(long)
+    step = sched.schedule()
+    assert step.seqs == [long] and step.num_tokens == [32]  # alone: the budget, not the cap
+    run_step(sched, step)
+    short = seq([1, 2, 3], max_new=5)
+    sched.add(short)  # waiting: the long prompt has company again
+    step = sched.schedule()
+    assert step.seqs == [long, short] and step.num_tokens == [8, 3]
+    run_step(sched, step)
+    step = sched.schedule()  # short decodes beside the long prompt's chunks of the cap
+    assert step.seqs == [short, long] and step.num_tokens == [1, 8]
+    while short.status is Status.RUNNING:
+        run_step(sched, sched.schedule())
+    step = sched.schedule()  # alone again
+    assert step.seqs == [long] and step.num_tokens == [min(32, long.remaining)]
+    assert long.remaining > 8
+
+
 def test_a_new_request_that_does_not_fit_stops_admission():
     bm = BlockManager(num_blocks=12, block_size=4)  # 44 tokens
     sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=64, max_prefill_chunk=8)
-    big = seq(range(40), max_new=1)
+    big = seq(range(39), max_new=5)  # alone: its whole prompt in one step (10 blocks), then it decodes in block 10
     sched.add(big)
     run_step(sched, sched.schedule())
+    assert big.num_computed == 39
     blocked, short = seq(range(100, 108), max_new=1), seq([1, 2], max_new=1)  # 2 blocks, 1 free
     sched.add(blocked)
     sched.add(short)
@@ -281,3 +307,50 @@ def test_hol_latency_runs_before_and_after_on_a_tiny_model(tmp_path, capsys):
     assert (after["tokens_per_step"], after["chunk"]) == (256, 32)
     for p in (before, after):
         assert p["short_ttft_s"]["n"] == 2 and p["short_itl_s"]["n"] == 2 * 3 and p["long_ttft_s"] > 0
+
+
+class _RunnerSpy:
+    """The C++ runner, recording each step()/launch()'s logits flag (their last positional argument) and ids."""
+
+    def __init__(self, runner):
+        self._r, self.flags, self.ids = runner, [], []
+
+    def step(self, *args):
+        self.flags.append(args[-1])
+        ids = self._r.step(*args)
+        self.ids.append(list(ids))
+        return ids
+
+    def launch(self, *args):
+        self.flags.append(args[-1])
+        return self._r.launch(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._r, name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_chunks_before_the_last_skip_the_lm_head(tmp_path, device):
+    """A prompt alone in its steps: each chunk but its last runs without the LM head (HostBatch::logits False,
+    token 0 a row), and the tokens are those of the whole prompt in one step."""
+    pytest.importorskip("torch")
+    from llaisys.engine.engine import Engine
+    from tiny_model import make_tiny_qwen2
+
+    path = make_tiny_qwen2(tmp_path / "m", seed=5, max_position_embeddings=512)
+    prompt = [random.Random(1).randrange(200) for _ in range(100)]
+    out = {}
+    for chunk in (16, 4096):  # (a prompt alone takes the whole budget a step: the budget makes the chunks)
+        with Engine(path, device=device, dtype="f32", progress=False, max_seq_len=512, num_kv_blocks=64,
+                    max_num_seqs=4, max_num_batched_tokens=chunk, max_prefill_chunk=chunk) as eng:
+            spy = _RunnerSpy(eng._core.runner.runner)
+            eng._core.runner.runner = spy
+            r = eng.generate(prompt, max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+            out[chunk] = (r.token_ids, [e["logprob"] for e in r.logprobs], spy.flags, spy.ids)
+    tokens, lps, flags, ids = out[16]
+    assert flags[:7] == [False] * 6 + [True]  # 100 tokens: 6 chunks of 16, then the last 4 with the logits
+    assert all(flags[7:])
+    assert ids[:6] == [[0]] * 6
+    assert out[4096][2][0] is True
+    assert tokens == out[4096][0]
+    np.testing.assert_allclose(lps, out[4096][1], rtol=1e-5, atol=1e-6 if device == "cpu" else 1e-4)

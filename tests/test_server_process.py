@@ -106,6 +106,23 @@ def test_greedy_output_equals_generate_iterated_and_through_the_hub(proc, eng):
         assert "".join(c.text for c in chunks) == w.text and chunks[-1].finish_reason == w.finish_reason
 
 
+def test_entries_read_at_the_end_cross_as_arrays_and_are_built_when_read(proc, eng):
+    """Requests read only at their end (incremental=False, the server's non-streaming responses): the child's
+    step loop does not build their logprobs entries; the last chunk carries the arrays (a Pending) across, and
+    the parent builds the entries when they are read: the same as the in-process generate()'s, request by
+    request (submitted together, so their rows share the child's batch)."""
+    from llaisys.engine.logprobs_log import Pending, raw_logprobs
+
+    sampling = dict(temperature=0, max_new_tokens=24, logprobs=3, ignore_eos=True)
+    want = eng.generate(PROMPTS, **sampling)
+    reqs = [proc.submit(p, incremental=False, **sampling) for p in PROMPTS]
+    got = [_read_all(r) for r in reqs]
+    assert any(type(raw_logprobs(chunks[-1])) is Pending for chunks in got)  # (rows of the batch, not built)
+    for chunks, w in zip(got, want):
+        assert len(chunks) == 1 and chunks[0].token_ids == w.token_ids
+        assert chunks[0].logprobs == w.logprobs and type(chunks[0].logprobs) is list
+
+
 def test_concurrent_seeded_streams_each_get_their_own_text(proc, eng):
     jobs = [(f"Item {i}: a note about {i * 7}", 100 + i) for i in range(8)]
     want = [eng.generate(p, temperature=1.0, max_new_tokens=12, seed=s).text for p, s in jobs]

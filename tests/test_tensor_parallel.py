@@ -64,6 +64,38 @@ def test_two_ranks_equal_one_in_f32(tiny, family):
     np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
 
 
+def test_prompt_chunks_without_the_lm_head_at_two_ranks(tiny):
+    """A step budget of 8: a 70-token prompt alone runs 8 chunks without the LM head (HostBatch::logits False),
+    which every rank must skip together (the split LM head's gather is a collective), then decodes; and batched
+    with a second prompt. Tokens and logprobs equal one rank's and the unchunked run's."""
+    path = tiny("qwen2")
+    p, q = arch_check.prompt(VOCAB, 70, seed=3), arch_check.prompt(VOCAB, 50, seed=4)
+    out = {}
+    for tp in (1, 2):
+        for budget in (8, 4096):
+            with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp,
+                        max_num_batched_tokens=budget, max_prefill_chunk=min(budget, 8)) as eng:
+                a = eng.generate(p, max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+                b = eng.generate([p, q], max_new_tokens=8, temperature=0, ignore_eos=True)
+                out[(tp, budget)] = (a.token_ids, [e["logprob"] for e in a.logprobs], [r.token_ids for r in b])
+    ref = out[(1, 4096)]
+    for key, (tokens, lps, batched) in out.items():
+        assert tokens == ref[0] and batched == ref[2], key
+        np.testing.assert_allclose(lps, ref[1], rtol=0, atol=1e-4, err_msg=str(key))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_neox", "qwen2"])
+def test_two_fused_ranks_equal_one(tiny, family):
+    """Fused projections (CUDA's default) at two ranks: each rank's [gate; up] matrix (SwiGLU, and GeGLU's since
+    it fuses too) stacks its own gate rows over its own up rows; GPT-NeoX's GELU runs inside each rank's cut of
+    the up projection."""
+    path = tiny(family)
+    g1, s1, l1 = run(path, 1)
+    g2, s2, l2 = run(path, 2, fused_projections=True)
+    assert (g2, s2) == (g1, s1)
+    np.testing.assert_allclose(l2, l1, rtol=0, atol=1e-4 * np.abs(l1).max())
+
+
 @pytest.mark.parametrize("family", ["llama-tied", "qwen2"])
 def test_four_ranks_with_replicated_kv_heads_equal_one(tiny, family):
     path = tiny(family)  # 2 KV heads over 4 ranks: each KV head on two ranks

@@ -129,15 +129,18 @@ def llaisys_server(args: list[str], log_path, timeout: float = 300.0):
 
 def failing_mask_fills(monkeypatch, failing: tuple[int, ...]) -> list[int]:
     """MaskFiller.fill raises on its calls numbered `failing` (1-based), else fills as usual; the returned
-    list gets each call's row count (tests of a mask failure in a chained step)."""
+    list gets each call's row count (tests of a mask failure in a chained step). The lanes are off
+    (LLAISYS_MASK_LANES=0; with LLAISYS_MASK_LANES=1 they never call fill: their failures are
+    test_overlap_constrained.flaky_lanes')."""
     from llaisys.constraints import MaskFiller
 
+    monkeypatch.setenv("LLAISYS_MASK_LANES", "0")
     fill, calls = MaskFiller.fill, []
 
-    def flaky(self, constraints, mask):
+    def flaky(self, constraints, mask, *args):
         calls.append(len(constraints))
         if len(calls) in failing:
             raise RuntimeError("injected")
-        return fill(self, constraints, mask)
+        return fill(self, constraints, mask, *args)
     monkeypatch.setattr(MaskFiller, "fill", flaky)
     return calls

@@ -115,19 +115,22 @@ def run_llaisys(eng, prompts, outs, temperature: float) -> dict:
                        seed=list(range(len(prompts))))
     dt = time.perf_counter() - t
     gen = sum(len(r.token_ids) for r in res)
+    # when the last request got its first token: the end of the run's prefill phase (decode steps ran beside it)
+    prefill_s = max(r.timings.get("ttft_s", 0.0) for r in res)
     prompt_tokens = sum(map(len, prompts))
     tm = dict(core.timing)
     steps = max(tm["steps"], 1)
     stats = eng.stats()
     return {"seconds": dt, "prompt_tokens": prompt_tokens, "output_tokens": gen, "output_tok_s": gen / dt,
-            "total_tok_s": (gen + prompt_tokens) / dt, "steps": tm["steps"], "ms_per_step": 1e3 * dt / steps,
+            "total_tok_s": (gen + prompt_tokens) / dt, "last_first_token_s": prefill_s, "steps": tm["steps"],
+            "ms_per_step": 1e3 * dt / steps,
             "schedule_ms": 1e3 * tm["schedule_s"] / steps, "arrays_ms": 1e3 * core.runner.prepare_s / steps,
             "runner_ms": 1e3 * (tm["run_s"] - core.runner.prepare_s) / steps,
             "postprocess_ms": 1e3 * tm["postprocess_s"] / steps,
-            # the host's Python per sequence per step: scheduling (with an unchained step's launch), the step's
-            # arrays, accounting, the hand-back and the loop's delivery between steps (not the runner's C++)
-            "host_us_per_seq_step": 1e6 * (tm["schedule_s"] + core.runner.prepare_s + tm["postprocess_s"] +
-                                           tm["to_return_s"] + tm["between_s"]) / max(tm["rows"], 1),
+            # the host's Python per sequence per step (EngineCore.host_seconds: scheduling, the step's arrays,
+            # accounting, the hand-back and the loop's delivery between steps; not the runner's C++). Before
+            # session 33 this sum counted an overlapped step's accounting twice (postprocess_s and to_return_s)
+            "host_us_per_seq_step": 1e6 * core.host_seconds() / max(tm["rows"], 1),
             "preemptions": stats["preemptions"] - before["preemptions"],
             "overlapped": stats["overlapped_steps"] - before["overlapped_steps"], "stats": stats}
 
@@ -179,7 +182,8 @@ def run_hf(path: str, device: str, prompts, new_tokens: int) -> dict:
 
 def format_line(r: dict) -> str:
     return (f"batched: {r['output_tok_s']:.0f} output tok/s, {r['total_tok_s']:.0f} total tok/s "
-            f"({r['seconds']:.1f} s, {r['steps']} steps, {r['ms_per_step']:.2f} ms/step: schedule "
+            f"({r['seconds']:.1f} s, last first token at {r.get('last_first_token_s', 0):.2f} s, {r['steps']} steps, "
+            f"{r['ms_per_step']:.2f} ms/step: schedule "
             f"{r['schedule_ms']:.2f}, arrays {r['arrays_ms']:.2f}, runner {r['runner_ms']:.2f}, "
             f"postprocess {r['postprocess_ms']:.2f}; preemptions {r['preemptions']}; overlapped "
             f"{r.get('overlapped', 0)} steps; host {r.get('host_us_per_seq_step', 0):.2f} us per sequence per step)")
@@ -190,7 +194,7 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
                max_len: int = 1024, temperature: float = 0.6, max_num_seqs: int = 256, solo: bool = False,
                peers: bool = False, single: tuple[int, int] | None = None,
                out: Callable[[str], None] = print, tensor_parallel_size: int = 1, nodes: dict | None = None,
-               profile: int = 0) -> dict:
+               profile: int = 0, kernels: int = 0, max_num_batched_tokens: int | None = None) -> dict:
     """Run the protocol (or with `single`, one request's decode instead), printing each result line through
     `out`; returns the result dict (what --json writes)."""
     check(num_requests, min_len, max_len, temperature, max_num_seqs)
@@ -198,7 +202,8 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
     max_seq_len = max(sum(single) + 16, 256) if single else 2 * max_len + 16
     eng, path, label, dtype = open_engine(shape, model, gguf_types, device, dtype, max_seq_len, max_num_seqs,
                                           checkpoint=peers and not model, tensor_parallel_size=tensor_parallel_size,
-                                          nodes=nodes)
+                                          nodes=nodes, **({"max_num_batched_tokens": max_num_batched_tokens}
+                                                          if max_num_batched_tokens else {}))
     if (nodes or {}).get("node_rank"):  # a follower: node 0's steps until node 0 ends; node 0 reports
         eng.follow()
         return {}
@@ -208,8 +213,9 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
 
     with eng:
         what = "one request" if single else f"{num_requests} requests, lengths [{min_len}, {max_len}]"
+        captured = eng._core.runner.capture_s
         out(f"llaisys {getattr(llaisys, '__version__', '')} on {eng.device}: {label}, dtype {dtype} (computes "
-            f"{eng.dtype}), {what}")
+            f"{eng.dtype}), {what}" + (f"; decode graphs captured at start in {captured:.2f} s" if captured else ""))
         result = {"engine": "llaisys", "model": label, "device": eng.device, "dtype": dtype,
                   "compute_dtype": eng.dtype, "num_requests": num_requests, "min_len": min_len, "max_len": max_len,
                   "temperature": temperature, "max_num_seqs": max_num_seqs}
@@ -228,6 +234,22 @@ def throughput(shape: str | None = None, model: str | None = None, gguf_types: s
             again = {}
             times = loop_profile.own_times(eng, lambda: again.update(run_llaisys(eng, prompts, outs, temperature)))
             loop_profile.report(f"{num_requests} requests, {again['steps']} steps", times, again["steps"], profile)
+        if kernels:  # the same requests again under torch.profiler: device time per kernel over the whole run
+            from .kernel_profile import print_rows, profiled_call
+
+            again = {}
+            # another first token a prompt: the prefix cache holds the timed run's prompts, and a hit would
+            # leave their prefill out of the profile
+            fresh = [[(p[0] + 1) % eng.config.vocab_size] + p[1:] for p in prompts]
+            per, wall, idle = profiled_call(eng.device, lambda: again.update(run_llaisys(eng, fresh, outs,
+                                                                                         temperature)))
+            busy = sum(us for k, (n, us) in per.items() if not k.startswith("Memcpy"))
+            out(f"kernels of {num_requests} requests ({again['steps']} steps, profiled): wall {wall * 1e3:.0f} ms, "
+                f"kernel time {busy / 1e3:.0f} ms, GPU idle {idle / 1e3:.0f} ms")
+            rows = []
+            print_rows(per, rows.append)
+            for line in rows[:kernels + 1]:
+                out(line)
         if solo:
             s = result["solo"] = run_solo(eng, prompts, outs)
             out(f"one at a time: {s['output_tok_s']:.1f} output tok/s ({s['seconds']:.1f} s); "

@@ -369,6 +369,17 @@ void Runner::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bo
                       last_launched_.numel(), ", got ", chain_rows[i], " at ", i);
     const int64_t size = begin(b, false);
     DeviceGuard guard(model_.device());
+    if (!b.logits && size == 0 && !defer_sampling) { // prompt chunks only: no LM head, no sampling
+        StepBatch s = upload(b);
+        if (chain) chain_ids(s.ids, last_launched_, chain_rows);
+        s.last = Tensor();
+        model_.forward_step(s, pool_.view());
+        last_logits_ = Tensor();
+        if (!no_tokens_.defined() || no_tokens_.numel() < B) // made once (zeros on CUDA wait for the device), then
+            no_tokens_ = Tensor::zeros({std::max<int64_t>(2 * B, 64)}, DType::I64, model_.device()); // only read
+        record(no_tokens_.slice(0, 0, B), rows);
+        return;
+    }
     if (size > 0 && !defer_sampling && samples_in_graph(rows)) { // one upload per buffer, one replay, one copy back
         const Graphed &g = replay(b, size, &rows, chain ? &last_launched_ : nullptr, chain_rows);
         last_logits_ = g.logits.slice(0, 0, B);
@@ -430,11 +441,35 @@ Tensor Runner::upload_masks(const int32_t *mask, int64_t M, int64_t W, const std
         in_order = in_order && mask_rows[size_t(j)] == j;
     }
     const size_t row_bytes = size_t(W) * sizeof(int32_t);
-    if (in_order) return staging_->upload_bytes(mask, size_t(B) * row_bytes, {B, W}, DType::I32);
+    if (in_order) {
+        for (MaskBuffer &buf : mask_buffers_) { // mask_buffer()'s pinned memory: copied as it is
+            if (!buf.host.defined() || buf.host.data() != static_cast<const void *>(mask) ||
+                model_.device().is_cpu() || buf.host.size(0) < B)
+                continue;
+            Tensor out = Tensor::empty({B, W}, DType::I32, model_.device());
+            runtime::memcpy_async(out.data(), model_.device(), mask, Device::cpu(), size_t(B) * row_bytes);
+            if (!buf.copied) buf.copied = std::make_unique<Event>(model_.device());
+            buf.copied->record(current_stream(model_.device()));
+            return out;
+        }
+        return staging_->upload_bytes(mask, size_t(B) * row_bytes, {B, W}, DType::I32);
+    }
     masks_host_.assign(size_t(B * W), -1);
     for (int64_t j = 0; j < M; ++j)
         std::memcpy(masks_host_.data() + mask_rows[size_t(j)] * W, mask + j * W, row_bytes);
     return staging_->upload_bytes(masks_host_.data(), size_t(B) * row_bytes, {B, W}, DType::I32);
+}
+
+Tensor Runner::mask_buffer(int64_t rows) {
+    LLAISYS_CHECK(rows >= 1, std::invalid_argument, "Runner.mask_buffer: rows must be >= 1, got ", rows);
+    const int64_t W = (model_.config().vocab_size + 31) / 32;
+    MaskBuffer &buf = mask_buffers_[mask_next_];
+    mask_next_ ^= 1;
+    if (buf.copied) buf.copied->synchronize(); // its last copy to the device has run
+    if (!buf.host.defined() || buf.host.size(0) < rows)
+        buf.host = Tensor::empty({std::max<int64_t>(rows, 64), W}, DType::I32, Device::cpu(),
+                                 model_.device().is_cuda());
+    return buf.host.slice(0, 0, rows);
 }
 
 // The launch's tokens `ids` (on the device) on their way to the host: an event finish() waits for.
@@ -508,6 +543,8 @@ void Runner::enqueue_logprobs(const std::vector<int64_t> &rows, const std::vecto
     f.lp_rows = R;
     f.lp_k = k;
 }
+
+bool Runner::busy() const { return !inflight_.empty() && !inflight_.front()->done->query(); }
 
 std::vector<int64_t> Runner::finish() {
     if (inflight_.empty() && deferred_) sample_deferred(nullptr, 0, 0, {}, int64_t(deferred_->size()));

@@ -62,6 +62,23 @@ def linear_swiglu(x: Tensor, w_gate_up: Tensor, *, constant_weight: bool = False
     return out
 
 
+def linear_geglu(x: Tensor, w_gate_up: Tensor, approximate: str = "none", *, constant_weight: bool = False) -> Tensor:
+    """geglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T) for w_gate_up [2I, K] (gate rows, then up rows)."""
+    tanh = _tanh_approx("linear_geglu", approximate)
+    out = _like((*x.shape[:-1], w_gate_up.shape[0] // 2), x)
+    ops.linear_geglu(out, x, w_gate_up, tanh, constant_weight=constant_weight)
+    return out
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none", *,
+                constant_weight: bool = False) -> Tensor:
+    """gelu(x @ weight^T (+ bias)), the projection rounded to x's dtype before the GELU."""
+    tanh = _tanh_approx("linear_gelu", approximate)
+    out = _like((*x.shape[:-1], weight.shape[0]), x)
+    ops.linear_gelu(out, x, weight, bias, tanh, constant_weight=constant_weight)
+    return out
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     out = _like(x.shape, x)
     ops.rms_norm(out, x, weight, eps)

@@ -13,7 +13,8 @@ partial rotary). ``rope_inv_freq(theta, rotary_dim, rope_type="default"|"linear"
 low_freq_factor=..., high_freq_factor=..., original_max_position_embeddings=...)`` returns the table HF
 computes for those settings.
 
-``linear`` and ``linear_swiglu`` take ``constant_weight=False``. Pass True only for a weight that
+``linear``, ``linear_swiglu``, ``linear_geglu`` (out, x, w_gate_up, tanh_approx=False) and ``linear_gelu``
+(out, x, weight, bias=None, tanh_approx=False) take ``constant_weight=False``. Pass True only for a weight that
 every kernel that wrote it has finished with (synchronize after writing it) and that none will write
 again, e.g. a loaded model's weights. On CUDA, the M = 1 GEMV may then read the weight while the
 kernels ahead of it on the stream are still running. If the weight was computed on the device since
@@ -29,6 +30,8 @@ argmax = _ops.argmax
 embedding = _ops.embedding
 linear = _ops.linear
 linear_swiglu = _ops.linear_swiglu
+linear_geglu = _ops.linear_geglu
+linear_gelu = _ops.linear_gelu
 rms_norm = _ops.rms_norm
 add_rms_norm = _ops.add_rms_norm
 rope = _ops.rope
@@ -50,12 +53,12 @@ sample_rows = _ops.sample_rows
 logprobs = _ops.logprobs  # (chosen_lp, top_ids, top_lp, logits, temperature, chosen, rows)
 # LayerNorm and GELU (GPT-NeoX / Pythia, Gemma 3): bias and delta2 may be None.
 layer_norm = _ops.layer_norm  # (out, x, weight, bias, eps)
-add_layer_norm = _ops.add_layer_norm  # (out, residual, delta, delta2, weight, bias, eps)
+add_layer_norm = _ops.add_layer_norm  # (out, residual, delta, delta2, weight, bias, eps, out2=, weight2=, bias2=)
 gelu = _ops.gelu  # (out, x, tanh_approx=False)
 geglu = _ops.geglu  # (out, gate, up, tanh_approx=False)
 
 __all__ = ["add", "scale", "cast", "rearrange", "index_copy", "argmax", "embedding", "linear", "rms_norm", "add_rms_norm", "rope",
            "rope_qkv_cache", "rope_inv_freq", "kv_shift",
            "self_attention", "self_attention_cached", "paged_attention", "swiglu", "sample", "sample_rows", "repetition_penalty", "logit_bias", "logprobs",
-           "token_mask", "seen_penalty", "seen_mark", "linear_swiglu",
+           "token_mask", "seen_penalty", "seen_mark", "linear_swiglu", "linear_geglu", "linear_gelu",
            "layer_norm", "add_layer_norm", "gelu", "geglu"]

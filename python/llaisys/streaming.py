@@ -52,12 +52,13 @@ class IncrementalDetokenizer:
             return text
         return ""
 
-    def decode_all(self, token_ids) -> str:
+    def decode_all(self, token_ids, ints: bool = False) -> str:
         """The text that step() of each id and then flush() would return together, in one decode: for
-        output that nobody reads piece by piece (no stream, no stop strings)."""
+        output that nobody reads piece by piece (no stream, no stop strings). ints: token_ids is a list of
+        Python ints (a sequence's output), taken as it is (not changed) rather than converted id by id."""
         if self._pending:
             raise RuntimeError("decode_all() after step(): flush() first")
-        self._pending = [int(t) for t in token_ids]
+        self._pending = token_ids if ints else list(map(int, token_ids))
         return self.flush()
 
     def flush(self) -> str:
@@ -65,12 +66,13 @@ class IncrementalDetokenizer:
         U+FFFD, as in tokenizer.decode), so all pieces together equal decode(all ids). Resets the stream."""
         if not self._pending:
             return ""
-        head = self._tok.decode(self._context, skip_special_tokens=self._skip)
-        full = self._tok.decode(self._context + self._pending, skip_special_tokens=self._skip)
+        ids = self._context + self._pending
+        head = self._tok.decode(self._context, skip_special_tokens=self._skip) if self._context else ""
+        full = self._tok.decode(ids, skip_special_tokens=self._skip)
         if full.startswith(head):
             text = full[len(head):]
         else:  # not expected for byte-level BPE; decoding the pending ids alone is the safe fallback
             text = self._tok.decode(self._pending, skip_special_tokens=self._skip)
-        self._context, self._pending = (self._context + self._pending)[-_CONTEXT:], []
+        self._context, self._pending = ids[-_CONTEXT:], []
         self._restart(self._context)
         return text

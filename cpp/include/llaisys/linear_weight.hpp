@@ -1,6 +1,6 @@
 // A projection's weight as a model holds it: a dense tensor in the model's dtype, or GGUF blocks kept
-// as the file stores them (QuantMatrix). The model's layer code calls linear/linear_swiglu/embedding
-// below and never asks which one it has; the weight decides which kernel runs.
+// as the file stores them (QuantMatrix). The model's layer code calls linear, linear_swiglu, linear_geglu,
+// linear_gelu and embedding below and never asks which one it has; the weight decides which kernel runs.
 #pragma once
 #include "llaisys/quant.hpp"
 #include "llaisys/tensor.hpp"
@@ -30,6 +30,12 @@ void linear(const Tensor &out, const Tensor &x, const LinearWeight &w, const Ten
             const Tensor &bias = Tensor());
 // out = swiglu(x @ W[:I]^T, x @ W[I:]^T) for W = [gate; up] of 2I rows; scratch as for linear.
 void linear_swiglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up, const Tensor &scratch);
+// out = geglu(x @ W[:I]^T, x @ W[I:]^T) (gelu(gate) * up, tanh or erf GELU); scratch as for linear.
+void linear_geglu(const Tensor &out, const Tensor &x, const LinearWeight &w_gate_up, const Tensor &scratch,
+                  bool tanh_approx);
+// out = gelu(x @ W^T (+ bias)); scratch as for linear.
+void linear_gelu(const Tensor &out, const Tensor &x, const LinearWeight &w, const Tensor &scratch, const Tensor &bias,
+                 bool tanh_approx);
 // out [n, K] = rows of W picked by ids [n].
 void embedding(const Tensor &out, const Tensor &ids, const LinearWeight &w);
 

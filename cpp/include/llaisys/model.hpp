@@ -136,7 +136,8 @@ public:
     virtual uint64_t weights_version() const = 0;
     // One step of a batch over the paged KV cache: stores each token's key/value at its slot and returns the
     // logits of the rows batch.last [B, vocab] (all_logits: of every token, [T, vocab]), in the model dtype,
-    // not synchronized. Every input is a device tensor, so a CUDA graph can capture it.
+    // not synchronized. Every input is a device tensor, so a CUDA graph can capture it. batch.last undefined
+    // (and all_logits false): the layers only (the KV cache written), no LM head; returns an undefined tensor.
     virtual Tensor forward_step(const StepBatch &batch, const KVView &kv, bool all_logits = false) = 0;
     // StreamingLLM's K-shift: in every layer, the keys at cache rows src turned by delta positions with that
     // layer's own RoPE table (ops::kv_shift), written with their values to rows dst [n] (device i64).

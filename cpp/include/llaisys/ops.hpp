@@ -48,6 +48,16 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
 // equals linear + linear + swiglu bit for bit when the sums run in the same order (CPU; CUDA for M <= 8).
 // constant_weight as for linear (it picks the same GEMV summation order as linear with that flag).
 void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight = false);
+// The same for GeGLU (Gemma's gated MLP: tanh_approx): out [..., I] = geglu(g, u) = gelu(g) * u with g and u
+// summed in f32 and rounded to the dtype first, gelu(g) not rounded before the product: linear + linear +
+// geglu bit for bit under linear_swiglu's conditions (CPU; CUDA for M <= 8).
+void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool tanh_approx,
+                  bool constant_weight = false);
+// A plain MLP's up projection and its GELU in one op (GPT-NeoX): out [..., N] = gelu(x @ weight^T (+ bias)),
+// the projection rounded to the dtype (bias included) before the GELU, so it equals linear + gelu bit for bit
+// under linear_swiglu's conditions. bias may be undefined; constant_weight as for linear.
+void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool tanh_approx,
+                 bool constant_weight = false);
 // out = x / sqrt(mean(x^2) + eps) * weight over the last dim. out may be x. Rows of strided views (a unit
 // last stride, leading dims that collapse into two) are read and written where they lie, in place too:
 // q/k norm as rms_norm(q, q, w, eps) on q = qkv.view({T, nh + 2 * nkvh, hd}).slice(1, 0, nh), w [hd]
@@ -191,8 +201,11 @@ void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const 
 // layer's LayerNorm in one pass. The sum is rounded to the dtype (as a separate add would) before the norm:
 // residual becomes add(add(residual, delta), delta2) bit for bit, rounded after each add. residual, delta,
 // delta2 and out [..., H] (residual is updated in place, any strides; out may alias delta or delta2).
+// out2, when defined, also gets layer_norm(residual) with weight2 and bias2 (bias2 may be undefined) from the
+// same pass: GPT-NeoX's ln2 beside the next layer's ln1; the bits of a separate layer_norm of the residual.
 void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
-                    const Tensor &weight, const Tensor &bias, float eps);
+                    const Tensor &weight, const Tensor &bias, float eps, const Tensor &out2 = Tensor(),
+                    const Tensor &weight2 = Tensor(), const Tensor &bias2 = Tensor());
 // out = gelu(x): exact erf form, or the tanh approximation (torch's approximate="tanh"), in f32.
 // x * Phi(x), Phi written with erfc for accuracy in the negative tail; tanh: 0.5 x (1 + tanh(sqrt(2/pi)
 // (x + 0.044715 x^3))). -inf gives NaN, as torch's formulas do. out may alias x.

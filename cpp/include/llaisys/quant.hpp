@@ -89,17 +89,24 @@ QuantLayout quant_cpu_layout(QuantFormat format, int64_t cols);
 void set_quant_cpu_split(bool on);
 QuantCpuPath quant_cpu_path_from_name(const std::string &name); // "auto", "portable", "avx2", "avx512vnni"
 
-// CUDA's quant_linear runs its int8 GEMV for up to this many rows of x; above, it decodes the weight.
+// CUDA's quant_linear runs its int8 GEMV for up to this many rows of x; above, a K-quant weight goes
+// through the tensor-core GEMM that decodes W tiles in shared memory for up to kQuantTcMaxRows rows
+// (LLAISYS_QUANT_TC_MAX_ROWS overrides it, 0 turns that GEMM off), and every other case decodes the whole
+// weight into a dense copy for cuBLASLt.
 constexpr int64_t kQuantGemvMaxRows = 8;
+// 64: the crossover measured on an H200 (bench_ops, session 34: 1536 -> 2 x 8960 Q4_K + SwiGLU 44.0 us
+// against the copy's 49.7 at 64 rows, 74.0 against 51.1 at 128; bench/RESULTS.md).
+constexpr int64_t kQuantTcMaxRows = 64;
 
 namespace ops {
 // out [..., N] = x [..., K] @ dequant(weight)[N, K]^T (+ bias [N]); x, bias and out share a float dtype.
 // On the CPU each x row is first quantized to 8-bit blocks (d = max|x| / 127 per block of 32, or of
 // 256 for the K-quants, q = round(x / d)) and the products are integer dot products per block, as
 // llama.cpp computes them; the result is thus x's 8-bit rounding times the exact weights. CUDA does
-// the same for M <= 8 rows of x; for more it decodes the weight to x's dtype and runs the dense linear
-// on the unquantized x (a transient [N, K] copy of the weight in that dtype; ops/quant_linear/cuda.cu;
-// a model decodes into a buffer of its own instead: quant_dequantize, models::linear).
+// the same for M <= 8 rows of x; for more it multiplies the unquantized x by the weight decoded to x's
+// dtype: on tensor cores from W tiles decoded in shared memory where quant_linear_tc says so, else through
+// a transient dense [N, K] copy and the dense linear (ops/quant_linear/cuda.cu; a model decodes into a
+// buffer of its own instead: quant_dequantize, models::linear).
 void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight, const Tensor &bias);
 // out [..., I] = swiglu(x @ w_gate_up[:I]^T, x @ w_gate_up[I:]^T) with w_gate_up [2I, K]; g and u are
 // rounded to out's dtype before the SwiGLU, so it equals two quant_linear calls + swiglu bit for bit.
@@ -126,6 +133,11 @@ void add_rms_norm_quant_linear(const Tensor &out, const Tensor &residual_out, co
 // aligned operands, as fresh tensors are): CUDA, a 2-byte dtype, rows <= kQuantGemvMaxRows and a width
 // whose add_rms_norm the GEMV reproduces (cols / 8 in [1, 32] or (64, 256]: every Qwen2 up to 3B).
 bool add_rms_norm_quant_linear_fused(DType dtype, Device device, int64_t rows, int64_t cols);
+// Whether CUDA's quant_linear and quant_linear_swiglu run the tensor-core GEMM over a weight of `format` for
+// `rows` rows of x of dtype on device (given x rows 16-byte aligned, as fresh tensors are): a K-quant
+// (Q4_K, Q5_K, Q6_K), a 2-byte dtype, kQuantGemvMaxRows < rows <= the limit above. No dense copy is made
+// then, so a model passes no decode buffer (models::linear).
+bool quant_linear_tc(DType dtype, Device device, int64_t rows, QuantFormat format);
 } // namespace ops
 
 } // namespace llaisys

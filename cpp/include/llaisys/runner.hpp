@@ -27,6 +27,10 @@ struct HostBatch {
     std::vector<int32_t> kv_len;          // [B]
     std::vector<int32_t> block_tables;    // [B * max_blocks]
     int64_t max_blocks = 0;
+    // false: no row samples a token this step (each is a prompt chunk before its prompt's last one), so an
+    // eager step runs the layers without the LM head and gives each row token 0, which no one reads. On the
+    // CPU a 128-token prompt in chunks of 32 otherwise read the LM head (Gemma 3: 178 MB of Q8_0) 4 times.
+    bool logits = true;
     int64_t num_seqs() const { return int64_t(kv_len.size()); }
 };
 
@@ -109,6 +113,10 @@ public:
     void set_seen(int64_t row, const std::vector<int32_t> &words);
     // Launched steps not finished yet (a deferred one included: finish() samples it unmasked first).
     size_t launched() const { return inflight_.size() + (deferred_ ? 1 : 0); }
+    // Whether the oldest launch is still running on the device (finish() would wait for it); false with
+    // nothing launched and on the CPU, whose launches are done when they return. The step loop does host work
+    // that can wait (building logprobs entries) only while this holds.
+    bool busy() const;
     // The step's logits without sampling: [B, vocab], or [T, vocab] with all_logits (scoring).
     Tensor logits(const HostBatch &batch, bool all_logits);
     // The logits the last step() sampled from ([B, vocab], after penalties and biases, before
@@ -120,6 +128,10 @@ public:
     models::Model &model() const { return model_; }
     // Graphs captured so far, by padded batch size.
     std::vector<int64_t> captured_batch_sizes() const;
+    // A host buffer [rows, ceil(vocab / 32)] i32 for the token masks of the next sample_deferred(): pinned on
+    // CUDA, so that sample_deferred copies it to the device as it is, without staging it first (a 64-row mask
+    // of a 152k vocabulary is 1.2 MB). Two alternate; each is handed out again only once its last copy ran.
+    Tensor mask_buffer(int64_t rows);
     // Steps whose tokens were sampled inside a CUDA graph (no sampling launch of their own), so far.
     uint64_t steps_sampled_in_graph() const { return steps_sampled_in_graph_; }
 
@@ -161,8 +173,15 @@ private:
     std::vector<std::unique_ptr<Inflight>> spare_; // finished ones, their pinned buffers reused
     FinishedLogprobs finished_lp_;
     Tensor last_launched_; // the newest launch's tokens on the device (i64 [B])
+    Tensor no_tokens_;     // zeros (i64, grown by doubling): the tokens of a step without the LM head
     std::unique_ptr<std::vector<RowSampling>> deferred_; // a launch whose sampling waits for sample_deferred()
     std::vector<int32_t> masks_host_; // sample_deferred's [B, W] masks when only some rows are masked (reused)
+    struct MaskBuffer {
+        Tensor host; // i32 [capacity rows, W], pinned on CUDA
+        std::unique_ptr<Event> copied; // recorded behind the last copy out of it
+    };
+    MaskBuffer mask_buffers_[2];
+    int mask_next_ = 0; // the buffer mask_buffer() hands out next
     Tensor seen_; // i32 [S, ceil(vocab / 32)]: the sequences' seen sets (set_seen), on the model's device
 };
 

@@ -140,9 +140,9 @@ void Decoder::bind_slots() {
                       "' names an unknown role '", w.role, "' (", w.hf_name, ")");
         s.shape = w.shape;
         if (w.role == "lm_head") s.shape[0] = vocab_part_; // tensor parallel: this rank's rows
-        // fusion groups are what the decoder fuses: q/k/v (with biases) and gate/up (without biases)
-        const bool fusable = (w.group == "qkv" && !s.heads) ||
-                             (w.group == "gate_up" && !config_.mlp_bias && config_.activation == Activation::silu);
+        // fusion groups are what the decoder fuses: q/k/v (with biases) and gate/up (without biases; SwiGLU,
+        // or GeGLU whose dense parts fuse: fuse_layer)
+        const bool fusable = (w.group == "qkv" && !s.heads) || (w.group == "gate_up" && !config_.mlp_bias);
         if (fused_ && fusable) s.group = w.group;
         slots_[w.hf_name] = s;
     }
@@ -269,12 +269,13 @@ QuantMatrix Decoder::on_device(const QuantMatrix &value) const {
 }
 
 // Runs fused only where every part is in the fused matrix: dense parts are its slices already; quantized
-// parts of one block format are stacked into it now (one copy; the parts then become its slices).
+// parts of one block format are stacked into it now (one copy; the parts then become its slices) where the
+// quantized GEMV has the fused epilogue: SwiGLU's, not GeGLU's (a quantized GeGLU keeps gate and up apart).
 void Decoder::fuse_layer(Layer &L) {
     L.fused_qkv = L.fused_gate_up = false;
     if (!fused_) return;
-    const auto fuse = [](LinearWeight &fused, std::initializer_list<LinearWeight *> parts) {
-        bool dense = fused.dense.defined(), quant = true;
+    const auto fuse = [](LinearWeight &fused, std::initializer_list<LinearWeight *> parts, bool stack_quant) {
+        bool dense = fused.dense.defined(), quant = stack_quant;
         for (LinearWeight *p : parts) {
             dense = dense && p->dense.defined();
             quant = quant && p->quantized() && p->quant.format() == (*parts.begin())->quant.format();
@@ -291,9 +292,9 @@ void Decoder::fuse_layer(Layer &L) {
         }
         return true;
     };
-    L.fused_qkv = fuse(L.wqkv, {&L.wq, &L.wk, &L.wv});
-    if (config_.gated_mlp && !config_.mlp_bias && config_.activation == Activation::silu)
-        L.fused_gate_up = fuse(L.w_gate_up, {&L.w_gate, &L.w_up});
+    L.fused_qkv = fuse(L.wqkv, {&L.wq, &L.wk, &L.wv}, true);
+    if (config_.gated_mlp && !config_.mlp_bias)
+        L.fused_gate_up = fuse(L.w_gate_up, {&L.w_gate, &L.w_up}, config_.activation == Activation::silu);
 }
 
 std::vector<std::string> Decoder::missing_weights() const {
@@ -353,8 +354,19 @@ void Decoder::check_ready() {
     // CUDA, quantized: the one buffer multi-row steps decode each weight into (linear's scratch), taken now so
     // that a KV cache sized from the free memory afterwards leaves room for it. After a reload the old one is
     // released first (graphs that held its address are dropped: weights_version).
-    decode_scratch_ = Tensor();
-    decode_scratch_ = decode_scratch(projections(), dtype_, device_);
+    decode_scratch_ = Tensor(), lm_head_decoded_ = Tensor();
+    std::vector<const LinearWeight *> decoded = projections();
+    // A quantized LM head, the largest matrix, is decoded once into a copy of its own (the scratch then only
+    // needs the next largest: about the memory the scratch took for it), so a step of more rows than the
+    // quantized kernels take does not decode it again every step (165 us a step at the 1.5B's Q6_K head on an
+    // H200; the 1.5B Q4_K_M protocol 22,854 -> 23,387 output tok/s in one call, bench/RESULTS.md session 36).
+    if (device_.is_cuda() && lm_head().quantized()) {
+        const QuantMatrix &q = lm_head().quant;
+        lm_head_decoded_ = Tensor::empty({q.rows(), q.cols()}, dtype_, device_);
+        ops::quant_dequantize(lm_head_decoded_, q);
+        decoded.erase(decoded.begin()); // projections() lists the LM head first
+    }
+    decode_scratch_ = decode_scratch(decoded, dtype_, device_);
     if (device_.is_cuda()) synchronize(device_); // constant weights: every weight-writing kernel is done
     ready_ = true;
 }
@@ -373,7 +385,8 @@ std::vector<const LinearWeight *> Decoder::projections() const {
 }
 
 int64_t Decoder::decode_scratch_bytes() const {
-    return decode_scratch_.defined() ? decode_scratch_.numel() * int64_t(decode_scratch_.element_size()) : 0;
+    const auto bytes = [](const Tensor &t) { return t.defined() ? t.numel() * int64_t(t.element_size()) : 0; };
+    return bytes(decode_scratch_) + bytes(lm_head_decoded_);
 }
 
 } // namespace llaisys::models

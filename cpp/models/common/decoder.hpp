@@ -84,7 +84,8 @@ private:
     bool norm_in_projections(const Layer &L, int64_t T) const;
     void norm(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &b);
     void add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2, const Tensor &w,
-                  const Tensor &b);
+                  const Tensor &b, const Tensor &out2 = Tensor(), const Tensor &w2 = Tensor(),
+                  const Tensor &b2 = Tensor());
     Tensor normed(const Tensor &x, const Tensor &w); // a sandwich norm of a block's output, in a new tensor
     void forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv);
     void forward_parallel(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv);
@@ -103,6 +104,7 @@ private:
     Tensor final_norm_, final_norm_bias_;
     float embed_scale_ = 1.f; // Gemma: sqrt(hidden) rounded to the compute dtype, as HF multiplies
     Tensor decode_scratch_; // CUDA, quantized: see decode_scratch_bytes(); made by check_ready
+    Tensor lm_head_decoded_; // CUDA, a quantized LM head: its bf16 copy for steps past the quantized kernels' rows
     std::vector<Layer> layers_;
     std::vector<WeightSpec> table_;           // the family's weight table for this config
     std::map<std::string, Slot> slots_;       // HF name -> where it goes

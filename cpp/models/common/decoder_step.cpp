@@ -28,9 +28,12 @@ void Decoder::project_in(const Tensor &out, const BlockIn &in, const LinearWeigh
 }
 
 // Whether the norms ahead of layer L's attention and MLP blocks run inside their projections for a step of
-// T tokens: RMSNorm blocks whose every projection reads them quantized, and one kernel for it there.
+// T tokens: RMSNorm blocks whose every projection reads them quantized, and one kernel for it there (SwiGLU
+// MLPs: the quantized GEMV's fused epilogue is SwiGLU's).
 bool Decoder::norm_in_projections(const Layer &L, int64_t T) const {
-    if (config_.norm != NormKind::rms || config_.sandwich_norm || !config_.gated_mlp || config_.mlp_bias) return false;
+    if (config_.norm != NormKind::rms || config_.sandwich_norm || !config_.gated_mlp || config_.mlp_bias ||
+        config_.activation != Activation::silu)
+        return false;
     if (!ops::add_rms_norm_quant_linear_fused(dtype_, device_, T, config_.hidden_size)) return false;
     const bool qkv = L.fused_qkv ? L.wqkv.quantized() : L.wq.quantized() && L.wk.quantized() && L.wv.quantized();
     const bool mlp = L.fused_gate_up ? L.w_gate_up.quantized() : L.w_gate.quantized() && L.w_up.quantized();
@@ -43,10 +46,12 @@ void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Te
     else ops::rms_norm(out, x, w, config_.norm_eps);
 }
 
-// h += delta (+ delta2); out = norm(h): one pass.
+// h += delta (+ delta2); out = norm(h): one pass (LayerNorm: out2 = norm(h) with w2, b2 in the same one).
 void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2,
-                       const Tensor &w, const Tensor &b) {
-    if (config_.norm == NormKind::layer) return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps);
+                       const Tensor &w, const Tensor &b, const Tensor &out2, const Tensor &w2, const Tensor &b2) {
+    if (config_.norm == NormKind::layer)
+        return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps, out2, w2, b2);
+    LLAISYS_CHECK(!out2.defined(), std::logic_error, "model: a second norm output is a LayerNorm fusion");
     ops::add_rms_norm(out, h, delta, w, config_.norm_eps);
     if (delta2.defined()) ops::add_rms_norm(out, h, delta2, w, config_.norm_eps); // (no family needs this today)
 }
@@ -108,14 +113,20 @@ Tensor Decoder::attention(int l, const BlockIn &in, const StepBatch &b, const KV
     return out;
 }
 
-// in [T, H] -> down(act(gate(x)) * up(x)) [T, H], or down(act(up(x))) for a plain MLP (GPT-NeoX)
+// in [T, H] -> down(act(gate(x)) * up(x)) [T, H], or down(act(up(x))) for a plain MLP (GPT-NeoX). Fused
+// (fused_projections): gate/up and SwiGLU or GeGLU in one op, a plain MLP's GELU inside its up projection (at
+// decode the GEMV's epilogue, a launch less per layer); the same bits as the unfused ops.
 Tensor Decoder::mlp(int l, const BlockIn &in) {
     const Layer &L = layers_[size_t(l)];
     const int64_t T = in.residual.defined() ? in.residual.size(0) : in.x.size(0), I = config_.intermediate_size;
     const bool tanh = config_.activation == Activation::gelu_tanh;
     Tensor act = Tensor::empty({T, I}, dtype_, device_);
-    if (L.fused_gate_up) {
+    if (L.fused_gate_up && config_.activation == Activation::silu) {
         project_in(act, in, L.w_gate_up, Tensor(), true);
+    } else if (L.fused_gate_up) { // GeGLU: dense weights only (fuse_layer), never a norm inside (norm_in_projections)
+        linear_geglu(act, in.x, L.w_gate_up, decode_scratch_, tanh);
+    } else if (!config_.gated_mlp && fused_) {
+        linear_gelu(act, in.x, L.w_up, decode_scratch_, L.b_up, tanh);
     } else if (!config_.gated_mlp) {
         project_in(act, in, L.w_up, L.b_up, false);
         ops::gelu(act, act, tanh);
@@ -141,7 +152,10 @@ Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
     }
     const int64_t R = rows.size(0), V = config_.vocab_size;
     Tensor part = Tensor::empty({R, vocab_part_}, dtype_, device_);
-    linear(part, rows, lm_head(), decode_scratch_);
+    if (lm_head_decoded_.defined() && R > kQuantGemvMaxRows &&
+        !ops::quant_linear_tc(rows.dtype(), rows.device(), R, lm_head().quant.format()))
+        ops::linear(part, rows, lm_head_decoded_, Tensor(), /*constant_weight=*/true);
+    else linear(part, rows, lm_head(), decode_scratch_);
     if (!comm_) return part;
     // tensor parallel: every rank gets every rank's slice ([world * R, V / world], rank-major) and lays them
     // side by side, so each holds the same [R, V] logits and samples the same tokens (no broadcast)
@@ -183,16 +197,22 @@ void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, con
     add_norm(x, h, mlp_out, Tensor(), final_norm_, final_norm_bias_);
 }
 
-// Parallel residual (GPT-NeoX): h += attn(ln1(h)) + mlp(ln2(h)); the two adds and the next layer's first
-// norm are one pass (add_layer_norm with both deltas).
+// Parallel residual (GPT-NeoX): h += attn(ln1(h)) + mlp(ln2(h)); the two adds and the next layer's two
+// norms are one pass (add_layer_norm with both deltas and a second output; unfused: ln2 on its own).
 void Decoder::forward_parallel(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv) {
     const int64_t T = b.num_tokens(), H = config_.hidden_size;
     Tensor x2 = Tensor::empty({T, H}, dtype_, device_), attn_out, mlp_out;
     for (int l = 0; l < int(layers_.size()); ++l) {
         const Layer &L = layers_[size_t(l)];
-        if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
-        else add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias);
-        norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        if (l == 0) {
+            norm(x, h, L.attn_norm, L.attn_norm_bias);
+            norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        } else if (fused_) {
+            add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias, x2, L.mlp_norm, L.mlp_norm_bias);
+        } else {
+            add_norm(x, h, attn_out, mlp_out, L.attn_norm, L.attn_norm_bias);
+            norm(x2, h, L.mlp_norm, L.mlp_norm_bias);
+        }
         attn_out = attention(l, BlockIn{x, {}, {}, {}, nullptr}, b, kv);
         mlp_out = mlp(l, BlockIn{x2, {}, {}, {}, nullptr});
     }
@@ -211,6 +231,7 @@ Tensor Decoder::forward_step(const StepBatch &b, const KVView &kv, bool all_logi
     if (config_.scale_embeddings) ops::scale(h, h, embed_scale_);
     if (config_.parallel_residual) forward_parallel(h, x, b, kv);
     else forward_serial(h, x, b, kv);
+    if (!all_logits && !b.last.defined()) return Tensor(); // no row wants its logits (HostBatch::logits)
     return logits(x, b, all_logits);
 }
 

@@ -94,12 +94,14 @@ __device__ __forceinline__ void thread_scan_max(const T *row, int64_t first, int
 
 // Max of row [V]: thread t scans VEC-wide packs t, t + blockDim, ... (thread_scan_max), then the block
 // merges. Needs blockDim.x % 32 == 0; with VEC > 1, row 16-byte aligned and V % VEC == 0.
+// own (if given) gets this thread's max (-inf when it saw nothing above -inf; NaN never).
 template <int VEC, typename T>
-__device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm) {
+__device__ RowMax block_row_max(const T *row, int V, ArgmaxSmem &sm, float *own = nullptr) {
     float best = -INFINITY;
     int best_i = INT_MAX;
     bool nan = false;
     thread_scan_max<VEC, 4>(row, int64_t(threadIdx.x) * VEC, V, int64_t(blockDim.x) * VEC, best, best_i, nan);
+    if (own != nullptr) *own = best;
     nan = __syncthreads_or(nan);
     block_merge_max(best, best_i, sm);
     return {best, best_i == INT_MAX ? 0 : best_i, nan};

@@ -24,19 +24,6 @@ constexpr int tc_pitch() { return HD + 8; }
 template <int HD>
 constexpr size_t tc_smem_bytes() { return size_t(kTcBQ + 2 * kTcBK) * tc_pitch<HD>() * 2; }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p))
-                 : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p))
-                 : "memory");
-}
-
 // Fragment layouts are those of mma.m16n8k16: a thread holds rows lane/4 and lane/4 + 8 of its warp's 16
 // rows, columns 8n + 2 * (lane % 4) + {0, 1} of n-tile n.
 

@@ -1,32 +1,15 @@
 // Device pieces shared by the split-KV ("flash-decoding") attention kernels of self_attention and
-// paged_attention: cp.async wrappers, the common part of their shared-memory layout, a block's 8
+// paged_attention: the common part of their shared-memory layout, a block's 8
 // (query, head) rows, the online-softmax state, and the per-tile softmax and P @ V steps. One copy, so
 // both ops score, normalise and sum in the same order. Each kernel keeps its own K/V staging (paged
 // reads rows through a block table) and its own output addressing.
 #pragma once
 #include "ops/common/cuda.cuh"
+#include "ops/common/mma.cuh"
 
 #include <cstdint>
 
 namespace llaisys::ops::cuda {
-
-// ---- cp.async (sm_80+): 16-byte copies global -> shared that run while the block computes ----
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem) : "memory");
-}
-// With valid == false nothing is read and the 16 bytes are zeroed.
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N> // waits until at most N of this thread's copy groups are in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 namespace split_kv {
 

@@ -13,7 +13,7 @@
 
 namespace llaisys::ops::cpu {
 
-// x * Phi(x) in f32, the formulas of gelu.cuh (the CUDA kernels): erf form with erfc (no cancellation in
+// x * Phi(x) in f32, the formulas of common/gelu_math.cuh (the CUDA kernels): erf form with erfc (no cancellation in
 // the negative tail), or TANH, torch's approximate="tanh" as x / (1 + e^(-2u)) (no 1 + tanh(u) cancellation;
 // the AVX2 kernel below computes the same). -inf gives NaN in both, as torch.
 template <bool TANH>

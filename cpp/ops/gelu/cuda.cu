@@ -2,7 +2,7 @@
 
 #include "ops/common/checks.hpp"
 #include "ops/common/vec.cuh"
-#include "ops/gelu/gelu.cuh"
+#include "ops/common/gelu_math.cuh"
 
 namespace llaisys::ops::cuda {
 

@@ -58,9 +58,11 @@ void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const 
 }
 
 // Per row: residual += delta, then += delta2 (each rounded to T, as add() does), then layer_norm_row reads
-// the rounded row, so the result equals add(), add() and layer_norm() bit for bit.
+// the rounded row, so the result equals add(), add() and layer_norm() bit for bit (out2: a second
+// layer_norm() of the same row).
 void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
-                    const Tensor &weight, const Tensor &bias, float eps) {
+                    const Tensor &weight, const Tensor &bias, float eps, const Tensor &out2, const Tensor &weight2,
+                    const Tensor &bias2) {
     const int64_t D = delta.shape().back(), rows = delta.numel() / D;
     detail::dispatch_float("add_layer_norm", delta.dtype(), delta.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
@@ -70,6 +72,8 @@ void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &del
         const T *d2 = ptr_or_null<T>(delta2); // [rows, D] or null
         const T *w = weight.data_as<T>();     // [D]
         const T *b = ptr_or_null<T>(bias);    // [D] or null
+        T *o2 = out2.defined() ? out2.data_as<T>() : nullptr; // [rows, D] or null, with w2 and b2
+        const T *w2 = ptr_or_null<T>(weight2), *b2 = ptr_or_null<T>(bias2);
         parallel_for(rows, 5 * D, [&](int64_t r) {
             T *rr = res + r * D;
             const T *dr = d + r * D;
@@ -77,6 +81,7 @@ void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &del
             if (d2)
                 for (int64_t i = 0; i < D; ++i) store(rr, i, load(rr, i) + load(d2 + r * D, i));
             layer_norm_row(o + r * D, rr, w, b, D, eps);
+            if (o2) layer_norm_row(o2 + r * D, rr, w2, b2, D, eps);
         });
     });
 }

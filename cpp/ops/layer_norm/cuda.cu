@@ -37,9 +37,10 @@ __device__ __forceinline__ Vec<T, VEC> normalized(const Vec<T, VEC> &a, const T 
     if (bias) b = load_vec<VEC>(bias + off);
     Vec<T, VEC> o;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-        const float y = (to_f32(a.v[j]) - m - c) * rstd * to_f32(w.v[j]);
-        o.v[j] = from_f32<T>(bias ? y + to_f32(b.v[j]) : y);
+    for (int j = 0; j < VEC; ++j) { // _rn intrinsics: nvcc may not contract y + b into an FMA in one
+        // instantiation and not in another (add_layer_norm's out2 must have the bits of a call of its own)
+        const float y = __fmul_rn(__fmul_rn(__fsub_rn(__fsub_rn(to_f32(a.v[j]), m), c), rstd), to_f32(w.v[j]));
+        o.v[j] = from_f32<T>(bias ? __fadd_rn(y, to_f32(b.v[j])) : y);
     }
     return o;
 }
@@ -61,10 +62,15 @@ __device__ __forceinline__ Moments moments(float s1, float s2, int D, float eps)
 // two-pass algorithm of cpu.cpp: c = mean(d) corrects m, var = mean(d^2) - c^2); pass 3 writes. NV > 0: a
 // thread holds its (at most NV) vectors in registers between the passes, all loaded before any is used;
 // NV == 0 (rows longer than that): passes 2 and 3 re-read the row, which pass 1 has just pulled into L1/L2.
-// out may alias x or x2: every read of a row precedes the reduction that any write waits for.
+// out may alias x or x2: every read of a row precedes the reduction that any write waits for. The second
+// output (add_layer_norm's out2, with weight2 and bias2; null when not asked) is the same row normed again.
+struct Second {
+    void *out;
+    const void *weight, *bias;
+};
 template <typename T, int VEC, int NV, bool WARP, bool FUSED>
 __global__ void layer_norm_kernel(T *out, T *residual, const T *x, const T *x2, const T *weight, const T *bias,
-                                  int64_t rows, int D, float eps) {
+                                  int64_t rows, int D, float eps, Second second) {
     __shared__ float scratch[32];
     const int64_t row = WARP ? blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32 : int64_t(blockIdx.x);
     const int lane = WARP ? int(threadIdx.x % 32) : int(threadIdx.x), group = WARP ? 32 : int(blockDim.x);
@@ -73,6 +79,8 @@ __global__ void layer_norm_kernel(T *out, T *residual, const T *x, const T *x2, 
     if (row >= rows) return; // a whole warp (WARP) or never (one block per row)
     const int64_t base = row * D;
     const int nvec = D / VEC;
+    T *out2 = static_cast<T *>(second.out);
+    const T *weight2 = static_cast<const T *>(second.weight), *bias2 = static_cast<const T *>(second.bias);
     const T *src = FUSED ? residual + base : x + base; // the row being normalised, once pass 1 has run
     const auto reduce = [&](float v) { return group_sum<WARP>(v, scratch); };
     const auto at = [&](int v) { return int64_t(v) * VEC; };
@@ -105,7 +113,11 @@ __global__ void layer_norm_kernel(T *out, T *residual, const T *x, const T *x2, 
 #pragma unroll
         for (int j = 0; j < NV; ++j) {
             const int v = lane + j * group;
-            if (v < nvec) store_vec(out + base + at(v), normalized(held[j], weight, bias, at(v), m, mo.c, mo.rstd));
+            if (v < nvec) {
+                store_vec(out + base + at(v), normalized(held[j], weight, bias, at(v), m, mo.c, mo.rstd));
+                if (FUSED && second.out)
+                    store_vec(out2 + base + at(v), normalized(held[j], weight2, bias2, at(v), m, mo.c, mo.rstd));
+            }
         }
     } else {
         for (int v = lane; v < nvec; v += group) {
@@ -116,9 +128,12 @@ __global__ void layer_norm_kernel(T *out, T *residual, const T *x, const T *x2, 
         const float m = reduce(sum) / float(D);
         for (int v = lane; v < nvec; v += group) add_deviations(load_vec<VEC>(src + at(v)), m, s1, s2);
         const Moments mo = moments(reduce(s1), reduce(s2), D, eps);
-        for (int v = lane; v < nvec; v += group)
-            store_vec(out + base + at(v),
-                      normalized(load_vec<VEC>(src + at(v)), weight, bias, at(v), m, mo.c, mo.rstd));
+        for (int v = lane; v < nvec; v += group) {
+            const Vec<T, VEC> a = load_vec<VEC>(src + at(v));
+            store_vec(out + base + at(v), normalized(a, weight, bias, at(v), m, mo.c, mo.rstd));
+            if (FUSED && second.out)
+                store_vec(out2 + base + at(v), normalized(a, weight2, bias2, at(v), m, mo.c, mo.rstd));
+        }
     }
 }
 
@@ -126,12 +141,16 @@ template <typename T>
 device_t<T> *dptr_or_null(const Tensor *t) { return t && t->defined() ? dptr<T>(*t) : nullptr; }
 
 // Picks the vector width (16 bytes when every row is aligned) and the kernel: a warp per row, 4 rows per
-// block, for rows of at most 256 vectors (held in registers, NV = 2, 4 or 8 a lane); else a block per row
-// of up to 1024 threads holding 1, 2 or 4 vectors each, or re-reading longer rows (NV = 0). Launches on
+// block, for rows of at most 64 vectors (held in registers, 2 a lane); else a block per row of up to 1024
+// threads holding 1, 2 or 4 vectors each, or re-reading longer rows (NV = 0), as add_rms_norm does. The
+// rule depends on D only, so a row's bits do not depend on the batch. (Until session 35 a warp also took
+// rows of up to 256 vectors: at one row of 2048 bf16, a decode step's, one warp read and reduced the row
+// alone: 8.34 us against 3.65 for a block on 2560, H100, session 30.) Launches on
 // out's stream. T is the host storage type; residual is null unless FUSED; x2 and bias may be undefined.
 template <typename T, bool FUSED>
 void launch_layer_norm(const char *op, const Tensor &out, const Tensor *residual, const Tensor &x,
-                       const Tensor *x2, const Tensor &weight, const Tensor &bias, float eps) {
+                       const Tensor *x2, const Tensor &weight, const Tensor &bias, float eps,
+                       const Tensor *out2 = nullptr, const Tensor *weight2 = nullptr, const Tensor *bias2 = nullptr) {
     using DT = device_t<T>;
     const int64_t D = x.shape().back(), rows = x.numel() / D;
     LLAISYS_CHECK(D <= (int64_t(1) << 30) && rows < (int64_t(1) << 31), std::invalid_argument, op, ": ", rows,
@@ -139,7 +158,9 @@ void launch_layer_norm(const char *op, const Tensor &out, const Tensor *residual
     DT *res = dptr_or_null<T>(residual);
     const DT *xp2 = dptr_or_null<T>(x2), *bp = dptr_or_null<T>(&bias);
     bool wide = D % kVec16<T> == 0;
-    for (const void *p : std::initializer_list<const void *>{out.data(), x.data(), weight.data(), res, xp2, bp})
+    const Second second{dptr_or_null<T>(out2), dptr_or_null<T>(weight2), dptr_or_null<T>(bias2)};
+    for (const void *p : std::initializer_list<const void *>{out.data(), x.data(), weight.data(), res, xp2, bp,
+                                                              second.out, second.weight, second.bias})
         wide = wide && is_aligned(p, 16); // null is aligned
     const cudaStream_t s = stream_of(out);
     dispatch_vec<T>(wide, [&](auto vec) {
@@ -147,13 +168,11 @@ void launch_layer_norm(const char *op, const Tensor &out, const Tensor *residual
         const int64_t nvec = D / V;
         const auto go = [&](auto kernel, int64_t blocks, int64_t threads) {
             launch_pdl(kernel, unsigned(blocks), unsigned(threads), 0, s, out.device().index, dptr<T>(out), res,
-                       dptr<T>(x), xp2, dptr<T>(weight), bp, rows, int(D), eps);
+                       dptr<T>(x), xp2, dptr<T>(weight), bp, rows, int(D), eps, second);
         };
-        constexpr int rows_per_block = 4; // of the one-warp-per-row kernels
+        constexpr int rows_per_block = 4; // of the one-warp-per-row kernel
         const int64_t warp_blocks = ceil_div(rows, rows_per_block), warp_threads = 32 * rows_per_block;
         if (nvec <= 32 * 2) return go(layer_norm_kernel<DT, V, 2, true, FUSED>, warp_blocks, warp_threads);
-        if (nvec <= 32 * 4) return go(layer_norm_kernel<DT, V, 4, true, FUSED>, warp_blocks, warp_threads);
-        if (nvec <= 32 * 8) return go(layer_norm_kernel<DT, V, 8, true, FUSED>, warp_blocks, warp_threads);
         const int64_t per_thread = ceil_div(nvec, 1024); // vectors a thread must take at 1024 threads
         const int nv = per_thread <= 1 ? 1 : per_thread <= 2 ? 2 : per_thread <= 4 ? 4 : 0;
         const int64_t threads = nv ? ceil_div(ceil_div(nvec, nv), 32) * 32 : 1024;
@@ -174,10 +193,12 @@ void layer_norm(const Tensor &out, const Tensor &x, const Tensor &weight, const 
 }
 
 void add_layer_norm(const Tensor &out, const Tensor &residual, const Tensor &delta, const Tensor &delta2,
-                    const Tensor &weight, const Tensor &bias, float eps) {
+                    const Tensor &weight, const Tensor &bias, float eps, const Tensor &out2, const Tensor &weight2,
+                    const Tensor &bias2) {
     detail::dispatch_float("add_layer_norm", delta.dtype(), delta.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        launch_layer_norm<T, true>("add_layer_norm", out, &residual, delta, &delta2, weight, bias, eps);
+        launch_layer_norm<T, true>("add_layer_norm", out, &residual, delta, &delta2, weight, bias, eps, &out2, &weight2,
+                                   &bias2);
     });
 }
 

@@ -318,15 +318,31 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
 }
 
 // Composed from the ops it fuses: g and u come from the linear above (per output the same summation
-// order as two separate linear calls, rounded to T on store), then the swiglu kernel combines them, so
-// the result equals linear + linear + swiglu bit for bit. Decode reads the weight once either way.
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+// order as two separate linear calls, rounded to T on store), then the swiglu (geglu) kernel combines them,
+// so the result equals linear + linear + swiglu (geglu) bit for bit. Decode reads the weight once either way.
+template <class Combine>
+void gated_halves(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, Combine &&combine) {
     const int64_t M = out.size(0), I = out.size(1);
     const Tensor gu = Tensor::empty({2, M, I}, out.dtype()); // [g; u], each [M, I]
     const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
     linear(g, x, w_gate_up.slice(0, 0, I), Tensor());     // w_gate_up[:I]  [I, K]
     linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor()); // w_gate_up[I:]  [I, K]
-    ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
+    combine(g, u);
+}
+
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up) {
+    gated_halves(out, x, w_gate_up, [&](const Tensor &g, const Tensor &u) { ::llaisys::ops::swiglu(out, g, u); });
+}
+
+void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool tanh_approx) {
+    gated_halves(out, x, w_gate_up,
+                 [&](const Tensor &g, const Tensor &u) { ::llaisys::ops::geglu(out, g, u, tanh_approx); });
+}
+
+// linear, then the gelu op in place on its output: linear + gelu bit for bit.
+void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool tanh_approx) {
+    linear(out, x, weight, bias);
+    ::llaisys::ops::gelu(out, out, tanh_approx); // the gelu op (llaisys/ops.hpp)
 }
 
 } // namespace llaisys::ops::cpu

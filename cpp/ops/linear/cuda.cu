@@ -1,19 +1,23 @@
 // CUDA linear: out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), accumulated in f32.
 //   M <= 8 (decode): gemv_kernel, which streams W once at memory bandwidth; for M = 1 and a small W the
 //   caller declared constant, gemv_preload_kernel, which loads W before the kernel ahead has finished.
-//   M > 8 (prefill): cuBLASLt with f32 compute (no TF32) and the bias fused as an epilogue; the
+//   M > 8 (prefill, decode batches): cuBLASLt with f32 compute (no TF32; for bf16/f16 outputs only split-K
+//   algorithms whose partial sums stay f32) and the bias fused as an epilogue; the
 //   GEMV also serves as the fallback if cuBLASLt offers no algorithm (and for K = 0).
-// linear_swiglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for M <= 8;
-// two cuBLASLt GEMMs and the swiglu kernel for M > 8.
+// linear_swiglu / linear_geglu: the same GEMV with an epilogue that pairs gate row n with up row I + n for
+// M <= 8; two cuBLASLt GEMMs and the swiglu / geglu kernel for M > 8. linear_gelu: the GEMV with linear's
+// rows and a GELU after the bias for M <= 8; linear then the gelu kernel for M > 8.
 #include "ops/linear/linear.hpp"
 
 #include "llaisys/ops.hpp"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
+#include "ops/common/gelu_math.cuh"
 #include "ops/common/swiglu_math.cuh"
 
 #include <cublasLt.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -108,12 +112,40 @@ struct PlainEpilogue {
     }
 };
 
-// linear_swiglu: group j owns the gate rows n = j * O + o (o < O outputs) and the up rows I + n of
-// W [2I, K] (I = a.N; W rows r < O gate, r >= O up) and writes out[m, n] = swiglu(g, u), g and u first
-// rounded to T as linear stores them for the swiglu op. O = 2 for M <= 2 halves the grid (at I = 4864
-// one output per warp made 1.15 waves); larger M keeps O = 1, where 4 rows would spill registers.
+// linear_gelu: PlainEpilogue's rows and sums; each output is rounded to T (bias included) as linear stores
+// it, then goes through the gelu op's formula (common/gelu_math.cuh) and is rounded again: linear + gelu.
+template <int MR, bool TANH>
+struct GeluEpilogue : PlainEpilogue<MR> {
+    template <typename T, class Sum>
+    __device__ static void store(T *out, const T *bias, int64_t group, int o, int64_t m, const GemvArgs &a,
+                                 const Sum &sum) {
+        const int64_t n = group * PlainEpilogue<MR>::kRows + o;
+        if (n >= a.N) return;
+        const float y = to_f32(from_f32<T>(sum(o, bias ? to_f32(bias[n]) : 0.f)));
+        out[m * a.N + n] = from_f32<T>(gelu_f32<TANH>(y));
+    }
+};
 template <int MR>
-struct SwigluEpilogue {
+using GeluTanhEpilogue = GeluEpilogue<MR, true>;
+template <int MR>
+using GeluErfEpilogue = GeluEpilogue<MR, false>;
+
+// The gated activations, act(g, u) in f32 from g and u already rounded to T: the swiglu and geglu ops'
+// formulas (common/swiglu_math.cuh, common/gelu_math.cuh; geglu does not round gelu(g) before the product).
+struct SwigluAct {
+    __device__ static float apply(float g, float u) { return swiglu_f32(g, u); }
+};
+template <bool TANH>
+struct GegluAct {
+    __device__ static float apply(float g, float u) { return gelu_f32<TANH>(g) * u; }
+};
+
+// linear_swiglu / linear_geglu: group j owns the gate rows n = j * O + o (o < O outputs) and the up rows
+// I + n of W [2I, K] (I = a.N; W rows r < O gate, r >= O up) and writes out[m, n] = Act(g, u), g and u first
+// rounded to T as linear stores them for the swiglu / geglu op. O = 2 for M <= 2 halves the grid (at I = 4864
+// one output per warp made 1.15 waves); larger M keeps O = 1, where 4 rows would spill registers.
+template <int MR, class Act>
+struct GatedEpilogue {
     static constexpr int kOuts = MR >= 4 ? 1 : 2, kRows = 2 * kOuts, kUnroll = MR >= 4 ? 4 : 2;
     // 3, not 4: with room for 72 registers 896->2x4864 took 8.4 us on an H100 (graph replay; the same
     // at 2 blocks per SM), against 9.6 us under the 64-register cap of 4 blocks per SM.
@@ -126,9 +158,15 @@ struct SwigluEpilogue {
         const int64_t n = group * kOuts + o;
         if (n >= a.N) return;
         const float g = to_f32(from_f32<T>(sum(o, 0.f))), u = to_f32(from_f32<T>(sum(kOuts + o, 0.f)));
-        out[m * a.N + n] = from_f32<T>(swiglu_f32(g, u));
+        out[m * a.N + n] = from_f32<T>(Act::apply(g, u));
     }
 };
+template <int MR>
+using SwigluEpilogue = GatedEpilogue<MR, SwigluAct>;
+template <int MR>
+using GegluTanhEpilogue = GatedEpilogue<MR, GegluAct<true>>;
+template <int MR>
+using GegluErfEpilogue = GatedEpilogue<MR, GegluAct<false>>;
 
 // acc[m][r] += x[m] . w[r] over the vectors v = first, first + step, ... < nvec. Each lane issues up
 // to U loads per W row before using any (a row of K = 1536 bf16 is 6 vectors per lane: all in flight
@@ -174,7 +212,7 @@ __device__ __forceinline__ void gemv_rows(float (&acc)[MR][R], const T *const (&
 }
 
 // out [M, N] from x [M, K] and w for MR rows of x per block: x @ w[N, K]^T (+ bias [N]) with
-// PlainEpilogue, swiglu(x @ w[:N]^T, x @ w[N:]^T) with SwigluEpilogue.
+// PlainEpilogue (GeluEpilogue: its gelu), act(x @ w[:N]^T, x @ w[N:]^T) with GatedEpilogue.
 // Launch: grid (ceil(N / outputs_per_block), ceil(M / MR)), 256 threads. The 8 warps form 8 / split
 // groups; each group owns Epi's R W rows, and the split warps of a group interleave over the rows'
 // 16-byte vectors (lane l of warp s takes vectors s * 32 + l, + 32 * split, ...), so the group reads
@@ -392,8 +430,8 @@ struct LtState {
     std::mutex mu;
     std::map<int, cublasLtHandle_t> handles;
     std::map<std::pair<int, cudaStream_t>, Tensor> workspaces;
-    // (device, dtype, M, N, K, ldx, ldw, bias, alignments of w, x, out, bias) -> algorithm, if any
-    using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, int, int>;
+    // (device, dtype, M, N, K, ldx, ldw, bias, alignments of w, x, out, bias, batch) -> algorithm, if any
+    using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, int, int, int>;
     std::map<Key, std::pair<bool, cublasLtMatmulAlgo_t>> algos;
 };
 LtState &lt_state() {
@@ -426,8 +464,11 @@ struct LtCall {
     cublasLtMatrixLayout_t d() { return &d_storage; }
 };
 
+// batch > 1 (linear_swiglu's gate and up halves in one launch): `batch` problems of N outputs each, weight
+// matrix b at w + b N ldw, the same x for all, out [batch, M, N] contiguous.
 template <typename T>
-void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, const void *bias) {
+void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldw, const void *bias,
+                 int batch = 1) {
     const cudaDataType_t dt = lt_type<T>();
     // f32 compute, never TF32, so f32 results match the CPU's within f32 rounding.
     CUBLASLT_CHECK(cublasLtMatmulDescInit(c.desc(), CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -442,11 +483,25 @@ void lt_describe(LtCall &c, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.a(), dt, uint64_t(K), uint64_t(N), ldw));
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.b(), dt, uint64_t(K), uint64_t(M), ldx));
     CUBLASLT_CHECK(cublasLtMatrixLayoutInit(c.d(), dt, uint64_t(N), uint64_t(M), N));
+    if (batch > 1) {
+        const int64_t strides[3] = {N * ldw, 0, N * M}; // A (w), B (x, shared), D (out)
+        cublasLtMatrixLayout_t layouts[3] = {c.a(), c.b(), c.d()};
+        for (int i = 0; i < 3; ++i) {
+            CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch,
+                                                            sizeof(batch)));
+            CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                            &strides[i], sizeof(strides[i])));
+        }
+    }
 }
 
 // cuBLASLt's first choice for the described problem, told the real alignments of w, x and out
 // (its default assumes 256 bytes, and a kernel picked on that assumption faults on a column slice).
-bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3], cublasLtMatmulAlgo_t &algo) {
+// Split-K partials are summed in f32 only (`exact_reduction`, for bf16/f16 outputs): a partial rounded to bf16
+// loses ~2^-9 of its own size, which is much more than the output's rounding where partials cancel (session 38:
+// 2-byte-aligned operands at K = 1536 got such an algorithm, 0.08 off on outputs near zero).
+bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3], bool exact_reduction,
+                  cublasLtMatmulAlgo_t &algo) {
     cublasLtMatmulPreferenceOpaque_t pref_storage;
     cublasLtMatmulPreference_t pref = &pref_storage;
     CUBLASLT_CHECK(cublasLtMatmulPreferenceInit(pref));
@@ -458,6 +513,11 @@ bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3]
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
     for (int i = 0; i < 4; ++i) // C is D (out)
         CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, which[i], &align[std::min(i, 2)], sizeof(uint32_t)));
+    if (exact_reduction) {
+        const uint32_t mask = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+        CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask,
+                                                            sizeof(mask)));
+    }
     cublasLtMatmulHeuristicResult_t result;
     int count = 0;
     const cublasStatus_t st =
@@ -469,9 +529,9 @@ bool lt_heuristic(cublasLtHandle_t handle, LtCall &c, const uint32_t (&align)[3]
 
 // Handle, workspace and algorithm for this call, created once per key; false if cuBLASLt has none.
 template <typename T>
-bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, const void *bias,
+bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, const void *bias, int batch,
                 cudaStream_t stream, cublasLtHandle_t &handle, Tensor &workspace, cublasLtMatmulAlgo_t &algo) {
-    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+    const int64_t M = x.size(0), N = w.size(0) / batch, K = w.size(1);
     const int64_t ldx = detail::ld(x), ldw = detail::ld(w), es = int64_t(sizeof(T));
     const int dev = out.device().index;
     LtState &s = lt_state();
@@ -488,28 +548,31 @@ bool lt_prepare(LtCall &c, const Tensor &out, const Tensor &x, const Tensor &w, 
     workspace = ws;
     const int align_w = alignment(w.data(), ldw * es), align_x = alignment(x.data(), ldx * es);
     const int align_o = alignment(out.data(), N * es), align_b = bias ? alignment(bias, 0) : 0;
-    const LtState::Key key{dev, int(out.dtype()), M, N, K, ldx, ldw, bias != nullptr, align_w, align_x, align_o, align_b};
+    const LtState::Key key{dev, int(out.dtype()), M, N, K, ldx, ldw, bias != nullptr, align_w, align_x, align_o, align_b,
+                           batch};
     auto found = s.algos.find(key);
     if (found == s.algos.end()) {
         cublasLtMatmulAlgo_t chosen{};
-        const bool ok = lt_heuristic(handle, c, {uint32_t(align_w), uint32_t(align_x), uint32_t(align_o)}, chosen);
+        const bool ok = lt_heuristic(handle, c, {uint32_t(align_w), uint32_t(align_x), uint32_t(align_o)},
+                                     !std::is_same_v<T, float>, chosen);
         found = s.algos.emplace(key, std::make_pair(ok, chosen)).first;
     }
     algo = found->second.second;
     return found->second.first;
 }
 
+// out [M, N] = x @ w^T (+ bias); with batch = 2, out [2, M, N] contiguous = x @ w[:N]^T, x @ w[N:]^T (w [2N, K]).
 template <typename T>
-bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias) {
-    const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+bool lt_matmul(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &bias, int batch = 1) {
+    const int64_t M = x.size(0), N = w.size(0) / batch, K = w.size(1);
     const void *bias_ptr = bias.defined() ? bias.data() : nullptr;
     LtCall c;
-    lt_describe<T>(c, M, N, K, detail::ld(x), detail::ld(w), bias_ptr);
+    lt_describe<T>(c, M, N, K, detail::ld(x), detail::ld(w), bias_ptr, batch);
     const cudaStream_t stream = stream_of(out);
     cublasLtHandle_t handle;
     Tensor workspace;
     cublasLtMatmulAlgo_t algo;
-    if (!lt_prepare<T>(c, out, x, w, bias_ptr, stream, handle, workspace, algo)) return false;
+    if (!lt_prepare<T>(c, out, x, w, bias_ptr, batch, stream, handle, workspace, algo)) return false;
     const float alpha = 1.f, beta = 0.f;
     CUBLASLT_CHECK(cublasLtMatmul(handle, c.desc(), &alpha, w.data(), c.a(), x.data(), c.b(), &beta, out.data(), c.d(),
                                   out.data(), c.d(), &algo, workspace.data(), kLtWorkspaceBytes, stream));
@@ -527,21 +590,78 @@ void linear(const Tensor &out, const Tensor &x, const Tensor &weight, const Tens
     });
 }
 
-void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight) {
+// LLAISYS_GATED_GEMM=halves: linear_swiglu / linear_geglu past 8 rows run two GEMMs (as before session 38),
+// not one batched launch (an A/B switch, read once).
+bool gated_batched() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_GATED_GEMM");
+        return !(e && std::string(e) == "halves");
+    }();
+    return on;
+}
+
+// M > 8 of linear_swiglu / linear_geglu: g and u as [2, M, I], each half contiguous for the swiglu / geglu op
+// that `combine` runs. One cuBLASLt launch of two batched problems (w_gate_up's halves, the same x): at
+// decode batches a GEMM of I = 8960 outputs is too short to fill the GPU on its own; else two GEMMs.
+template <class Combine>
+void gated_halves(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight,
+                  Combine &&combine) {
     const int64_t M = out.size(0), I = out.size(1);
+    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
+    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
+    bool done = false;
+    if (gated_batched() && w_gate_up.size(1) > 0)
+        detail::dispatch_float("linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
+            done = lt_matmul<typename decltype(tag)::type>(gu, x, w_gate_up, Tensor(), 2);
+        });
+    if (!done) {
+        linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
+        linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
+    }
+    combine(g, u);
+}
+
+void linear_swiglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool constant_weight) {
+    const int64_t M = out.size(0);
     if (M <= kGemvMaxM) {
         detail::dispatch_float("linear_swiglu", x.dtype(), x.device(), [&](auto tag) {
             gemv<typename decltype(tag)::type, SwigluEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
         });
         return;
     }
-    // Prefill: two GEMMs of [M, I] (the unfused path's problems) rather than one of [M, 2I], so g and u
-    // each come out contiguous for the swiglu kernel.
-    const Tensor gu = Tensor::empty({2, M, I}, out.dtype(), out.device()); // [g; u], each [M, I]
-    const Tensor g = gu.select(0, 0), u = gu.select(0, 1);
-    linear(g, x, w_gate_up.slice(0, 0, I), Tensor(), constant_weight);     // w_gate_up[:I]  [I, K]
-    linear(u, x, w_gate_up.slice(0, I, 2 * I), Tensor(), constant_weight); // w_gate_up[I:]  [I, K]
-    ::llaisys::ops::swiglu(out, g, u); // the swiglu op (llaisys/ops.hpp)
+    gated_halves(out, x, w_gate_up, constant_weight,
+                 [&](const Tensor &g, const Tensor &u) { ::llaisys::ops::swiglu(out, g, u); });
+}
+
+// linear_swiglu's paths with the GeGLU epilogue, and for M > 8 the geglu op.
+void linear_geglu(const Tensor &out, const Tensor &x, const Tensor &w_gate_up, bool tanh_approx, bool constant_weight) {
+    const int64_t M = out.size(0);
+    if (M <= kGemvMaxM) {
+        detail::dispatch_float("linear_geglu", x.dtype(), x.device(), [&](auto tag) {
+            using T = typename decltype(tag)::type;
+            if (tanh_approx) gemv<T, GegluTanhEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
+            else gemv<T, GegluErfEpilogue>(out, x, w_gate_up, Tensor(), constant_weight);
+        });
+        return;
+    }
+    gated_halves(out, x, w_gate_up, constant_weight,
+                 [&](const Tensor &g, const Tensor &u) { ::llaisys::ops::geglu(out, g, u, tanh_approx); });
+}
+
+// M <= 8: the GEMV with the GELU after the bias in its epilogue (no gelu launch at decode); M > 8: linear
+// (cuBLASLt with its bias epilogue) and the gelu op in place.
+void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const Tensor &bias, bool tanh_approx,
+                 bool constant_weight) {
+    if (x.size(0) <= kGemvMaxM) {
+        detail::dispatch_float("linear_gelu", x.dtype(), x.device(), [&](auto tag) {
+            using T = typename decltype(tag)::type;
+            if (tanh_approx) gemv<T, GeluTanhEpilogue>(out, x, weight, bias, constant_weight);
+            else gemv<T, GeluErfEpilogue>(out, x, weight, bias, constant_weight);
+        });
+        return;
+    }
+    linear(out, x, weight, bias, constant_weight);
+    ::llaisys::ops::gelu(out, out, tanh_approx); // the gelu op (llaisys/ops.hpp)
 }
 
 } // namespace llaisys::ops::cuda

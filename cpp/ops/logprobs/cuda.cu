@@ -1,19 +1,19 @@
-// logprobs on CUDA: one block of kThreads threads per output row r (reading logits row b = rows[r]).
-//   1. Thread t scans elements t, t + kThreads, ... once: an online max and sum of exp((x - max) / T)
-//      (the sum rescaled when its max grows) and its own top k keys (order_key: value, then lower index),
-//      sorted in a small local array; an element is keyed only when its value is not below the thread's
-//      k-th, so after the first few elements most cost one float compare.
-//   2. The block reduces the max, then the rescaled sums, then merges the threads' lists in k rounds of a
-//      block max over each thread's head key (the winner pops its head).
-// One block per row: a decode step's R rows fill the GPU when R >= SMs; for a few rows one SM streams a
-// whole row (~10 us for 151936 bf16), still far below the host round trip it replaces.
-// TODO: vector loads and a split path for few rows (as argmax's) if a profile ever shows this op.
+// logprobs on CUDA: one block of kThreads threads per output row r (reading logits row b = rows[r]). Thread t
+// reads packs of VEC elements (16 bytes when the rows allow it) at t, t + kThreads, ..., kUnroll packs in flight.
+//   1. Each thread's online max and sum of exp((x - max) / T) (the sum rescaled when its max grows).
+//   2. The block's k-th largest thread maximum is a floor for the row's k-th value; a second scan keys only
+//      the elements not below it (order_key: value, then lower index) into each thread's sorted top list.
+//   3. The block reduces the max, then the rescaled sums.
+//   4. The threads' lists merge in k rounds of a block max over each thread's head key (the winner pops it).
+// Step 2's floor is what makes it a stream of the logits: see the comment there (bench/RESULTS.md, session 36).
 #include "ops/logprobs/logprobs.hpp"
 
+#include "ops/common/argmax_rows.cuh"
 #include "ops/common/checks.hpp"
 #include "ops/common/cuda.cuh"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace llaisys::ops::cuda {
 
@@ -21,7 +21,14 @@ using namespace logprobs_rule;
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;
+
+// The value a key was made of (order_key's inverse on its high half; -0.0 comes back as +0.0).
+__device__ __forceinline__ float key_value(uint64_t key) {
+    const uint32_t o = uint32_t(key >> 32);
+    return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
+}
 
 // The max key over the block; every thread gets it. `scratch` holds 32 keys; blockDim.x % 32 == 0.
 __device__ __forceinline__ uint64_t block_max_key(uint64_t k, uint64_t *scratch) {
@@ -46,7 +53,8 @@ __device__ __forceinline__ uint64_t block_max_key(uint64_t k, uint64_t *scratch)
 // chosen_lp [R], top_ids [R, k], top_lp [R, k] from logits [B, V], temperature [B], chosen [B], rows [R].
 // A row index out of range (not checked on the host: that would need a sync) gives ids -1 and NaN
 // logprobs; a chosen id out of range, a NaN chosen_lp.
-template <typename T>
+// With VEC > 1 every row is 16-byte aligned and V % VEC == 0 (rows_vectorizable).
+template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
     logprobs_kernel(float *chosen_lp, int64_t *top_ids, float *top_lp, const T *logits, const float *temperature,
                     const int64_t *chosen, const int64_t *rows, int64_t B, int V, int k) {
@@ -56,27 +64,74 @@ __global__ void __launch_bounds__(kThreads)
     const bool row_ok = b >= 0 && b < B;
     const T *x = logits + (row_ok ? b : 0) * int64_t(V);
     const float inv_t = inv_temperature(row_ok ? temperature[b] : 1.f);
-    // 1. this thread's max, sum and top keys
+    constexpr int stride = kThreads * VEC;
+    // Calls fn(first index, pack) for this thread's packs in increasing index order, kUnroll packs in flight.
+    auto scan = [&](auto &&fn) {
+        for (int base = int(threadIdx.x) * VEC; base < V; base += kUnroll * stride) {
+            RowPack<T, VEC> raw[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                if (base + u * stride < V) raw[u] = *reinterpret_cast<const RowPack<T, VEC> *>(x + base + u * stride);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                if (base + u * stride >= V) break;
+                fn(base + u * stride, raw[u]);
+            }
+        }
+    };
+    // 1. this thread's max and sum of exp((x - max) / T): per pack, its max first (the sum rescaled only
+    //    when that grows, a branch rarely taken), then one expf an element, without divergent branches.
+    //    NaN is left out of both (fmaxf skips it, and !(NaN > -inf)) and flagged.
     float m = -INFINITY, s = 0.f;
     bool nan = false;
+    scan([&](int, const RowPack<T, VEC> &p) {
+        float pm = -INFINITY;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float v = to_f32(p.v[e]);
+            nan |= v != v;
+            pm = fmaxf(pm, v);
+        }
+        if (pm > m) { // -inf - (finite or +inf) = -inf: the old sum's weight is 0
+            s *= expf((m - pm) * inv_t);
+            m = pm;
+        }
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+            const float v = to_f32(p.v[e]);
+            s += v > -INFINITY ? expf((v - m) * inv_t) : 0.f;
+        }
+    });
+    // 2. a floor for the row's k-th value: the k-th largest of the threads' maxima (k elements are at least
+    //    that). Only elements not below it (and NaNs, whose keys rank first) enter the threads' top lists in a
+    //    second scan (the row again, from L2 where it stayed): keying every element that beat its thread's own
+    //    k-th made nearly every warp step take some lane's insertion, 246 us for 256 rows x 151936 bf16 on an
+    //    H200 (session 36) against 26 us for argmax's scan of the same logits.
+    float theta = INFINITY;
+    if (k > 0) {
+        uint64_t mine = order_key(m, threadIdx.x), kth = 0; // distinct keys: one thread owns each maximum
+        for (int j = 0; j < k; ++j) {
+            const uint64_t best = block_max_key(mine, kscratch);
+            if (mine == best) mine = 0;
+            kth = best;
+        }
+        theta = kth != 0 ? key_value(kth) : -INFINITY;
+    }
     uint64_t top[kMaxTopK];
     int n = 0;
     float floor_v = -INFINITY; // this thread's k-th value once n == k: a value below it loses
-    for (int i = threadIdx.x; i < V; i += kThreads) {
-        const float v = to_f32(x[i]);
-        nan |= v != v;
-        if (v > m) {
-            s = s * expf((m - v) * inv_t) + 1.f; // m = -inf at first: 0 * 0 + 1
-            m = v;
-        } else if (v > -INFINITY) {
-            s += expf((v - m) * inv_t);
-        }
-        if (k > 0 && !(n == k && v < floor_v)) { // one float compare for most elements
-            insert_key(top, n, k, order_key(v, i));
-            if (n == k) floor_v = to_f32(x[key_index(top[k - 1])]);
-        }
-    }
-    // 2. the row's max and sum
+    if (k > 0)
+        scan([&](int base, const RowPack<T, VEC> &p) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                const float v = to_f32(p.v[e]);
+                if (!(v < theta) && !(n == k && v < floor_v)) { // NaN passes both, as its key ranks first
+                    insert_key(top, n, k, order_key(v, base + e));
+                    if (n == k) floor_v = key_value(top[k - 1]);
+                }
+            }
+        });
+    // 3. the row's max and sum
     nan = __syncthreads_or(nan);
     const float M = block_max(m, fscratch);
     const bool finite = !nan && isfinite(M) && row_ok;
@@ -87,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t c = row_ok ? chosen[b] : -1;
         chosen_lp[r] = c >= 0 && c < V ? lp(c) : NAN;
     }
-    // 3. merge the threads' lists
+    // 4. merge the threads' lists
     int head = 0;
     for (int j = 0; j < k; ++j) {
         const uint64_t mine = head < n ? top[head] : 0;
@@ -109,10 +164,16 @@ void logprobs(const Tensor &chosen_lp, const Tensor &top_ids, const Tensor &top_
     LLAISYS_CHECK(R <= INT32_MAX, std::invalid_argument, "logprobs: too many rows for one launch: ", R);
     detail::dispatch_float("logprobs", logits.dtype(), logits.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        logprobs_kernel<device_t<T>><<<unsigned(R), kThreads, 0, stream_of(logits)>>>(
-            chosen_lp.data_as<float>(), top_ids.data_as<int64_t>(), top_lp.data_as<float>(), dptr<T>(logits),
-            temperature.data_as<float>(), chosen.data_as<int64_t>(), rows.data_as<int64_t>(), B, int(V),
-            int(top_ids.size(1)));
+        auto launch = [&](auto vec) {
+            logprobs_kernel<decltype(vec)::value, device_t<T>><<<unsigned(R), kThreads, 0, stream_of(logits)>>>(
+                chosen_lp.data_as<float>(), top_ids.data_as<int64_t>(), top_lp.data_as<float>(), dptr<T>(logits),
+                temperature.data_as<float>(), chosen.data_as<int64_t>(), rows.data_as<int64_t>(), B, int(V),
+                int(top_ids.size(1)));
+        };
+        if (rows_vectorizable<device_t<T>>(logits.data(), V))
+            launch(std::integral_constant<int, kRowVec<device_t<T>>>{});
+        else
+            launch(std::integral_constant<int, 1>{});
         CUDA_CHECK_LAUNCH();
     });
 }

@@ -84,66 +84,101 @@ inline float madd(float a, float b, float c) {
 // output over keys), with the running sums in registers: summed through memory, each step of a row waited
 // for the previous step's store (FMA + store-forwarding latency per key).
 
-// scores[c] = q . kT[:, c] for c < n, each over d in order.
-void tile_scores(const float *q, const float *kT, int64_t n, int64_t hd, float *scores) {
+// The scores and values of R rows that see the same keys of a tile (R = 4: the heads of one query, GQA): each
+// key row, value row and kT line is loaded once for all of them in the 16-wide loops; each row's sums are in the
+// order and with the operations of the one-row case (its bits), and the narrower loops after them run a row at
+// a time.
+
+// scores[r][c] = q[r] . kT[:, c] for c < n, each over d in order.
+template <int R>
+void tile_scores(const float *const (&q)[R], const float *kT, int64_t n, int64_t hd, float *const (&scores)[R]) {
     int64_t c0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; c0 + 16 <= n; c0 += 16) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        __m256 s[R][2];
+        for (auto &r : s) r[0] = r[1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < hd; ++d) {
-            const __m256 qd = _mm256_broadcast_ss(q + d);
             const float *kd = kT + d * kKeyTile + c0;
-            s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd), s0);
-            s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kd + 8), s1);
+            const __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+            for (int r = 0; r < R; ++r) {
+                const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+                s[r][0] = _mm256_fmadd_ps(qd, k0, s[r][0]);
+                s[r][1] = _mm256_fmadd_ps(qd, k1, s[r][1]);
+            }
         }
-        _mm256_storeu_ps(scores + c0, s0);
-        _mm256_storeu_ps(scores + c0 + 8, s1);
-    }
-    for (; c0 + 8 <= n; c0 += 8) {
-        __m256 s = _mm256_setzero_ps();
-        for (int64_t d = 0; d < hd; ++d) s = _mm256_fmadd_ps(_mm256_broadcast_ss(q + d), _mm256_loadu_ps(kT + d * kKeyTile + c0), s);
-        _mm256_storeu_ps(scores + c0, s);
+        for (int r = 0; r < R; ++r) {
+            _mm256_storeu_ps(scores[r] + c0, s[r][0]);
+            _mm256_storeu_ps(scores[r] + c0 + 8, s[r][1]);
+        }
     }
 #endif
-    for (; c0 < n; ++c0) {
-        float s = 0.f;
-        for (int64_t d = 0; d < hd; ++d) s = madd(q[d], kT[d * kKeyTile + c0], s);
-        scores[c0] = s;
+    for (int r = 0; r < R; ++r) {
+        int64_t c = c0;
+#if defined(__AVX2__) && defined(__FMA__)
+        // 8 keys at a time, the last 1-7 too (each lane's sum is the scalar loop's): there the lanes past n read
+        // what follows them in the scratch (kT's next line, or vt: never past attend_item's buffer) and are dropped
+        for (; c < n; c += 8) {
+            __m256 s = _mm256_setzero_ps();
+            for (int64_t d = 0; d < hd; ++d)
+                s = _mm256_fmadd_ps(_mm256_broadcast_ss(q[r] + d), _mm256_loadu_ps(kT + d * kKeyTile + c), s);
+            if (c + 8 <= n) {
+                _mm256_storeu_ps(scores[r] + c, s);
+            } else {
+                alignas(32) float t[8];
+                _mm256_store_ps(t, s);
+                for (int64_t k = c; k < n; ++k) scores[r][k] = t[k - c];
+            }
+        }
+#endif
+        for (; c < n; ++c) {
+            float s = 0.f;
+            for (int64_t d = 0; d < hd; ++d) s = madd(q[r][d], kT[d * kKeyTile + c], s);
+            scores[r][c] = s;
+        }
     }
 }
 
-// acc[d] += p[c] * v[c][d] for c < n, each over c in key order (v[c]: key c's row [hd]).
-void tile_values(float *acc, const float *p, const float *const *v, int64_t n, int64_t hd) {
+// acc[r][d] += p[r][c] * v[c][d] for c < n, each over c in key order (v[c]: key c's row [hd]).
+template <int R>
+void tile_values(float *const (&acc)[R], const float *const (&p)[R], const float *const *v, int64_t n, int64_t hd) {
     int64_t d0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d0 + 16 <= hd; d0 += 16) {
-        __m256 a0 = _mm256_loadu_ps(acc + d0), a1 = _mm256_loadu_ps(acc + d0 + 8);
+        __m256 a[R][2];
+        for (int r = 0; r < R; ++r) a[r][0] = _mm256_loadu_ps(acc[r] + d0), a[r][1] = _mm256_loadu_ps(acc[r] + d0 + 8);
         for (int64_t c = 0; c < n; ++c) {
-            const __m256 pc = _mm256_broadcast_ss(p + c);
-            a0 = _mm256_fmadd_ps(pc, _mm256_loadu_ps(v[c] + d0), a0);
-            a1 = _mm256_fmadd_ps(pc, _mm256_loadu_ps(v[c] + d0 + 8), a1);
+            const __m256 v0 = _mm256_loadu_ps(v[c] + d0), v1 = _mm256_loadu_ps(v[c] + d0 + 8);
+            for (int r = 0; r < R; ++r) {
+                const __m256 pc = _mm256_broadcast_ss(p[r] + c);
+                a[r][0] = _mm256_fmadd_ps(pc, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(pc, v1, a[r][1]);
+            }
         }
-        _mm256_storeu_ps(acc + d0, a0);
-        _mm256_storeu_ps(acc + d0 + 8, a1);
-    }
-    for (; d0 + 8 <= hd; d0 += 8) {
-        __m256 a = _mm256_loadu_ps(acc + d0);
-        for (int64_t c = 0; c < n; ++c) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + c), _mm256_loadu_ps(v[c] + d0), a);
-        _mm256_storeu_ps(acc + d0, a);
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc[r] + d0, a[r][0]), _mm256_storeu_ps(acc[r] + d0 + 8, a[r][1]);
     }
 #endif
-    for (; d0 < hd; ++d0) {
-        float a = acc[d0];
-        for (int64_t c = 0; c < n; ++c) a = madd(p[c], v[c][d0], a);
-        acc[d0] = a;
+    for (int r = 0; r < R; ++r) {
+        int64_t d = d0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; d + 8 <= hd; d += 8) {
+            __m256 a = _mm256_loadu_ps(acc[r] + d);
+            for (int64_t c = 0; c < n; ++c) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p[r] + c), _mm256_loadu_ps(v[c] + d), a);
+            _mm256_storeu_ps(acc[r] + d, a);
+        }
+#endif
+        for (; d < hd; ++d) {
+            float a = acc[r][d];
+            for (int64_t c = 0; c < n; ++c) a = madd(p[r][c], v[c][d], a);
+            acc[r][d] = a;
+        }
     }
 }
 
-// Folds the first n keys of a gathered tile into a row's state. q [hd] is pre-scaled, kT [hd, kKeyTile]
-// (transposed: one vectorised loop accumulates the scores of many keys), v [n] the keys' value rows [hd].
-void fold_tile(RowState &st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
-               float *scores) {
-    tile_scores(q, kT, n, hd, scores);
+constexpr int kRows = 4;
+
+// A row's online-softmax update from its tile scores: the new max, the old state rescaled, the scores turned
+// into weights (in place) and summed in key order.
+void fold_scores(RowState &st, float *scores, int64_t n, int64_t hd) {
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < n; ++c) mx = std::max(mx, scores[c]); // skips a NaN score; the sum keeps it
     const float m_new = std::max(st.m, mx);
@@ -155,8 +190,32 @@ void fold_tile(RowState &st, const float *q, const float *kT, const float *const
     // in key order as before
     for (int64_t c = 0; c < n; ++c) scores[c] = exp_nonpositive(scores[c] - m_ref);
     for (int64_t c = 0; c < n; ++c) st.l += scores[c];
-    tile_values(st.acc, scores, v, n, hd);
     st.m = m_new;
+}
+
+// fold_tile for kRows rows st[0..kRows) (q rows hd apart) that see the same n keys; scores [kRows][kKeyTile].
+void fold_tile_rows(RowState *st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
+                    float *scores) {
+    const float *const qs[kRows] = {q, q + hd, q + 2 * hd, q + 3 * hd};
+    float *const sc[kRows] = {scores, scores + kKeyTile, scores + 2 * kKeyTile, scores + 3 * kKeyTile};
+    tile_scores<kRows>(qs, kT, n, hd, sc);
+    for (int r = 0; r < kRows; ++r) fold_scores(st[r], sc[r], n, hd);
+    float *const acc[kRows] = {st[0].acc, st[1].acc, st[2].acc, st[3].acc};
+    const float *const p[kRows] = {sc[0], sc[1], sc[2], sc[3]};
+    tile_values<kRows>(acc, p, v, n, hd);
+}
+
+// Folds the first n keys of a gathered tile into a row's state. q [hd] is pre-scaled, kT [hd, kKeyTile]
+// (transposed: one vectorised loop accumulates the scores of many keys), v [n] the keys' value rows [hd].
+void fold_tile(RowState &st, const float *q, const float *kT, const float *const *v, int64_t n, int64_t hd,
+               float *scores) {
+    const float *const qs[1] = {q};
+    float *const sc[1] = {scores};
+    tile_scores<1>(qs, kT, n, hd, sc);
+    fold_scores(st, scores, n, hd);
+    float *const acc[1] = {st.acc};
+    const float *const p[1] = {scores};
+    tile_values<1>(acc, p, v, n, hd);
 }
 
 // A work item: queries [i0, i1) of sequence b with the heads of kv head kvh.
@@ -239,7 +298,7 @@ void attend_item(const Paged<T> &p, const Item &it) {
     // first key query i sees
     const auto first_key = [&](int64_t i) { return p.window > 0 ? std::max<int64_t>(0, i + off - p.window + 1) : 0; };
     static thread_local Scratch scratch;
-    const size_t need = size_t(2 * rows * hd + 2 * kKeyTile * hd + kKeyTile);
+    const size_t need = size_t(2 * rows * hd + 2 * kKeyTile * hd + kRows * kKeyTile);
     if (scratch.buf.size() < need) scratch.buf.resize(need);
     if (scratch.st.size() < size_t(rows)) scratch.st.resize(size_t(rows));
     float *qs = scratch.buf.data(), *acc = qs + rows * hd, *kT = acc + rows * hd, *vt = kT + kKeyTile * hd,
@@ -255,10 +314,15 @@ void attend_item(const Paged<T> &p, const Item &it) {
     for (int64_t j0 = first_key(it.i0); j0 < kv_end; j0 += kKeyTile) {
         const int64_t n = std::min(kKeyTile, kv_end - j0);
         gather_tile(p, it, j0, n, kT, vt, scratch.vrows);
-        for (int64_t r = 0; r < rows; ++r) { // the row sees the tile's keys [c0, visible)
+        for (int64_t r = 0; r < rows;) { // the row sees the tile's keys [c0, visible); the heads of one query alike
             const int64_t i = it.i0 + r / group, visible = std::min(n, i + off + 1 - j0);
             const int64_t c0 = std::max<int64_t>(0, first_key(i) - j0);
-            if (visible > c0) fold_tile(st[r], qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
+            const int64_t take = r % group + kRows <= group ? kRows : 1;
+            if (visible > c0 && take == kRows)
+                fold_tile_rows(st + r, qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
+            else if (visible > c0)
+                fold_tile(st[r], qs + r * hd, kT + c0, scratch.vrows + c0, visible - c0, hd, scores);
+            r += take;
         }
     }
     for (int64_t r = 0; r < rows; ++r) {

@@ -103,7 +103,7 @@ __device__ __forceinline__ void finish(const PagedArgs<T> &a, const Smem &lay, c
         if (a.nsplit == 1) {
             a.out[t * a.o_s0 + rows.h(r) * a.o_s1 + d] = from_f32<T>(acc / l);
         } else {
-            float *dst = a.part + ((int64_t(blockIdx.z) * a.tokens + t) * a.nh + rows.h(r)) * (a.hd + 2);
+            float *dst = a.part + ((int64_t(blockIdx.z) * a.part_rows + t) * a.nh + rows.h(r)) * (a.hd + 2);
             dst[d] = acc;
             if (d == 0) {
                 dst[a.hd] = split_kv::row_max(red, r);
@@ -186,24 +186,58 @@ __device__ __forceinline__ void gather_rows_async(T *tile, const T *any, RowPtr 
     }
 }
 
+// The query tiles of a step, numbered so that a grid needs no per-sequence size from the host: sequence b's
+// ceil(qlen_b / 64) tiles are numbers [first(b), first(b) + ceil(qlen_b / 64)), first(b) = floor(q_start[b] / 64)
+// + b. These ranges are disjoint and in order (floor(x / 64) + ceil(y / 64) <= floor((x + y) / 64) + 1), and all
+// lie below floor(tokens / 64) + B: the grid's y size. (A grid of ceil(max_q_len / 64) tiles for every sequence
+// gave a step of one 2048-token chunk beside 256 decodes 32 x 257 blocks a head, nearly all returning at once.)
+__host__ __device__ constexpr int64_t tc_tiles(int64_t tokens, int64_t B) { return tokens / flash_tc::kTcBQ + B; }
+
+// The block's (sequence, query tile from the sequence's start) for tile number v, found by the block's threads
+// together (each checks some sequences); {-1, 0} in a gap between two sequences' tiles. q_start must rise from 0
+// to at most tokens: a sequence where it does not is reported (kErrPagedMetadata) and its tiles are never found.
+template <typename T>
+__device__ __forceinline__ int2 tc_tile_of(const PagedArgs<T> &a, int v) {
+    __shared__ int found; // the sequence (the largest that claims v, should malformed ranges overlap)
+    if (threadIdx.x == 0) found = -1;
+    __syncthreads();
+    for (int b = threadIdx.x; b < a.batch; b += blockDim.x) {
+        const int q0 = a.q_start[b], q1 = a.q_start[b + 1];
+        if (q0 < 0 || q1 < q0 || q1 > a.tokens) {
+            *a.error = kErrPagedMetadata;
+            continue;
+        }
+        const int first = q0 / flash_tc::kTcBQ + b, n = (q1 - q0 + flash_tc::kTcBQ - 1) / flash_tc::kTcBQ;
+        if (v >= first && v < first + n) atomicMax(&found, b);
+    }
+    __syncthreads();
+    const int b = found;
+    return b < 0 ? make_int2(-1, 0) : make_int2(b, v - (a.q_start[b] / flash_tc::kTcBQ + b));
+}
+
 // Tensor-core prefill over the paged cache (flash-attention-2: the Q fragments, key loop and row store are
-// those of self_attention's prefill kernel, ops/common/flash_tc.cuh; only the K/V tile fetch is its own). Grid (nh, ceil(max_q_len / 64), B), 128 threads: a block owns 64 query
-// rows of one head of one sequence and walks the K/V tiles of 64 keys up to the last key they see, each
-// tile's rows gathered through the block table; blocks past the sequence's queries return at once, the
-// latest (heaviest) query blocks start first. Query i of a sequence (position kv - qlen + i) sees keys
-// [0, kv - qlen + i]. Dynamic smem: Q [64][HD+8], K [64][HD+8], V [64][HD+8]; V_t streams in during
-// S = Q K_t^T, K_{t+1} during softmax and O += P V_t. P is rounded to 16 bits for P V (as the decode mma
-// kernel and flash attention do); keys past the sequence are never loaded.
+// those of self_attention's prefill kernel, ops/common/flash_tc.cuh; only the K/V tile fetch is its own).
+// Grid (nh, tc_tiles(tokens, B)), 128 threads: a block owns 64 query rows of one head of one sequence
+// (tc_tile_of) and walks the K/V tiles of 64 keys up to the last key they see, each tile's rows gathered
+// through the block table; a sequence's latest (heaviest) query tile has its lowest number, so it starts
+// first. Query i of a sequence (position kv - qlen + i) sees keys [0, kv - qlen + i]. In a kManyQueries
+// launch sequences of one query are the decode kernel's. Dynamic smem: Q [64][HD+8], K [64][HD+8],
+// V [64][HD+8]; V_t streams in during S = Q K_t^T, K_{t+1} during softmax and O += P V_t. P is rounded to 16
+// bits for P V (as the decode mma kernel and flash attention do); keys past the sequence are never loaded.
 template <typename T, int HD>
 __global__ void __launch_bounds__(flash_tc::kTcWarps * 32) paged_prefill_tc_kernel(const PagedArgs<T> a) {
     using namespace flash_tc;
     extern __shared__ __align__(16) unsigned char smem[];
     pdl_trigger();
     pdl_wait();
-    const int h = blockIdx.x, b = blockIdx.z;
+    const int h = blockIdx.x;
+    const int2 bt = tc_tile_of(a, int(blockIdx.y));
+    const int b = bt.x;
+    if (b < 0) return;
     const Seq s = load_seq(a, b);
-    const int i0 = (int(gridDim.y) - 1 - int(blockIdx.y)) * kTcBQ;
-    if (i0 >= s.qlen) return;
+    const int tiles = (s.qlen + kTcBQ - 1) / kTcBQ;
+    if (bt.y >= tiles || (a.select == kManyQueries && s.qlen == 1)) return;
+    const int i0 = (tiles - 1 - bt.y) * kTcBQ;
     T *qs = reinterpret_cast<T *>(smem), *ks = qs + kTcBQ * tc_pitch<HD>(), *vs = ks + kTcBK * tc_pitch<HD>();
     const int kvh = h / (a.nh / a.nkvh), off = s.kv - s.qlen, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int kv_end = min(s.kv, min(i0 + kTcBQ, s.qlen) + off); // keys seen by the block's last query
@@ -260,13 +294,20 @@ __device__ __forceinline__ float reduce_scatter8(const float (&v)[kDecRows], int
     return x + __shfl_xor_sync(all, x, 1);
 }
 
+// The row of the split partials a decode block of sequence b (its query at token t) writes: the token, or in
+// a kOneQuery launch the sequence (partials for B rows, not for every token of a step of prompt chunks).
+template <typename T>
+__device__ __forceinline__ int part_row(const PagedArgs<T> &a, int b, int t) {
+    return a.select == kOneQuery ? b : t;
+}
+
 // The decode kernels' last stage: the block's WARPS warps each hold (max, sum, acc) of the group's rows over
 // their own keys (wm, wl, wacc: HD = a.hd dims); merged per output element into out (one split) or into the
-// chunk's partials for paged_combine_kernel.
+// chunk's partials (row prow, part_row) for paged_combine_kernel.
 template <typename T, int WARPS, int ROWS, int HD>
 __device__ __forceinline__ void merge_warps(const PagedArgs<T> &a, const float (&wm)[WARPS][ROWS],
                                             const float (&wl)[WARPS][ROWS], const float (&wacc)[WARPS][ROWS][HD],
-                                            int kvh, int group, int t) {
+                                            int kvh, int group, int t, int prow) {
     for (int idx = threadIdx.x; idx < group * HD; idx += WARPS * 32) {
         const int r = idx / HD, d = idx % HD, h = kvh * group + r;
         float mm = -INFINITY;
@@ -283,7 +324,7 @@ __device__ __forceinline__ void merge_warps(const PagedArgs<T> &a, const float (
         if (a.nsplit == 1) {
             a.out[t * a.o_s0 + h * a.o_s1 + d] = from_f32<T>(o / sum);
         } else {
-            float *dst = a.part + ((int64_t(blockIdx.x) * a.tokens + t) * a.nh + h) * (a.hd + 2);
+            float *dst = a.part + ((int64_t(blockIdx.x) * a.part_rows + prow) * a.nh + h) * (a.hd + 2);
             dst[d] = o;
             if (d == 0) dst[a.hd] = mm, dst[a.hd + 1] = sum;
         }
@@ -400,42 +441,71 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
 #pragma unroll
         for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
     __syncthreads();
-    merge_warps(a, wm, wl, wacc, kvh, group, t);
+    merge_warps(a, wm, wl, wacc, kvh, group, t, part_row(a, ck.b, t));
 }
 
 // Decode steps on tensor cores (16-bit K/V, head dim 64 or 128, a GQA group of at most 16 query heads).
 // The kernel above spends ~17 shuffles and ~64 FMAs a key on CUDA cores and moved ~1 TB/s at batch 256
 // (session 28); here each warp takes 16 keys a step and does Q K^T and P V as mma.sync m16n8k16 (the group's
-// query rows are the M = 16 rows, padded with zero rows), so a key costs a few instructions and the loads
-// are 16-byte pieces of K/V rows straight into the fragments (no shared memory):
+// query rows are the M = 16 rows, padded with zero rows), so a key costs a few instructions; a lane reads its
+// fragments as 16-byte pieces of the K/V rows:
 //   lane (g = lane / 4, c = lane % 4). Q K^T: the k index is a permutation of the head's dims (the dot
 //   product is the same in any order): k-step s takes dims c * HD/4 + 4 s + 0..3 at lane c, so a lane's B
 //   fragments for key n = g of n-tile j (key 8 j + g of the step) are one contiguous HD/4-dim piece of that
 //   K row, and its A fragments the same dims of query rows g and g + 8.
 //   P V: S's accumulator layout is P's A fragment (keys 2c, 2c+1 | 8+2c, 9+2c); output column n of n-tile
-//   d is dim n * HD/8 + d, so a lane's V loads are the HD/8-dim piece at g * HD/8 of its four keys' rows,
+//   d is dim n * HD/8 + d, so a lane's V reads are the HD/8-dim piece at g * HD/8 of its four keys' rows,
 //   paired into B fragments with a byte permute.
 // The online softmax keeps f32 (max, sum) per row; P is rounded to the 16-bit type for the P V product (as
 // flash attention does). The 4 warps' results merge through shared memory as in paged_decode_kernel, into
 // out or the partials paged_combine_kernel merges.
-constexpr int kMmaWarps = 4, kMmaKeys = 16, kMmaTile = kMmaWarps * kMmaKeys, kMmaRows = 16;
+// The K/V rows come through shared memory: each warp owns STAGES stages of its 16 keys' K and V rows and keeps
+// STAGES - 1 steps of cp.async in flight while it computes on the oldest, with no block barrier in the key
+// loop; cache rows are looked up one step before their copies are issued. (Session 32's kernel loaded the
+// next step's rows straight into the fragment registers: ~4 KB in flight a warp for hd 64, a memory latency
+// waited every step, 2.1-2.3 TB/s at 256 rows x 600 keys on an H200; this one, 2.5-3.3 TB/s at 256 rows of
+// 512-2048 keys and the nano-vllm protocol +7-9%, session 33.) A stage's rows are padded by 16 bytes (no bank
+// conflicts for hd 64's fragment reads). After the loop the stages hold the warps' accumulators for
+// merge_warps.
+// WARPS warps a block (4, or 3 where a batch's blocks overflow one wave of 4-warp blocks but fit in one of
+// 3-warp blocks: see decode_warps); a step of a block covers WARPS * kMmaKeys keys.
+constexpr int kMmaKeys = 16, kMmaRows = 16;
 
+constexpr int kPipePad = 16; // bytes after each staged K/V row
+
+template <int HD>
+__host__ __device__ constexpr int pipe_pitch() { return HD * 2 + kPipePad; }
+template <int HD>
+__host__ __device__ constexpr int pipe_stage_bytes() { return 2 * kMmaKeys * pipe_pitch<HD>(); } // K then V rows
+template <int HD, int STAGES, int WARPS>
+__host__ __device__ constexpr int pipe_smem_bytes() {
+    const int stages = WARPS * STAGES * pipe_stage_bytes<HD>();
+    const int merge = WARPS * kMmaRows * HD * 4;
+    return stages > merge ? stages : merge;
+}
+
+// N / 4 16-byte words of a staged row from p into fragment registers.
 template <int N>
-__device__ __forceinline__ void load_words(uint32_t (&w)[N], const void *p) { // N / 4 16-byte loads
+__device__ __forceinline__ void stage_words(uint32_t (&w)[N], const unsigned char *p) {
     static_assert(N % 4 == 0, "16-byte pieces");
 #pragma unroll
     for (int i = 0; i < N / 4; ++i) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4 *>(p) + i);
+        const uint4 u = reinterpret_cast<const uint4 *>(p)[i];
         w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
     }
 }
 
-template <typename T, int HD, bool WINDOW>
-__global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode_mma_kernel(const PagedArgs<T> a) {
+template <typename T, int HD, bool WINDOW, int STAGES, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) paged_decode_pipe_kernel(const PagedArgs<T> a) {
+    constexpr int kMmaTile = WARPS * kMmaKeys;
     constexpr unsigned all = 0xffffffffu;
     constexpr int KW = HD / 8, VW = HD / 16, KS = HD / 16, NT = HD / 8; // K/V piece words, k-steps, n-tiles
-    __shared__ float wm[kMmaWarps][kMmaRows], wl[kMmaWarps][kMmaRows];
-    __shared__ __align__(16) float wacc[kMmaWarps][kMmaRows][HD];
+    constexpr int PITCH = pipe_pitch<HD>(), STAGE = pipe_stage_bytes<HD>();
+    constexpr int PPR = HD * 2 / 16;               // 16-byte pieces of a K or V row
+    constexpr int PIECES = kMmaKeys * PPR / 32;    // pieces of K (and of V) a lane copies a step
+    static_assert(PIECES * 32 == kMmaKeys * PPR && 32 % PPR == 0, "whole rows a round of lanes");
+    extern __shared__ __align__(16) unsigned char smem[];
+    __shared__ float wm[WARPS][kMmaRows], wl[WARPS][kMmaRows];
     __shared__ uint4 qfrag[KS][32];
     pdl_trigger();
     if (!a.settled) pdl_wait();
@@ -443,53 +513,65 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
     const int group = ck.group, kvh = ck.kvh, kb = ck.kb, ke = ck.ke, t = ck.s.q0;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane >> 2, c = lane & 3;
     const int64_t row_elems = int64_t(a.nkvh) * HD;
-    const T *kp = a.k + int64_t(kvh) * HD + c * (HD / 4), *vp = a.v + int64_t(kvh) * HD + g * (HD / 8);
-    // This warp's keys [t0, t0 + 16) of a step: lane l looks up key l % 16's cache row; a lane reads K of
-    // keys g and 8 + g, V of keys 2c, 2c + 1, 8 + 2c, 9 + 2c. Only keys in [lo, hi) are read by a call; keys
-    // past the chunk are never read and are zero (V = 0 so that p = 0 adds nothing, not 0 * NaN).
-    uint32_t kr[2][KW], vr[4][VW];
-    int t0 = kb + warp * kMmaKeys;
-    const auto slot_of = [&](int t) {
-        const int mine = t + (lane & 15);
-        return mine < ke ? cache_row(a, ck.table, mine) : 0;
+    const T *kbase = a.k + int64_t(kvh) * HD, *vbase = a.v + int64_t(kvh) * HD;
+    unsigned char *const mine = smem + warp * STAGES * STAGE; // this warp's stages
+    // Step i of this warp covers keys [kb + 16 warp + 64 i, + 16); lane l looks up the cache row of key l % 16
+    const int first = kb + warp * kMmaKeys;
+    const auto slot_of = [&](int t0) {
+        const int key = t0 + (lane & 15);
+        return key < ke ? cache_row(a, ck.table, key) : 0;
     };
-    const auto load_k = [&](int t, int slot, int lo, int hi) {
+    // Copies the K and V rows of step i's keys in [lo, hi) into stage i % STAGES; keys past the chunk are
+    // zeroed (V = 0 so that p = 0 adds nothing, not 0 * NaN). Lane l copies pieces l + 32 j: key
+    // (l + 32 j) / PPR, piece l % PPR of its row (a row's pieces by consecutive lanes).
+    const auto issue = [&](int i, int slot, int lo, int hi) {
+        const int t0 = first + i * kMmaTile;
+        unsigned char *ks = mine + (i % STAGES) * STAGE, *vs = ks + kMmaKeys * PITCH;
+        const int piece = lane % PPR;
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
-            const int key = 8 * j + g, row = __shfl_sync(all, slot, key);
-            if (t + key >= ke) {
-#pragma unroll
-                for (int w = 0; w < KW; ++w) kr[j][w] = 0;
-            } else if (t + key >= lo && t + key < hi) {
-                load_words(kr[j], kp + int64_t(row) * row_elems);
+        for (int j = 0; j < PIECES; ++j) {
+            const int key = (lane + 32 * j) / PPR, row = __shfl_sync(all, slot, key);
+            const int at = key * PITCH + piece * 16;
+            const int64_t src = int64_t(row) * row_elems + piece * 8;
+            if (t0 + key >= ke) {
+                cp_async16(ks + at, kbase, false);
+                cp_async16(vs + at, vbase, false);
+            } else if (t0 + key >= lo && t0 + key < hi) {
+                cp_async16(ks + at, kbase + src);
+                cp_async16(vs + at, vbase + src);
             }
         }
     };
-    const auto load_v = [&](int t, int slot, int lo, int hi) {
+    // Prologue: steps 0 .. STAGES - 2 in flight (one commit group each, empty past the chunk), their keys
+    // from before this step's (kv - qlen of them) while the kernel ahead still runs with settled history
+    const int settled_end = ck.s.kv - ck.s.qlen;
+    int pre[STAGES - 1];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int key = 2 * c + (i & 1) + 8 * (i >> 1), row = __shfl_sync(all, slot, key);
-            if (t + key >= ke) {
+    for (int i = 0; i < STAGES - 1; ++i) pre[i] = slot_of(first + i * kMmaTile);
 #pragma unroll
-                for (int w = 0; w < VW; ++w) vr[i][w] = 0;
-            } else if (t + key >= lo && t + key < hi) {
-                load_words(vr[i], vp + int64_t(row) * row_elems);
-            }
-        }
-    };
-    // The first step's keys from before this step: with settled history they load while the kernel ahead
-    // (the one that writes this step's keys) still runs.
-    const int settled_end = ck.s.kv - ck.s.qlen, slot0 = slot_of(t0);
-    load_k(t0, slot0, INT_MIN, settled_end);
-    load_v(t0, slot0, INT_MIN, settled_end);
+    for (int i = 0; i < STAGES - 1; ++i) {
+        if (!ck.empty && first + i * kMmaTile < ke) issue(i, pre[i], INT_MIN, settled_end);
+        cp_async_commit();
+    }
     if (a.settled) pdl_wait();
-    if (ck.empty) return;
-    load_k(t0, slot0, settled_end, INT_MAX);
-    load_v(t0, slot0, settled_end, INT_MAX);
-    // Q's A fragments (rows g and g + 8 of the group, zero past it; the lane's dims of every k-step), the
-    // same for every warp: written once to shared memory and read there each step (registers are what
-    // limits how many blocks an SM holds)
-    if (warp == 0) {
+    if (ck.empty) {
+        cp_async_wait_all();
+        return;
+    }
+    bool late = false; // the prologue's keys of this step (rare: a chunk of fewer than ~STAGES x 64 keys)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        const int t0 = first + i * kMmaTile;
+        if (t0 < ke && t0 + kMmaKeys > settled_end) {
+            issue(i, pre[i], settled_end, INT_MAX);
+            late = true;
+        }
+    }
+    if (late) {
+        cp_async_commit();
+        cp_async_wait_all();
+    }
+    if (warp == 0) { // Q's A fragments (rows g and g + 8 of the group, zero past it), the same for every warp
 #pragma unroll
         for (int st = 0; st < KS; ++st) {
             uint32_t f[4];
@@ -508,10 +590,21 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
 #pragma unroll
     for (int d = 0; d < NT; ++d) acc[d][0] = acc[d][1] = acc[d][2] = acc[d][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}; // rows g, g + 8: running max and this lane's sum
-    // A step's loads overlap the step before: the next keys' cache rows are looked up first, their K rows
-    // load once Q K^T has consumed kr, their V rows once P V has consumed vr (no extra registers).
-    while (t0 < ke) {
-        const int tn = t0 + kMmaTile, slot_n = slot_of(tn);
+    int ahead = slot_of(first + (STAGES - 1) * kMmaTile);  // cache rows of the step issued next
+    for (int i = 0; first + i * kMmaTile < ke; ++i) {
+        const int t0 = first + i * kMmaTile, tn = t0 + (STAGES - 1) * kMmaTile;
+        if (tn < ke) {
+            const int slot = ahead;
+            ahead = slot_of(tn + kMmaTile); // looked up now, used next step
+            issue(i + STAGES - 1, slot, INT_MIN, INT_MAX);
+        }
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>(); // step i's group is done (this lane's copies)
+        __syncwarp();                // and every lane's
+        const unsigned char *ks = mine + (i % STAGES) * STAGE, *vs = ks + kMmaKeys * PITCH;
+        uint32_t kr[2][KW];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) stage_words(kr[j], ks + (8 * j + g) * PITCH + c * (HD / 4) * 2);
         float sc[2][4]; // n-tile j, element e: row g + 8 (e >> 1), key 8 j + 2 c + (e & 1)
 #pragma unroll
         for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
@@ -522,7 +615,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
 #pragma unroll
             for (int j = 0; j < 2; ++j) mma16816<T>(sc[j], qa, kr[j][2 * st], kr[j][2 * st + 1]);
         }
-        if (tn < ke) load_k(tn, slot_n, INT_MIN, INT_MAX);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -553,6 +645,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
             }
         const uint32_t pa[4] = {pack2<T>(p[0][0], p[0][1]), pack2<T>(p[0][2], p[0][3]), pack2<T>(p[1][0], p[1][1]),
                                 pack2<T>(p[1][2], p[1][3])};
+        uint32_t vr[4][VW];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) stage_words(vr[q], vs + (2 * c + (q & 1) + 8 * (q >> 1)) * PITCH + g * (HD / 8) * 2);
 #pragma unroll
         for (int d = 0; d < NT; ++d) {
             acc[d][0] *= corr[0], acc[d][1] *= corr[0], acc[d][2] *= corr[1], acc[d][3] *= corr[1];
@@ -561,25 +656,28 @@ __global__ void __launch_bounds__(kMmaWarps * 32, HD == 64 ? 5 : 3) paged_decode
             const uint32_t b1 = __byte_perm(vr[2][d / 2], vr[3][d / 2], sel);
             mma16816<T>(acc[d], pa, b0, b1);
         }
-        if (tn < ke) load_v(tn, slot_n, INT_MIN, INT_MAX);
-        t0 = tn;
+        __syncwarp(); // the stage is read before a later step's copies overwrite it
     }
+    cp_async_wait_all(); // the empty groups past the chunk
 #pragma unroll
     for (int h = 0; h < 2; ++h) { // a row's sum over the four lanes of its keys
         l[h] += __shfl_xor_sync(all, l[h], 1);
         l[h] += __shfl_xor_sync(all, l[h], 2);
     }
+    __syncthreads(); // every warp is done with its stages: they hold the accumulators now
+    auto &wacc = *reinterpret_cast<float(*)[WARPS][kMmaRows][HD]>(smem);
     if (c == 0) wm[warp][g] = m[0], wl[warp][g] = l[0], wm[warp][g + 8] = m[1], wl[warp][g + 8] = l[1];
 #pragma unroll
     for (int d = 0; d < NT; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
     __syncthreads();
-    merge_warps(a, wm, wl, wacc, kvh, group, t);
+    merge_warps(a, wm, wl, wacc, kvh, group, t, part_row(a, ck.b, t));
 }
 
-// Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B), 4 warps: warp w takes
-// row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
+// Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B) (a kOneQuery launch: one
+// query a sequence, its partials at the sequence's row), 4 warps: warp w takes row (query i, head h) =
+// blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
 // per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
 // and may be unwritten) are weighted by 2^(m_c - max) and summed per dim.
 template <typename T, bool WINDOW>
@@ -590,14 +688,14 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, rho = blockIdx.x * kCombineWarps + warp;
     const Seq s = load_seq(a, blockIdx.y);
     const int i = rho / a.nh, h = rho % a.nh;
-    if (i >= s.qlen) return; // whole warps return; only warp-level syncs follow
+    if (i >= s.qlen || (a.select == kOneQuery && s.qlen != 1)) return; // whole warps return; only warp syncs follow
     // the chunks holding keys this query sees: [first, used) of the span [base, kv)
     const int lim = i + s.kv - s.qlen, base = span_base<WINDOW>(s, a.window);
     const int L = chunk_len(s.kv - base, a.nsplit, a.granule), used = (lim - base) / L + 1;
     const int first = WINDOW ? (max(base, lim - a.window + 1) - base) / L : 0;
     const int t = s.q0 + i;
-    const int64_t stride = int64_t(a.tokens) * a.nh * (a.hd + 2); // between chunks
-    const float *p0 = a.part + (int64_t(t) * a.nh + h) * (a.hd + 2);
+    const int64_t stride = int64_t(a.part_rows) * a.nh * (a.hd + 2); // between chunks
+    const float *p0 = a.part + (int64_t(part_row(a, int(blockIdx.y), t)) * a.nh + h) * (a.hd + 2);
     float *wt = wts[warp], *lt = sums[warp];
     float m = -INFINITY, l = 0.f;
     for (int c = first + lane; c < used; c += 32) { // each chunk's (m, l), read together
@@ -630,24 +728,34 @@ __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const
     }
 }
 
-// Splits each sequence's keys until about four blocks per SM are busy (a decode batch smaller than the
-// GPU); a large batch or a prefill has blocks enough already. Planned from the host-known sizes only.
-// LLAISYS_SPLIT_BLOCKS_PER_SM overrides the 4 (read once; an A/B knob for benchmarks).
-int plan_splits(int64_t blocks, int64_t capacity, int granule, int device) {
-    static const int64_t per_sm = [] {
+// Splits each sequence's keys so that the GPU is busy: a large batch or a prefill has blocks enough
+// already. Planned from the host-known sizes only. resident > 0 (the pipelined decode kernel): that many
+// of its blocks fit on an SM at once, and the split fills at most one wave of them - keys split further
+// would start a second wave, and a chunk's fixed cost (its block's start, the combine kernel) buys
+// nothing there; at 256 rows x 512 keys of the 1.5B shape one chunk a sequence took 48.9 us, two 64.9
+// (session 33, H200). resident = 0: about four blocks per SM (the other kernels).
+// LLAISYS_SPLIT_BLOCKS_PER_SM=N overrides either with N blocks per SM (read once; an A/B knob).
+int plan_splits(int64_t blocks, int64_t capacity, int granule, int device, int resident = 0) {
+    static const int64_t per_sm_env = [] {
         const char *e = std::getenv("LLAISYS_SPLIT_BLOCKS_PER_SM");
         const long v = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
-        return v > 0 ? int64_t(v) : int64_t(4);
+        return v > 0 ? int64_t(v) : int64_t(0);
     }();
-    const int64_t want = per_sm * int64_t(sm_count(device));
+    const int64_t cap = std::min(int64_t(kMaxSplits), ceil_div(capacity, granule));
+    if (per_sm_env == 0 && resident > 0) {
+        const int64_t slots = int64_t(resident) * sm_count(device);
+        return int(std::max<int64_t>(1, std::min(slots / blocks, cap)));
+    }
+    const int64_t want = (per_sm_env > 0 ? per_sm_env : 4) * int64_t(sm_count(device));
     if (blocks >= want) return 1;
-    return int(std::max<int64_t>(1, std::min({ceil_div(want, blocks), int64_t(kMaxSplits), ceil_div(capacity, granule)})));
+    return int(std::max<int64_t>(1, std::min(ceil_div(want, blocks), cap)));
 }
 
 template <typename T, bool WINDOW>
 void launch_combine(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     if (a.nsplit == 1) return;
-    const dim3 grid(unsigned(ceil_div(int64_t(a.max_q_len) * a.nh, kCombineWarps)), unsigned(B));
+    const int64_t rows = a.select == kOneQuery ? 1 : a.max_q_len; // query rows a sequence
+    const dim3 grid(unsigned(ceil_div(rows * a.nh, kCombineWarps)), unsigned(B));
     launch_pdl(paged_combine_kernel<T, WINDOW>, grid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
 }
 
@@ -670,18 +778,59 @@ void launch_decode(const PagedArgs<T> &a, int B, Device device, cudaStream_t str
     launch_combine<T, WINDOW>(a, B, device, stream);
 }
 
-template <typename T, int HD, bool WINDOW>
-void launch_decode_mma(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    launch_pdl(paged_decode_mma_kernel<T, HD, WINDOW>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
-               dim3(kMmaWarps * 32), 0, stream, device.index, a);
+template <typename T, int HD, bool WINDOW, int STAGES, int WARPS>
+void launch_decode_pipe(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
+    constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES, WARPS>());
+    opt_in_smem<paged_decode_pipe_kernel<T, HD, WINDOW, STAGES, WARPS>>(smem, device.index);
+    launch_pdl(paged_decode_pipe_kernel<T, HD, WINDOW, STAGES, WARPS>, dim3(unsigned(a.nsplit), unsigned(B * a.nkvh)),
+               dim3(WARPS * 32), smem, stream, device.index, a);
     launch_combine<T, WINDOW>(a, B, device, stream);
+}
+
+// Blocks of paged_decode_pipe_kernel<.., HD, .., STAGES, WARPS> an SM of `device` holds at once (its shared
+// memory decides), asked of the runtime once per process (every GPU of a machine is the same model).
+template <int HD, int STAGES, int WARPS>
+int pipe_resident(int device) {
+    static const int n = [device] {
+        constexpr auto kernel = &paged_decode_pipe_kernel<__nv_bfloat16, HD, false, STAGES, WARPS>;
+        constexpr size_t smem = size_t(pipe_smem_bytes<HD, STAGES, WARPS>());
+        opt_in_smem<kernel>(smem, device);
+        int blocks = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, WARPS * 32, smem));
+        return std::max(1, blocks);
+    }();
+    return n;
+}
+
+int pipe_resident(int hd, int stages, int warps, int device) {
+    if (warps == 3) return stages == 2 ? pipe_resident<128, 2, 3>(device) : pipe_resident<128, 3, 3>(device);
+    if (hd == 64) return stages == 2 ? pipe_resident<64, 2, 4>(device) : pipe_resident<64, 3, 4>(device);
+    return stages == 2 ? pipe_resident<128, 2, 4>(device) : pipe_resident<128, 3, 4>(device);
+}
+
+// Warps a block of the tensor-core decode kernel: 4, except for head dim 128 where a batch's blocks (kv heads
+// x sequences) overflow one wave of 4-warp blocks (3 an SM of an H200) but fit in one of 3-warp blocks (4 an
+// SM: the same warps an SM): the 4-warp grid's second wave runs part-empty (256 rows of the 1.5B shape took
+// 1.52x the time of 198 rows, one full wave; session 37). LLAISYS_DECODE_WARPS=3 or 4 fixes it (read once;
+// an A/B switch for benchmarks).
+int decode_warps(int64_t blocks, int hd, int stages, int device) {
+    static const int forced = [] {
+        const char *e = std::getenv("LLAISYS_DECODE_WARPS");
+        const long v = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+        return v == 3 || v == 4 ? int(v) : 0;
+    }();
+    if (hd != 128) return 4;
+    if (forced != 0) return forced;
+    const int64_t sms = sm_count(device);
+    const bool overflow4 = blocks > int64_t(pipe_resident(hd, stages, 4, device)) * sms;
+    return overflow4 && blocks <= int64_t(pipe_resident(hd, stages, 3, device)) * sms ? 3 : 4;
 }
 
 template <typename T, int HD>
 void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
     constexpr size_t smem = flash_tc::tc_smem_bytes<HD>();
     opt_in_smem<paged_prefill_tc_kernel<T, HD>>(smem, device.index);
-    const dim3 grid(unsigned(a.nh), unsigned(ceil_div(a.max_q_len, flash_tc::kTcBQ)), unsigned(B));
+    const dim3 grid(unsigned(a.nh), unsigned(tc_tiles(a.tokens, B)));
     launch_pdl(paged_prefill_tc_kernel<T, HD>, grid, dim3(flash_tc::kTcWarps * 32), smem, stream, device.index, a);
 }
 
@@ -689,6 +838,16 @@ void launch_prefill_tc(const PagedArgs<T> &a, int B, Device device, cudaStream_t
 bool prefill_mma_enabled() {
     static const bool on = [] {
         const char *e = std::getenv("LLAISYS_PREFILL_MMA");
+        return e == nullptr || std::strcmp(e, "0") != 0;
+    }();
+    return on;
+}
+
+// A mixed step's sequences of one query run on the tensor-core decode kernel (kOneQuery) where it applies;
+// LLAISYS_PAGED_MIXED=0 leaves them to the tensor-core prefill's 64-row tiles (an A/B switch, read once).
+bool mixed_split_enabled() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_PAGED_MIXED");
         return e == nullptr || std::strcmp(e, "0") != 0;
     }();
     return on;
@@ -702,6 +861,19 @@ bool decode_mma_enabled() {
         return e == nullptr || std::strcmp(e, "0") != 0;
     }();
     return on;
+}
+
+// Shared-memory stages of the tensor-core decode kernel: 2 (five blocks an SM for head dim 64, three for
+// 128). Three stages (three and two blocks an SM) were faster for head dim 128 in bench_ops at 256 rows of 512
+// and 2048 keys but not in the nano-vllm protocol of the 1.5B shape (28,244 output tok/s with two, 27,997 with
+// three, same call); four were slower everywhere (session 33, H200). LLAISYS_DECODE_STAGES=3 sets three (read
+// once; an A/B switch for benchmarks).
+int decode_stages() {
+    static const int stages = [] {
+        const char *e = std::getenv("LLAISYS_DECODE_STAGES");
+        return e != nullptr && std::strtol(e, nullptr, 10) == 3 ? 3 : 2;
+    }();
+    return stages;
 }
 
 } // namespace
@@ -738,15 +910,27 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
     const bool prefill_tc = mq >= flash_tc::kTcMinQueries && elem == 2 && (hd == 64 || hd == 128) && window == 0 &&
                             prefill_mma_enabled() && rows16(q) && aligned(k_cache, 16) && aligned(v_cache, 16) &&
                             aligned(out, 4) && (out.stride(0) * elem) % 4 == 0 && (out.stride(1) * elem) % 4 == 0 &&
-                            B <= 65535;
-    const int granule = mma ? kMmaTile : decode ? kDecTile : kTile;
-    const int64_t blocks = decode || mma ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
+                            tc_tiles(tokens, B) <= 65535;
+    // A step of prompt chunks and decodes (several sequences, tensor-core prefill): the sequences of one query
+    // go to the tensor-core decode kernel in a launch of their own (kOneQuery), not to 64-row query tiles that
+    // read their keys once a query head (session 39: the 1.5B protocol's prefill kernel took 385 us a launch)
+    const bool mixed = prefill_tc && B > 1 && mixed_split_enabled() && (nh / nkvh) <= kMmaRows && decode_mma_enabled() &&
+                       aligned(q, 4) && (q.stride(0) * elem) % 4 == 0 && (q.stride(1) * elem) % 4 == 0;
+    // the tensor-core decode kernel: a decode step's, or the one-query launch of a mixed step
+    const int stages = mma || mixed ? decode_stages() : 0; // > 0: paged_decode_pipe_kernel
+    const int warps = stages > 0 ? decode_warps(B * nkvh, int(hd), stages, out.device().index) : 0;
+    const int granule = stages > 0 ? warps * kMmaKeys : decode ? kDecTile : kTile;
+    const int64_t blocks = decode || stages > 0 ? B * nkvh : ceil_div(mq * (nh / nkvh), kRows) * B * nkvh;
     // keys a sequence's step may see: with a window at most window + max_q_len - 1 (window < capacity here:
     // op.cpp turns a larger one into 0)
     const int64_t span = window > 0 ? std::min(capacity, window + mq - 1) : capacity;
-    const int nsplit = prefill_tc ? 1 : plan_splits(blocks, span, granule, out.device().index);
+    const int resident = stages > 0 ? pipe_resident(int(hd), stages, warps, out.device().index) : 0;
+    // splits of the decode or split kernel (the tensor-core prefill takes a sequence's keys whole)
+    const int nsplit = prefill_tc && !mixed ? 1 : plan_splits(blocks, span, granule, out.device().index, resident);
+    // its partials' rows: one a token, or one a sequence in a mixed step's one-query launch
+    const int64_t part_rows = mixed ? B : tokens;
     Tensor part; // split partials through the stream-ordered allocator: no cudaMalloc in steady state
-    if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * tokens * nh * (hd + 2)}, DType::F32, out.device());
+    if (nsplit > 1) part = Tensor::empty({int64_t(nsplit) * part_rows * nh * (hd + 2)}, DType::F32, out.device());
     detail::dispatch_float(op, q.dtype(), q.device(), [&](auto tag) {
         using H = typename decltype(tag)::type;
         using D = device_t<H>;
@@ -756,18 +940,31 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              ::llaisys::runtime::cuda::error_flag(out.device()), q.stride(0), q.stride(1),
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
-                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window)};
+                             scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window),
+                             mixed ? kOneQuery : kAllSeqs, int(B), int(part_rows)};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
         const auto go = [&](auto window) {
             constexpr bool W = decltype(window)::value;
-            if constexpr (sizeof(D) == 2 && !W) {
-                if (prefill_tc && hd == 64) return launch_prefill_tc<D, 64>(a, bi, out.device(), stream);
-                if (prefill_tc) return launch_prefill_tc<D, 128>(a, bi, out.device(), stream);
-            }
             if constexpr (sizeof(D) == 2) {
-                if (mma && hd == 64) return launch_decode_mma<D, 64, W>(a, bi, out.device(), stream);
-                if (mma) return launch_decode_mma<D, 128, W>(a, bi, out.device(), stream);
+                const auto pipe = [&](const PagedArgs<D> &x) { // paged_decode_pipe_kernel's instance
+                    if (stages == 2 && hd == 64) return launch_decode_pipe<D, 64, W, 2, 4>(x, bi, out.device(), stream);
+                    if (stages == 2 && warps == 3) return launch_decode_pipe<D, 128, W, 2, 3>(x, bi, out.device(), stream);
+                    if (stages == 2) return launch_decode_pipe<D, 128, W, 2, 4>(x, bi, out.device(), stream);
+                    if (stages == 3 && hd == 64) return launch_decode_pipe<D, 64, W, 3, 4>(x, bi, out.device(), stream);
+                    if (stages == 3 && warps == 3) return launch_decode_pipe<D, 128, W, 3, 3>(x, bi, out.device(), stream);
+                    launch_decode_pipe<D, 128, W, 3, 4>(x, bi, out.device(), stream);
+                };
+                if constexpr (!W) {
+                    if (prefill_tc) {
+                        if (mixed) pipe(a); // a mixed step's sequences of one query (kOneQuery), then the others
+                        PagedArgs<D> p = a;
+                        p.nsplit = 1, p.part = nullptr, p.select = mixed ? kManyQueries : kAllSeqs;
+                        if (hd == 64) return launch_prefill_tc<D, 64>(p, bi, out.device(), stream);
+                        return launch_prefill_tc<D, 128>(p, bi, out.device(), stream);
+                    }
+                }
+                if (stages > 0) return pipe(a);
             }
             if (decode && dpl == 1) return launch_decode<D, 1, W>(a, bi, out.device(), stream);
             if (decode && dpl == 2) return launch_decode<D, 2, W>(a, bi, out.device(), stream);

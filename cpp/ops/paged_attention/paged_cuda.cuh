@@ -17,7 +17,7 @@ struct PagedArgs {
     const T *q;                               // [tokens, nh, hd], strides (q_s0, q_s1, 1)
     const T *k, *v;                           // [num_blocks, block_size, nkvh, hd] contiguous
     const int32_t *tables, *q_start, *kv_len; // [B, max_blocks], [B + 1], [B]
-    float *part;                              // nsplit > 1: partials [nsplit][tokens][nh][hd + 2] (acc, m, l)
+    float *part;                              // nsplit > 1: partials [nsplit][part_rows][nh][hd + 2] (acc, m, l)
     int *error;
     int64_t q_s0, q_s1, o_s0, o_s1;
     int tokens, nh, nkvh, hd, block_size, max_blocks, num_blocks, max_q_len, nsplit;
@@ -25,7 +25,15 @@ struct PagedArgs {
     int granule; // a sequence's key chunks are multiples of it: kTile (split kernel) or kDecTile (decode kernel)
     int settled; // settled_history (ops.hpp): the decode kernel reads the metadata and older keys before pdl_wait
     int window;  // > 0: the query at position p sees keys (p - window, p]; 0: all keys <= p
+    // Which sequences a launch takes (a step of prompt chunks and decodes runs two launches, each on its own
+    // rows): kAllSeqs, kOneQuery (the decode kernel's launch: sequences of exactly one query; its partials
+    // are indexed by sequence, part_rows = B) or kManyQueries (the tensor-core prefill's: more than one)
+    int select;
+    int batch;     // B: sequences (q_start holds B + 1 entries)
+    int part_rows; // rows of the partials per split: tokens, or B where they are indexed by sequence
 };
+
+constexpr int kAllSeqs = 0, kOneQuery = 1, kManyQueries = 2;
 
 // One sequence's metadata, clamped into the contract so that nothing out of bounds is read: q rows
 // [q0, q0 + qlen) of the step, kv keys with qlen <= kv <= max_blocks * block_size.
@@ -88,8 +96,8 @@ __device__ __forceinline__ int cache_row(const PagedArgs<T> &a, const int32_t *t
 // The chunk of keys one block of a decode kernel (one query per sequence) covers: grid (nsplit, B * nkvh),
 // blockIdx.y = (sequence b, kv head kvh), blockIdx.x = the chunk. With one query (at kv - 1) and a window its
 // keys are exactly the span [base, kv), so no key of [kb, ke) needs a mask. GRANULE: the kernel's keys a
-// step (chunks are multiples of it). empty: the block has no key to attend to (a padded row, or a chunk past
-// a short sequence's keys); the kernel must still reach its pdl_wait before it returns (cuda.cuh).
+// step (chunks are multiples of it). empty: the block has no key to attend to (a padded row, a chunk past
+// a short sequence's keys, or in a kOneQuery launch a sequence of several queries: the other launch's); the kernel must still reach its pdl_wait before it returns (cuda.cuh).
 struct DecodeChunk {
     int group, b, kvh;
     Seq s;
@@ -108,7 +116,7 @@ __device__ __forceinline__ DecodeChunk decode_chunk(const PagedArgs<T> &a) {
     const int base = span_base<WINDOW>(c.s, a.window), L = chunk_len(c.s.kv - base, a.nsplit, GRANULE);
     c.kb = base + blockIdx.x * L;
     c.ke = min(c.kb + L, c.s.kv);
-    c.empty = c.s.qlen == 0 || c.kb >= c.ke;
+    c.empty = c.s.qlen == 0 || c.kb >= c.ke || (a.select == kOneQuery && c.s.qlen != 1);
     c.table = a.tables + int64_t(c.b) * a.max_blocks;
     return c;
 }

@@ -7,8 +7,9 @@
 // Decode (M = 1) reads each weight byte once, so it is bound by memory bandwidth: the quantized rows
 // are 3.5-7 times fewer bytes than bf16 ones. Prefill (M > 1) is bound by the arithmetic per block: on
 // VNNI the 32-element formats, on AVX2 Q4_0 and Q5_0, get their own kernel over x packed in 16-row tiles
-// (kernels.inc: column_u8), with the decode kernel's integers and float operations, so a row's bits never
-// depend on M.
+// (kernels.inc: column_u8; on AVX-512 two x rows a 512-bit vector, tile_u8_pairs), and on AVX-512 the K-quants
+// take x packed in row pairs (XPair256, kernels.inc: column_kpairs), all with the decode kernel's integers and
+// float operations lane by lane, so a row's bits never depend on M.
 //
 // This file is compiled with -ffp-contract=off (CMakeLists.txt), so a*b+c is never fused behind our
 // back: the three paths round the same float operations and return the same bits.
@@ -24,6 +25,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -57,10 +59,13 @@ struct Q8Act<256> {
 // kPackRows x rows; per block the rows' codes + 128 as u8 (the unsigned operand of VPDPBUSD or maddubs)
 // and their d, side by side, so that one vector multiply gives a weight block's scales for the whole
 // tile. Rows past M are 0 (d = 0).
+// On the AVX-512 path dx holds each row pair's d again, spread as its 512-bit kernel multiplies them (row 2p's
+// in lanes 0-7, row 2p + 1's in lanes 8-15: kernels.inc, tile_u8_pairs); the other paths leave it unwritten.
 constexpr int kPackRows = 16;
-struct alignas(32) XTile32 {
+struct alignas(64) XTile32 {
     uint8_t q[kPackRows][32];
     float d[kPackRows];
+    float dx[kPackRows / 2][16];
 };
 
 // One block of a W row decoded once for every x row of a prefill call (kernels.inc: decode_u8): its codes
@@ -71,6 +76,15 @@ struct alignas(32) WBlockU8 {
     int32_t corr[8];
 };
 
+// The K-quants' prefill x on the AVX-512 path (kernels.inc: column_kpairs): rows 2p and 2p + 1 of a call side
+// by side per 256-element block, each 32-element chunk of one row followed by the same chunk of the other (one
+// 512-bit load), their 16-sums likewise, and dx as XTile32's. A missing last row is zeros.
+struct alignas(64) XPair256 {
+    int8_t q[8][2][32];
+    int16_t sums[2][16];
+    float dx[16];
+};
+
 // col [M] = one W row . M quantized x rows (xq: M rows of nb Q8Act blocks).
 using ColumnFn = void (*)(const uint8_t *w_row, const void *xq, int64_t M, int64_t nb, float *col);
 // out [n] = W rows [0, n) from w_row (row_bytes apart) . one quantized x row (decode).
@@ -79,6 +93,18 @@ using RowsFn = void (*)(const uint8_t *w_row, int64_t row_bytes, int64_t n, cons
 using DecodeU8Fn = void (*)(const uint8_t *w_row, int64_t nb, WBlockU8 *w, float *wd);
 // col [mm] = one decoded W row . the first mm rows of one tile (xt: its nb blocks).
 using ColumnU8Fn = void (*)(const WBlockU8 *w, const float *wd, const XTile32 *xt, int64_t mm, int64_t nb, float *col);
+// col [mm] = one W row . mm x rows from pair xp on (XPair256: ceil(mm / 2) pairs of nb blocks).
+using ColumnPairFn = void (*)(const uint8_t *w_row, const XPair256 *xp, int64_t mm, int64_t nb, float *col);
+
+// A prefill's kernels, all of one path (kernels.inc: prefill_fns): the x packing they read (XTile32::dx for
+// the pair tile, XPair256) must be the path's whose kernel reads it, whatever set_cpu_path does meanwhile.
+struct PrefillFns {
+    DecodeU8Fn dec = nullptr;       // the packed-x kernel's row decoder (32-element formats), or nullptr
+    ColumnU8Fn u8 = nullptr;        // that kernel (where dec)
+    bool pair_tiles = false;        // whether u8 reads XTile32::dx (AVX-512)
+    ColumnPairFn kpairs = nullptr;  // the K-quants' pair kernel (AVX-512), or nullptr
+    ColumnFn column = nullptr;      // the unpacked kernel (neither of the above)
+};
 
 namespace portable {
 using S = quant_isa::Portable;
@@ -130,16 +156,6 @@ QuantCpuPath detect_best() {
 const QuantCpuPath kBest = detect_best();
 std::atomic<QuantCpuPath> g_path{kBest};
 
-ColumnFn column_fn(QuantFormat format, QuantLayout layout) {
-    switch (g_path.load(std::memory_order_relaxed)) {
-#ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_fn(format, layout);
-    case QuantCpuPath::Avx2: return avx2::column_fn(format, layout);
-#endif
-    default: return portable::column_fn(format, layout);
-    }
-}
-
 RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
@@ -150,24 +166,14 @@ RowsFn rows_fn(QuantFormat format, QuantLayout layout) {
     }
 }
 
-// The packed-x prefill kernel's row decoder of this format on the current path, or nullptr (then column_fn's).
-DecodeU8Fn decode_u8_fn(QuantFormat format, QuantLayout layout) {
+// The prefill kernels of the current path, from one read of it.
+PrefillFns prefill_fns(QuantFormat format, QuantLayout layout) {
     switch (g_path.load(std::memory_order_relaxed)) {
 #ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::decode_u8_fn(format, layout);
-    case QuantCpuPath::Avx2: return avx2::decode_u8_fn(format, layout);
+    case QuantCpuPath::Avx512Vnni: return vnni::prefill_fns(format, layout);
+    case QuantCpuPath::Avx2: return avx2::prefill_fns(format, layout);
 #endif
-    default: return nullptr;
-    }
-}
-
-ColumnU8Fn column_u8_fn() {
-    switch (g_path.load(std::memory_order_relaxed)) {
-#ifdef LLAISYS_QUANT_X86
-    case QuantCpuPath::Avx512Vnni: return vnni::column_u8_fn();
-    case QuantCpuPath::Avx2: return avx2::column_u8_fn();
-#endif
-    default: return nullptr;
+    default: return portable::prefill_fns(format, layout);
     }
 }
 
@@ -229,18 +235,45 @@ QuantizedX quantize_x(const Tensor &x, QuantFormat format) {
     return quantize_x<quant::kQK_K, T>(x, M, K, 0);
 }
 
-// xq's M rows of Q8Act<32> blocks -> ceil(M / kPackRows) tiles of nb XTile32 blocks.
-const XTile32 *pack_x(const QuantizedX &xq) {
+// xq's M rows of Q8Act<32> blocks -> ceil(M / kPackRows) tiles of nb XTile32 blocks (pairs: dx too).
+const XTile32 *pack_x(const QuantizedX &xq, bool pairs) {
     const int64_t M = xq.M, nb = xq.nb, tiles = (M + kPackRows - 1) / kPackRows;
     auto *out = reinterpret_cast<XTile32 *>(x_buffer<1>(size_t(tiles * nb) * sizeof(XTile32)));
     parallel_for(tiles, kPackRows * nb * 32, [&](int64_t t) {
         for (int64_t b = 0; b < nb; ++b) {
             XTile32 &o = out[t * nb + b];
-            std::memset(&o, 0, sizeof o);
+            std::memset(&o, 0, offsetof(XTile32, dx));
             for (int r = 0; r < kPackRows && t * kPackRows + r < M; ++r) {
                 const Q8Act<32> &a = static_cast<const Q8Act<32> *>(xq.row(t * kPackRows + r))[b];
                 for (int e = 0; e < 32; ++e) o.q[r][e] = uint8_t(uint8_t(a.q[e]) ^ 0x80u); // q + 128
                 o.d[r] = a.d;
+            }
+            if (pairs)
+                for (int r = 0; r < kPackRows; ++r)
+                    for (int l = 0; l < 8; ++l) o.dx[r / 2][8 * (r % 2) + l] = o.d[r];
+        }
+    });
+    return out;
+}
+
+// xq's M rows of Q8Act<256> blocks -> ceil(M / 2) pairs of nb XPair256 blocks.
+const XPair256 *pack_x_pairs(const QuantizedX &xq) {
+    const int64_t M = xq.M, nb = xq.nb, pairs = (M + 1) / 2;
+    auto *out = reinterpret_cast<XPair256 *>(x_buffer<1>(size_t(pairs * nb) * sizeof(XPair256)));
+    parallel_for(pairs, 2 * nb * 256, [&](int64_t p) {
+        for (int64_t b = 0; b < nb; ++b) {
+            XPair256 &o = out[p * nb + b];
+            for (int r = 0; r < 2; ++r) {
+                if (2 * p + r >= M) {
+                    for (int c = 0; c < 8; ++c) std::memset(o.q[c][r], 0, 32);
+                    std::memset(o.sums[r], 0, sizeof o.sums[r]);
+                    for (int l = 0; l < 8; ++l) o.dx[8 * r + l] = 0.f;
+                    continue;
+                }
+                const Q8Act<256> &a = static_cast<const Q8Act<256> *>(xq.row(2 * p + r))[b];
+                for (int c = 0; c < 8; ++c) std::memcpy(o.q[c][r], a.q + 32 * c, 32);
+                std::memcpy(o.sums[r], a.sums, sizeof a.sums);
+                for (int l = 0; l < 8; ++l) o.dx[8 * r + l] = a.d;
             }
         }
     });
@@ -285,8 +318,9 @@ void run_rows(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o) {
 }
 
 // Prefill: each W row against the x rows, kChunk rows (or one packed tile) per call. The W rows go in groups,
-// each group through one x chunk before the next, so that the chunk (a packed tile of K = 896: 16 KiB) and
-// the group's weight rows stay in L1 while every row of the group reads them. On the packed path a group's
+// each group through one x chunk before the next, so that the chunk (a packed tile of K = 896: 16 KiB of codes
+// and scales, 30 KiB on the AVX-512 path with XTile32::dx) and the group's weight rows stay in L1 (or close to it:
+// 30 + 15 KiB on a 48 KiB L1d) while every row of the group reads them. On the packed path a group's
 // rows are decoded once, for all the tiles (68 bytes a block: 8 rows of K = 896 are 15 KiB; a group of 16
 // would not leave the tile its L1).
 template <typename T>
@@ -294,11 +328,18 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
     constexpr int64_t kMaxGroup = 16;
     const int64_t M = xq.M, N = w.rows(), rb = w.row_bytes(), nb = xq.nb;
     const uint8_t *w0 = w.row(0);
-    const DecodeU8Fn dec = decode_u8_fn(w.format(), w.layout());
-    const ColumnU8Fn fn_u8 = dec ? column_u8_fn() : nullptr;
-    const XTile32 *xt = dec ? pack_x(xq) : nullptr;
-    const ColumnFn fn = column_fn(w.format(), w.layout());
-    const int64_t rows = dec ? kPackRows : kChunk, group = dec ? 8 : kMaxGroup;
+    const PrefillFns k = prefill_fns(w.format(), w.layout());
+    const DecodeU8Fn dec = k.dec;
+    const ColumnU8Fn fn_u8 = k.u8;
+    const XTile32 *xt = dec ? pack_x(xq, k.pair_tiles) : nullptr;
+    const ColumnPairFn fp = k.kpairs;
+    const XPair256 *xp = fp ? pack_x_pairs(xq) : nullptr;
+    const ColumnFn fn = k.column;
+    // x rows a pass: a packed tile; on the K-quants' pair path one 8-row tile (4 pairs), whose blocks (K = 2048:
+    // 20 KB) stay in L1 beside the group's 16 W rows (18 KB of Q4_K) while every row of the group reads them; a
+    // 64-row chunk (80 KB) was read from L2 by each W row (Q4_K 640 x 2048 at M = 32: 1.16x the 8-row ymm
+    // tiles' speed, then 1.5x).
+    const int64_t rows = dec ? kPackRows : fp ? 8 : kChunk, group = dec ? 8 : kMaxGroup;
     parallel_ranges(N, M * w.cols() / 4, [&](int64_t begin, int64_t end) {
         WBlockU8 *wb = nullptr; // [group][nb] decoded blocks, then wd [group][nb] scales
         float *wd = nullptr;
@@ -314,8 +355,16 @@ void run_prefill(const QuantizedX &xq, const QuantMatrix &w, const Outputs<T> &o
                 float cols[kMaxGroup][kChunk]; // [W row][x row]: written out by x row, so that the stores of
                                                // a column (N floats apart) do not all land in one L1 set
                 for (int64_t n = g; n < g_end; ++n) {
+                    // The next group's weight rows, asked into L2 while this group computes, a row before each
+                    // call of the first x chunk: decode_u8's first load of each block waited on DRAM for two
+                    // thirds of its samples (the weights stream once per 32-row chunk). Gemma-3-270M prefill, AVX-512,
+                    // 5 interleaved rounds: 1.08x against none, 1.04-1.09x against the whole group at once
+                    // before its decode (whose burst of prefetches stalled on the fill buffers).
+                    if (m0 == 0 && (dec || fp) && n + group < end)
+                        for (int64_t off = 0; off < rb; off += 64) __builtin_prefetch(w0 + (n + group) * rb + off, 0, 2);
                     float *col = cols[n - g];
                     if (dec) fn_u8(wb + (n - g) * nb, wd + (n - g) * nb, xt + m0 / kPackRows * nb, mm, nb, col);
+                    else if (fp) fp(w0 + n * rb, xp + m0 / 2 * nb, mm, nb, col);
                     else fn(w0 + n * rb, xq.row(m0), mm, nb, col);
                 }
                 for (int64_t i = 0; i < mm; ++i)

@@ -6,11 +6,13 @@
 //   separate quantize kernel cost about as much as a small GEMV); else quantize_x_kernel does it once,
 //   ahead. Launched with PDL; the GEMV loads its first W sub-blocks before it waits for x. Large K-quant
 //   matrices (Q4_K, Q5_K, Q6_K) take quant_gemv_kq_kernel, which reads whole blocks in contiguous spans.
-//   M > 8 (prefill, large batches): the whole weight is decoded into a dense [N, K] of x's dtype and the
-//   dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes into a transient tensor
-//   (N * K * sizeof(T) for the call, handed back to the caching allocator after it); a model decodes into
-//   one buffer of its own with quant_dequantize instead (models/common/linear_weight.cpp), so a captured
-//   graph holds no copy. TODO: a tensor-core GEMM that decodes W tiles in shared memory.
+//   M > 8, K-quants, 2-byte x, up to kQuantTcMaxRows (64) rows (ops::quant_linear_tc): a tensor-core GEMM
+//   that decodes W tiles in shared memory (tc_gemm.cuh); the weight is read as its blocks, no dense copy.
+//   Other M > 8 cases (prefill chunks, Q4_0/Q5_0/Q8_0, f32): the whole weight is decoded into a dense
+//   [N, K] of x's dtype and the dense linear (cuBLASLt) runs on it with the unquantized x. The op decodes
+//   into a transient tensor (N * K * sizeof(T) for the call, handed back to the caching allocator after it);
+//   a model decodes into one buffer of its own with quant_dequantize instead
+//   (models/common/linear_weight.cpp), so a captured graph holds no copy.
 // quant_embedding and quant_dequantize decode rows with the M > 8 path's kernel.
 #include "ops/quant_linear/quant_linear.hpp"
 
@@ -22,6 +24,7 @@
 #include "ops/common/row_stride.hpp"
 #include "ops/common/swiglu_math.cuh"
 #include "ops/quant_linear/blocks.cuh"
+#include "ops/quant_linear/tc_gemm.cuh"
 
 #include <algorithm>
 
@@ -419,37 +422,126 @@ __global__ void __launch_bounds__(kGemvThreads, kq_min_blocks<F, MR, kSwiglu>())
 }
 
 // out [n, K] = rows ids[i] of W [V, K] decoded (embedding; an id outside [0, V) sets the device error
-// flag and zero-fills its row), or rows i when ids is null (dequantize, the M > 8 path's dense copy of W).
-// Launch: one block per output row; each thread decodes sub-blocks of 32 weights and stores them with
-// 16-byte writes where the row allows. A plain launch, never PDL: a model reuses one out buffer for
-// weight after weight, so this kernel must not start writing while the GEMM ahead still reads it.
+// flag and zero-fills its row), or rows i when ids is null (dequantize, the M > 8 path's dense copy of W), for
+// the 32-weight formats (Q4_0, Q5_0, Q8_0); the K-quants take decode_blocks_kernel below. Launch: flat over the n * K / 8 pieces of 8 weights, 256 threads a block (kDecodeThreads): four consecutive
+// lanes share a sub-block of 32 (each reads the sub-block's bytes: the same addresses within a warp's load, one
+// access for the four) and each writes its 8 weights as one 16-byte store where the row allows, so a warp's
+// store covers 512 contiguous bytes. (Before: one block of K/32 threads a row, a thread decoding and writing a
+// whole sub-block: a warp's loads touched 32 sub-blocks, its stores a 64-byte stride; at 256 rows of the 1.5B
+// Q4_K_M a step's copies took 2.2 ms for ~3.9 GB, and a flat launch of the same per-thread work did not change
+// that (session 33, call 4).) A plain launch, never PDL: a model reuses one out buffer for weight after
+// weight, so this kernel must not start writing while the GEMM ahead still reads it.
+constexpr int kDecodeThreads = 256;
+
 template <class F, typename T, typename Id>
-__global__ void decode_rows_kernel(T *__restrict__ out, const Id *__restrict__ ids, const uint8_t *__restrict__ w,
-                                   int64_t row_bytes, int64_t V, int64_t K, int *error_flag) {
-    const int64_t i = blockIdx.x, r = ids ? int64_t(ids[i]) : i;
-    T *dst = out + i * K;
+__global__ void __launch_bounds__(kDecodeThreads) decode_rows_kernel(T *__restrict__ out, const Id *__restrict__ ids,
+                                                                   const uint8_t *__restrict__ w, int64_t row_bytes,
+                                                                   int64_t n, int64_t V, int64_t K, int *error_flag) {
+    const int64_t pieces = K / 8, g = int64_t(blockIdx.x) * kDecodeThreads + threadIdx.x;
+    if (g >= n * pieces) return;
+    const int64_t i = g / pieces, p = g % pieces, s = p / 4, r = ids ? int64_t(ids[i]) : i;
+    const int j0 = int(p % 4) * 8; // this lane's weights j0 .. j0 + 7 of sub-block s
+    T *o = out + i * K + p * 8;
+    union {
+        T v[8];
+        uint32_t u[8 * sizeof(T) / 4];
+    } vals;
     if (r < 0 || r >= V) {
-        if (threadIdx.x == 0) *error_flag = kIdOutOfRange;
-        for (int64_t k = threadIdx.x; k < K; k += blockDim.x) dst[k] = from_f32<T>(0.f);
-        return;
+        if (p == 0) *error_flag = kIdOutOfRange;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vals.v[j] = from_f32<T>(0.f);
+    } else {
+        Sub32 sub = F::sub(w + r * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
+        // this lane's codes and scale moved to the front by selects, so every index below is a constant and
+        // the sub-block stays in registers (an index j0 + j would put it in local memory)
+        const int q0 = j0 / 4;
+        const int a = q0 == 0 ? sub.q[0] : q0 == 2 ? sub.q[2] : q0 == 4 ? sub.q[4] : sub.q[6];
+        const int b = q0 == 0 ? sub.q[1] : q0 == 2 ? sub.q[3] : q0 == 4 ? sub.q[5] : sub.q[7];
+        sub.q[0] = a, sub.q[1] = b;
+        sub.isc[0] = j0 < 16 ? sub.isc[0] : sub.isc[1];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vals.v[j] = from_f32<T>(decode<F>(sub, j));
     }
-    constexpr int kVec = int(32 * sizeof(T) / 16); // 16-byte words per sub-block
-    for (int64_t s = threadIdx.x; s < K / 32; s += blockDim.x) {
-        const Sub32 sub = F::sub(w + r * row_bytes + s / F::kSubs * F::kBytes, int(s % F::kSubs));
-        union {
-            T v[32];
-            uint4 u[kVec];
-        } vals;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) vals.v[j] = from_f32<T>(decode<F>(sub, j));
-        T *o = dst + s * 32;
+    if constexpr (sizeof(T) == 2) {
         if (reinterpret_cast<uintptr_t>(o) % 16 == 0) {
-#pragma unroll
-            for (int c = 0; c < kVec; ++c) reinterpret_cast<uint4 *>(o)[c] = vals.u[c];
-        } else {
-#pragma unroll
-            for (int j = 0; j < 32; ++j) o[j] = vals.v[j];
+            *reinterpret_cast<uint4 *>(o) = make_uint4(vals.u[0], vals.u[1], vals.u[2], vals.u[3]);
+            return;
         }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o[j] = vals.v[j];
+}
+
+// The same for the K-quants, a 256-weight block by 8 lanes: lane c loads the chunk the GEMV reads (the block's
+// 16-byte head and 16 bytes of codes, qblocks::KChunkOf) and writes its two runs of 16 weights, 32 weights a
+// lane (a warp writes four whole blocks, 2 KB at 16 bits, through shared memory). Codes become floats by their bits (2^23 + q as a
+// float, minus 2^23 + off: exact), not by int-to-float conversions, which run at a quarter of the rate of the
+// other arithmetic; each weight is still (d * isc) * (q - off) - dm in f32, gguf-py's operations and order.
+// Flat unsigned 32-bit indexing (the host checks the range). H200, bench_ops QuantDequantize, against
+// decode_rows_kernel: Q4_K 17920 x 1536 26.4 -> 19.9 us (3.5 TB/s), Q6_K LM head 286 -> 165 us (4.0 TB/s).
+template <class F, typename T, typename Id, bool kV16>
+__global__ void __launch_bounds__(kDecodeThreads) decode_blocks_kernel(T *__restrict__ out, const Id *__restrict__ ids,
+                                                                     const uint8_t *__restrict__ w, int64_t row_bytes,
+                                                                     uint32_t n, int64_t V, uint32_t K, int *error_flag) {
+    using C = typename KChunkOf<F>::type;
+    const uint32_t nb = K / F::kBK, g = blockIdx.x * kDecodeThreads + threadIdx.x;
+    // lanes past the end stay for the warp's __syncwarp below (a block's 8 lanes are all live or all not)
+    const bool live = g < n * nb * 8u;
+    const int c = int(g % 8u);
+    const uint32_t bi = g / 8u, i = live ? bi / nb : 0u, b = bi % nb;
+    const int64_t r = !live ? 0 : ids ? int64_t(ids[i]) : int64_t(i);
+    union {
+        T v[2][16];
+        uint4 u[2][16 * sizeof(T) / 16];
+    } vals;
+    if (r < 0 || r >= V) {
+        if (live && b == 0 && c == 0) *error_flag = kIdOutOfRange;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) vals.v[0][j] = vals.v[1][j] = from_f32<T>(0.f);
+    } else if (live) {
+        typename C::Raw raw;
+        C::template load<kV16>(raw, w + r * row_bytes + int64_t(b) * F::kBytes, c);
+        const Chunk k = C::decode(raw, c);
+        const float base = __fadd_rn(8388608.f, float(k.off));
+#pragma unroll
+        for (int run = 0; run < 2; ++run) {
+            const float s = __fmul_rn(k.d, float(k.isc[run]));
+            const float dm = k.dm[run]; // 0 for Q6_K (x - 0 is x, as in decode())
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float q = __fsub_rn(__int_as_float(int(__byte_perm(uint32_t(k.q[run][j / 4]), 0x4B000000u,
+                                                                           0x7540u | unsigned(j % 4)))),
+                                          base);
+                vals.v[run][j] = from_f32<T>(__fsub_rn(__fmul_rn(s, q), dm));
+            }
+        }
+    }
+    // The warp's four blocks are 1,024 consecutive weights of out (row i, block b starts at (i nb + b) 256):
+    // staged in shared memory, then written 16 bytes a lane, a warp's instruction filling four whole 128-byte
+    // lines. (Stored from the lanes' runs directly, an instruction touched 16 lines: the L2's request rate
+    // bound the kernel, call 2.)
+    constexpr int kRunGap = C::kRunGap, kWarpElems = 4 * F::kBK;
+    __shared__ __align__(16) unsigned char stage[kDecodeThreads / 32][kWarpElems * sizeof(T)];
+    const int lane = int(threadIdx.x % 32);
+    T *st = reinterpret_cast<T *>(stage[threadIdx.x / 32]);
+    if (live) {
+        T *s0 = st + (lane / 8) * F::kBK + C::run_a(c);
+#pragma unroll
+        for (int run = 0; run < 2; ++run)
+#pragma unroll
+            for (int v = 0; v < int(16 * sizeof(T) / 16); ++v)
+                reinterpret_cast<uint4 *>(s0 + run * kRunGap)[v] = vals.u[run][v];
+    }
+    __syncwarp();
+    const uint32_t first = (g - uint32_t(lane)) / 8u; // the warp's first block
+    const uint32_t blocks = min(4u, n * nb - min(first, n * nb));
+    T *dst = out + int64_t(first) * F::kBK;
+    if (reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+        constexpr int kPer = 16 / int(sizeof(T));
+        for (int p = lane; p < int(blocks) * F::kBK / kPer; p += 32)
+            reinterpret_cast<uint4 *>(dst)[p] = reinterpret_cast<const uint4 *>(st)[p];
+    } else {
+        for (int e = lane; e < int(blocks) * F::kBK; e += 32) dst[e] = st[e];
     }
 }
 
@@ -531,19 +623,35 @@ void gemv(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix 
     });
 }
 
-// out [n, K] (T, contiguous) = decode_rows_kernel over W's rows ids (or all rows when ids is null: no id
-// can be out of range, so no error flag, which the first op to use it allocates).
+// out [n, K] (T, contiguous) = W's rows ids (or all rows when ids is null: no id can be out of range, so no
+// error flag, which the first op to use it allocates) decoded by decode_blocks_kernel (K-quants, while its
+// lanes fit 32-bit indexing) or decode_rows_kernel.
 template <typename T, typename Id>
 void decode_rows(const char *op, const Tensor &out, const Id *ids, const QuantMatrix &w) {
     const int64_t n = out.size(0), K = w.cols();
     LLAISYS_CHECK(n <= INT32_MAX, std::invalid_argument, op, ": too many rows for one launch: ", n);
-    const int threads = int(std::min<int64_t>(256, ceil_div(K / 32, 32) * 32));
+    const int64_t blocks = ceil_div(n * (K / 8), int64_t(kDecodeThreads));
+    LLAISYS_CHECK(blocks <= INT32_MAX, std::invalid_argument, op, ": too many weights for one launch: ", n * K);
+    int *const flag = ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr;
     dispatch_format(w.format(), [&](auto f) {
         using F = decltype(f);
         check_aligned<F>(op, w);
-        decode_rows_kernel<F, device_t<T>, Id><<<unsigned(n), threads, 0, stream_of(out)>>>(
-            dptr<T>(out), ids, w.bytes().data_as<uint8_t>(), w.row_bytes(), w.rows(), K,
-            ids ? ::llaisys::runtime::cuda::error_flag(out.device()) : nullptr);
+        const uint8_t *bytes = w.bytes().data_as<uint8_t>();
+        if constexpr (F::kBK == 256) {
+            const int64_t lanes = n * (K / F::kBK) * 8;
+            if (lanes <= int64_t(UINT32_MAX) - kDecodeThreads) {
+                const bool v16 = F::kBytes % 16 == 0 && reinterpret_cast<uintptr_t>(bytes) % 16 == 0 &&
+                                 w.row_bytes() % 16 == 0;
+                const auto kernel = v16 ? decode_blocks_kernel<F, device_t<T>, Id, true>
+                                        : decode_blocks_kernel<F, device_t<T>, Id, false>;
+                kernel<<<unsigned(ceil_div(lanes, int64_t(kDecodeThreads))), kDecodeThreads, 0, stream_of(out)>>>(
+                    dptr<T>(out), ids, bytes, w.row_bytes(), uint32_t(n), w.rows(), uint32_t(K), flag);
+                CUDA_CHECK_LAUNCH();
+                return;
+            }
+        }
+        decode_rows_kernel<F, device_t<T>, Id><<<unsigned(blocks), kDecodeThreads, 0, stream_of(out)>>>(
+            dptr<T>(out), ids, bytes, w.row_bytes(), n, w.rows(), K, flag);
         CUDA_CHECK_LAUNCH();
     });
 }
@@ -556,13 +664,113 @@ Tensor dense_weight(const char *op, const QuantMatrix &w, DType dtype) {
     return dense;
 }
 
+// ---- M > 8, K-quants: the tensor-core GEMM (tc_gemm.cuh) ----
+
+// Blocks of Kernel resident on one SM (its shared memory decides), asked of the runtime once.
+template <auto Kernel>
+int tc_resident(size_t smem, int device) {
+    static const int n = [&] {
+        opt_in_smem<Kernel>(smem, device);
+        int blocks = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, Kernel, qtc::kThreads, smem));
+        return std::max(1, blocks);
+    }();
+    return n;
+}
+
+// Splits K over blockIdx.y so that the N tiles times the splits fill at most one wave of resident blocks
+// (at least one step of kBK a split); with more than one split, f32 partials and quant_tc_reduce_kernel.
+// The plan counts the tiles of a plain weight of `cols` rows also for kSwiglu (whose tiles hold BN / 2
+// outputs): the same splits for linear_swiglu as for its two halves through quant_linear, hence the same
+// sums in the same order, and g and u of the same bits. resident: blocks an SM of the plain kernel of this
+// tile shape (also for kSwiglu: the same plan).
+template <auto Kernel, typename D, bool kSwiglu>
+void launch_tc(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, int BM, int BN,
+               size_t smem, int resident) {
+    const int dev = out.device().index;
+    opt_in_smem<Kernel>(smem, dev);
+    const int64_t M = x.size(0), K = w.cols(), cols = out.size(1), steps = K / qtc::kBK;
+    const int64_t plain_tiles = ceil_div(cols, int64_t(BN)), mtiles = ceil_div(M, int64_t(BM));
+    const int64_t tiles = kSwiglu ? ceil_div(cols, int64_t(BN / 2)) : plain_tiles;
+    const int64_t slots = int64_t(resident) * sm_count(dev);
+    int64_t splits = std::clamp<int64_t>(slots / (plain_tiles * mtiles), 1, steps);
+    const int64_t per = ceil_div(steps, splits);
+    splits = ceil_div(steps, per);
+    LLAISYS_CHECK(tiles <= INT32_MAX && mtiles <= 65535, std::invalid_argument,
+                  "quant_linear: too many rows or columns for one launch: [", M, ", ", cols, "]");
+    const cudaStream_t stream = stream_of(out);
+    Tensor part;
+    if (splits > 1) part = Tensor::empty({splits * M * (kSwiglu ? 2 * cols : cols)}, DType::F32, out.device());
+    const qtc::Args a{w.bytes().data_as<uint8_t>(), w.row_bytes(), x.data(), detail::ld(x),
+                      bias.defined() ? bias.data() : nullptr, out.data(),
+                      splits > 1 ? reinterpret_cast<float *>(part.data()) : nullptr, M, cols, K, int(per)};
+    Kernel<<<dim3(unsigned(tiles), unsigned(splits), unsigned(mtiles)), qtc::kThreads, smem, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+    if (splits > 1) {
+        qtc::quant_tc_reduce_kernel<D, kSwiglu><<<unsigned(ceil_div(M * cols, int64_t(256))), 256, 0, stream>>>(
+            static_cast<D *>(out.data()), reinterpret_cast<const float *>(part.data()),
+            bias.defined() ? static_cast<const D *>(bias.data()) : nullptr, M, cols, int(splits));
+        CUDA_CHECK_LAUNCH();
+    }
+}
+
+template <class F, typename D, int WM, int MT, bool kSwiglu>
+void launch_tc_shape(const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias, bool v16) {
+    constexpr size_t smem = qtc::smem_bytes<WM, MT>();
+    constexpr int BM = qtc::bm<WM, MT>(), BN = qtc::bn<WM>();
+    constexpr bool kV16 = F::kBytes % 16 == 0;
+    const int dev = out.device().index;
+    if (v16 && kV16) {
+        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, WM, MT, false, kV16>>(smem, dev);
+        launch_tc<qtc::quant_tc_kernel<F, D, WM, MT, kSwiglu, kV16>, D, kSwiglu>(out, x, w, bias, BM, BN, smem, resident);
+    } else {
+        const int resident = tc_resident<qtc::quant_tc_kernel<F, D, WM, MT, false, false>>(smem, dev);
+        launch_tc<qtc::quant_tc_kernel<F, D, WM, MT, kSwiglu, false>, D, kSwiglu>(out, x, w, bias, BM, BN, smem, resident);
+    }
+}
+
+// The tensor-core GEMM where quant_linear_tc says so and x's rows are 16-byte aligned; false (nothing
+// launched) otherwise. The tile height follows M (the fewest m16 tiles a warp that cover it).
+template <typename T, bool kSwiglu>
+bool tc_gemm(const char *op, const Tensor &out, const Tensor &x, const QuantMatrix &w, const Tensor &bias) {
+    if constexpr (sizeof(T) != 2) {
+        return false;
+    } else {
+        using D = device_t<T>;
+        const int64_t M = x.size(0);
+        if (!::llaisys::ops::quant_linear_tc(x.dtype(), x.device(), M, w.format())) return false;
+        if (reinterpret_cast<uintptr_t>(x.data()) % 16 != 0 || detail::ld(x) * 2 % 16 != 0) return false;
+        bool launched = false;
+        dispatch_format(w.format(), [&](auto f) {
+            using F = decltype(f);
+            if constexpr (F::kBK == 256) {
+                check_aligned<F>(op, w);
+                const bool v16 = reinterpret_cast<uintptr_t>(w.bytes().data()) % 16 == 0;
+                // the tile shape by M (bench_ops, H200, session 34): up to 32 rows two warps along M and
+                // 128 W rows a block (four along M left three idle: 1536 -> 2 x 8960 at M = 16, 34.1 ->
+                // 25.9 us); up to 64, four along M and 64 W rows; past kQuantTcMaxRows (only where
+                // LLAISYS_QUANT_TC_MAX_ROWS raises it) taller tiles, W decoded once for up to 256 rows
+                if (M <= 32) launch_tc_shape<F, D, 2, 1, kSwiglu>(out, x, w, bias, v16);
+                else if (M <= 64) launch_tc_shape<F, D, 4, 1, kSwiglu>(out, x, w, bias, v16);
+                else if (M <= 128) launch_tc_shape<F, D, 4, 2, kSwiglu>(out, x, w, bias, v16);
+                else launch_tc_shape<F, D, 4, 4, kSwiglu>(out, x, w, bias, v16);
+                launched = true;
+            }
+        });
+        return launched;
+    }
+}
+
 } // namespace
 
 void quant_linear(const Tensor &out, const Tensor &x, const QuantMatrix &weight, const Tensor &bias) {
     constexpr const char *op = "quant_linear";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM) return ::llaisys::ops::linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        if (x.size(0) > kMaxGemvM) {
+            if (tc_gemm<T, false>(op, out, x, weight, bias)) return;
+            return ::llaisys::ops::linear(out, x, dense_weight<T>(op, weight, x.dtype()), bias, false);
+        }
         gemv<T, false>(op, out, x, weight, bias);
     });
 }
@@ -571,8 +779,10 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
     constexpr const char *op = "quant_linear_swiglu";
     detail::dispatch_float(op, x.dtype(), x.device(), [&](auto tag) {
         using T = typename decltype(tag)::type;
-        if (x.size(0) > kMaxGemvM)
+        if (x.size(0) > kMaxGemvM) {
+            if (tc_gemm<T, true>(op, out, x, w_gate_up, Tensor())) return;
             return ::llaisys::ops::linear_swiglu(out, x, dense_weight<T>(op, w_gate_up, x.dtype()), false);
+        }
         gemv<T, true>(op, out, x, w_gate_up, Tensor());
     });
 }

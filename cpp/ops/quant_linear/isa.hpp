@@ -27,6 +27,7 @@ namespace llaisys::ops::cpu::quant_isa {
 struct Portable {
     static constexpr int kTileRows = 4; // x rows per unpacked W block (kernels.inc: column)
     static constexpr bool kU8Act = false; // no prefill kernel on x's codes + 128 (kernels.inc: column_u8)
+    static constexpr bool kPairTile = false; // no 512-bit pair tile (Avx512Vnni's)
     struct B {
         uint8_t b[32];
     };
@@ -187,6 +188,7 @@ struct Avx2 {
     // session 30).
     static constexpr int kTileRows = 8;
     static constexpr bool kU8Act = true; // for the formats whose codes less their offset are small (below)
+    static constexpr bool kPairTile = false; // the 8-row tile_u8 (Avx512Vnni: pairs of rows in 512 bits)
     using B = __m256i;
     using W = __m256i;
     using I = __m256i;
@@ -309,7 +311,6 @@ struct Avx2 {
 struct Avx512Vnni : Avx2 {
     static constexpr int kTileRows = 8; // AVX-512VL has 32 ymm registers: 8 rows fit
     static constexpr bool kU8Act = true;
-    static constexpr int kU8Rows = 16; // a whole packed tile a pass (kernels.inc: column_u8)
     static constexpr bool u8_format_ok(int) { return true; } // VPDPBUSD sums in int32: never saturates
     LLAISYS_TARGET_VNNI static B q5(const uint8_t *qs, uint32_t qh) {
         const __m256i q = nibbles16(qs);
@@ -332,6 +333,45 @@ struct Avx512Vnni : Avx2 {
         const __m256i zero = _mm256_setzero_si256();
         return _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(char(0x80)), ws));
     }
+
+    // The pair tile (kernels.inc: tile_u8_pairs): two x rows of a packed tile per 512-bit vector, row 2p in
+    // lanes 0-7 and row 2p + 1 in lanes 8-15, each lane the same 4 products, integer and float operations as
+    // the 8 lanes of dot_tile's block; the weight block's codes and correction repeat in both halves.
+    static constexpr bool kPairTile = true;
+#if defined(__GNUC__) && !defined(__clang__) // GCC 12's 512-bit intrinsics start from a self-initialised
+#pragma GCC diagnostic push                  // "undefined" vector: a false -Wuninitialized where they inline
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+    using Z = __m512i;
+    using ZF = __m512;
+    LLAISYS_TARGET_VNNI static Z load_z(const void *p) { return _mm512_load_si512(p); }
+    LLAISYS_TARGET_VNNI static ZF load_zf(const float *p) { return _mm512_load_ps(p); }
+    LLAISYS_TARGET_VNNI static Z twice(const void *p) { // 32 bytes in both halves
+        return _mm512_broadcast_i64x4(_mm256_load_si256(static_cast<const __m256i *>(p)));
+    }
+    LLAISYS_TARGET_VNNI static ZF set1_zf(float v) { return _mm512_set1_ps(v); }
+    LLAISYS_TARGET_VNNI static ZF zero_zf() { return _mm512_setzero_ps(); }
+    LLAISYS_TARGET_VNNI static ZF mul_zf(ZF a, ZF b) { return _mm512_mul_ps(a, b); }
+    LLAISYS_TARGET_VNNI static ZF add_zf(ZF a, ZF b) { return _mm512_add_ps(a, b); }
+    LLAISYS_TARGET_VNNI static Z dot_ux_z(Z acc, Z xu, Z ws) { return _mm512_dpbusd_epi32(acc, xu, ws); }
+    LLAISYS_TARGET_VNNI static ZF fmadd_z(ZF acc, Z v, ZF s) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), s, acc); }
+    LLAISYS_TARGET_VNNI static Z dup(B v) { return _mm512_broadcast_i64x4(v); } // v in both halves
+    LLAISYS_TARGET_VNNI static Z set1_wz(int v) { return _mm512_set1_epi16(short(v)); }
+    LLAISYS_TARGET_VNNI static Z zero_z() { return _mm512_setzero_si512(); }
+    LLAISYS_TARGET_VNNI static Z dot_scaled_z(Z acc, Z w, Z x, Z sc) {
+        return _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(w, x), sc);
+    }
+    LLAISYS_TARGET_VNNI static Z madd_z(Z a, Z b) { return _mm512_madd_epi16(a, b); }
+    LLAISYS_TARGET_VNNI static Z sub_shl_z(Z a, Z b, int n) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, n)); }
+    LLAISYS_TARGET_VNNI static ZF fnmadd_z(ZF acc, Z v, ZF s) { return _mm512_fnmadd_ps(_mm512_cvtepi32_ps(v), s, acc); }
+    LLAISYS_TARGET_VNNI static F lo(ZF a) { return _mm512_castps512_ps256(a); }
+    LLAISYS_TARGET_VNNI static F hi(ZF a) {
+        return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 };
 #endif
 

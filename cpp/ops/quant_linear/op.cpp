@@ -5,6 +5,7 @@
 #include "ops/common/rms_norm_rows.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 
 namespace llaisys::ops {
@@ -79,6 +80,20 @@ void quant_linear_swiglu(const Tensor &out, const Tensor &x, const QuantMatrix &
         LLAISYS_DEVICE_DISPATCH(op, o2.device(), cpu::quant_linear_swiglu(o2, x2, w_gate_up),
                                 cuda::quant_linear_swiglu(o2, x2, w_gate_up));
     });
+}
+
+static int64_t quant_tc_max_rows() {
+    static const int64_t rows = [] {
+        const char *e = std::getenv("LLAISYS_QUANT_TC_MAX_ROWS");
+        return e != nullptr && *e != '\0' ? std::max<int64_t>(0, std::atoll(e)) : kQuantTcMaxRows;
+    }();
+    return rows;
+}
+
+bool quant_linear_tc(DType dtype, Device device, int64_t rows, QuantFormat format) {
+    const bool kquant = format == QuantFormat::Q4_K || format == QuantFormat::Q5_K || format == QuantFormat::Q6_K;
+    return device.is_cuda() && dtype_size(dtype) == 2 && kquant && rows > kQuantGemvMaxRows &&
+           rows <= quant_tc_max_rows();
 }
 
 bool add_rms_norm_quant_linear_fused(DType dtype, Device device, int64_t rows, int64_t cols) {

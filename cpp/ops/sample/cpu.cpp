@@ -38,20 +38,54 @@ struct Survivors {
     }
 };
 
-// Survivors of row [V] with max m (see sample_math.hpp for the weights) into s, whose capacity is reused:
-// fresh megabyte-sized vectors for every row cost more in page faults than the sampling itself.
+// Survivors of row [V] with max m (see sample_math.hpp for the weights) among its tokens whose key is >=
+// floor, into s, whose capacity is reused: fresh megabyte-sized vectors for every row cost more in page
+// faults than the sampling itself. chunk_max (kFloorChunk-token chunks' max keys, see top_k_floor), if
+// given: chunks below the floor are not read. floor 0: every token.
+constexpr int64_t kFloorChunk = 128;
+
 template <typename T>
-void find_survivors(Survivors &s, const T *row, int64_t V, float m, float inv_t, float min_p, float scale) {
+void find_survivors(Survivors &s, const T *row, int64_t V, float m, float inv_t, float min_p, float scale,
+                    uint32_t floor = 0, const uint32_t *chunk_max = nullptr) {
     s.key.clear();
     s.mass.clear();
     s.idx.clear();
     for (int64_t i = 0; i < V; ++i) {
-        const float l = load(row, i), w = weight_of(scaled_diff(l, m, inv_t));
+        if (chunk_max != nullptr && i % kFloorChunk == 0 && chunk_max[i / kFloorChunk] < floor) {
+            i += kFloorChunk - 1; // no token of this chunk reaches the floor
+            continue;
+        }
+        const float l = load(row, i);
+        const uint32_t key = float_key(l);
+        if (key < floor) continue;
+        const float w = weight_of(scaled_diff(l, m, inv_t));
         if (!(w >= min_p)) continue;
-        s.key.push_back(float_key(l));
+        s.key.push_back(key);
         s.mass.push_back(to_mass(w, scale));
         s.idx.push_back(int32_t(i));
     }
+}
+
+// With top_k on, a floor under the k-th largest key, so that only the tokens above it pay for exp and the
+// survivor arrays: the k-th largest of the maxima of the row's kFloorChunk-token chunks (into chunk_max).
+// k distinct tokens reach it, so every token top_k can keep does. The survivors above it are also every
+// survivor when fewer than k survive (min_p keeps the tokens above a weight, and all below the floor weigh
+// less), so the rule's thresholds and draw over them are the rule's over the row (same tokens). 0 (no
+// floor) where top_k is off, the row has fewer than k chunks, or no chunk holds a token above NaN's key.
+template <typename T>
+uint32_t top_k_floor(const T *row, int64_t V, int k, std::vector<uint32_t> &chunk_max, std::vector<uint32_t> &keys) {
+    const int64_t chunks = (V + kFloorChunk - 1) / kFloorChunk;
+    if (k <= 0 || chunks < k) return 0;
+    chunk_max.resize(size_t(chunks));
+    for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = std::min(V, (c + 1) * kFloorChunk);
+        uint32_t best = 0;
+        for (int64_t i = c * kFloorChunk; i < end; ++i) best = std::max(best, float_key(load(row, i)));
+        chunk_max[size_t(c)] = best;
+    }
+    keys.assign(chunk_max.begin(), chunk_max.end());
+    std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+    return keys[size_t(k - 1)];
 }
 
 // The k-th largest survivor key (k < survivors): the top_k threshold, by selection in O(V).
@@ -101,9 +135,11 @@ int64_t sample_row(const T *row, int64_t V, const RowParams &p, float scale, uin
     if (is_greedy(p.temperature)) return first_index_of(row, V, m);
     static thread_local Survivors s; // scratch, one per OpenMP thread
     static thread_local std::vector<KeyValue> scratch;
-    static thread_local std::vector<uint32_t> keys;
+    static thread_local std::vector<uint32_t> keys, chunk_max;
     // The max has weight 1 and survives any min_p <= 1, so the kept mass is > 0.
-    find_survivors(s, row, V, m, 1.f / p.temperature, clean_min_p(p.min_p), scale);
+    const float inv_t = 1.f / p.temperature, min_p = clean_min_p(p.min_p);
+    const uint32_t floor = top_k_floor(row, V, p.top_k, chunk_max, keys);
+    find_survivors(s, row, V, m, inv_t, min_p, scale, floor, floor > 0 ? chunk_max.data() : nullptr);
     uint32_t th = 0;
     if (top_k_on(p.top_k, s.key.size())) th = kth_largest_key(s, p.top_k, keys);
     if (top_p_on(p.top_p)) th = mass_threshold(s, th, top_p_target(p.top_p, s.mass_from(th)), scratch);

@@ -11,6 +11,12 @@
 //      kCap tokens lie above it they are compacted into shared memory and bitonic-sorted by (key desc,
 //      index asc): top_k and top_p thresholds are positions in that order. The kept tokens are then
 //      re-sorted by index and drawn by a block scan, so every path draws in index order.
+//      With top_k on, the cut-off comes before step 2 and without a pass of its own: the bin where the
+//      threads' own maxima from step 1 first number k. Those k maxima are k distinct tokens, so the
+//      k-th largest token, and every token top_k can keep, lies in that bin or above; step 2's histogram
+//      of the whole row (an atomic a token: it made top_k twice the cost of plain sampling) is skipped.
+//      The candidates are the survivors in those bins (all survivors when fewer than k are, since
+//      min_p keeps a top set), so their masses also give top_p's total when top_k turns out off.
 //   5. slow path (a cut-off holding more than kCap tokens, e.g. top_p alone on a flat distribution, or
 //      top_k > kCap): thresholds by binary search over the 32-bit key, one block reduction over the row
 //      per step (up to 64 passes), then the draw of step 3. Correct, but ~15x slower than the fast path
@@ -25,6 +31,8 @@
 #include "ops/sample/sample_math.hpp"
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace llaisys::ops::cuda {
 
@@ -159,6 +167,7 @@ __device__ Survivors survivor_pass(const R &r, SampleSmem &sm, bool count_hist, 
         const u64 q = to_mass(w, r.scale);
         ++n;
         z += q;
+        if (!count_hist && !mass_hist) return;
         const int bin = bin_of(d);
         if (bin >= kBins) return;
         if (count_hist) atomicAdd(&sm.hist_count[bin], 1u);
@@ -265,9 +274,10 @@ template <typename R>
 __device__ int compact_candidates(const R &r, SampleSmem &sm, int cut_bin) {
     if (threadIdx.x == 0) sm.n_cand = 0;
     __syncthreads();
+    const float edge = float(cut_bin + 1); // bin_of(d) <= cut_bin <=> -d * kBinsPerUnit < cut_bin + 1 (no conversion)
     r.for_warp_tokens(warp_begin(r.V), warp_end(r.V), [&](int i, float l) {
         const float d = r.diff(l);
-        if (bin_of(d) > cut_bin || !(weight_of(d) >= r.min_p)) return;
+        if (!(-d * kBinsPerUnit < edge) || !(weight_of(d) >= r.min_p)) return;
         const int pos = atomicAdd(&sm.n_cand, 1);
         if (pos < kCap) sm.cand[pos] = (u64(float_key(l)) << 32) | u64(~unsigned(i));
     });
@@ -308,16 +318,18 @@ __device__ int count_key_at_least(const u64 *a, int n, uint32_t th) {
     return lo;
 }
 
-// Step 4: top_k (k > 0 = on) and top_p on the sorted candidates, then the draw in index order.
+// Step 4: top_k (k > 0 = on) and top_p on the sorted candidates sm.cand[0, n), then the draw in index
+// order. all_survivors: with top_k off the candidates are every survivor, so top_p's total is theirs
+// (else survivor_mass, the whole row's).
 template <typename R>
-__device__ int sample_candidates(const R &r, SampleSmem &sm, int k, float p, u64 survivor_mass, u64 bits) {
-    const int n = compact_candidates(r, sm, sm.cut_bin);
+__device__ int sample_candidates(const R &r, SampleSmem &sm, int n, int k, float p, u64 survivor_mass,
+                                 bool all_survivors, u64 bits) {
     sort_desc(sm.cand, n);
     const bool k_on = k > 0 && k <= n; // the cut-off bin holds at least k survivors
     auto by_key = [&](int j) { return r.mass_of_key(uint32_t(sm.cand[j] >> 32)); };
     int kept = k_on ? count_key_at_least(sm.cand, n, uint32_t(sm.cand[k - 1] >> 32)) : n;
     if (top_p_on(p)) {
-        const u64 z = k_on ? block_scan_find(kept, ~0ull, sm, by_key).total : survivor_mass;
+        const u64 z = k_on || all_survivors ? block_scan_find(kept, ~0ull, sm, by_key).total : survivor_mass;
         const int j = block_scan_find(kept, top_p_target(p, z), sm, by_key).pos;
         if (j >= 0) kept = count_key_at_least(sm.cand, kept, uint32_t(sm.cand[j] >> 32));
     }
@@ -354,10 +366,32 @@ __device__ int sample_by_search(const R &r, SampleSmem &sm, bool k_on, int k, fl
     return draw_in_order(r, sm, th, false, bits);
 }
 
+// Step 4 with top_k on, its cut-off from own_max (this thread's max from step 1; see the top). Returns -2
+// where it does not apply: fewer than k threads saw a token in a bin (k > kThreads, or a flat row), or
+// more than kCap candidates; the caller then takes steps 2-5.
+template <typename R>
+__device__ int sample_top_k(const R &r, SampleSmem &sm, int k, float p, float own_max, u64 bits) {
+    for (int b = threadIdx.x; b < kBins; b += kThreads) sm.hist_count[b] = 0;
+    __syncthreads();
+    const int bin = bin_of(r.diff(own_max)); // -inf (nothing seen) lands in no bin
+    if (bin < kBins) atomicAdd(&sm.hist_count[bin], 1u);
+    __syncthreads();
+    pick_cut_bin(sm, u64(k), false);
+    if (sm.cut_bin < 0) return -2;
+    const int n = compact_candidates(r, sm, sm.cut_bin);
+    if (sm.n_cand > kCap) return -2; // every thread reads it after compact_candidates' barrier
+    return sample_candidates(r, sm, n, k, p, 0, true, bits);
+}
+
 // Steps 2-5 for a row with temperature > 0 and a finite max, which has weight 1 and survives any
 // min_p <= 1, so the survivors' mass is > 0.
 template <typename R>
-__device__ int sample_row(const R &r, SampleSmem &sm, int k, float p, u64 bits) {
+__device__ int sample_row(const R &r, SampleSmem &sm, int k, float p, float own_max, bool floor, u64 bits) {
+    if (k > 0 && floor) {
+        const int token = sample_top_k(r, sm, k, p, own_max, bits);
+        __syncthreads(); // sm is reused below
+        if (token != -2) return token;
+    }
     const bool p_on = top_p_on(p);
     // With top_k the cut-off is chosen by count, so the mass histogram is only built without it (if
     // k >= survivors turns top_k off after all, the missing masses just send the row to the slow path).
@@ -365,7 +399,8 @@ __device__ int sample_row(const R &r, SampleSmem &sm, int k, float p, u64 bits) 
     const bool k_on = top_k_on(k, s.n);
     if (!k_on && !p_on) return draw_in_order(r, sm, 0, true, bits);
     pick_cut_bin(sm, k_on ? u64(k) : top_p_target(p, s.z), !k_on);
-    if (sm.cut_bin >= 0) return sample_candidates(r, sm, k_on ? k : 0, p, s.z, bits);
+    if (sm.cut_bin >= 0)
+        return sample_candidates(r, sm, compact_candidates(r, sm, sm.cut_bin), k_on ? k : 0, p, s.z, false, bits);
     return sample_by_search(r, sm, k_on, k, p, s.z, bits);
 }
 
@@ -374,19 +409,30 @@ __device__ int sample_row(const R &r, SampleSmem &sm, int k, float p, u64 bits) 
 template <int VEC, typename T>
 __global__ void __launch_bounds__(kThreads)
     sample_kernel(int64_t *out, const T *logits, int V, const float *temperature, const int *top_k,
-                  const float *top_p, const float *min_p, sampling::SeedSource seeds, float scale) {
+                  const float *top_p, const float *min_p, sampling::SeedSource seeds, float scale, bool floor) {
     __shared__ SampleSmem sm;
     const int b = blockIdx.x;
     const T *x = logits + int64_t(b) * V;
-    const RowMax mx = block_row_max<VEC>(x, V, sm.amax);
+    float own_max;
+    const RowMax mx = block_row_max<VEC>(x, V, sm.amax, &own_max);
     if (threadIdx.x == 0) sm.token = mx.idx; // defensive default for the draw
     const float t = temperature[b];
     int token = finite_max(mx) ? mx.idx : -1; // greedy, or no token at all
     if (token >= 0 && !is_greedy(t)) {
         const Row<VEC, T> r{x, V, mx.val, 1.f / t, clean_min_p(min_p[b]), scale};
-        token = sample_row(r, sm, top_k[b], top_p[b], seeds.bits(uint64_t(b)));
+        token = sample_row(r, sm, top_k[b], top_p[b], own_max, floor, seeds.bits(uint64_t(b)));
     }
     if (threadIdx.x == 0) out[b] = token;
+}
+
+// LLAISYS_SAMPLE_TOPK_FLOOR=0 sends top_k rows through step 2's histogram as before the floor (an A/B
+// switch for benchmarks, read once).
+bool top_k_floor() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_SAMPLE_TOPK_FLOOR");
+        return e == nullptr || std::strcmp(e, "0") != 0;
+    }();
+    return on;
 }
 
 } // namespace
@@ -403,7 +449,8 @@ void sample(const Tensor &out_ids, const Tensor &logits, const Tensor &temperatu
         auto launch = [&](auto kernel) {
             kernel<<<unsigned(B), kThreads, 0, stream_of(out_ids)>>>(
                 out_ids.data_as<int64_t>(), dptr<T>(logits), int(V), temperature.data_as<float>(),
-                top_k.data_as<int32_t>(), top_p.data_as<float>(), min_p.data_as<float>(), seeds, scale);
+                top_k.data_as<int32_t>(), top_p.data_as<float>(), min_p.data_as<float>(), seeds, scale,
+                top_k_floor());
             CUDA_CHECK_LAUNCH();
         };
         if (rows_vectorizable<D>(logits.data(), V)) launch(sample_kernel<kRowVec<D>, D>);

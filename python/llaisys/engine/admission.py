@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 from ..chat import render_chat_template
-from ..constraints import Constraint, Trigger, ll_tokenizer
+from ..constraints import Constraints, Trigger, ll_tokenizer, mask_threads
 from ..engine_args import check_text, token_sequence
 from ..sampling import SamplingParams, check_sampling_names, eos_union, resolve_sampling
 from .sequence import Sequence
@@ -25,7 +25,7 @@ class Admission:
         self.tokenizer, self.config, self.generation_config = tokenizer, config, generation_config
         self.chat_template, self.source, self.max_seq_len = chat_template, source, max_seq_len
         self.engine_config = engine_config
-        self._lltok, self._ll_lock = None, threading.Lock()
+        self._constraints, self._ll_lock = None, threading.Lock()
 
     # ---- prompts ----------------------------------------------------------------------------------
     def tokenize(self, prompt) -> list[int]:
@@ -110,28 +110,33 @@ class Admission:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(ids, params, seed, frozenset(eos), kv_window=window, sink_tokens=sinks)
         if params.constraint is not None and params.grammar_trigger is None and params.opening_grammar is None:
-            seq.constraint = Constraint(self.ll_tokenizer(), params.constraint)
+            seq.constraint = self.constraints().new(params.constraint)
         elif params.constraint is not None or params.opening_grammar is not None:
             seq.trigger = self._trigger(params)
         return seq
 
     def _trigger(self, params: SamplingParams) -> Trigger:
         """The constraints that start inside the output (grammar_trigger, opening_grammar)."""
-        lltok, token, after, opening = self.ll_tokenizer(), None, None, None
+        made, token, after, opening = self.constraints(), None, None, None
         if params.grammar_trigger is not None:
             token = self.tokenizer.token_to_id(params.grammar_trigger)
             if token is None:
                 raise ValueError(f"grammar_trigger {params.grammar_trigger!r} is not one token of this model's "
                                  f"vocabulary")
-            after = Constraint(lltok, params.constraint)
+            after = made.new(params.constraint)
         if params.opening_grammar is not None:
-            opening = Constraint(lltok, params.opening_grammar)
+            opening = made.new(params.opening_grammar)
         return Trigger(token, after, opening, lambda t: not self.tokenizer.decode([t]).strip())
 
-    def ll_tokenizer(self):
-        """llguidance's view of the vocabulary (structured output), built on first use (~1 s) and kept."""
+    def constraints(self) -> Constraints:
+        """The requests' matchers over llguidance's view of the vocabulary (structured output), built on first
+        use (~1 s) and kept."""
         with self._ll_lock:
-            if self._lltok is None:
+            if self._constraints is None:
                 eos = eos_union(self.generation_config, self.tokenizer.eos_token_ids)
-                self._lltok = ll_tokenizer(self.tokenizer, self.config.vocab_size, eos)
-            return self._lltok
+                self._constraints = Constraints(ll_tokenizer(self.tokenizer, self.config.vocab_size, eos),
+                                                lanes=mask_threads(self.engine_config.mask_threads))
+            return self._constraints
+
+    def ll_tokenizer(self):
+        return self.constraints().lltok

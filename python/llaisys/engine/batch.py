@@ -14,10 +14,13 @@ their matchers' masks and advance them; rows waiting for their constraint's trig
 token on the host and move to `masked` when it fires. Rows with logprobs
 may join: where the runner computes them on the device behind each step (ModelRunner.launch), their steps
 chain like any; else (a tensor-parallel group) a batch holding any runs its steps one at a time (the logprobs
-are then read from the step's logits, which a chained step would overwrite)."""
+are then read from the step's logits, which a chained step would overwrite). A quiet row's logprobs stay
+arrays, in the batch's log (lp_log), until its request ends (engine/logprobs_log.py)."""
 from __future__ import annotations
 
 import numpy as np
+
+from collections import deque
 
 from .sequence import Sequence, Status
 
@@ -60,12 +63,36 @@ class DecodeBatch:
         self.logprobs = np.array([-1 if p.logprobs is None else p.logprobs for p in params], np.int64)  # -1: none
         # rows whose tokens nobody reads before they end (Sequence.quiet), past their first token (its time is
         # taken when it is delivered) and with no constraint (whose ends the accounting does not see as masks)
-        self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None
-                                  for s in self.seqs), bool, n)
+        # (a row with logprobs: its arrays go to lp_log, engine/logprobs_log.py)
+        self.quiet = np.fromiter((s.quiet and s.num_output > 0 and s.constraint is None and s.trigger is None and
+                                  (s.params.logprobs is None or s.lp_log is not None) for s in self.seqs), bool, n)
+        self.lp_log = None  # the LogprobsLog of its quiet rows with logprobs (EngineCore._log_quiet)
+        self.advanced = 0  # steps advanced so far (the clock of end_at)
+        self.end_at: np.ndarray | None = None  # [n] the value of `advanced` at which each row ends by length
+        self._rows()
         self._constrained()
         eos = {s.eos for s in self.seqs}
         # one EOS set for every row (the usual case): one vectorised test; else a per-row test of the few rows
         self.eos = np.array(sorted(next(iter(eos))), np.int64) if len(eos) == 1 else None
+        self.eos_set = next(iter(eos)) if len(eos) == 1 else None
+
+    def _rows(self) -> None:
+        """What the steps ask about the rows, kept until they change (per step a test of a flag or a counter, not
+        a pass over arrays): the rows with logprobs, the rows listed in every step's produced list (not quiet),
+        and the step at which the first row reaches its length limit (end_at, once max_seq_len is known)."""
+        self.token_lists = [s.tokens for s in self.seqs]  # advance() appends to them
+        self.lp_rows = np.flatnonzero(self.logprobs >= 0)
+        self.any_quiet = bool(self.quiet.any())
+        self.loud = np.flatnonzero(~self.quiet).tolist()
+        self.next_end = int(self.end_at.min(initial=1 << 62)) if self.end_at is not None else -1
+
+    def ends(self, max_seq_len: int) -> int:
+        """The value of `advanced` at which the first row ends by length (max_new_tokens, or the context
+        max_seq_len); from then on end_at says which rows do."""
+        if self.end_at is None:
+            self.end_at = self.advanced + np.minimum(self.max_new - self.num_output, max_seq_len - 1 - self.pos)
+            self.next_end = int(self.end_at.min(initial=1 << 62))
+        return self.next_end
 
     def _constrained(self) -> None:
         # rows with a constraint (structured output): masked each step, their matchers advanced by advance();
@@ -100,15 +127,17 @@ class DecodeBatch:
         return running == self.seqs
 
     def condense(self, keep: np.ndarray) -> None:
+        self.last = np.asarray(self.last, np.int64)
         self.seqs = [s for s, k in zip(self.seqs, keep) if k]
         for name in ("pos", "last", "num_output", "max_new", "nblk", "tables", "temperature", "top_k", "top_p",
-                     "min_p", "penalty", "seeds", "logprobs", "seen_row", "quiet"):
+                     "min_p", "penalty", "seeds", "logprobs", "seen_row", "quiet", "end_at"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[keep])
         width = int(self.nblk.max(initial=1))
         if width < self.tables.shape[1]:  # the widest row left
             self.tables = np.ascontiguousarray(self.tables[:, :width])
         self._fixed = None
+        self._rows()
         self._constrained()
         self.version += 1
 
@@ -164,7 +193,8 @@ class DecodeBatch:
         slots = self.tables.ravel()[offsets + blk].astype(np.int64)  # each row's block of pos
         slots *= bs
         slots += pos - blk * bs
-        return (zeros if ahead else self.last, pos, slots, q_start, (pos + 1).astype(np.int32), self.tables)
+        ids = zeros if ahead else np.asarray(self.last, np.int64)  # (advance keeps the runner's list)
+        return (ids, pos, slots, q_start, (pos + 1).astype(np.int32), self.tables)
 
     def step_made(self) -> int:
         """Counts a step made from the arrays (advance() counts it back); its version."""
@@ -179,19 +209,23 @@ class DecodeBatch:
         """Applies a step's tokens (one per row, every row running): the sequences get them, the arrays
         move one position. Returns the (EOS, length) end masks; the caller finishes those rows."""
         self.issued -= 1
-        tok = np.asarray(tokens, np.int64)
-        tokens = tok.tolist()  # plain ints in the sequences (the prefix cache hashes them)
-        for seq, t in zip(self.seqs, tokens):
-            seq.num_computed += 1
-            seq.tokens.append(t)
+        if type(tokens) is not list or (tokens and type(tokens[0]) is not int):  # (the runner's: a list of ints)
+            tokens = np.asarray(tokens, np.int64).tolist()  # plain ints (the prefix cache hashes them)
+        # each row's token appended to its sequence's list, at C speed: the token before it counts as computed
+        # with it (Sequence.remaining stays 1), so no attribute of the sequence is written
+        deque(map(list.append, self.token_lists, tokens), 0)
         self.pos += 1
         self.num_output += 1
-        self.last = tok
+        self.last = tokens
         if self.eos is not None:  # a compare per EOS id: np.isin sorts, ~9x slower at 256 rows
-            eos = np.zeros(len(tok), bool)
-            for e in self.eos.tolist():
-                eos |= tok == e
+            eos = np.zeros(len(tokens), bool)
+            if not self.eos_set.isdisjoint(tokens):  # (a pass at C speed; most steps draw no EOS)
+                tok = np.asarray(tokens, np.int64)
+                for e in self.eos.tolist():
+                    eos |= tok == e
         else:
             eos = np.array([t in s.eos for s, t in zip(self.seqs, tokens)], bool)
-        length = ~eos & ((self.num_output >= self.max_new) | (self.pos + 1 >= max_seq_len))
-        return eos, length
+        self.advanced += 1
+        if self.ends(max_seq_len) > self.advanced:  # most steps: no row reaches its length limit
+            return eos, np.zeros(len(tokens), bool)
+        return eos, ~eos & (self.end_at <= self.advanced)

@@ -166,20 +166,44 @@ class BlockManager:
         evicted: its keys sit at positions within its cache, not at those of its chain)."""
         if not self.caching or seq.evicted:
             return
+        bs, done = self.block_size, len(seq.tokens) - seq.remaining  # (num_computed)
+        if seq.registered < done // bs:
+            self._register(seq, done // bs)
+
+    def register_rows(self, seqs) -> None:
+        """register_full of a decode batch's rows whose block just filled (never windowed)."""
         bs = self.block_size
-        for i in range(seq.registered, seq.num_computed // bs):
-            b = seq.block_table[i]
-            tokens = tuple(seq.tokens[i * bs:(i + 1) * bs])
-            if self.key[b] is None:
-                h = chain_hash(seq.chain, tokens)
-                self.key[b] = (h, tokens)
+        for seq in seqs:
+            end = (len(seq.tokens) - seq.remaining) // bs
+            if seq.registered < end:
+                self._register(seq, end)
+
+    def _register(self, seq: Sequence, end: int) -> None:
+        """Registers seq's full blocks from seq.registered up to `end` (exclusive)."""
+        bs, key, table, ids, chain = self.block_size, self.key, seq.block_table, seq.tokens, seq.chain
+        for i in range(seq.registered, end):
+            b = table[i]
+            k = key[b]
+            if k is None:
+                tokens = tuple(ids[i * bs:(i + 1) * bs])
+                h = hash((chain, tokens))  # chain_hash, inlined
+                key[b] = (h, tokens)
                 self.by_hash.setdefault(h, b)
-            seq.chain, seq.registered = self.key[b][0], i + 1
+                chain = h
+            else:
+                chain = k[0]
+        seq.chain, seq.registered = chain, end
 
     def free(self, seq: Sequence) -> None:
         """Releases seq's blocks (last first, so a later eviction takes a chain's tail before its head)."""
-        for b in reversed(seq.block_table):
-            self._release(b)
+        ref, key = self.ref, self.key
+        for b in reversed(seq.block_table):  # _release, inlined (a sequence holds tens of blocks)
+            ref[b] -= 1
+            if ref[b] == 0:
+                if key[b] is not None:
+                    self.free_cached[b] = None
+                else:
+                    self.free_plain.append(b)
         seq.block_table = []
         seq.num_computed = seq.registered = seq.evicted = seq.skip = 0
         seq.chain = None

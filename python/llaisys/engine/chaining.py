@@ -30,7 +30,7 @@ class Chainer:
             # those chain where the runner computes them on the device behind each step (ModelRunner.launch),
             # not with a constrained row (whose sampling, deferred, comes after that)
             b = step.batch
-            return not (b.logprobs >= 0).any() or (self.runner.device_logprobs and not b.defers)
+            return not b.lp_rows.size or (self.runner.device_logprobs and not b.defers)
         # decodes, no presence/frequency penalties (their counts need the token ahead), no logprobs. The
         # min_tokens ban may chain: whether it applies depends only on how many tokens came before
         # (Sequence.biases(ahead)). A repetition penalty may chain: the sampler adds each token to the row's
@@ -65,17 +65,18 @@ class Chainer:
             return True
         return self.waited < self.MAX_CHAINED_WHILE_WAITING
 
-    def launch_next(self, step):
+    def launch_next(self, step, before=None):
         """Launches the decode step after `step` (still running) for the same sequences, chained to its
         tokens; None (nothing launched) where that step is not certain to be wanted as it stands, or where
-        waiting requests must be scheduled now (may_chain)."""
+        waiting requests must be scheduled now (may_chain). before: called just before the launch itself
+        (ModelRunner.launch), once its arrays are made."""
         nxt = None
         if self.may_overlap(step) and self.may_chain(step):
-            nxt = self._next_batch(step) if step.batch is not None else self._next_seqs(step)
+            nxt = self._next_batch(step, before) if step.batch is not None else self._next_seqs(step, before)
         self.waited = self.waited + 1 if nxt is not None and self.scheduler.waiting else 0
         return nxt
 
-    def _next_seqs(self, step):
+    def _next_seqs(self, step, before=None):
         """launch_next for a step of the general path."""
         bm, need = self.blocks, 0
         for seq in step.seqs:
@@ -93,11 +94,11 @@ class Chainer:
                 bm.grow(seq, len(seq) + 1)
             elif (shift := bm.slide(seq, 1, ahead=1)) is not None:
                 nxt.shifts.append(shift)
-        self.runner.launch(nxt, chain=True)
+        self.runner.launch(nxt, chain=True, before=before)
         self.overlapped_steps += 1
         return nxt
 
-    def _next_batch(self, step):
+    def _next_batch(self, step, before=None):
         """launch_next for a step of the persistent batch: the same checks on its arrays. Rows that end with
         `step` (its token reaches their length limit) or ended before it was read (an EOS, a stop string, an
         abort seen since) are left out of the next step: the batch is condensed to the rest now, the next step
@@ -108,11 +109,14 @@ class Chainer:
         if b is not self.scheduler.batch or step.version != b.version:
             return None
         n = len(b)
-        keep = (b.num_output + 1 < b.max_new) & (b.pos + 2 < self.max_seq_len)  # not ending by length
+        keep = None  # every row
+        if b.ends(self.max_seq_len) <= b.advanced + 1:  # some row ends by length with `step`'s token
+            keep = b.end_at > b.advanced + 1
         if len(self.scheduler.running) != n:  # some row ended (nothing joins `running` while a batch chains)
-            keep &= np.fromiter((s.status is Status.RUNNING for s in b.seqs), bool, n)
+            live = np.fromiter((s.status is Status.RUNNING for s in b.seqs), bool, n)
+            keep = live if keep is None else keep & live
         rows = None
-        if not keep.all():
+        if keep is not None and not keep.all():
             if not self.drop_rows or not keep.any():
                 return None
             rows = np.flatnonzero(keep).tolist()
@@ -123,6 +127,6 @@ class Chainer:
         if not b.grow(self.blocks, 1):
             return None  # `step` is accounted through its keep mask all the same
         nxt = Step(b.seqs, [1] * len(b), batch=b, version=b.step_made(), chain_rows=rows)
-        self.runner.launch(nxt, chain=True)
+        self.runner.launch(nxt, chain=True, before=before)
         self.overlapped_steps += 1
         return nxt

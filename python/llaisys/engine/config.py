@@ -1,7 +1,8 @@
 """EngineConfig: every knob of the batched engine in one frozen object.
 
 Environment variables only supply defaults, here and nowhere else; they exist for A/B runs:
-LLAISYS_CUDA_GRAPHS=0 (no CUDA graphs), LLAISYS_PREFIX_CACHE=0 (no prefix caching),
+LLAISYS_CUDA_GRAPHS=0 (no CUDA graphs), LLAISYS_GRAPHS_AT_START=0 (each decode graph captured at its first
+step), LLAISYS_PREFIX_CACHE=0 (no prefix caching),
 LLAISYS_KV_BLOCKS=N (a fixed number of KV blocks, e.g. to force preemption), LLAISYS_FUSED=0|1 (fused
 projections off or on; unset: on for CUDA only).
 """
@@ -43,9 +44,10 @@ def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
 # one step was slower), so a step's time is its token count. Chunks of 32 keep a stream's tokens ~1 s apart
 # beside a long prompt, and a short request's first token ~1.5 s away, where one 3,001-token step stalled
 # both for minutes. 256 tokens a step: no less than max_num_seqs, so every running decode fits in a step.
-# CUDA, not measured (chosen without a GPU): 4096 a step as before, within vLLM's and SGLang's defaults
-# (2048-8192), where such a step takes milliseconds and large steps make prefill efficient; no prompt more
-# than half of it, so short requests always fit beside a long one.
+# CUDA: 4096 a step, within vLLM's and SGLang's defaults (2048-16384); no prompt more than half of it, so short
+# requests always fit beside a long one. Measured on an H200 (session 39, nano-vllm's protocol, 1.5B): 8192 and
+# 16384 gained nothing (29,773 / 29,493 against 30,034 output tok/s) once a step's decodes stopped riding on the
+# prefill kernel (before that fix, 16384 had looked 6% faster).
 _PER_DEVICE = {
     "max_num_batched_tokens": {"cpu": 256, "cuda": 4096},
     "max_prefill_chunk": {"cpu": 32, "cuda": 2048},
@@ -68,6 +70,9 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default_factory=lambda: _env_flag("LLAISYS_PREFIX_CACHE", True))
     cuda_graphs: bool = field(default_factory=lambda: _env_flag("LLAISYS_CUDA_GRAPHS", True))
     graph_batch_sizes: tuple[int, ...] | None = None  # None: default_graph_sizes(max_num_seqs)
+    # capture every decode graph when the engine starts (ModelRunner.capture_graphs), not at a batch size's
+    # first step; a group spanning several nodes captures at first use either way
+    graphs_at_start: bool = field(default_factory=lambda: _env_flag("LLAISYS_GRAPHS_AT_START", True))
     # one GEMV for q/k/v and for gate/up (RoPE + cache write fused); None: on for CUDA only, since on the
     # CPU fusing copies the checkpoint's memory-mapped weights that are otherwise used in place
     fused_projections: bool | None = field(default_factory=lambda: _env_optional_flag("LLAISYS_FUSED"))
@@ -122,7 +127,7 @@ class EngineConfig:
         u = self.gpu_memory_utilization
         if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0.0 < u <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {u!r}")
-        for name in ("enable_prefix_caching", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "cuda_graphs", "graphs_at_start"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("fused_projections", "overlap_steps"):

@@ -118,6 +118,9 @@ class Engine:
             del loaded
             trim_heap()
             self._core = EngineCore(nets, self.config, ec, self.dtype, self.device, self.max_seq_len, self._node)
+            c = self._core.config
+            if c.cuda_graphs and c.graphs_at_start and self._node is None and self.device.startswith("cuda"):
+                self._core.runner.capture_graphs(c.graph_sizes, progress)
         except BaseException:
             if self._node is not None:  # the other nodes see the connection close, and say so
                 self._node.closing = True

@@ -178,7 +178,14 @@ class Node:
                     self.fail(f"node {self.rank}: {lost}: {e!r}")
                 self.inbox[k].put(CLOSED)
                 return
-            if isinstance(msg, list) and msg and msg[0] == "error":
+            if isinstance(msg, list) and msg == ["close"] and self.rank > 0:
+                # node 0 ended cleanly: the end of its connection that follows is no failure. Marked here, not
+                # by the main thread after it reads the message: the failure path would call into the
+                # communicators (GIL released) from this daemon thread while the process exits, and a thread
+                # taking the GIL back during finalization ends in std::terminate (CI: "terminate called
+                # without an active exception" from a follower that had logged "node 0 closed: exiting")
+                self.closing = True
+            elif isinstance(msg, list) and msg and msg[0] == "error":
                 self._fail_fast(k, msg)
             elif isinstance(msg, list) and len(msg) == 2 and msg[0] == "abort" and self.rank > 0:
                 self.fail(f"node 0 broke the group: {msg[1]}")  # at once: this node may wait in a collective

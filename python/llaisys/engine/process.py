@@ -34,6 +34,7 @@ from concurrent.futures import Future
 
 from .admission import Admission
 from .core import EngineCore
+from .logprobs_log import set_lazy
 from .process_child import child_main
 from .request import StreamChunk, check_incremental, check_sink
 
@@ -246,7 +247,7 @@ class EngineProcess:
                         if req is None:
                             continue
                         if type(item) is tuple:
-                            item = StreamChunk(*item)
+                            item = set_lazy(StreamChunk(*item[:5]), item[5])  # (a Pending: built when read)
                             if item.finish_reason is not None:
                                 req.done = True
                                 del live[rid]

@@ -7,6 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from .engine import Engine
+from .logprobs_log import raw_logprobs
 
 
 class _BatchSink:
@@ -32,8 +33,9 @@ class _BatchSink:
                     batch.append((rid, _picklable(item)))
                     last = True
                 else:
+                    # (logprobs not built yet go as their arrays, built in the parent when read: logprobs_log.Pending)
                     batch.append((rid, (item.text, item.token_ids, item.finish_reason, item.usage, item.timings,
-                                        item.logprobs)))
+                                        raw_logprobs(item))))
                     last = item.finish_reason is not None
                 if last:
                     del self.rids[req]

@@ -13,6 +13,7 @@ from typing import Iterator, Protocol
 
 from ..stops import StopStringMatcher
 from ..streaming import IncrementalDetokenizer
+from .logprobs_log import LazyLogprobs, concat, materialized_state, raw_logprobs, resolve, set_lazy
 from .sequence import Sequence
 
 
@@ -26,7 +27,10 @@ class StreamChunk:
     usage: dict | None = None
     timings: dict | None = None
     # with logprobs=k: one entry per token id of the chunk, {"token_id", "logprob", "top": [[id, logprob], ...]}
-    logprobs: list[dict] | None = None
+    # (the last chunk of a request read only at its end builds its entries when first read: LazyLogprobs)
+    logprobs: list[dict] | None = LazyLogprobs()
+
+    __getstate__ = materialized_state
 
 
 @dataclass
@@ -36,7 +40,9 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "abort"
     usage: dict = field(default_factory=dict)  # prompt_tokens, completion_tokens, cached_tokens
     timings: dict = field(default_factory=dict)  # ttft_s, prefill_tokens_per_s, decode_tokens_per_s, total_s
-    logprobs: list[dict] | None = None  # one entry per token id, with logprobs=k
+    logprobs: list[dict] | None = LazyLogprobs()  # one entry per token id, with logprobs=k (built when first read)
+
+    __getstate__ = materialized_state
 
 
 _END = object()
@@ -103,11 +109,9 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
-    lps = None
-    if any(c.logprobs is not None for c in chunks):
-        lps = [e for c in chunks for e in (c.logprobs or ())]
-    return StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                       last.finish_reason, last.usage, last.timings, lps)
+    return set_lazy(StreamChunk("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                                last.finish_reason, last.usage, last.timings),
+                    concat([raw_logprobs(c) for c in chunks]))  # (entries not built yet stay so)
 
 
 class Request:
@@ -121,15 +125,18 @@ class Request:
         # no stop string needs the text as it grows, so the ids are decoded once when the request ends: the
         # step loop does nothing for it per token (issue 33: host work per sequence and step)
         self.keeps_ids = not incremental and not stops
-        # its ids are seq.output at the end (every token the core gave it): the step loop hands it its tokens
-        # only for the first one's time and the logprobs entries, and a quiet row not even that (Sequence.quiet)
-        seq.quiet = self.keeps_ids and seq.params.logprobs is None
+        # its ids are seq.output at the end (every token the core gave it), its logprobs seq.lp_log: the step
+        # loop hands it its first token (for its time) and, where the general path computed them, logprobs
+        # entries; a row of the persistent batch is not handed anything until it ends (Sequence.quiet)
         self._detok = IncrementalDetokenizer(tokenizer_inner, skip_special_tokens=True)
         self._stops = StopStringMatcher(stops)
         self._pending: list[int] = []
         self._tail: str | None = None  # the text before a stop string, once one is hit
         self._pending_lp: list[dict] | None = [] if seq.params.logprobs is not None else None
         self.lps_kept = self._pending_lp  # and their logprobs entries (None: the request asked for none)
+        seq.quiet = self.keeps_ids
+        if self.keeps_ids:  # the core appends its logs' Spans to the same list (engine/logprobs_log.py)
+            seq.lp_log = self._pending_lp
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         # every item read from _chunks, kept: iterating again, or result() after iterating, replays them
         # (the queue gives each item once; reading it twice would wait forever)
@@ -146,7 +153,7 @@ class Request:
         queued and the request must end)."""
         if self.first is None:
             self.first = time.perf_counter()
-        if self._pending_lp is not None:
+        if self._pending_lp is not None and logprobs is not None:  # (None: a quiet row's, in seq.lp_log)
             self._pending_lp.append(logprobs)
         if self.keeps_ids:  # its ids are the sequence's output, read once at the end
             return False
@@ -186,18 +193,23 @@ class Request:
         tail = self._tail
         if self.keeps_ids:  # one decode of every id but EOS (which never reaches the text, as in on_token)
             eos = self.seq.eos
-            self._pending = self.seq.output  # every token the core gave it (the step loop kept none)
-            tail = self._detok.decode_all([t for t in self._pending if t not in eos])
+            self._pending = ids = self.seq.output  # every token the core gave it (the step loop kept none)
+            if eos and not eos.isdisjoint(ids):  # (a pass at C speed; the filter is Python's)
+                ids = [t for t in ids if t not in eos]
+            tail = self._detok.decode_all(ids, ints=True)  # (the core's tokens are Python ints)
+            if self._pending_lp is not None:  # the arrays the core logged, copied out: the entries are built
+                self._pending_lp = resolve(self._pending_lp, self.seq)  # when the caller reads them, not here
         elif tail is None:  # EOS, length or abort: a last partial character, then any held-back stop prefix
             tail, hit = self._stops.feed(self._detok.flush())
             tail += "" if hit else self._stops.flush()
             if self._stops.hit:
                 reason = "stop"
-        self._emit(StreamChunk(tail, self._pending, reason, self.usage(), self.timings(), self._take_lp()))
+        self._emit(set_lazy(StreamChunk(tail, self._pending, reason, self.usage(), self.timings()), self._take_lp()))
         self.done = True
         self._end()
 
     def _end(self) -> None:
+        self.seq.lp_log = self.lps_kept = None  # (the logs' arrays are not held by a request kept after its end)
         if self.sink is None:
             self._chunks.put(_END)
         self._ended.set()
@@ -264,10 +276,11 @@ class Request:
         for chunk in self:
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
-            lps.extend(chunk.logprobs or [])
+            lps.append(raw_logprobs(chunk))  # entries not built yet (the last chunk's) are built when read
             last = chunk
-        self._result = GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings,
-                                        lps if self.seq.params.logprobs is not None else None)
+        lps = None if self.seq.params.logprobs is None else (concat(lps) or [])
+        self._result = set_lazy(GenerationResult("".join(text), ids, last.finish_reason, last.usage, last.timings),
+                                lps)
         return self._result
 
     def abort(self) -> None:

@@ -29,7 +29,12 @@ class Sequence:
         self.eos = eos
         self.status = Status.WAITING
         self.block_table: list[int] = []
-        self.num_computed = 0
+        # tokens still to compute before the next token can be sampled (1 for a decode step); num_computed, the
+        # tokens whose keys/values are in block_table, is len(tokens) - remaining. Kept this way round so that a
+        # decode's token appended to `tokens` alone also counts the token before it as computed: the persistent
+        # batch advances its rows by one list append each (DecodeBatch.advance), no attribute write. Appending
+        # a token that is not computed goes through append(), which keeps num_computed.
+        self.remaining = len(self.tokens)
         # StreamingLLM (block_manager.py, slide): a windowed sequence keeps its first sink blocks and about
         # kv_window tokens after them; `evicted` tokens after the sinks have left its cache, so token t >= the
         # sinks' end sits at cache index t - evicted, which is also its RoPE position. kv_window 0: dense.
@@ -51,10 +56,14 @@ class Sequence:
         # a constraints.Trigger: the constraint that becomes `constraint` where the output begins it
         # (SamplingParams.grammar_trigger / opening_grammar); None once it fired
         self.trigger = None
-        # quiet: its consumer reads its output from `tokens` once it ends (a Request that keeps its ids, asks
-        # for no logprobs). A step of the persistent batch lists a quiet row's token only when the row ends
-        # (DecodeBatch.quiet): no per-token delivery for it (issue 33)
+        # quiet: its consumer reads its output from `tokens` once it ends (a Request that keeps its ids), and its
+        # logprobs, if it asked for them, from lp_log. A step of the persistent batch lists a quiet row's token
+        # only when the row ends (DecodeBatch.quiet): no per-token delivery for it (issue 33)
         self.quiet = False
+        # a quiet sequence's logprobs in order (engine/logprobs_log.py): the entries the step loop was handed
+        # (its first token's, the general path's), and Spans of the batch layouts' logs that hold the rest's
+        # arrays; Request.finish copies those out, built into entries when the caller reads them. None: not kept so
+        self.lp_log: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -68,12 +77,17 @@ class Sequence:
         return len(self.tokens) - self.num_prompt
 
     @property
-    def remaining(self) -> int:
-        """Tokens still to compute before the next token can be sampled (1 for a decode step)."""
-        return len(self.tokens) - self.num_computed
+    def num_computed(self) -> int:
+        return len(self.tokens) - self.remaining
+
+    @num_computed.setter
+    def num_computed(self, n: int) -> None:
+        self.remaining = len(self.tokens) - n
 
     def append(self, token: int) -> None:
+        """A sampled token, not computed yet (num_computed unchanged)."""
         self.tokens.append(token)
+        self.remaining += 1
         if self.counts is not None:
             self.counts[token] = self.counts.get(token, 0) + 1
 

@@ -1,5 +1,5 @@
-// The GELU formulas on the device, in one place for the gelu/geglu kernels and any kernel that fuses
-// them later (a GEMV with a GeGLU epilogue), so that the fused and unfused paths round alike.
+// The GELU formulas on the device, in one place for the gelu/geglu kernels and the GEMV epilogues that
+// fuse them (linear_geglu, linear_gelu), so that the fused and unfused paths round alike.
 #pragma once
 
 namespace llaisys::ops::cuda {
