@@ -147,8 +147,8 @@ std::vector<std::shared_ptr<Communicator>> nccl_group(const std::vector<int> &de
     LLAISYS_NCCL_CHECK(ncclCommInitAll(comms.data(), int(devices.size()), devices.data()));
     // The peer path (on by default for 2 to 4 ranks, LLAISYS_PEER_ALLREDUCE; peer_all_reduce.hpp): messages up to
     // LLAISYS_PEER_ALLREDUCE_KB (default 512: a decode step's activations up to batch ~64 of a 7B model) go over
-    // peer memory where every pair of GPUs reaches the other's; up to 512 KiB by the push kernel unless
-    // LLAISYS_PEER_ALLREDUCE_PUSH=0
+    // peer memory where every pair of GPUs reaches the other's; up to 512 KiB by the push kernel at 2 ranks
+    // (LLAISYS_PEER_ALLREDUCE_PUSH=1/0 forces it on or off), by the pull kernel otherwise
     const char *kb = std::getenv("LLAISYS_PEER_ALLREDUCE_KB");
     const size_t max_bytes = size_t(kb != nullptr && std::atol(kb) > 0 ? std::atol(kb) : 512) * 1024;
     std::shared_ptr<runtime::cuda::PeerAllReduce> peer = runtime::cuda::PeerAllReduce::create(devices, max_bytes);

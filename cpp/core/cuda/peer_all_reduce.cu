@@ -365,9 +365,11 @@ std::shared_ptr<PeerAllReduce> PeerAllReduce::create(const std::vector<int> &dev
         }
     std::shared_ptr<PeerAllReduce> g(new PeerAllReduce());
     g->max_bytes_ = max_bytes;
-    // LLAISYS_PEER_ALLREDUCE_PUSH=0: every message pulls (the A/B); read once here, so all ranks agree
+    // Push by default at 2 ranks, the only size it has run on GPUs (2 H200s, bench/RESULTS.md session 40);
+    // LLAISYS_PEER_ALLREDUCE_PUSH=1/0 forces it on (3-4 ranks) or off (every message pulls, the A/B). Read once
+    // here, so all ranks agree.
     const char *push_env = std::getenv("LLAISYS_PEER_ALLREDUCE_PUSH");
-    const bool push = push_env == nullptr || *push_env == '\0' || std::strcmp(push_env, "0") != 0;
+    const bool push = push_env != nullptr && *push_env != '\0' ? std::strcmp(push_env, "0") != 0 : world == 2;
     g->push_max_bytes_ = push ? std::min(max_bytes, kPushMaxBytes) / 16 * 16 : 0;
     const size_t slot_units = g->push_max_bytes_ / 16, recv_words = 3 * size_t(world) * slot_units * 4;
     LLAISYS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void **>(&g->host_flags_), 2 * sizeof(int),
