@@ -49,6 +49,15 @@ if has build; then
     { log "BUILD FAILED"; grep -E "error" -A3 "$OUT/build.log" | head -40; exit 1; }
   python3 -c "import llaisys; print(llaisys.build_info(), llaisys.cuda_device_count())" | tee -a "$OUT/summary.txt"
 fi
+# GGUF_PREP="SHAPE:PRESET": write that random GGUF (bench/random_gguf.py's cache in /tmp, kept while the machine
+# stays warm) in the background while the steps run; TP_BIG_GGUF's runs wait for it
+prep_pid=
+if [ -n "${GGUF_PREP:-}" ]; then
+  log "random GGUF ${GGUF_PREP} in the background"
+  python3 -c "import sys; sys.path.insert(0, 'bench'); import random_gguf as r; print(r.cached_random_gguf(*sys.argv[1].split(':')))" \
+    "$GGUF_PREP" >"$OUT/gguf_prep.log" 2>&1 &
+  prep_pid=$!
+fi
 
 if has test; then
   log "pytest -m cuda"
@@ -182,10 +191,12 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
     watch tp_smoke 120 python3 bench/tp_smoke.py --tp ${TP_SMOKE:-2}
     grep -E "tp_smoke|Error|error" "$OUT/tp_smoke.log" | head -10 | tee -a "$OUT/summary.txt"
   fi
+  if [ "${TP_TESTS:-1}" = 1 ]; then # TP_TESTS=0 leaves them out
   log "pytest -m cuda tests/test_tensor_parallel.py tests/test_comm.py"
   watch pytest_tp ${T_TP:-420} python3 -m pytest -v -x -m cuda -o faulthandler_timeout=60 \
     tests/test_tensor_parallel.py tests/test_comm.py -p no:cacheprovider
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_tp.log" | tail -30 | tee -a "$OUT/summary.txt"
+  fi
   if [ "${TP_BENCH:-1}" = 1 ]; then
   log "all-reduce alone: 2 per layer of a decode step"
   timeout 300 python3 bench/all_reduce.py --shape ${TP_SHAPE:-qwen2-7b} --world ${TP_SIZES:-2} --batch ${AR_BATCH:-1 16 64 256} 2>&1 |
@@ -208,6 +219,13 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
     log "llaisys bench --shape qwen2-72b --tensor-parallel-size $tp"
     timeout ${T_BIG:-420} python3 -m llaisys bench --shape qwen2-72b --device cuda --prompt-len 128 --new-tokens 128 \
       -tp $tp --json "$OUT/bench_72b_tp$tp.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
+  done
+  for tp in ${TP_BIG_GGUF:-}; do # the 72B shape in Q4_K_M (51 GB: fits one H200), batch-1 decode
+    [ -n "$prep_pid" ] && { wait $prep_pid; tail -2 "$OUT/gguf_prep.log" | tee -a "$OUT/summary.txt"; prep_pid=; }
+    log "llaisys bench --shape qwen2-72b --gguf-types q4_k_m --tensor-parallel-size $tp"
+    timeout ${T_BIG:-420} python3 -m llaisys bench --shape qwen2-72b --gguf-types q4_k_m --device cuda --prompt-len 128 \
+      --new-tokens 128 -tp $tp --json "$OUT/bench_72b_q4km_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
+      tee -a "$OUT/summary.txt"
   done
   for tp in ${TP_THROUGHPUT:-}; do
     log "throughput ${TP_SHAPE:-qwen2-7b}, ${N_REQ:-256} requests, tensor parallel $tp"

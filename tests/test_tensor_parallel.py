@@ -42,6 +42,14 @@ def tiny(tmp_path_factory):
     return get
 
 
+GPU_TOO = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]  # on 2 GPUs over NCCL as well (issue 30's GPU list)
+
+
+def need_gpus(device, n=2):
+    if device == "cuda" and (llaisys.cuda_device_count() < n or not llaisys.build_info()["nccl"]):
+        pytest.skip(f"needs {n} GPUs and a build with NCCL")
+
+
 def run(path, tp, device="cpu", dtype="f32", prompts=None, **settings):
     """(greedy tokens of three prompts batched, their seeded samples, teacher-forced logits of one)."""
     prompts = prompts or [arch_check.prompt(VOCAB, k, seed=k) for k in (5, 17, 30)]
@@ -132,16 +140,18 @@ def test_gguf_file_splits_like_the_checkpoint(tiny, tmp_path):
     assert run(path, 2)[:2] == run(path, 1)[:2]
 
 
-def test_preemption_and_prefix_cache_at_two_ranks(tiny):
+@pytest.mark.parametrize("device", GPU_TOO)
+def test_preemption_and_prefix_cache_at_two_ranks(tiny, device):
     """A pool so small that sequences are preempted and recomputed, and prompts sharing a prefix: the
     tokens are the unsplit engine's."""
+    need_gpus(device)
     path = tiny("qwen2")
     base = arch_check.prompt(VOCAB, 40, seed=9)
     prompts = [base + arch_check.prompt(VOCAB, 3, seed=s) for s in range(6)]
     kw = dict(num_kv_blocks=14, block_size=8, max_seq_len=80)
     out = {}
     for tp in (1, 2):
-        with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp, **kw) as eng:
+        with Engine(path, device=device, dtype="f32", progress=False, tensor_parallel_size=tp, **kw) as eng:
             out[tp] = [r.token_ids for r in eng.generate(prompts, max_new_tokens=20, temperature=0, ignore_eos=True)]
             stats = eng.stats()
         assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0, stats
@@ -166,11 +176,13 @@ def test_settings_that_cannot_split_raise_before_any_weight_is_read(tiny, monkey
             Engine(path, device="cuda", progress=False, tensor_parallel_size=64)
 
 
+@pytest.mark.parametrize("device", GPU_TOO)
 @pytest.mark.parametrize("mode", ["raise", "stall"])
-def test_a_rank_that_fails_or_stalls_fails_the_engine_within_the_timeout(tiny, mode):
+def test_a_rank_that_fails_or_stalls_fails_the_engine_within_the_timeout(tiny, mode, device):
+    need_gpus(device)
     path = tiny("qwen2")
     ids = arch_check.prompt(VOCAB, 9, seed=1)
-    with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=3) as eng:
+    with Engine(path, device=device, dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=3) as eng:
         assert eng.generate(ids, max_new_tokens=4, temperature=0).token_ids  # healthy first
         assert eng.failure is None
         eng._core.runner.runner.inject_fault(1, mode)
@@ -183,14 +195,16 @@ def test_a_rank_that_fails_or_stalls_fails_the_engine_within_the_timeout(tiny, m
             eng.generate(ids, max_new_tokens=2, temperature=0)
 
 
-def test_server_health_turns_503_when_the_group_breaks(tiny):
+@pytest.mark.parametrize("device", GPU_TOO)
+def test_server_health_turns_503_when_the_group_breaks(tiny, device):
+    need_gpus(device)
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
     from llaisys.server.app import create_app
 
     path = tiny("qwen2")
-    with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=2) as eng:
+    with Engine(path, device=device, dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=2) as eng:
         with TestClient(create_app(eng, model_name="tiny")) as client:
             assert client.get("/health").status_code == 200
             body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "temperature": 0}
@@ -278,14 +292,16 @@ def test_quantized_gguf_blocks_split_along_whole_blocks(tmp_path):
     assert {f for n, f in formats.items() if "down_proj" not in n} == {"q8_0"}
 
 
-def test_windowed_generation_and_logprobs_at_two_ranks(tiny):
+@pytest.mark.parametrize("device", GPU_TOO)
+def test_windowed_generation_and_logprobs_at_two_ranks(tiny, device):
     """StreamingLLM's evictions (the K-shift runs on every rank's KV heads) and logprobs (from rank 0's
     gathered logits) are the unsplit engine's."""
+    need_gpus(device)
     path = tiny("llama-biases")
     ids = arch_check.prompt(VOCAB, 20, seed=7)
     out = {}
     for tp in (1, 2):
-        with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp, block_size=8) as eng:
+        with Engine(path, device=device, dtype="f32", progress=False, tensor_parallel_size=tp, block_size=8) as eng:
             w = eng.generate(ids, max_new_tokens=60, temperature=0, ignore_eos=True, kv_window=24, sink_tokens=4)
             lp = eng.generate(ids, max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
             out[tp] = (w.token_ids, lp.token_ids, [round(x["logprob"], 4) for x in lp.logprobs])
@@ -293,22 +309,24 @@ def test_windowed_generation_and_logprobs_at_two_ranks(tiny):
     assert out[2] == out[1]
 
 
-def test_llaisys_serve_with_two_ranks_answers_the_openai_client(tiny, tmp_path):
-    """`llaisys serve --tensor-parallel-size 2` (the engine in its own process, split over 2 CPU ranks)
-    answers the official openai client with the unsplit engine's text."""
+@pytest.mark.parametrize("device", GPU_TOO)
+def test_llaisys_serve_with_two_ranks_answers_the_openai_client(tiny, tmp_path, device):
+    """`llaisys serve --tensor-parallel-size 2` (the engine in its own process, split over 2 CPU ranks or 2
+    GPUs) answers the official openai client with the unsplit engine's text."""
+    need_gpus(device)
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     from utils import llaisys_server
 
     path = tiny("qwen2")
-    args = ["--model", path, "--device", "cpu", "--dtype", "f32", "--max-seq-len", "256", "--tensor-parallel-size",
+    args = ["--model", path, "--device", device, "--dtype", "f32", "--max-seq-len", "256", "--tensor-parallel-size",
             "2", "--served-model-name", "tiny"]
     with llaisys_server(args, tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="x", max_retries=0, timeout=300)
         prompts = ["The quick brown fox", "def fibonacci(n):"]
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0).choices[0].text
                for p in prompts]
-    with Engine(path, device="cpu", dtype="f32", progress=False, max_seq_len=256) as eng:
+    with Engine(path, device=device, dtype="f32", progress=False, max_seq_len=256) as eng:
         want = [r.text for r in eng.generate(prompts, max_new_tokens=12, temperature=0)]
     assert got == want
 
@@ -335,16 +353,18 @@ def test_rank_devices_checks_the_machine_before_loading(monkeypatch):
     assert ranks.rank_devices("cuda:0", 1) == ["cuda:0"]  # one GPU needs no NCCL
 
 
-def test_constrained_rows_at_two_ranks(tmp_path):
+@pytest.mark.parametrize("device", GPU_TOO)
+def test_constrained_rows_at_two_ranks(tmp_path, device):
     """Structured output: every rank masks its gathered logits with the same bitmask, so a regex-constrained
     row gets the unsplit engine's text, beside a free row."""
+    need_gpus(device)
     pytest.importorskip("llguidance")
     from tiny_model import make_tiny_qwen2
 
     path = make_tiny_qwen2(tmp_path, seed=4, vocab_size=VOCAB)  # EOS is a token of its tokenizer (llguidance)
     out = {}
     for tp in (1, 2):
-        with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=tp) as eng:
+        with Engine(path, device=device, dtype="f32", progress=False, tensor_parallel_size=tp) as eng:
             rs = eng.generate(["Order number:", "Free text"], regex=[r"[0-9]{3}-[a-z]{2,4}", None],
                               max_new_tokens=12, temperature=0, ignore_eos=True)
             out[tp] = [r.text for r in rs]
@@ -352,18 +372,20 @@ def test_constrained_rows_at_two_ranks(tmp_path):
     assert out[2] == out[1]
 
 
-def test_concurrent_callers_at_two_ranks_each_get_their_own_tokens(tiny):
+@pytest.mark.parametrize("device", GPU_TOO)
+def test_concurrent_callers_at_two_ranks_each_get_their_own_tokens(tiny, device):
     """Six threads submit at once to a 2-rank engine (greedy and seeded sampling mixed): each gets exactly
     the tokens its request gets alone on the unsplit engine."""
     import threading
 
+    need_gpus(device)
     path = tiny("qwen2")
     jobs = [(arch_check.prompt(VOCAB, 6 + 5 * i, seed=20 + i), dict(temperature=0.9 if i % 2 else 0, seed=i))
             for i in range(6)]
-    with Engine(path, device="cpu", dtype="f32", progress=False) as eng:
+    with Engine(path, device=device, dtype="f32", progress=False) as eng:
         alone = [eng.generate(p, max_new_tokens=18, ignore_eos=True, **kw).token_ids for p, kw in jobs]
     got = [None] * len(jobs)
-    with Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2) as eng:
+    with Engine(path, device=device, dtype="f32", progress=False, tensor_parallel_size=2) as eng:
         def run(i):
             p, kw = jobs[i]
             got[i] = eng.submit(p, max_new_tokens=18, ignore_eos=True, **kw).result().token_ids
