@@ -170,13 +170,22 @@ def _tokenizer_fields(source: str) -> tuple[tuple[str, object, gguf.GGUFValueTyp
 
 
 def _copy_tokenizer(w: gguf.GGUFWriter, source: str, vocab: int) -> None:
-    """Every tokenizer.* key of `source` (a real Qwen2 GGUF), as it is there."""
+    """Every tokenizer.* key of `source` (a real Qwen2 GGUF), as it is there; a shape with more embedding rows
+    than the tokenizer has tokens (Qwen2.5-7B/72B: 152064 rows, 151936 tokens) gets "[PAD{i}]" tokens of type
+    UNUSED up to its rows, as llama.cpp's converter pads Qwen2's vocabulary."""
     fields = _tokenizer_fields(os.path.abspath(source))
     tokens = next((value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"), [])
-    if len(tokens) != vocab:
+    if len(tokens) > vocab:
         raise ValueError(f"{source} has {len(tokens)} tokens but the shape's vocab_size is {vocab}: the tokenizer "
-                         f"must match the embedding rows")
+                         f"must fit the embedding rows")
+    pad = vocab - len(tokens)
     for key, value, vtype, sub_type in fields:
+        if pad and key == "tokenizer.ggml.tokens":
+            value = list(value) + [f"[PAD{i}]" for i in range(len(tokens), vocab)]
+        elif pad and key == "tokenizer.ggml.token_type":
+            value = list(value) + [int(gguf.TokenType.UNUSED)] * pad
+        elif pad and key == "tokenizer.ggml.scores":
+            value = list(value) + [0.0] * pad
         w.add_key_value(key, value, vtype, sub_type=sub_type)
 
 

@@ -17,6 +17,7 @@ namespace llaisys::runtime {
 // group's mutex, and it tells the group's condition variable when a job ends (so a rank's failure is seen
 // at once, not after the others' timeout).
 struct RankGroup::Worker {
+    std::shared_ptr<Sync> sync;    // the group's, kept alive by every worker
     std::mutex &m;
     std::condition_variable &done; // the group's: a job ended
     std::condition_variable cv;     // this worker's: a job (or stop, or an abort) arrived
@@ -26,7 +27,15 @@ struct RankGroup::Worker {
     std::exception_ptr error;
     std::thread thread;
 
-    Worker(std::mutex &m, std::condition_variable &done) : m(m), done(done), thread([this] { loop(); }) {}
+    explicit Worker(std::shared_ptr<Sync> s) : sync(std::move(s)), m(sync->mu), done(sync->done) {}
+
+    // The thread holds its Worker: joined at close it is gone before the group is; detached (a rank stuck in
+    // a job the group gave up on) it frees the Worker itself, and the Sync with the last one, if it ever returns.
+    static std::shared_ptr<Worker> start(const std::shared_ptr<Sync> &s) {
+        auto w = std::make_shared<Worker>(s);
+        w->thread = std::thread([w] { w->loop(); });
+        return w;
+    }
 
     void loop() {
         for (;;) {
@@ -95,7 +104,7 @@ RankGroup::RankGroup(std::vector<Runner *> runners, double timeout_s) : runners_
         LLAISYS_CHECK(m.device().is_cpu() || devices.insert(m.device().str()).second, std::invalid_argument,
                       "RankGroup: two ranks on ", m.device().str());
     }
-    for (int r = 0; r < world; ++r) workers_.push_back(std::make_unique<Worker>(mu_, done_));
+    for (int r = 0; r < world; ++r) workers_.push_back(Worker::start(sync_));
 }
 
 RankGroup::~RankGroup() {

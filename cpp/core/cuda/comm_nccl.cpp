@@ -54,9 +54,10 @@ public:
             return;
         }
         // the abort's thread returns once every graph holding this communicator is gone (the runners that own
-        // them go first); should it not, it is left behind rather than hanging the process's exit
-        std::unique_lock<std::mutex> lock(abort_mu_);
-        if (abort_done_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return abort_done_; })) {
+        // them go first); should it not, it is left behind rather than hanging the process's exit (it holds
+        // its own AbortDone, so it may return after this object is gone)
+        std::unique_lock<std::mutex> lock(abort_done_->mu);
+        if (abort_done_->cv.wait_for(lock, std::chrono::seconds(30), [&] { return abort_done_->done; })) {
             lock.unlock();
             abort_thread_.join();
         } else {
@@ -86,13 +87,13 @@ public:
         why_ = why;
         aborted_.store(true);
         if (peer_) peer_->abort(); // its kernels waiting for a peer leave
-        abort_thread_ = std::thread([this] {
-            ncclCommAbort(comm_); // frees the communicator; its pending kernels end early
+        abort_thread_ = std::thread([comm = comm_, done = abort_done_] { // no `this`: see the destructor
+            ncclCommAbort(comm); // frees the communicator; its pending kernels end early
             {
-                std::lock_guard<std::mutex> done(abort_mu_);
-                abort_done_ = true;
+                std::lock_guard<std::mutex> lock(done->mu);
+                done->done = true;
             }
-            abort_done_cv_.notify_all();
+            done->cv.notify_all();
         });
     }
 
@@ -131,8 +132,12 @@ private:
     mutable std::mutex abort_mu_;
     std::string why_;
     std::thread abort_thread_;
-    std::condition_variable abort_done_cv_;
-    bool abort_done_ = false;
+    struct AbortDone {
+        std::mutex mu;
+        std::condition_variable cv;
+        bool done = false;
+    };
+    std::shared_ptr<AbortDone> abort_done_ = std::make_shared<AbortDone>(); // shared with the abort's thread
 };
 
 } // namespace

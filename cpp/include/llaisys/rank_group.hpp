@@ -55,10 +55,18 @@ private:
     void breakdown(const std::string &why);
     std::vector<int64_t> agreed(const char *what, std::vector<std::vector<int64_t>> &ids);
 
+    struct Sync {
+        std::mutex mu;                // guards every worker's state
+        std::condition_variable done; // a worker finished a job
+    };
+
     std::vector<Runner *> runners_;
-    std::mutex mu_;                // guards every worker's state
-    std::condition_variable done_; // a worker finished a job
-    std::vector<std::unique_ptr<Worker>> workers_;
+    // Shared with the workers: a rank the group gave up on is detached at close, and its thread (with its
+    // Worker) must find these alive whenever it comes back.
+    std::shared_ptr<Sync> sync_ = std::make_shared<Sync>();
+    std::mutex &mu_ = sync_->mu;
+    std::condition_variable &done_ = sync_->done;
+    std::vector<std::shared_ptr<Worker>> workers_;
     double timeout_s_;
     std::string broken_;
 };
