@@ -34,6 +34,10 @@ if [ -d .devdeps ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devdeps/*.whl 2>/dev/null
   export LLAISYS_TOKENIZER_GGUF=$PWD/.devdeps/tokenizer.gguf  # random GGUFs take their tokenizer from it
   export PYTHONPATH=/tmp/site
+  # the server's and jsonschema's wheels, only what is missing (as serve_check.sh installs them): without them the
+  # CUDA server tests (the openai client at TP 2) and tests/test_structured_output.py skip on the device
+  python3 -m pip install -q --no-index --find-links .devdeps/serve --find-links .devdeps/js fastapi uvicorn openai \
+    httpx jsonschema >"$OUT/pip.log" 2>&1 || log "pip install of .devdeps/serve and .devdeps/js failed (pip.log)"
   for f in .devdeps/*.deb; do dpkg -x "$f" /tmp/dd; done
   export LD_LIBRARY_PATH=/tmp/dd/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 fi

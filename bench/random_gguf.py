@@ -14,11 +14,11 @@ rows are not (the 0.5B shape's 896-wide rows) falls back like llama.cpp does: Q4
 and Q5_K -> Q5_0 (llama.cpp picks Q5_1 there; llaisys has no Q5_1 kernel, so its nearest kernel format).
 Each fallback is reported.
 
-Values: Q8_0/Q4_0/Q5_0 are gguf-py's quantization of Gaussian weights (std 0.02, the embedding 0.04).
-gguf-py cannot quantize K-quants, so their blocks are built directly: random quant bytes, with the f16
-scales and 6-bit sub-block scales chosen so each block decodes to zero mean and about the same std; every
-K tensor is checked with gguf.quants.dequantize (finite, std within 2x of the target) before it is written.
-Every tensor is its own draw from one seeded generator.
+Values: every block is built directly (gguf-py's quantization is ~30 MB/s, and it has none for K-quants):
+random quant bytes, with the f16 scales (and the K-quants' 6-bit sub-block scales) chosen so each block
+decodes to about zero mean and std 0.02 (the embedding 0.04); every tensor is checked with
+gguf.quants.dequantize (finite, std within 2x of the target) before it is written. Every tensor is its own
+draw from one seeded generator.
 """
 from __future__ import annotations
 
@@ -109,11 +109,16 @@ def _pack_k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
+def _random_bytes(rng, n: int, size: int) -> np.ndarray:
+    """[n, size] uniform random bytes, from the generator's raw 64-bit words (several times rng.integers' rate)."""
+    return rng.bit_generator.random_raw(-(-n * size // 8)).view(np.uint8)[:n * size].reshape(n, size)
+
+
 def _k_blocks(rng, n: int, q: Q, std: float) -> np.ndarray:
     """n random K-quant blocks of 256 weights decoding to zero mean and about `std`: random quant bytes;
     per block a scale d (jittered 0.5-1.5x); per 16- or 32-weight sub-block a random scale."""
     size = gguf.GGML_QUANT_SIZES[q][1]
-    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    blocks = _random_bytes(rng, n, size)
     jitter = rng.uniform(0.5, 1.5, n).astype(np.float32)
     if q == Q.Q6_K:  # ql[128] qh[64] scales[16] (int8) d: w = d * scale * (q - 32), q uniform in 0..63
         mag = rng.integers(32, 128, (n, 16))
@@ -129,6 +134,24 @@ def _k_blocks(rng, n: int, q: Q, std: float) -> np.ndarray:
     blocks[:, 0:2] = _f16(d)
     blocks[:, 2:4] = _f16(d * (levels - 1) / 2)  # m = sc and dmin = d * mean(q): each sub-block centred
     blocks[:, 4:16] = _pack_k_scales(sc, sc)
+    return blocks
+
+
+# the legacy formats: (quant levels, bytes of high bits) of a 32-weight block d f16, [qh], qs; w = d * (q - levels / 2)
+_LEGACY = {Q.Q8_0: (256, 0), Q.Q4_0: (16, 0), Q.Q5_0: (32, 4)}
+
+
+def _legacy_blocks(rng, n: int, q: Q, std: float) -> np.ndarray:
+    """n random Q8_0 / Q4_0 / Q5_0 blocks of 32 weights of about `std`: random quant bytes (uniform levels) and a
+    scale d per block (jittered 0.5-1.5x, random sign). Built directly, as the K-quants are: gguf-py's quantization of
+    Gaussians ran at ~30 MB/s, 11 minutes for a 72B model's Q8_0 down projections."""
+    size = gguf.GGML_QUANT_SIZES[q][1]
+    levels, _ = _LEGACY[q]
+    blocks = _random_bytes(rng, n, size)
+    rms = np.sqrt(np.mean((np.arange(levels) - levels // 2) ** 2.0))
+    # a random sign of d: the levels' own mean (-0.5, a tenth of Q4_0's rms) cancels over blocks
+    d = rng.uniform(0.5, 1.5, n).astype(np.float32) * np.where(rng.integers(0, 2, n) == 1, 1, -1) * std / rms
+    blocks[:, 0:2] = _f16(d)
     return blocks
 
 
@@ -152,12 +175,11 @@ def _tensor(rng, name: str, shape: tuple[int, ...], q: Q) -> np.ndarray:
     step = max(1, _CHUNK // cols)
     for r in range(0, rows, step):
         n = min(step, rows - r)
-        if q in _FALLBACK:  # K-quants: gguf-py can't quantize them, build the blocks
+        if q in _FALLBACK:  # K-quants
             out[r:r + n] = _k_blocks(rng, n * cols // 256, q, std).reshape(n, -1)
         else:
-            out[r:r + n] = gguf.quants.quantize(std * rng.standard_normal((n, cols), dtype=np.float32), q)
-    if q in _FALLBACK:
-        _check(name, out, q, std)
+            out[r:r + n] = _legacy_blocks(rng, n * cols // 32, q, std).reshape(n, -1)
+    _check(name, out, q, std)
     return out
 
 

@@ -368,10 +368,30 @@ def test_random_gguf_bad_inputs_raise(random_gguf, tiny_tokenizer_gguf, tmp_path
         random_gguf.plan(7, "q8_0")
     with pytest.raises(ValueError, match="not a multiple of Q8_0's block of 32"):
         random_gguf.plan(_shape(vocab, hidden=80), "q8_0")
-    with pytest.raises(ValueError, match=f"has {vocab} tokens but the shape's vocab_size is {vocab + 1}"):
-        random_gguf.write_random_gguf(tmp_path / "x.gguf", _shape(vocab + 1), "q6_k", tokenizer_from=tok, verbose=False)
+    with pytest.raises(ValueError, match=f"has {vocab} tokens but the shape's vocab_size is {vocab - 1}"):
+        random_gguf.write_random_gguf(tmp_path / "x.gguf", _shape(vocab - 1), "q6_k", tokenizer_from=tok, verbose=False)
     with pytest.raises(TypeError, match="seed must be an int"):
         random_gguf.write_random_gguf(tmp_path / "x.gguf", _shape(vocab), "q6_k", seed=1.5, tokenizer_from=tok)
+
+
+def test_random_gguf_pads_the_tokenizer_to_the_shapes_rows(random_gguf, tiny_tokenizer_gguf, tmp_path):
+    """A shape with more embedding rows than the tokenizer has tokens (Qwen2.5-7B/72B: 152064 rows, 151936
+    tokens) gets "[PAD{i}]" tokens of type UNUSED, as llama.cpp's converter writes them; the text encodes as
+    before and the file loads."""
+    from llaisys import loader
+
+    tok, vocab = tiny_tokenizer_gguf
+    path = random_gguf.write_random_gguf(tmp_path / "p.gguf", _shape(vocab + 3), "q8_0", tokenizer_from=tok,
+                                         verbose=False)
+    fields = gguf.GGUFReader(path).fields
+    tokens, types = fields["tokenizer.ggml.tokens"].contents(), fields["tokenizer.ggml.token_type"].contents()
+    assert len(tokens) == len(types) == vocab + 3
+    assert tokens[vocab:] == [f"[PAD{i}]" for i in range(vocab, vocab + 3)]
+    assert types[vocab:] == [int(gguf.TokenType.UNUSED)] * 3
+    m = loader.load(path, progress=False)
+    assert m.config.vocab_size == vocab + 3
+    assert m.tokenizer.encode("def f(x): return x") == loader.load(tok, progress=False).tokenizer.encode(
+        "def f(x): return x")
 
 
 def test_random_gguf_copies_the_real_tokenizer(random_gguf, tmp_path):
