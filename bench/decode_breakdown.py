@@ -1,7 +1,7 @@
 """Per-kernel time of a decode step of the batched engine on CUDA (random weights of a real Qwen2 shape,
 bf16 safetensors or a random GGUF kept in its block formats).
 
-    python bench/decode_breakdown.py [--shape qwen2-0.5b] [--gguf-types q4_k_m] [--batch 1] [--steps 32]
+    python bench/decode_breakdown.py [--shape qwen2-0.5b] [--gguf-types q4_k_m] [--batch 1] [--steps 32] [-tp N]
 
 Runs `Engine.generate` (CUDA graphs on, the real path) for `--batch` requests of `--context` prompt tokens
 under torch.profiler, which records every kernel of the process through CUPTI, including those replayed
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from llaisys_bench.kernel_profile import print_rows, profiled  # this folder is sys.path[0]
+from llaisys_bench.kernel_profile import is_collective, print_rows, profiled  # this folder is sys.path[0]
 
 def prefill_report(eng, args, prompts) -> int:
     """--prefill: every kernel of one generate(prompts, 1 new token) with prompts the cache has not seen."""
@@ -53,20 +53,23 @@ def main() -> int:
     ap.add_argument("--regex", metavar="RE",
                     help="every request constrained by this regex (issue 31: the masks' copies and the deferred "
                          "sampling in the step); memory copies are listed too")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                    help="split the model over N GPUs; the table is rank 0's GPU, with its collectives' share")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     from llaisys.engine.engine import Engine
 
     dtype = args.dtype or ("quantized" if args.gguf_types else "bf16")
-    kw = dict(device="cuda", dtype=dtype, max_seq_len=args.context + args.steps + 64, max_num_seqs=max(args.batch, 1))
+    kw = dict(device="cuda", dtype=dtype, max_seq_len=args.context + args.steps + 64, max_num_seqs=max(args.batch, 1),
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.gguf_types:
         from random_gguf import cached_random_gguf
 
         eng = Engine(cached_random_gguf(args.shape, args.gguf_types), progress=False, **kw)
-    elif args.shape.startswith("qwen2"):
+    elif args.shape.startswith("qwen2") and args.tensor_parallel_size == 1:
         eng = Engine(random_checkpoint(args.shape), progress=False, **kw)
-    else:  # the other families' shapes: random weights built in memory (random_checkpoint writes Qwen2 only)
+    else:  # the other families' shapes and split models: random weights built in memory (each rank cuts its own)
         eng = open_engine(shape=args.shape, **kw)[0]
     prompts = requests(args.batch, args.context, args.context, eng.config.vocab_size)[0]
     # graph capture, allocator warm-up, and the prompts' blocks into the prefix cache
@@ -89,15 +92,24 @@ def main() -> int:
     idle = (idle1 - idle0) / args.steps
     what = f"{args.gguf_types} GGUF ({dtype})" if args.gguf_types else dtype
     what += "".join(f", {k}={v}" for k, v in gen_kw.items())
+    if args.tensor_parallel_size > 1:
+        what += f", tensor parallel {args.tensor_parallel_size} (rank 0's GPU)"
     print(f"{args.shape}, {what}, batch {args.batch}, context {args.context}: decode step wall {wall:.1f} µs "
           f"(profiled), kernel time {total:.1f} µs, launches/step {sum(r[1] for r in rows):.0f}, GPU idle {idle:.1f} µs "
           f"(no kernel running: the host's part of a step)")
     print(f"{'kernel':<44}{'launches':>9}{'µs/step':>10}{'share':>8}{'µs/launch':>11}")
     for k, n, us in rows:
         print(f"{k[:43]:<44}{n:9.1f}{us:10.1f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1e-9):11.2f}")
+    coll = [(n, us) for k, n, us in rows if is_collective(k)]
+    coll_us = sum(us for _, us in coll)
+    if args.tensor_parallel_size > 1:  # a collective's time includes its wait for the slowest rank
+        print(f"collectives (all-reduce, all-gather; rank 0): {sum(n for n, _ in coll):.0f} launches, {coll_us:.1f} µs a "
+              f"step = {100 * coll_us / max(wall, 1e-9):.1f}% of the step's wall, {100 * coll_us / max(total, 1e-9):.1f}% "
+              f"of its kernel time")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shape": args.shape, "dtype": what, "batch": args.batch, "wall_us": wall, "kernel_us": total, "idle_us": idle,
+                       "tensor_parallel_size": args.tensor_parallel_size, "collective_us": coll_us,
                        "kernels": [dict(name=k, launches=n, us=us) for k, n, us in rows]}, f, indent=2)
     eng.close()
     return 0

@@ -35,12 +35,14 @@ def short(name: str) -> str:
 
 def profiled_call(device, fn):
     """(kernel name -> [launches, device µs], wall seconds, µs the GPU ran no kernel between the first kernel and
-    the last) of fn() on `device`."""
+    the last) of fn() on `device` (its kernels only: under tensor parallelism the other ranks' GPUs run the
+    same kernels, which CUPTI records too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import llaisys
 
+    index = int(str(device).partition(":")[2] or 0)
     llaisys.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -50,7 +52,8 @@ def profiled_call(device, fn):
     per = defaultdict(lambda: [0, 0.0])
     spans = []
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0 and \
+                ev.device_index in (index, -1):
             copy = "Memcpy" in ev.name  # listed (with --regex, --logprobs), not counted as kernel time or busy
             k = ev.name.split(" (")[0] if copy else short(ev.name)
             per[k][0] += 1
@@ -82,3 +85,11 @@ def print_rows(per: dict, out=print) -> float:
     for k, n, us in rows:
         out(f"{k[:43]:<44}{n:9d}{us / 1e3:10.2f}{100 * us / max(total, 1e-9):7.1f}%{us / max(n, 1):11.2f}")
     return total
+
+
+COLLECTIVE_MARKS = ("all_reduce", "AllReduce", "AllGather", "nccl")  # the peer kernels and NCCL's
+
+
+def is_collective(kernel: str) -> bool:
+    """A kernel of a collective (the peer-memory all-reduces, NCCL's kernels)."""
+    return any(m in kernel for m in COLLECTIVE_MARKS)
