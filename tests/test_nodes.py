@@ -473,6 +473,34 @@ def test_a_follower_that_dies_or_fails_fails_node_0_within_the_timeout(tiny_qwen
         assert code != 0 and "broken" in log, log[-3000:]
 
 
+@pytest.mark.parametrize("how", ["raise", "stall"])
+def test_a_follower_failing_a_chained_launch_fails_node_0_before_any_token(tiny_qwen2, tmp_path, how):
+    """Chained steps: node 0 goes on after its own launch without the followers' answers (node_steps.UNANSWERED)
+    and checks them before the next call that returns tokens. A follower that fails or stalls in a launch still
+    fails node 0 within the timeout, and the request gets an error, not the tokens of a step a node never ran."""
+    eng, proc = two_nodes(tiny_qwen2, tmp_path, timeout=5.0, overlap_steps=True)
+    try:
+        assert len(eng.generate([1, 2, 3], max_new_tokens=12, temperature=0, ignore_eos=True).token_ids) == 12
+        assert eng.stats()["overlapped_steps"] > 5  # launches ran, unanswered
+        proxy, call, faulted = eng._core.runner.runner, eng._core.runner.runner._call, []
+
+        def fault_the_first_launch(name, *a):
+            if name == "launch" and not faulted:  # sent before the launch itself: the follower fails that launch
+                faulted.append(proxy.inject_fault(1, how))
+            return call(name, *a)
+        proxy._call = fault_the_first_launch
+        got = []
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="node 1"):
+            for chunk in eng.stream([4, 5, 6, 7], max_new_tokens=12, temperature=0, ignore_eos=True):
+                got += chunk.token_ids
+        assert time.monotonic() - t0 < 5.0 + 5
+        assert faulted and len(got) < 12 and "node 1" in eng.failure
+    finally:
+        eng.close()
+    proc.wait(30)
+
+
 def test_node_0_dying_ends_the_follower_with_a_clear_error(tiny_qwen2, tmp_path):
     """Node 0 as the child (a script that loads, runs one request, then dies with os._exit), node 1 as a
     `llaisys.server` child too: node 1 exits non-zero saying its connection to node 0 closed."""

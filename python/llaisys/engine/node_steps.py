@@ -18,6 +18,10 @@ import time
 from .nodes import CLOSED, Node, _log, describe
 
 CALLS = ("step", "launch", "finish", "logits", "shift_kv", "set_seen")  # what a follower runs; nothing else
+# Calls that return nothing: once node 0's own call succeeded it goes on without the followers' answers, which
+# are checked before the next call that returns something (a step's tokens) returns: a chained step's launch
+# no longer waits for a round trip, and no token leaves node 0 before every earlier call was answered "ok".
+UNANSWERED = ("launch", "set_seen")
 
 
 class NodeProxy:
@@ -25,6 +29,7 @@ class NodeProxy:
 
     def __init__(self, runner, node: Node):
         self._runner, self._node = runner, node
+        self._pending: list[tuple[str, float]] = []  # (name, start) of UNANSWERED calls whose answers wait
 
     def step(self, *args):
         return self._call("step", args, self._runner.step)
@@ -77,6 +82,7 @@ class NodeProxy:
         node = self._node
         if node.broken:
             raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
+        self._check_pending(wait=False)  # a follower's failed launch: broken now, before this call waits on it
         node.begin(name)  # before sending: a follower's answer may come back at once (_fail_fast)
         try:
             for k in node.conns:
@@ -92,6 +98,10 @@ class NodeProxy:
             error = e
         finally:
             node.end()
+        if error is None and name in UNANSWERED:
+            self._pending.append((name, node.started))
+            return result
+        self._check_pending(wait=True)  # the followers answer in call order: the earlier calls' answers first
         # every node finishes a call within the timeout from its start (as every rank of a RankGroup), and
         # gets a grace after this node's end, where this node's own wait (a collective's) used it up
         deadline = node.started + max(node.timeout_s, time.monotonic() - node.started + node.GRACE_S)
@@ -114,6 +124,23 @@ class NodeProxy:
             k = min(failed)
             node.fail(f"node {k} failed in {name} and node 0 did not: {failed[k]}")
         raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
+
+    def _check_pending(self, wait: bool) -> None:
+        """The followers' answers to the UNANSWERED calls node 0 went past (every one "ok", or the group breaks):
+        all of them (wait, each within its call's timeout), or those already here."""
+        node = self._node
+        while self._pending:
+            name, started = self._pending[0]
+            if not wait and any(node.inbox[k].empty() for k in node.conns):
+                return
+            deadline = started + max(node.timeout_s, time.monotonic() - started + node.GRACE_S)
+            answers = {k: self._answer(k, name, deadline) for k in node.conns}
+            self._pending.pop(0)
+            failed = {k: a[1] for k, a in answers.items() if a[0] != "ok"}
+            if failed:
+                k = min(failed)
+                node.fail(f"node {k} failed in {name} and node 0 did not: {failed[k]}")
+                raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
 
     def _answer(self, k: int, name: str, deadline: float):
         node = self._node
