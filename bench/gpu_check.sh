@@ -172,21 +172,27 @@ if has stream; then # StreamingLLM (issue 32): decode after 32k tokens with a 4k
   timeout 60 python3 bench/streaming_rotation_cost.py --device cuda --window 1024 4096 2>&1 | grep -v Warning |
     tail -5 | tee -a "$OUT/summary.txt"
 fi
-if has nodes; then # issue 30 across hosts, as 2 processes x 2 GPUs of one 4-GPU host (node 1 on cuda:2-3)
+if has nodes; then # issue 30 across hosts, as 2 processes of NODE_GPUS GPUs each on one host (default: half the GPUs)
   log "pytest -m cuda tests/test_nodes.py (a hang records every thread's stack)"
   watch pytest_nodes ${T_TP:-240} python3 -m pytest -v -x -rs -m cuda -o faulthandler_timeout=120 tests/test_nodes.py \
     -p no:cacheprovider
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|Error" "$OUT/pytest_nodes.log" | tail -20 | tee -a "$OUT/summary.txt"
   shape=${TP_SHAPE:-qwen2-7b}
-  log "llaisys bench --shape $shape -tp 4 --nnodes 2 (2 processes), then -tp 4 in one process"
-  common="--shape $shape --prompt-len 128 --new-tokens 256 -tp 4 --nnodes 2 --master-port 29517"
-  timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:2 --node-rank 1 >"$OUT/bench_nodes_1.log" 2>&1 &
-  timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:0 --node-rank 0 \
-    --json "$OUT/bench_nodes.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
-  wait
-  tail -3 "$OUT/bench_nodes_1.log" | tee -a "$OUT/summary.txt"
+  per=${NODE_GPUS:-$(( $(nvidia-smi -L | wc -l) / 2 ))}; tp=$((2 * per))
+  # the 2-process runs plain and chained (LLAISYS_OVERLAP=1: launches not answered before node 0 goes on), then
+  # one process
+  for env in LLAISYS_OVERLAP=0 LLAISYS_OVERLAP=1; do
+    log "llaisys bench --shape $shape -tp $tp --nnodes 2 (2 processes of $per GPUs), $env"
+    common="--shape $shape --prompt-len 128 --new-tokens 256 -tp $tp --nnodes 2 --master-port 29517"
+    env $env timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:$per --node-rank 1 \
+      >"$OUT/bench_nodes_1.log" 2>&1 &
+    env $env timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:0 --node-rank 0 \
+      --json "$OUT/bench_nodes_${env#*=}.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
+    wait
+    tail -3 "$OUT/bench_nodes_1.log" | tee -a "$OUT/summary.txt"
+  done
   timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \
-    -tp 4 --json "$OUT/bench_tp4.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
+    -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
 fi
 if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 decode and the throughput protocol
   # of the 7B shape at 1 and TP_SIZES ranks on this machine (same call: compare within it)
