@@ -206,6 +206,12 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   watch pytest_tp ${T_TP:-420} python3 -m pytest -v -x -m cuda -o faulthandler_timeout=60 \
     tests/test_tensor_parallel.py tests/test_comm.py -p no:cacheprovider
   grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/pytest_tp.log" | tail -30 | tee -a "$OUT/summary.txt"
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then # the push kernel is opt-in past 2 ranks: the model tests with it
+    log "pytest -m cuda tests/test_tensor_parallel.py -k 'gpus and 4', LLAISYS_PEER_ALLREDUCE_PUSH=1"
+    watch pytest_tp_push4 ${T_TP:-420} env LLAISYS_PEER_ALLREDUCE_PUSH=1 python3 -m pytest -v -x -m cuda \
+      -o faulthandler_timeout=60 tests/test_tensor_parallel.py -k "gpus and 4" -p no:cacheprovider
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/pytest_tp_push4.log" | tail -8 | tee -a "$OUT/summary.txt"
+  fi
   fi
   if [ "${TP_BENCH:-1}" = 1 ]; then
   log "all-reduce alone: 2 per layer of a decode step"
@@ -217,8 +223,10 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
       --prompt-len 128 --new-tokens 256 -tp $tp --json "$OUT/bench_tp$tp.json" 2>&1 | grep -v Warning | tail -3 |
       tee -a "$OUT/summary.txt"
   done
-  for tp in ${TP_SIZES:-2}; do # A/B against the default: the pull kernel, NCCL alone (no peer path); steps not chained
-    for env in ${TP_AB:-LLAISYS_PEER_ALLREDUCE_PUSH=0 LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0}; do
+  for tp in ${TP_SIZES:-2}; do # A/B against the default: the other peer kernel (push is the default at 2 ranks
+    # only), NCCL alone (no peer path); steps not chained
+    other=$([ "$tp" = 2 ] && echo LLAISYS_PEER_ALLREDUCE_PUSH=0 || echo LLAISYS_PEER_ALLREDUCE_PUSH=1)
+    for env in ${TP_AB:-$other LLAISYS_PEER_ALLREDUCE=0 LLAISYS_OVERLAP=0}; do
       log "llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --tensor-parallel-size $tp, $env"
       env $env timeout ${T_MODEL:-240} python3 -m llaisys bench --shape ${TP_SHAPE:-qwen2-7b} --device cuda \
         --prompt-len 128 --new-tokens 256 -tp $tp 2>&1 | grep -v Warning | grep -E "^llaisys" | tee -a "$OUT/summary.txt"
