@@ -66,6 +66,9 @@ static nb::dict pool_stats_dict() {
 
 void bind_runtime(nb::module_ &m) {
     m.def("build_info", &build_info, "What this build of llaisys contains.");
+    m.def("set_leak_warnings", [](bool on) { nb::set_leak_warnings(on); }, nb::arg("on"),
+          "Whether nanobind lists the instances still alive at exit (off once objects are kept on purpose: "
+          "engine/ranks.py's keep_if_left_behind).");
     m.def("set_pool_mode", &set_pool_mode_by_name, nb::arg("mode"), nb::arg("restart") = true,
           "Tests and benchmarks only: the CPU pool's 'adaptive' (default), 'serial' or 'parallel' jobs; "
           "restart=False keeps what the adaptive choice has measured.");

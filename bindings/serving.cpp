@@ -323,7 +323,10 @@ void bind_serving(nb::module_ &m) {
         }, nb::arg("runners"), nb::arg("timeout_s") = 300.0, nb::keep_alive<1, 2>())
         .def_prop_ro("world", &RankGroup::world)
         .def_prop_ro("broken", &RankGroup::broken, "Why the group is broken ('' while it is not).")
+        .def_prop_ro("left_behind", &RankGroup::left_behind,
+                     "Ranks still inside a job the broken group gave up on: their runners must never be freed.")
         .def("inject_fault", &RankGroup::inject_fault, nb::arg("rank"), nb::arg("mode"),
-             "For fault tests: the rank's next call raises ('raise') or stalls until the group gives up ('stall').");
+             "For fault tests: the rank's next call raises ('raise'), stalls until the group gives up ('stall'), or "
+             "hangs past that, left behind ('hang').");
     bind_steps(group);
 }

@@ -195,6 +195,30 @@ def test_a_rank_that_fails_or_stalls_fails_the_engine_within_the_timeout(tiny, m
             eng.generate(ids, max_new_tokens=2, temperature=0)
 
 
+def test_a_rank_left_behind_keeps_its_runner_for_good(tiny, capsys):
+    """A rank that never returns from its call, not even on the group's abort (a driver call that hangs): the
+    engine fails within the timeout and its grace, and at close the group's runners, models and KV pools are
+    kept for the process's life (ranks._LEFT_BEHIND, with a line saying so) rather than freed under a thread
+    that may still return into them."""
+    from llaisys.engine import ranks
+
+    path = tiny("qwen2")
+    ids = arch_check.prompt(VOCAB, 9, seed=1)
+    kept = len(ranks._LEFT_BEHIND)
+    eng = Engine(path, device="cpu", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=1)
+    group = eng._core.runner.runner
+    assert eng.generate(ids, max_new_tokens=3, temperature=0).token_ids and group.left_behind == 0
+    group.inject_fault(1, "hang")
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank.* 1"):
+        eng.generate(ids, max_new_tokens=3, temperature=0)
+    assert time.monotonic() - t < 1 + 10 + 5  # the timeout, the abort's grace (10 s), slack
+    assert group.left_behind == 1
+    eng.close()
+    assert len(ranks._LEFT_BEHIND) == kept + 1 and ranks._LEFT_BEHIND[-1][0] is not None
+    assert "1 rank(s) of the broken tensor-parallel group never returned" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("device", GPU_TOO)
 def test_server_health_turns_503_when_the_group_breaks(tiny, device):
     need_gpus(device)

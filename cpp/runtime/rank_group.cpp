@@ -57,6 +57,11 @@ struct RankGroup::Worker {
                     cv.wait(lock, [&] { return aborted || stop; });
                     throw std::runtime_error("injected stall, ended by the group's abort");
                 }
+                if (f == "hang") { // a rank the abort does not reach (a driver call that never returns)
+                    std::unique_lock<std::mutex> lock(m);
+                    cv.wait(lock, [&] { return stop; });
+                    throw std::runtime_error("injected hang, ended by the group's end");
+                }
                 if (f == "raise") throw std::runtime_error("injected fault");
                 j();
             } catch (...) {
@@ -129,8 +134,8 @@ std::string RankGroup::broken() const { return broken_; }
 
 void RankGroup::inject_fault(int rank, const std::string &mode) {
     LLAISYS_CHECK(rank >= 0 && rank < world(), std::out_of_range, "RankGroup.inject_fault: no rank ", rank);
-    LLAISYS_CHECK(mode == "raise" || mode == "stall", std::invalid_argument,
-                  "RankGroup.inject_fault: mode must be 'raise' or 'stall', got '", mode, "'");
+    LLAISYS_CHECK(mode == "raise" || mode == "stall" || mode == "hang", std::invalid_argument,
+                  "RankGroup.inject_fault: mode must be 'raise', 'stall' or 'hang', got '", mode, "'");
     std::lock_guard<std::mutex> lock(mu_);
     workers_[size_t(rank)]->fault = mode;
 }
@@ -147,15 +152,18 @@ void RankGroup::breakdown(const std::string &why) {
     for (auto &w : workers_) w->cv.notify_all();
 }
 
-void RankGroup::run_all(const char *what, const std::function<void(int)> &fn) {
+// fn must own (by value or shared_ptr) everything it reads and writes: a rank this call gives up on may
+// return from it after the caller's frame is gone (the callers below copy the step's arrays into a Call).
+void RankGroup::run_all(const char *what, std::function<void(int)> fn) {
     LLAISYS_CHECK(broken_.empty(), std::runtime_error, "tensor-parallel group is broken: ", broken_);
     const int world = this->world();
     if (world == 1) return fn(0);
+    const auto job = std::make_shared<const std::function<void(int)>>(std::move(fn));
     {
         std::lock_guard<std::mutex> lock(mu_);
         for (int r = 0; r < world; ++r) {
             Worker &w = *workers_[size_t(r)];
-            w.job = [&fn, r] { fn(r); };
+            w.job = [job, r] { (*job)(r); };
             w.busy = true;
             w.error = nullptr;
         }
@@ -208,35 +216,57 @@ std::vector<int64_t> RankGroup::agreed(const char *what, std::vector<std::vector
     return std::move(ids[0]);
 }
 
+namespace {
+// One call's inputs and outputs, owned by its jobs (run_all: a rank given up on may return after the caller).
+// Copies of the step's host arrays: KBs for a decode step, ~100 KB for a 4096-token prefill.
+struct Call {
+    HostBatch batch;
+    std::vector<RowSampling> rows;
+    std::vector<std::vector<int64_t>> ids; // [world] each rank's tokens
+    std::vector<Tensor> logits;            // [world]
+};
+} // namespace
+
 std::vector<int64_t> RankGroup::step(const HostBatch &b, const std::vector<RowSampling> &rows) {
-    std::vector<std::vector<int64_t>> ids(static_cast<size_t>(world()));
-    run_all("a step", [&](int r) { ids[size_t(r)] = runners_[size_t(r)]->step(b, rows); });
-    return agreed("a step", ids);
+    auto c = std::make_shared<Call>(Call{b, rows, std::vector<std::vector<int64_t>>(size_t(world())), {}});
+    run_all("a step", [c, rs = runners_](int r) { c->ids[size_t(r)] = rs[size_t(r)]->step(c->batch, c->rows); });
+    return agreed("a step", c->ids);
 }
 
 void RankGroup::launch(const HostBatch &b, const std::vector<RowSampling> &rows, bool chain,
                        const std::vector<int64_t> &chain_rows) {
-    run_all("a launch", [&](int r) { runners_[size_t(r)]->launch(b, rows, chain, false, chain_rows); });
+    auto c = std::make_shared<Call>(Call{b, rows, {}, {}});
+    run_all("a launch", [c, rs = runners_, chain, chain_rows](int r) {
+        rs[size_t(r)]->launch(c->batch, c->rows, chain, false, chain_rows);
+    });
 }
 
 void RankGroup::set_seen(int64_t row, const std::vector<int32_t> &words) {
-    run_all("set_seen", [&](int r) { runners_[size_t(r)]->set_seen(row, words); });
+    run_all("set_seen", [rs = runners_, row, words](int r) { rs[size_t(r)]->set_seen(row, words); });
 }
 
 std::vector<int64_t> RankGroup::finish() {
-    std::vector<std::vector<int64_t>> ids(static_cast<size_t>(world()));
-    run_all("a step's finish", [&](int r) { ids[size_t(r)] = runners_[size_t(r)]->finish(); });
-    return agreed("a step", ids);
+    auto c = std::make_shared<Call>(Call{{}, {}, std::vector<std::vector<int64_t>>(size_t(world())), {}});
+    run_all("a step's finish", [c, rs = runners_](int r) { c->ids[size_t(r)] = rs[size_t(r)]->finish(); });
+    return agreed("a step", c->ids);
 }
 
 Tensor RankGroup::logits(const HostBatch &b, bool all_logits) {
-    std::vector<Tensor> out(static_cast<size_t>(world()));
-    run_all("logits", [&](int r) { out[size_t(r)] = runners_[size_t(r)]->logits(b, all_logits); });
-    return out[0];
+    auto c = std::make_shared<Call>(Call{b, {}, {}, std::vector<Tensor>(size_t(world()))});
+    run_all("logits", [c, rs = runners_, all_logits](int r) {
+        c->logits[size_t(r)] = rs[size_t(r)]->logits(c->batch, all_logits);
+    });
+    return c->logits[0];
 }
 
 void RankGroup::shift_kv(const std::vector<int64_t> &src, const std::vector<int64_t> &dst, int64_t delta) {
-    run_all("a K-shift", [&](int r) { runners_[size_t(r)]->shift_kv(src, dst, delta); });
+    run_all("a K-shift", [rs = runners_, src, dst, delta](int r) { rs[size_t(r)]->shift_kv(src, dst, delta); });
+}
+
+int RankGroup::left_behind() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (broken_.empty()) return 0;
+    return int(std::count_if(workers_.begin(), workers_.end(), [](const auto &w) { return w->busy; }));
 }
 
 } // namespace llaisys::runtime

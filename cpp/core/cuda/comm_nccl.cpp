@@ -56,6 +56,7 @@ public:
         // the abort's thread returns once every graph holding this communicator is gone (the runners that own
         // them go first); should it not, it is left behind rather than hanging the process's exit (it holds
         // its own AbortDone, so it may return after this object is gone)
+        if (!abort_thread_.joinable()) return; // abort() could not start its thread: comm_ is left as it is
         std::unique_lock<std::mutex> lock(abort_done_->mu);
         if (abort_done_->cv.wait_for(lock, std::chrono::seconds(30), [&] { return abort_done_->done; })) {
             lock.unlock();

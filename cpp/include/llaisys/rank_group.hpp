@@ -46,12 +46,16 @@ public:
     uint64_t steps_sampled_in_graph() const { return runners_.front()->steps_sampled_in_graph(); }
     // Why the group is broken ("" while it is not).
     std::string broken() const;
-    // For fault tests: rank `rank`'s next call raises ("raise") or stalls until the group is aborted ("stall").
+    // Ranks still inside a job the broken group gave up on (0 while it is not broken). Such a rank may return
+    // into its runner at any time: the owner must keep the runners (models, KV pools) alive for good.
+    int left_behind() const;
+    // For fault tests: rank `rank`'s next call raises ("raise"), stalls until the group is aborted ("stall"), or
+    // until the group is destroyed ("hang": left behind).
     void inject_fault(int rank, const std::string &mode);
 
 private:
     struct Worker;
-    void run_all(const char *what, const std::function<void(int)> &fn);
+    void run_all(const char *what, std::function<void(int)> fn);
     void breakdown(const std::string &why);
     std::vector<int64_t> agreed(const char *what, std::vector<std::vector<int64_t>> &ids);
 

@@ -30,7 +30,7 @@ from .kv_budget import kv_blocks_for
 from .score import score_logits
 from .loop import StepLoop
 from .prompts import split_sampling
-from .ranks import load_weights, make_models, rank_devices
+from .ranks import keep_if_left_behind, load_weights, make_models, rank_devices
 from .request import (ChunkSink, GenerationResult, Request, StreamChunk, check_incremental, check_sink,
                       chunks_or_abort, results_or_abort)
 
@@ -278,6 +278,7 @@ class Engine:
         del loop
         if node is not None:
             node.close()  # node 0: the followers exit
+        keep_if_left_behind(self._core, self._model, self._models)
         self._core = self._model = self._models = None
         thaw_heap()
         if self.device.startswith("cuda"):

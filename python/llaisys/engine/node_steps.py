@@ -96,6 +96,9 @@ class NodeProxy:
             result = fn(*args)
         except Exception as e:  # noqa: BLE001 - compared with the followers' outcome below
             error = e
+        except BaseException:  # (KeyboardInterrupt): its answers are read with the next call's, in order
+            self._pending.append((name, node.started))
+            raise
         finally:
             node.end()
         if error is None and name in UNANSWERED:
@@ -111,7 +114,7 @@ class NodeProxy:
             raise error  # every node failed alike (a bad row): the group is fine, as at one node
         if error is None and not failed:
             for k, a in answers.items():
-                if isinstance(result, list) and a[1] is not None and a[1] != result:
+                if isinstance(result, list) and a[1] != result:  # (an answer without tokens is no agreement)
                     node.fail(f"nodes 0 and {k} sampled different tokens in {name} (their logits differ)")
                     raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
             return result
@@ -127,7 +130,8 @@ class NodeProxy:
 
     def _check_pending(self, wait: bool) -> None:
         """The followers' answers to the UNANSWERED calls node 0 went past (every one "ok", or the group breaks):
-        all of them (wait, each within its call's timeout), or those already here."""
+        all of them (wait, each within its call's timeout), or else those every follower has answered already
+        (a failure one follower reported while another is still busy is seen by Node._fail_fast meanwhile)."""
         node = self._node
         while self._pending:
             name, started = self._pending[0]

@@ -12,6 +12,8 @@ what the whole one does.
 """
 from __future__ import annotations
 
+import ctypes
+
 import logging
 import sys
 
@@ -134,3 +136,23 @@ def _say(line: str, progress: bool) -> None:
         print(f"llaisys: {line}", file=sys.stderr, flush=True)
     else:
         logging.getLogger("llaisys.engine").info(line)
+
+
+_LEFT_BEHIND: list = []  # what a broken group's left-behind ranks may still use: never freed (keep_if_left_behind)
+
+
+def keep_if_left_behind(core, *owners) -> None:
+    """At close: a rank of a broken group that never returned from its last call (a driver call or collective the
+    abort did not end) may return into its runner, model and KV pool at any time, so they are kept for the
+    process's life (with a line saying so) instead of being freed under it."""
+    runner = getattr(getattr(core, "runner", None), "runner", None)
+    group = getattr(runner, "_runner", runner)  # node 0's NodeProxy wraps its runner
+    stuck = getattr(group, "left_behind", 0)
+    if not stuck:
+        return
+    if not _LEFT_BEHIND:  # one reference more, so not even the interpreter's finalization frees the list
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(_LEFT_BEHIND))
+        _core.set_leak_warnings(False)  # they are kept on purpose: no list of "leaked" instances at exit
+    _LEFT_BEHIND.append((core, *owners))
+    print(f"llaisys: {stuck} rank(s) of the broken tensor-parallel group never returned from their last call; "
+          f"their model and KV cache stay allocated until the process exits", file=sys.stderr, flush=True)
