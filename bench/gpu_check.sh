@@ -186,9 +186,10 @@ if has nodes; then # issue 30 across hosts, as 2 processes of NODE_GPUS GPUs eac
     common="--shape $shape --prompt-len 128 --new-tokens 256 -tp $tp --nnodes 2 --master-port 29517"
     env $env timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:$per --node-rank 1 \
       >"$OUT/bench_nodes_1.log" 2>&1 &
+    node1=$!  # (a bare wait would also wait for GGUF_PREP's writer)
     env $env timeout ${T_MODEL:-240} python3 -m llaisys bench $common --device cuda:0 --node-rank 0 \
       --json "$OUT/bench_nodes_${env#*=}.json" 2>&1 | grep -v Warning | tail -3 | tee -a "$OUT/summary.txt"
-    wait
+    wait $node1
     tail -3 "$OUT/bench_nodes_1.log" | tee -a "$OUT/summary.txt"
   done
   timeout ${T_MODEL:-240} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \

@@ -137,8 +137,8 @@ def _k_blocks(rng, n: int, q: Q, std: float) -> np.ndarray:
     return blocks
 
 
-# the legacy formats: (quant levels, bytes of high bits) of a 32-weight block d f16, [qh], qs; w = d * (q - levels / 2)
-_LEGACY = {Q.Q8_0: (256, 0), Q.Q4_0: (16, 0), Q.Q5_0: (32, 4)}
+# the legacy formats' quant levels (a 32-weight block: d f16, [qh], qs; w = d * (q - levels / 2))
+_LEGACY_LEVELS = {Q.Q8_0: 256, Q.Q4_0: 16, Q.Q5_0: 32}
 
 
 def _legacy_blocks(rng, n: int, q: Q, std: float) -> np.ndarray:
@@ -146,7 +146,7 @@ def _legacy_blocks(rng, n: int, q: Q, std: float) -> np.ndarray:
     scale d per block (jittered 0.5-1.5x, random sign). Built directly, as the K-quants are: gguf-py's quantization of
     Gaussians ran at ~30 MB/s, 11 minutes for a 72B model's Q8_0 down projections."""
     size = gguf.GGML_QUANT_SIZES[q][1]
-    levels, _ = _LEGACY[q]
+    levels = _LEGACY_LEVELS[q]
     blocks = _random_bytes(rng, n, size)
     rms = np.sqrt(np.mean((np.arange(levels) - levels // 2) ** 2.0))
     # a random sign of d: the levels' own mean (-0.5, a tenth of Q4_0's rms) cancels over blocks

@@ -244,8 +244,7 @@ def test_server_health_turns_503_when_the_group_breaks(tiny, device):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", ["qwen2", "llama-tied", "gpt_neox"])
 def test_gpus_equal_one_gpu(tiny, family, tp):
-    if llaisys.cuda_device_count() < tp or not llaisys.build_info()["nccl"]:
-        pytest.skip(f"needs {tp} GPUs and a build with NCCL")
+    need_gpus("cuda", tp)
     path = tiny(family)
     g1, s1, l1 = run(path, 1, device="cuda")
     g2, s2, l2 = run(path, tp, device="cuda")
@@ -261,8 +260,7 @@ def test_gpus_equal_one_gpu(tiny, family, tp):
 def test_gpus_chained_steps_equal_one_gpu(tiny, tp):
     """Chained steps at 2 and 4 GPUs, by default (CUDA graphs with NCCL inside, chained on each rank's stream):
     the one-GPU tokens, most decode steps chained."""
-    if llaisys.cuda_device_count() < tp or not llaisys.build_info()["nccl"]:
-        pytest.skip(f"needs {tp} GPUs and a build with NCCL")
+    need_gpus("cuda", tp)
     path = tiny("qwen2")
     g1, s1, _ = run(path, 1, device="cuda")
     prompts = [arch_check.prompt(VOCAB, k, seed=k) for k in (5, 17, 30)]
@@ -276,8 +274,7 @@ def test_gpus_chained_steps_equal_one_gpu(tiny, tp):
 
 @pytest.mark.cuda
 def test_gpus_batched_equal_alone_and_a_stalled_rank_fails(tiny):
-    if llaisys.cuda_device_count() < 2 or not llaisys.build_info()["nccl"]:
-        pytest.skip("needs 2 GPUs and a build with NCCL")
+    need_gpus("cuda")
     path = tiny("qwen2")
     prompts = [arch_check.prompt(VOCAB, k, seed=k) for k in (3, 11, 19, 27)]
     with Engine(path, device="cuda", dtype="f32", progress=False, tensor_parallel_size=2, tp_timeout_s=5) as eng:

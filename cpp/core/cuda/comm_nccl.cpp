@@ -67,11 +67,11 @@ public:
     }
 
     std::string backend() const override {
-        if (!peer_) return "nccl " + nccl_version();
-        const std::string kib = std::to_string(peer_->max_bytes() / 1024) + " KiB";
-        if (peer_->push_max_bytes() == 0) return "nccl " + nccl_version() + " + peer memory up to " + kib + " (pull)";
-        return "nccl " + nccl_version() + " + peer memory up to " + kib + " (push up to " +
-               std::to_string(peer_->push_max_bytes() / 1024) + " KiB, pull above)";
+        const std::string nccl = "nccl " + nccl_version();
+        if (!peer_) return nccl;
+        const size_t push_kib = peer_->push_max_bytes() / 1024;
+        return nccl + " + peer memory up to " + std::to_string(peer_->max_bytes() / 1024) + " KiB " +
+               (push_kib == 0 ? std::string("(pull)") : "(push up to " + std::to_string(push_kib) + " KiB, pull above)");
     }
 
     std::map<std::string, int64_t> all_reduce_paths() const override {

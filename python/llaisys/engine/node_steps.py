@@ -105,9 +105,7 @@ class NodeProxy:
             self._pending.append((name, node.started))
             return result
         self._check_pending(wait=True)  # the followers answer in call order: the earlier calls' answers first
-        # every node finishes a call within the timeout from its start (as every rank of a RankGroup), and
-        # gets a grace after this node's end, where this node's own wait (a collective's) used it up
-        deadline = node.started + max(node.timeout_s, time.monotonic() - node.started + node.GRACE_S)
+        deadline = self._deadline(node.started)
         answers = {k: self._answer(k, name, deadline) for k in node.conns}
         failed = {k: a[1] for k, a in answers.items() if a[0] != "ok"}
         if error is not None and len(failed) == len(answers) and set(failed.values()) == {describe(error)}:
@@ -137,7 +135,7 @@ class NodeProxy:
             name, started = self._pending[0]
             if not wait and any(node.inbox[k].empty() for k in node.conns):
                 return
-            deadline = started + max(node.timeout_s, time.monotonic() - started + node.GRACE_S)
+            deadline = self._deadline(started)
             answers = {k: self._answer(k, name, deadline) for k in node.conns}
             self._pending.pop(0)
             failed = {k: a[1] for k, a in answers.items() if a[0] != "ok"}
@@ -145,6 +143,13 @@ class NodeProxy:
                 k = min(failed)
                 node.fail(f"node {k} failed in {name} and node 0 did not: {failed[k]}")
                 raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
+
+    def _deadline(self, started: float) -> float:
+        """When the followers' answers to a call started at `started` are due: every node finishes a call within
+        the timeout from its start (as every rank of a RankGroup), and gets a grace after now, where node 0's own
+        wait (a collective's) used it up."""
+        node = self._node
+        return started + max(node.timeout_s, time.monotonic() - started + node.GRACE_S)
 
     def _answer(self, k: int, name: str, deadline: float):
         node = self._node

@@ -13,7 +13,6 @@ what the whole one does.
 from __future__ import annotations
 
 import ctypes
-
 import logging
 import sys
 
@@ -154,5 +153,5 @@ def keep_if_left_behind(core, *owners) -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(_LEFT_BEHIND))
         _core.set_leak_warnings(False)  # they are kept on purpose: no list of "leaked" instances at exit
     _LEFT_BEHIND.append((core, *owners))
-    print(f"llaisys: {stuck} rank(s) of the broken tensor-parallel group never returned from their last call; "
-          f"their model and KV cache stay allocated until the process exits", file=sys.stderr, flush=True)
+    _say(f"{stuck} rank(s) of the broken tensor-parallel group never returned from their last call; their model "
+         f"and KV cache stay allocated until the process exits", progress=True)
