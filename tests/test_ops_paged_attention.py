@@ -633,3 +633,51 @@ def test_cpu_query_heads_folded_together_same_bits_as_alone(heads):
     llaisys.ops.paged_attention(alone, batch.q, llaisys.tensor(kc), llaisys.tensor(vc), *batch.meta, hd ** -0.5,
                                 batch.max_q_len)
     np.testing.assert_array_equal(bits(llaisys.tensor(grouped)), bits(alone))
+
+
+# (qlens, kvlens, heads, window, dtype): the decode kernels' split partials at batch 1 (tens of chunks,
+# most of them empty at short lengths), a batch with padded rows, head dims 64/128 (the tensor-core kernel)
+# and 32/256 (the CUDA-core one), f32, GQA groups, a window, and a mixed step (its one-query launch)
+ARRIVED = [
+    ([1], [300], (16, 16, 128), 0, "bf16"),
+    ([1], [4000], (14, 2, 64), 0, "bf16"),
+    ([1, 0, 1, 1], [33, 0, 1500, 1], (12, 2, 128), 0, "f16"),
+    ([1], [2100], (4, 1, 256), 0, "bf16"),
+    ([1, 1], [700, 2500], (8, 2, 32), 0, "f32"),
+    ([1, 1], [900, 3000], (4, 1, 256), 512, "bf16"),
+    ([1, 5, 1], [1200, 400, 64], (12, 2, 128), 0, "bf16"),
+]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(len(ARRIVED)))
+def test_cuda_decode_merged_by_the_last_block_equals_the_combine_kernel(case, tmp_path):
+    """The decode kernels merge their split partials in the last block of each (sequence, kv head) to arrive
+    (merge_arrived): the same bits as the combine kernel after them (LLAISYS_PAGED_MERGE_ARRIVED=0, read once
+    per process: run in a child), within the float64 reference, and the same again on later launches (each
+    launch must leave its arrival counts at 0)."""
+    import subprocess
+    import sys
+    script = f"""
+import sys, numpy as np
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+from test_ops_paged_attention import ARRIVED, Batch
+from utils import to_f64
+qlens, kvlens, heads, window, dtype = ARRIVED[{case}]
+b = Batch(qlens, kvlens, 16, heads, dtype, "cuda", seed=21, window=window)
+outs = [to_f64(b.run(heads[2] ** -0.5)) for _ in range(3)]
+np.save(sys.argv[1], np.stack(outs))
+"""
+    results = {}
+    for merged in ("0", "1"):
+        path = tmp_path / f"out{merged}.npy"
+        env = dict(__import__("os").environ, LLAISYS_PAGED_MERGE_ARRIVED=merged)
+        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=300)
+        results[merged] = np.load(path)
+    qlens, kvlens, heads, window, dtype = ARRIVED[case]
+    b = Batch(qlens, kvlens, 16, heads, dtype, "cpu", seed=21, window=window)
+    for runs in results.values():
+        for out in runs:
+            np.testing.assert_array_equal(out, runs[0], err_msg="a later launch differs (counts left behind)")
+        assert_close(runs[0], b.expected(heads[2] ** -0.5), dtype)
+    np.testing.assert_array_equal(results["1"], results["0"])
