@@ -191,6 +191,15 @@ int register_linear_benchmarks() {
             benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, c).c_str(), bench_linear_cuda_graph, c,
                                          DType::BF16)->Unit(benchmark::kMicrosecond)->UseManualTime()
                 ->Iterations(kCudaIterations);
+    // The other families' decode projections at M = 1, replayed (issue 29's share of copy roofline): Pythia-1.4B's
+    // q/k/v (2048 -> 6144), dense, down (8192 -> 2048) and LM head; Gemma-3-1B's q/k/v (1152 -> 1536), o, down
+    // and LM head (1152 -> 262144)
+    for (const auto &[K, N] : std::vector<std::pair<int64_t, int64_t>>{
+             {2048, 6144}, {2048, 2048}, {8192, 2048}, {2048, 50304}, {1152, 1536}, {1024, 1152}, {6912, 1152},
+             {1152, 262144}})
+        benchmark::RegisterBenchmark(linear_name("cuda_graph", DType::BF16, LinearCase{1, K, N}).c_str(),
+                                     bench_linear_cuda_graph, LinearCase{1, K, N}, DType::BF16)
+            ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(kCudaIterations);
     for (const LinearCase &c : mlp) {
         if (c.epi == Epi::swiglu)
             benchmark::RegisterBenchmark(linear_name("cuda", DType::BF16, c).c_str(), bench_linear_cuda, c, DType::BF16)
