@@ -254,10 +254,15 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   done
 fi
 if has families; then # batch-1 decode of every family's real shape, random bf16 weights (share of copy roofline)
+  # FAMILY_ENVS: space-separated settings (VAR=value, or - for the default), each run back to back per shape (an A/B)
   for shape in ${FAMILY_SHAPES:-qwen2-0.5b qwen2-1.5b qwen3-0.6b llama-3.2-1b pythia-1.4b gemma-3-1b}; do
-    log "llaisys bench --shape $shape"
-    timeout ${T_MODEL:-150} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 --new-tokens 256 \
-      --json "$OUT/bench_$shape.json" 2>&1 | grep -v Warning | tail -4 | tee -a "$OUT/summary.txt"
+    for setting in ${FAMILY_ENVS:--}; do
+      vars=$setting; [ "$vars" = - ] && vars=
+      log "llaisys bench --shape $shape ${vars:-(default)}"
+      env $vars timeout ${T_MODEL:-150} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 \
+        --new-tokens 256 --json "$OUT/bench_${shape}_$(echo ${vars:-default} | tr -d ' =').json" 2>&1 | grep -v Warning |
+        tail -2 | tee -a "$OUT/summary.txt"
+    done
   done
 fi
 if has ab; then # A/B of the switches, no peers: default, LLAISYS_PDL=0, LLAISYS_FUSED=0

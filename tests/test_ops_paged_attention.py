@@ -649,35 +649,49 @@ ARRIVED = [
 ]
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", range(len(ARRIVED)))
-def test_cuda_decode_merged_by_the_last_block_equals_the_combine_kernel(case, tmp_path):
-    """The decode kernels merge their split partials in the last block of each (sequence, kv head) to arrive
-    (merge_arrived): the same bits as the combine kernel after them (LLAISYS_PAGED_MERGE_ARRIVED=0, read once
-    per process: run in a child), within the float64 reference, and the same again on later launches (each
-    launch must leave its arrival counts at 0)."""
-    import subprocess
-    import sys
-    script = f"""
+_ARRIVED_CHILD = """
 import sys, numpy as np
-sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+sys.path.insert(0, sys.argv[2])
 from test_ops_paged_attention import ARRIVED, Batch
 from utils import to_f64
-qlens, kvlens, heads, window, dtype = ARRIVED[{case}]
-b = Batch(qlens, kvlens, 16, heads, dtype, "cuda", seed=21, window=window)
-outs = [to_f64(b.run(heads[2] ** -0.5)) for _ in range(3)]
-np.save(sys.argv[1], np.stack(outs))
+outs = {}
+for i, (qlens, kvlens, heads, window, dtype) in enumerate(ARRIVED):
+    b = Batch(qlens, kvlens, 16, heads, dtype, "cuda", seed=21, window=window)
+    outs[f"case{i}"] = np.stack([to_f64(b.run(heads[2] ** -0.5)) for _ in range(3)])
+np.savez(sys.argv[1], **outs)
 """
-    results = {}
+
+
+@pytest.fixture(scope="module")
+def arrived_runs(tmp_path_factory):
+    """Every ARRIVED case run 3 times on CUDA in a child process, with the decode kernels merging their own
+    partials (LLAISYS_PAGED_MERGE_ARRIVED=1, the default) and with the combine kernel (=0): the knob is read
+    once per process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    runs = {}
     for merged in ("0", "1"):
-        path = tmp_path / f"out{merged}.npy"
-        env = dict(__import__("os").environ, LLAISYS_PAGED_MERGE_ARRIVED=merged)
-        subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=300)
-        results[merged] = np.load(path)
+        path = tmp_path_factory.mktemp("arrived") / f"out{merged}.npz"
+        env = dict(os.environ, LLAISYS_PAGED_MERGE_ARRIVED=merged)
+        subprocess.run([sys.executable, "-c", _ARRIVED_CHILD, str(path), str(Path(__file__).parent)], check=True,
+                       env=env, timeout=600)
+        runs[merged] = dict(np.load(path))
+    return runs
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", range(len(ARRIVED)))
+def test_cuda_decode_merged_by_the_last_block_equals_the_combine_kernel(case, arrived_runs):
+    """The decode kernels merge their split partials in the last block of each (sequence, kv head) to arrive
+    (merge_arrived): the same bits as the combine kernel after them, within the float64 reference, and the
+    same again on later launches (each launch must leave its arrival counts at 0)."""
     qlens, kvlens, heads, window, dtype = ARRIVED[case]
     b = Batch(qlens, kvlens, 16, heads, dtype, "cpu", seed=21, window=window)
-    for runs in results.values():
+    for merged in ("0", "1"):
+        runs = arrived_runs[merged][f"case{case}"]
         for out in runs:
             np.testing.assert_array_equal(out, runs[0], err_msg="a later launch differs (counts left behind)")
         assert_close(runs[0], b.expected(heads[2] ** -0.5), dtype)
-    np.testing.assert_array_equal(results["1"], results["0"])
+    np.testing.assert_array_equal(arrived_runs["1"][f"case{case}"], arrived_runs["0"][f"case{case}"])
