@@ -197,9 +197,10 @@ int register_attention_benchmarks() {
             ->Unit(benchmark::kMicrosecond)->UseManualTime()->Iterations(50);
         // 132 and 198 rows x 2 kv heads: one and 1.5 blocks an SM of an H200 (132 SMs), against 256's
         // 1.94 (the decode kernel's wave tail, issue 33)
+        // batch 1 up to 32768 keys: the decode kernels' own merge of tens to hundreds of chunks (merge_arrived)
         for (int64_t batch : {1, 64, 132, 198, 256})
-            for (int64_t context : {256, 512, 2048}) {
-                if (context == 256 && batch < 132) continue;
+            for (int64_t context : {256, 512, 2048, 8192, 32768}) {
+                if ((context == 256 && batch < 132) || (context > 2048 && batch > 1)) continue;
                 const PagedShape p{batch, context, nh, nkvh, hd};
                 const std::string name = "Attention/paged_decode/cuda/bf16/heads:" + std::to_string(nh) + "x" +
                                          std::to_string(nkvh) + "x" + std::to_string(hd) + "/batch:" +
