@@ -72,13 +72,10 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
     if (L.fused_qkv) {
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
         project_in(qkv, in, L.wqkv, L.bqkv, false);
-        if (config_.qk_norm) {
-            const Tensor heads = qkv.view({T, nh + 2 * nkvh, hd});
-            const Tensor qh = heads.slice(1, 0, nh), kh = heads.slice(1, nh, nh + nkvh);
-            ops::rms_norm(qh, qh, L.q_norm, config_.norm_eps);
-            ops::rms_norm(kh, kh, L.k_norm, config_.norm_eps);
-        }
-        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, L.inv_freq, b.slots);
+        // q/k norm (Qwen3, Gemma 3) inside the same launch: two norm launches a layer fewer, the same bits
+        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, L.inv_freq, b.slots,
+                            config_.qk_norm ? L.q_norm : Tensor(), config_.qk_norm ? L.k_norm : Tensor(),
+                            config_.norm_eps);
         return;
     }
     Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
