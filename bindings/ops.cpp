@@ -39,8 +39,11 @@ void bind_ops(nb::module_ &m) {
     }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), nb::arg("tanh_approx") = false,
           nb::kw_only(), nb::arg("constant_weight") = false, G());
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
-    o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
-          nb::arg("eps"), G());
+    o.def("add_rms_norm", [](const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight,
+                             float eps, const Tensor *x_weight) {
+        ops::add_rms_norm(out, residual, x, weight, eps, x_weight ? *x_weight : Tensor());
+    }, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::kw_only(),
+          nb::arg("x_weight") = nb::none(), G());
     o.def("rope", nb::overload_cast<const Tensor &, const Tensor &, const Tensor &, float>(&ops::rope), nb::arg("out"),
           nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
     o.def("rope_qkv_cache", [](const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,

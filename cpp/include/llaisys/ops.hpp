@@ -63,8 +63,12 @@ void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const
 // q/k norm as rms_norm(q, q, w, eps) on q = qkv.view({T, nh + 2 * nkvh, hd}).slice(1, 0, nh), w [hd]
 // (Qwen3, Gemma 3), with no copies; other layouts go through dense copies.
 void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps);
-// residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs.
-void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps);
+// residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs. With x_weight [D]
+// (Gemma's sandwich norm of a block's output): residual += rms_norm(x, x_weight) first (that norm rounded
+// to the dtype as rms_norm stores it), equal to rms_norm(t, x, x_weight, eps); add_rms_norm(out, residual, t,
+// weight, eps) bit for bit (on CUDA for a dense x).
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps,
+                  const Tensor &x_weight = Tensor());
 // Rotary embedding on x [seq, heads, head_dim] with positions pos_ids [seq] (i64/i32), non-interleaved
 // halves (HF convention). out may alias x.
 void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta);
