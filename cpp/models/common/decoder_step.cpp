@@ -177,6 +177,7 @@ void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, con
             add_norm(x, h, delta, Tensor(), w, bias, Tensor(), Tensor(), Tensor(), delta_w);
             return BlockIn{x, {}, {}, {}, nullptr};
         }
+        LLAISYS_CHECK(!delta_w.defined(), std::logic_error, "model: a sandwich norm inside the projections");
         if (!h_next.defined()) h_next = Tensor::empty({T, H}, dtype_, device_);
         BlockIn in{{}, h, delta, h_next, &w};
         std::swap(h, h_next);
