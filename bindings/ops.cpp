@@ -39,24 +39,33 @@ void bind_ops(nb::module_ &m) {
     }, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("bias") = nb::none(), nb::arg("tanh_approx") = false,
           nb::kw_only(), nb::arg("constant_weight") = false, G());
     o.def("rms_norm", &ops::rms_norm, nb::arg("out"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), G());
-    o.def("add_rms_norm", &ops::add_rms_norm, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"),
-          nb::arg("eps"), G());
+    o.def("add_rms_norm", [](const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight,
+                             float eps, const Tensor *x_weight) {
+        ops::add_rms_norm(out, residual, x, weight, eps, x_weight ? *x_weight : Tensor());
+    }, nb::arg("out"), nb::arg("residual"), nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::kw_only(),
+          nb::arg("x_weight") = nb::none(), G());
     o.def("rope", nb::overload_cast<const Tensor &, const Tensor &, const Tensor &, float>(&ops::rope), nb::arg("out"),
           nb::arg("x"), nb::arg("pos_ids"), nb::arg("theta"), G());
     o.def("rope_qkv_cache", [](const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                               const Tensor &pos_ids, float theta, const Tensor *slots) {
-        ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, theta, slots ? *slots : Tensor());
+                               const Tensor &pos_ids, float theta, const Tensor *slots, const Tensor *q_norm,
+                               const Tensor *k_norm, float eps) {
+        ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, theta, slots ? *slots : Tensor(),
+                            q_norm ? *q_norm : Tensor(), k_norm ? *k_norm : Tensor(), eps);
     }, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("qkv"), nb::arg("pos_ids"), nb::arg("theta"),
-          nb::arg("slots") = nb::none(), G());
+          nb::arg("slots") = nb::none(), nb::kw_only(), nb::arg("q_norm") = nb::none(), nb::arg("k_norm") = nb::none(),
+          nb::arg("eps") = 0.f, G());
     // RoPE from a frequency table (partial rotary, rope scaling): rope / rope_qkv_cache with a list of floats
     // in place of theta, and the table HF computes (rope_type "default", "linear" or "llama3").
     o.def("rope", nb::overload_cast<const Tensor &, const Tensor &, const Tensor &, const std::vector<float> &>(&ops::rope),
           nb::arg("out"), nb::arg("x"), nb::arg("pos_ids"), nb::arg("inv_freq"), G());
     o.def("rope_qkv_cache", [](const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                               const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor *slots) {
-        ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots ? *slots : Tensor());
+                               const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor *slots,
+                               const Tensor *q_norm, const Tensor *k_norm, float eps) {
+        ops::rope_qkv_cache(q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots ? *slots : Tensor(),
+                            q_norm ? *q_norm : Tensor(), k_norm ? *k_norm : Tensor(), eps);
     }, nb::arg("q_out"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("qkv"), nb::arg("pos_ids"),
-          nb::arg("inv_freq"), nb::arg("slots") = nb::none(), G());
+          nb::arg("inv_freq"), nb::arg("slots") = nb::none(), nb::kw_only(), nb::arg("q_norm") = nb::none(),
+          nb::arg("k_norm") = nb::none(), nb::arg("eps") = 0.f, G());
     o.def("kv_shift", &ops::kv_shift, nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("src"), nb::arg("dst"),
           nb::arg("delta"), nb::arg("inv_freq"), G());
     o.def("rope_inv_freq", [](float theta, int64_t rotary_dim, const std::string &rope_type, float factor,

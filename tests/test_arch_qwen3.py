@@ -25,6 +25,12 @@ def test_qwen3_gguf_greedy_equals_hf(tiny, tmp_path):
     arch_check.check_gguf_greedy(tiny, tmp_path, "qwen3")
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_qwen3_fused_projections_equal_unfused_on_cpu(tiny, dtype):
+    # the fused q/k/v path norms q and k inside rope_qkv_cache; the unfused one calls rms_norm
+    arch_check.check_fused_equals_unfused(tiny, dtype)
+
+
 @pytest.mark.cuda
 def test_cuda_bf16_close_to_hf_f32(tiny):
     arch_check.check_half(tiny, "cuda")

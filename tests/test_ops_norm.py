@@ -272,6 +272,76 @@ def test_add_rms_norm_nan_stays_in_its_row(device):
     assert_close(got_out[[0, 2]], ref_rms_norm(new_res[[0, 2]], wr, 1e-6), "bf16")
 
 
+# ---- add_rms_norm with x_weight (Gemma's sandwich norm folded into the residual add) --------------------
+
+
+def twins(shape, dtype, device, seed, layout):
+    """Two equal tensors laid out alike (CUDA picks its vector width, hence its summation order, by the
+    alignment, so the fused op and the two-op reference must see the same layout), and their float64 values."""
+    make = (lambda: unaligned(shape, dtype, device, seed)) if layout == "unaligned" else (
+        lambda: rand(shape, dtype, device, seed=seed, scale=3.0))
+    (a, ar), (b, _) = make(), make()
+    return a, b, ar
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+# Gemma 3 1B's hidden size; odd; short rows (a warp per row); long rows (a block per row; past 256 vectors)
+@pytest.mark.parametrize("shape", [(1, 1152), (7, 1152), (5, 19), (3, 48), (2, 3, 896), (1, 2304), (2, 8200)])
+@pytest.mark.parametrize("layout", ["dense", "unaligned"])
+def test_add_rms_norm_x_weight_equals_rms_norm_then_add_rms_norm(device, dtype, shape, layout):
+    eps, D = 1e-6, shape[-1]
+    res1, res2, _ = twins(shape, dtype, device, 31, layout)
+    x1, x2, _ = twins(shape, dtype, device, 32, layout)
+    w, _ = rand((D,), dtype, device, seed=33)
+    xw, _ = rand((D,), dtype, device, seed=34)
+    t = rms_norm(x1, xw, eps)
+    unfused, _ = add_rms_norm(res1, t, w, eps)
+    fused = poisoned(shape, dtype, device)
+    ops.add_rms_norm(fused, res2, x2, w, eps, x_weight=xw)
+    np.testing.assert_array_equal(bits(res2), bits(res1))
+    np.testing.assert_array_equal(bits(fused), bits(unfused))
+    np.testing.assert_array_equal(bits(x2), bits(x1))  # x is only read
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("D", [19, 1152])
+def test_add_rms_norm_x_weight_matches_reference(device, dtype, D):
+    eps, rows = 1e-6, 6
+    res, resr = rand((rows, D), dtype, device, seed=41, scale=4.0)
+    x, xr = rand((rows, D), dtype, device, seed=42, scale=10.0)
+    w, wr = rand((D,), dtype, device, seed=43)
+    xw, xwr = rand((D,), dtype, device, seed=44)
+    out = poisoned((rows, D), dtype, device)
+    ops.add_rms_norm(out, res, x, w, eps, x_weight=xw)
+    # the normed x is stored rounded before the add, the sum rounded before the norm reads it
+    new_res = round_to(resr + round_to(ref_rms_norm(xr, xwr, eps), dtype), dtype)
+    assert_close(res, new_res, dtype, atol=2 * TOL[dtype]["atol"], rtol=2 * TOL[dtype]["rtol"])
+    assert_close(out, ref_rms_norm(to_f64(res), wr, eps), dtype)
+
+
+def test_add_rms_norm_x_weight_errors():
+    x, _ = rand((4, 896), "f32")
+    w, _ = rand((896,), "f32")
+    out = poisoned((4, 896), "f32")
+    with pytest.raises(ValueError, match=r"add_rms_norm: x_weight must have shape \[896\], got \[512\]"):
+        ops.add_rms_norm(out, x.clone(), x, w, 1e-6, x_weight=rand((512,), "f32")[0])
+    with pytest.raises(TypeError, match="add_rms_norm: x_weight must have dtype f32 like the other operands, got bf16"):
+        ops.add_rms_norm(out, x.clone(), x, w, 1e-6, x_weight=rand((896,), "bf16")[0])
+    with pytest.raises(TypeError):  # keyword-only
+        ops.add_rms_norm(out, x.clone(), x, w, 1e-6, w)
+    assert np.isnan(to_f64(out)).all()
+
+
+@pytest.mark.cuda
+def test_add_rms_norm_x_weight_device_mismatch():
+    x, _ = rand((4, 896), "f32", "cuda")
+    w, _ = rand((896,), "f32", "cuda")
+    with pytest.raises(ValueError, match="add_rms_norm: all tensors must be on one device"):
+        ops.add_rms_norm(poisoned((4, 896), "f32", "cuda"), x.clone(), x, w, 1e-6, x_weight=rand((896,), "f32")[0])
+
+
 # ---- errors --------------------------------------------------------------------------------------------
 
 

@@ -318,3 +318,134 @@ def test_cuda_slot_out_of_range_raises_at_synchronize():
     assert np.isnan(to_f64(q)[1]).all() and not np.isnan(to_f64(q)[[0, 2]]).any()
     with pytest.raises(ValueError, match="rope_qkv_cache: all tensors must be on one device"):
         ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, llaisys.tensor(np.array([1, 0, 3])))
+
+
+# ---- q_norm / k_norm: Qwen3 / Gemma 3 q/k RMSNorm in the same launch ----
+
+# (nh, nkvh, hd): Gemma 3 1B, Qwen3, hd > 64 but not a multiple of 32, hd <= 64, one pair, odd hd (partial only)
+NORM_SHAPES = [(4, 1, 256), (16, 8, 128), (2, 1, 80), (3, 2, 48), (3, 1, 2), (3, 2, 5)]
+
+
+def norm_args(nh, nkvh, hd, tokens, dtype, device, layout, rotary, seed):
+    """(qkv twins of one layout, q_norm, k_norm, table): two equal qkv tensors laid out alike (CUDA's
+    summation order depends on the alignment, so the reference must see the same one), weights around 1,
+    and theta 1e6 or a partial table (rotary dims 2 * (hd // 4), odd hd allowed)."""
+    width = (nh + 2 * nkvh) * hd
+    twins = []
+    for _ in range(2):
+        if layout == "aligned":  # rows 16-byte aligned, row stride width + 16
+            buf, bufr = rand((tokens, width + 16), dtype, device, seed=seed, scale=3.0)
+            twins.append((buf.slice(1, 0, width), bufr[:, :width]))
+        else:  # one element in, row stride width + 3: the unvectorised paths on CUDA
+            buf, bufr = rand((tokens, width + 3), dtype, device, seed=seed, scale=3.0)
+            twins.append((buf.slice(1, 1, width + 1), bufr[:, 1: width + 1]))
+    rng = np.random.default_rng(seed + 1)
+    wq, wk = (rng.uniform(0.5, 1.5, hd).astype(NP_DTYPE[dtype]) for _ in range(2))
+    table = 1e6 if rotary == "full" else ops.rope_inv_freq(1e6, 2 * max(1, hd // 4))
+    return twins, (llaisys.tensor(wq, device), wq.astype(np.float64)), (llaisys.tensor(wk, device),
+                                                                          wk.astype(np.float64)), table
+
+
+def table_f64(table, hd):
+    return inv_freq_f32(table, hd) if not isinstance(table, list) else np.asarray(table, np.float32)
+
+
+def ref_rope_table(x, pos, inv):
+    """ref_rope with an explicit (possibly partial) f32 table: the first 2r dims turn, the rest pass."""
+    r = len(inv)
+    angle = (np.asarray(pos).astype(np.float32)[:, None] * inv[None, :]).astype(np.float64)
+    c, s = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]
+    x1, x2 = x[..., :r], x[..., r: 2 * r]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * r:]], axis=-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nh,nkvh,hd", NORM_SHAPES)
+@pytest.mark.parametrize("tokens", [1, 9])
+@pytest.mark.parametrize("layout", ["aligned", "unaligned"])
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_qk_norm_equals_rms_norm_then_rope_qkv_cache_exactly(device, dtype, nh, nkvh, hd, tokens, layout, rotary,
+                                                             paged):
+    if hd % 2 and rotary == "full":
+        pytest.skip("the theta overload takes an even head_dim")
+    eps, capacity = 1e-6, 40
+    twins, (wq, _), (wk, _), table = norm_args(nh, nkvh, hd, tokens, dtype, device, layout, rotary, seed=hd + tokens)
+    (qkv1, _), (qkv2, _) = twins
+    p = positions(tokens, capacity, seed=tokens)
+    pos = llaisys.tensor(p, device)
+    slots = llaisys.tensor(positions(tokens, capacity, seed=tokens + 5).astype(np.int32), device) if paged else None
+    base, _ = rand((capacity, nkvh, hd), dtype, device, seed=3)
+
+    heads = qkv1.view(tokens, nh + 2 * nkvh, hd)
+    qh, kh = heads.slice(1, 0, nh), heads.slice(1, nh, nh + nkvh)
+    ops.rms_norm(qh, qh, wq, eps)
+    ops.rms_norm(kh, kh, wk, eps)
+    q1, k1, v1 = poisoned((tokens, nh, hd), dtype, device), base.clone(), base.clone()
+    ops.rope_qkv_cache(q1, k1, v1, qkv1, pos, table, slots)
+
+    q2, k2, v2 = poisoned((tokens, nh, hd), dtype, device), base.clone(), base.clone()
+    ops.rope_qkv_cache(q2, k2, v2, qkv2, pos, table, slots, q_norm=wq, k_norm=wk, eps=eps)
+    for name, unfused, fused in [("q", q1, q2), ("k_cache", k1, k2), ("v_cache", v1, v2)]:
+        a, b = bits(fused), bits(unfused)
+        assert np.array_equal(a, b), f"{name}: {np.count_nonzero(a != b)} elements differ from rms_norm + rope_qkv_cache"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("nh,nkvh,hd", [(4, 1, 256), (3, 2, 5)])
+def test_qk_norm_matches_reference_and_leaves_k_and_v_in_qkv(device, dtype, nh, nkvh, hd):
+    """Against float64 rms_norm then RoPE; q_out is qkv's own q part (in place): qkv's k and v heads stay."""
+    tokens, capacity, eps = 7, 20, 1e-6
+    twins, (wq, wqr), (wk, wkr), table = norm_args(nh, nkvh, hd, tokens, dtype, device, "aligned", "partial", seed=51)
+    qkv, qkvr = twins[0]
+    k, kr, v, vr = make_caches(capacity, nkvh, hd, dtype, device, "dense", seed=52)
+    p = positions(tokens, capacity, seed=53)
+    ops.rope_qkv_cache(qkv.slice(1, 0, nh * hd).view(tokens, nh, hd), k, v, qkv, llaisys.tensor(p, device), table,
+                       q_norm=wq, k_norm=wk, eps=eps)
+    x = qkvr.reshape(tokens, nh + 2 * nkvh, hd)
+
+    def normed(h, w):
+        return h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * w
+
+    inv = table_f64(table, hd)
+    k_want, v_want = kr.copy(), vr.copy()
+    k_want[p] = ref_rope_table(normed(x[:, nh: nh + nkvh], wkr), p, inv)
+    v_want[p] = x[:, nh + nkvh:]
+    got = to_f64(qkv)
+    # bf16's rounding of the normed head before the rotation, then of the result: two roundings' worth
+    assert_close(got[:, : nh * hd], ref_rope_table(normed(x[:, :nh], wqr), p, inv).reshape(tokens, -1), dtype)
+    np.testing.assert_array_equal(got[:, nh * hd:], qkvr[:, nh * hd:])
+    check_caches(k, v, k_want, v_want, kr, p, dtype)
+
+
+def test_qk_norm_errors():
+    q, k, v, qkv, pos = small_args()
+    w = rand((4,))[0]
+    op = ops.rope_qkv_cache
+    with pytest.raises(ValueError, match="rope_qkv_cache: q_norm and k_norm must be given together"):
+        op(q, k, v, qkv, pos, 1e4, q_norm=w, eps=1e-6)
+    with pytest.raises(ValueError, match="rope_qkv_cache: q_norm and k_norm must be given together"):
+        op(q, k, v, qkv, pos, [1.0], k_norm=w, eps=1e-6)
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: k_norm must have shape \[4\], got \[5\]"):
+        op(q, k, v, qkv, pos, 1e4, q_norm=w, k_norm=rand((5,))[0], eps=1e-6)
+    with pytest.raises(ValueError, match=r"rope_qkv_cache: q_norm must have shape \[4\], got \[1, 4\]"):
+        op(q, k, v, qkv, pos, [1.0], q_norm=rand((1, 4))[0], k_norm=w, eps=1e-6)
+    with pytest.raises(TypeError, match="rope_qkv_cache: q_norm must have dtype f32 like the other operands, got bf16"):
+        op(q, k, v, qkv, pos, 1e4, q_norm=rand((4,), "bf16")[0], k_norm=w, eps=1e-6)
+    for eps in [-1e-6, float("nan"), float("inf")]:
+        with pytest.raises(ValueError, match="rope_qkv_cache: eps must be finite and >= 0"):
+            op(q, k, v, qkv, pos, 1e4, q_norm=w, k_norm=w, eps=eps)
+    with pytest.raises(TypeError):  # keyword-only: slots is the last positional argument
+        op(q, k, v, qkv, pos, 1e4, None, w, w, 1e-6)
+    # nothing was written by a refused call
+    assert np.isnan(to_f64(q)).all()
+
+
+@pytest.mark.cuda
+def test_cuda_qk_norm_device_mismatch():
+    q, k, v, qkv, pos = small_args(device="cuda")
+    w = rand((4,), device="cuda")[0]
+    with pytest.raises(ValueError, match="rope_qkv_cache: all tensors must be on one device"):
+        ops.rope_qkv_cache(q, k, v, qkv, pos, 1e4, q_norm=rand((4,))[0], k_norm=w, eps=1e-6)

@@ -5,7 +5,12 @@ the tensors' device, enqueues on its current stream and never synchronizes. Sema
 in cpp/include/llaisys/ops.hpp; :mod:`llaisys.functional` has forms that allocate the output.
 
 ``rope_qkv_cache`` takes an optional ``slots`` (the cache rows of the tokens in a paged cache viewed
-as ``[num_blocks * block_size, nkvh, hd]``; by default the rows are the positions).
+as ``[num_blocks * block_size, nkvh, hd]``; by default the rows are the positions), and keyword-only
+``q_norm``, ``k_norm`` (``[hd]`` weights, both or neither) and ``eps``: each q and k head is rms-normed
+first, in the same launch, exactly as ``rms_norm`` on the head views would (Qwen3 / Gemma 3 q/k norm).
+
+``add_rms_norm`` takes a keyword-only ``x_weight`` (``[D]``): ``residual += rms_norm(x, x_weight)`` before the
+norm, exactly as ``rms_norm`` then ``add_rms_norm`` would (Gemma 3's sandwich norms).
 
 ``rope`` and ``rope_qkv_cache`` take either ``theta`` or a frequency table ``inv_freq`` (a list of floats,
 r <= head_dim / 2 of them: the first 2r dims of each head turn, the rest pass through, as GPT-NeoX's

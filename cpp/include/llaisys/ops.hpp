@@ -63,8 +63,12 @@ void linear_gelu(const Tensor &out, const Tensor &x, const Tensor &weight, const
 // q/k norm as rms_norm(q, q, w, eps) on q = qkv.view({T, nh + 2 * nkvh, hd}).slice(1, 0, nh), w [hd]
 // (Qwen3, Gemma 3), with no copies; other layouts go through dense copies.
 void rms_norm(const Tensor &out, const Tensor &x, const Tensor &weight, float eps);
-// residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs.
-void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps);
+// residual += x; out = rms_norm(residual). The residual-add fusion the decoder layer needs. With x_weight [D]
+// (Gemma's sandwich norm of a block's output): residual += rms_norm(x, x_weight) first (that norm rounded
+// to the dtype as rms_norm stores it), equal to rms_norm(t, x, x_weight, eps); add_rms_norm(out, residual, t,
+// weight, eps) bit for bit (on CUDA for a dense x).
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps,
+                  const Tensor &x_weight = Tensor());
 // Rotary embedding on x [seq, heads, head_dim] with positions pos_ids [seq] (i64/i32), non-interleaved
 // halves (HF convention). out may alias x.
 void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta);
@@ -76,8 +80,13 @@ void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, float theta
 // with slots[t] = block * block_size + offset, while RoPE still turns by pos_ids[t]. Equals rope + rope +
 // index_copy + index_copy bit for bit; q_out may be qkv's q part. A row outside [0, capacity) writes
 // nothing for its token and raises (on CUDA at the next synchronize).
+// Qwen3 / Gemma 3 q/k norm in the same launch: with q_norm and k_norm [hd] (both or neither; qkv's dtype and
+// device), each q and k head is first rms_norm'ed over hd with its weight and eps and rounded to the dtype,
+// then turned: equal to rms_norm(qh, qh, q_norm, eps); rms_norm(kh, kh, k_norm, eps); rope_qkv_cache(...) on
+// the head views of qkv bit for bit (qkv's k heads are left as they were). v heads are never normed.
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, float theta, const Tensor &slots = Tensor());
+                    const Tensor &pos_ids, float theta, const Tensor &slots = Tensor(),
+                    const Tensor &q_norm = Tensor(), const Tensor &k_norm = Tensor(), float eps = 0.f);
 // RoPE from an explicit frequency table (partial rotary, scaled frequencies). inv_freq [r] (host floats,
 // 1 <= r <= head_dim / 2, finite): rotates the first rotary_dim = 2r dims of each head as the pairs
 // (i, i + r), i < r, by the f32 angle float(pos) * inv_freq[i] (HF's rotate_half on x[..., :rotary_dim]);
@@ -88,7 +97,8 @@ void rope(const Tensor &out, const Tensor &x, const Tensor &pos_ids, const std::
 // rope_qkv_cache (above) with the table of rope(..., inv_freq): q and k heads turn their first 2r dims, the
 // rest of each q head goes to q_out and of each k head to the cache unchanged.
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots = Tensor());
+                    const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots = Tensor(),
+                    const Tensor &q_norm = Tensor(), const Tensor &k_norm = Tensor(), float eps = 0.f);
 // StreamingLLM's K-shift on a paged cache viewed as rows [capacity, nkvh, hd] (contiguous last dims): for
 // each i, k_cache[dst[i]] = k_cache[src[i]] turned by the f32 angles float(delta) * inv_freq (rope's own
 // rotation of the first 2r dims; the rest copied), v_cache[dst[i]] = v_cache[src[i]]. RoPE is a pure

@@ -85,8 +85,7 @@ private:
     void norm(const Tensor &out, const Tensor &x, const Tensor &w, const Tensor &b);
     void add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2, const Tensor &w,
                   const Tensor &b, const Tensor &out2 = Tensor(), const Tensor &w2 = Tensor(),
-                  const Tensor &b2 = Tensor());
-    Tensor normed(const Tensor &x, const Tensor &w); // a sandwich norm of a block's output, in a new tensor
+                  const Tensor &b2 = Tensor(), const Tensor &delta_w = Tensor());
     void forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv);
     void forward_parallel(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv);
     Tensor attention(int layer, const BlockIn &in, const StepBatch &batch, const KVView &kv);

@@ -47,19 +47,17 @@ void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Te
 }
 
 // h += delta (+ delta2); out = norm(h): one pass (LayerNorm: out2 = norm(h) with w2, b2 in the same one).
+// delta_w (Gemma's sandwich norm of the block that gave delta): h += rms_norm(delta, delta_w) in that pass.
 void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2,
-                       const Tensor &w, const Tensor &b, const Tensor &out2, const Tensor &w2, const Tensor &b2) {
-    if (config_.norm == NormKind::layer)
+                       const Tensor &w, const Tensor &b, const Tensor &out2, const Tensor &w2, const Tensor &b2,
+                       const Tensor &delta_w) {
+    if (config_.norm == NormKind::layer) {
+        LLAISYS_CHECK(!delta_w.defined(), std::logic_error, "model: a sandwich norm is an RMSNorm fusion");
         return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps, out2, w2, b2);
+    }
     LLAISYS_CHECK(!out2.defined(), std::logic_error, "model: a second norm output is a LayerNorm fusion");
-    ops::add_rms_norm(out, h, delta, w, config_.norm_eps);
+    ops::add_rms_norm(out, h, delta, w, config_.norm_eps, delta_w);
     if (delta2.defined()) ops::add_rms_norm(out, h, delta2, w, config_.norm_eps); // (no family needs this today)
-}
-
-Tensor Decoder::normed(const Tensor &x, const Tensor &w) {
-    Tensor out = Tensor::empty(x.shape(), dtype_, device_);
-    ops::rms_norm(out, x, w, config_.norm_eps);
-    return out;
 }
 
 // q [T, nh, hd] = rope(q-projection), this step's keys/values to the cache: one fused kernel when q/k/v are
@@ -72,13 +70,10 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
     if (L.fused_qkv) {
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
         project_in(qkv, in, L.wqkv, L.bqkv, false);
-        if (config_.qk_norm) {
-            const Tensor heads = qkv.view({T, nh + 2 * nkvh, hd});
-            const Tensor qh = heads.slice(1, 0, nh), kh = heads.slice(1, nh, nh + nkvh);
-            ops::rms_norm(qh, qh, L.q_norm, config_.norm_eps);
-            ops::rms_norm(kh, kh, L.k_norm, config_.norm_eps);
-        }
-        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, L.inv_freq, b.slots);
+        // q/k norm (Qwen3, Gemma 3) inside the same launch: two norm launches a layer fewer, the same bits
+        ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, L.inv_freq, b.slots,
+                            config_.qk_norm ? L.q_norm : Tensor(), config_.qk_norm ? L.k_norm : Tensor(),
+                            config_.norm_eps);
         return;
     }
     Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
@@ -168,17 +163,21 @@ Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
     return out;
 }
 
-// Serial residual: h += attn(norm(h)); h += mlp(norm(h)) (Gemma: each block's output normed again first).
+// Serial residual: h += attn(norm(h)); h += mlp(norm(h)) (Gemma: each block's output normed again first,
+// inside the add_rms_norm that adds it: a launch less per block).
 void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv) {
     const int64_t T = b.num_tokens(), H = config_.hidden_size;
     Tensor h_next; // where a norm inside the projections writes the residual (it reads h meanwhile)
-    Tensor mlp_out;
-    // x = norm(h += delta) ahead of a block, or left to the block's projections; then h is h_next.
-    const auto block_in = [&](const Layer &L, const Tensor &delta, const Tensor &w, const Tensor &bias) {
+    Tensor mlp_out, mlp_post; // the last MLP's output and its sandwich norm (undefined without)
+    // x = norm(h += delta) ahead of a block, or left to the block's projections; then h is h_next. delta_w:
+    // delta's sandwich norm (never with a norm in the projections: norm_in_projections excludes sandwich norms).
+    const auto block_in = [&](const Layer &L, const Tensor &delta, const Tensor &w, const Tensor &bias,
+                              const Tensor &delta_w) {
         if (!norm_in_projections(L, T)) {
-            add_norm(x, h, delta, Tensor(), w, bias);
+            add_norm(x, h, delta, Tensor(), w, bias, Tensor(), Tensor(), Tensor(), delta_w);
             return BlockIn{x, {}, {}, {}, nullptr};
         }
+        LLAISYS_CHECK(!delta_w.defined(), std::logic_error, "model: a sandwich norm inside the projections");
         if (!h_next.defined()) h_next = Tensor::empty({T, H}, dtype_, device_);
         BlockIn in{{}, h, delta, h_next, &w};
         std::swap(h, h_next);
@@ -188,13 +187,13 @@ void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, con
         const Layer &L = layers_[size_t(l)];
         BlockIn in{x, {}, {}, {}, nullptr};
         if (l == 0) norm(x, h, L.attn_norm, L.attn_norm_bias);
-        else in = block_in(L, mlp_out, L.attn_norm, L.attn_norm_bias);
-        Tensor attn_out = attention(l, in, b, kv);
-        if (config_.sandwich_norm) attn_out = normed(attn_out, L.post_attn_norm);
-        mlp_out = mlp(l, block_in(L, attn_out, L.mlp_norm, L.mlp_norm_bias));
-        if (config_.sandwich_norm) mlp_out = normed(mlp_out, L.post_mlp_norm);
+        else in = block_in(L, mlp_out, L.attn_norm, L.attn_norm_bias, mlp_post);
+        const Tensor attn_out = attention(l, in, b, kv);
+        mlp_out = mlp(l, block_in(L, attn_out, L.mlp_norm, L.mlp_norm_bias,
+                                  config_.sandwich_norm ? L.post_attn_norm : Tensor()));
+        mlp_post = config_.sandwich_norm ? L.post_mlp_norm : Tensor();
     }
-    add_norm(x, h, mlp_out, Tensor(), final_norm_, final_norm_bias_);
+    add_norm(x, h, mlp_out, Tensor(), final_norm_, final_norm_bias_, Tensor(), Tensor(), Tensor(), mlp_post);
 }
 
 // Parallel residual (GPT-NeoX): h += attn(ln1(h)) + mlp(ln2(h)); the two adds and the next layer's two

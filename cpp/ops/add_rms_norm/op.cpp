@@ -6,20 +6,27 @@
 
 namespace llaisys::ops {
 
-void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps) {
+void add_rms_norm(const Tensor &out, const Tensor &residual, const Tensor &x, const Tensor &weight, float eps,
+                  const Tensor &x_weight) {
     constexpr const char *op = "add_rms_norm";
     detail::check_rms_norm_args(op, out, x, weight, eps);
     detail::check_defined(op, "residual", residual);
     detail::check_on_device(op, x.device(), residual);
     detail::check_same_dtype(op, "residual", residual, x);
     detail::check_shape(op, "residual", residual, x.shape());
+    if (x_weight.defined()) {
+        detail::check_on_device(op, x.device(), x_weight);
+        detail::check_same_dtype(op, "x_weight", x_weight, x);
+        detail::check_shape(op, "x_weight", x_weight, {x.shape().back()});
+    }
     if (x.numel() == 0) return;
     const Tensor xc = x.contiguous(), wc = weight.contiguous();
+    const Tensor xwc = x_weight.defined() ? x_weight.contiguous() : Tensor();
     // residual is updated in place: a strided one is worked on as a dense copy and written back.
     const Tensor rc = residual.contiguous();
     detail::with_contiguous_out(out, [&](const Tensor &dst) {
-        LLAISYS_DEVICE_DISPATCH(op, dst.device(), cpu::add_rms_norm(dst, rc, xc, wc, eps),
-                                cuda::add_rms_norm(dst, rc, xc, wc, eps));
+        LLAISYS_DEVICE_DISPATCH(op, dst.device(), cpu::add_rms_norm(dst, rc, xc, wc, eps, xwc),
+                                cuda::add_rms_norm(dst, rc, xc, wc, eps, xwc));
     });
     if (!residual.is_contiguous()) Tensor(residual).copy_(rc);
 }

@@ -5,6 +5,7 @@
 #include "ops/common/rope_table.hpp"
 
 #include <cmath>
+#include <utility>
 
 namespace llaisys::ops {
 
@@ -41,16 +42,36 @@ static void check_rope_qkv_cache_args(const char *op, const Tensor &q_out, const
                   ": k_cache and v_cache must have a contiguous last dim");
 }
 
-// rope_qkv_cache with a checked table: inv_freq [r], 1 <= r <= head_dim / 2.
+// The optional q/k norm: both weights or neither, each [head_dim] of qkv's dtype on its device, eps as
+// rms_norm takes it.
+static void check_qk_norm_args(const char *op, const Tensor &qkv, int64_t hd, const Tensor &q_norm,
+                               const Tensor &k_norm, float eps) {
+    LLAISYS_CHECK(q_norm.defined() == k_norm.defined(), std::invalid_argument, op,
+                  ": q_norm and k_norm must be given together (or neither)");
+    if (!q_norm.defined()) return;
+    for (const auto &[name, w] : {std::pair<const char *, const Tensor &>{"q_norm", q_norm}, {"k_norm", k_norm}}) {
+        detail::check_on_device(op, qkv.device(), w);
+        detail::check_same_dtype(op, name, w, qkv);
+        detail::check_shape(op, name, w, {hd});
+    }
+    LLAISYS_CHECK(eps >= 0.f && std::isfinite(eps), std::invalid_argument, op,
+                  ": eps must be finite and >= 0, got ", eps);
+}
+
+// rope_qkv_cache with a checked table: inv_freq [r], 1 <= r <= head_dim / 2, and checked norm weights.
 static void rope_qkv_cache_table(const char *op, const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache,
                                  const Tensor &qkv, const Tensor &pos_ids, const std::vector<float> &inv_freq,
-                                 const Tensor &slots) {
+                                 const Tensor &slots, const Tensor &q_norm, const Tensor &k_norm, float eps) {
     if (qkv.size(0) == 0) return;
     const Tensor x = qkv.stride(1) == 1 ? qkv : qkv.contiguous();
     const Tensor pc = pos_ids.contiguous(), sc = slots.defined() ? slots.contiguous() : Tensor();
+    // contiguous weights, as rms_norm reads them (its CUDA vector width depends on their alignment)
+    const Tensor qn = q_norm.defined() ? q_norm.contiguous() : Tensor();
+    const Tensor kn = k_norm.defined() ? k_norm.contiguous() : Tensor();
     auto run = [&](const Tensor &q) {
-        LLAISYS_DEVICE_DISPATCH(op, q.device(), cpu::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq),
-                                cuda::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq));
+        LLAISYS_DEVICE_DISPATCH(op, q.device(),
+                                cpu::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq, qn, kn, eps),
+                                cuda::rope_qkv_cache(q, k_cache, v_cache, x, pc, sc, inv_freq, qn, kn, eps));
     };
     if (q_out.stride(2) == 1) return run(q_out);
     Tensor tmp = q_out.contiguous(); // holds q_out's values: a token that writes nothing leaves them as they were
@@ -59,25 +80,30 @@ static void rope_qkv_cache_table(const char *op, const Tensor &q_out, const Tens
 }
 
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, float theta, const Tensor &slots) {
+                    const Tensor &pos_ids, float theta, const Tensor &slots, const Tensor &q_norm,
+                    const Tensor &k_norm, float eps) {
     constexpr const char *op = "rope_qkv_cache";
     check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, slots);
     const int64_t hd = q_out.size(2);
+    check_qk_norm_args(op, qkv, hd, q_norm, k_norm, eps);
     LLAISYS_CHECK(hd % 2 == 0, std::invalid_argument, op, ": head_dim must be even, got ", hd);
     LLAISYS_CHECK(theta > 0.f && std::isfinite(theta), std::invalid_argument, op,
                   ": theta must be finite and > 0, got ", theta);
     LLAISYS_CHECK(qkv.device().is_cpu() || hd <= kRopeMaxCudaHeadDim, std::invalid_argument, op, ": head_dim ", hd,
                   " is not supported on CUDA (at most ", kRopeMaxCudaHeadDim, ")");
     if (qkv.size(0) == 0) return;
-    rope_qkv_cache_table(op, q_out, k_cache, v_cache, qkv, pos_ids, detail::rope_inv_freq(theta, hd), slots);
+    rope_qkv_cache_table(op, q_out, k_cache, v_cache, qkv, pos_ids, detail::rope_inv_freq(theta, hd), slots, q_norm,
+                         k_norm, eps);
 }
 
 void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_cache, const Tensor &qkv,
-                    const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots) {
+                    const Tensor &pos_ids, const std::vector<float> &inv_freq, const Tensor &slots,
+                    const Tensor &q_norm, const Tensor &k_norm, float eps) {
     constexpr const char *op = "rope_qkv_cache";
     check_rope_qkv_cache_args(op, q_out, k_cache, v_cache, qkv, pos_ids, slots);
     detail::check_inv_freq(op, inv_freq, q_out.size(2), qkv.device());
-    rope_qkv_cache_table(op, q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots);
+    check_qk_norm_args(op, qkv, q_out.size(2), q_norm, k_norm, eps);
+    rope_qkv_cache_table(op, q_out, k_cache, v_cache, qkv, pos_ids, inv_freq, slots, q_norm, k_norm, eps);
 }
 
 } // namespace llaisys::ops
