@@ -120,6 +120,40 @@ def check_fused_equals_unfused(path: str, dtype: str = "f32") -> None:
     assert fused_tokens == plain_tokens
 
 
+_KNOB_CHILD = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[4])
+from arch_check import norm_fusion_run
+np.savez(sys.argv[1], **norm_fusion_run(sys.argv[2], sys.argv[3]))
+"""
+
+
+def norm_fusion_run(path: str, device: str) -> dict:
+    """bf16 logits (score) and greedy tokens of the fused-projection model on `device` (the path where the q/k
+    norms go into rope_qkv_cache and the sandwich norms into add_rms_norm)."""
+    with Engine(path, device=device, dtype="bf16", progress=False, fused_projections=True) as eng:
+        ids = prompt(eng.config.vocab_size, 33, seed=5)
+        prompts = [prompt(eng.config.vocab_size, k, seed=k) for k in (6, 13)]
+        outs = eng.generate(prompts, max_new_tokens=12, temperature=0, ignore_eos=True)
+        return {"logits": eng.score(ids), "tokens": np.array([o.token_ids for o in outs])}
+
+
+def check_norm_fusion_knob(path: str, device: str, tmp_path) -> None:
+    """The norms fused into rope_qkv_cache and add_rms_norm (the default) give the logits and tokens of the
+    separate norm launches (LLAISYS_NORM_FUSED=0, read once per process: run in a child) bit for bit."""
+    import subprocess
+    import sys
+    runs = {}
+    for knob in ("0", "1"):
+        out = tmp_path / f"knob{knob}.npz"
+        env = dict(os.environ, LLAISYS_NORM_FUSED=knob)
+        subprocess.run([sys.executable, "-c", _KNOB_CHILD, str(out), path, device, os.path.dirname(__file__)],
+                       check=True, env=env, timeout=600)
+        runs[knob] = np.load(out)
+    np.testing.assert_array_equal(runs["1"]["logits"].view(np.uint32), runs["0"]["logits"].view(np.uint32))
+    np.testing.assert_array_equal(runs["1"]["tokens"], runs["0"]["tokens"])
+
+
 def _permute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf LlamaModel.permute: HF's rotate-half rows to its interleaved layout."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -63,6 +63,11 @@ def test_gemma3_fused_projections_equal_unfused_on_cpu(tiny, dtype):
     arch_check.check_fused_equals_unfused(tiny, dtype)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gemma3_norms_fused_equal_separate_launches(tiny, device, tmp_path):
+    arch_check.check_norm_fusion_knob(tiny, device, tmp_path)
+
+
 @pytest.mark.cuda
 def test_cuda_bf16_close_to_hf_f32(tiny):
     arch_check.check_half(tiny, "cuda")

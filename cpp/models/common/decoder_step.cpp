@@ -6,6 +6,8 @@
 #include "models/common/decoder.hpp"
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 namespace llaisys::models {
 
@@ -46,6 +48,16 @@ void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Te
     else ops::rms_norm(out, x, w, config_.norm_eps);
 }
 
+// Whether the q/k norms run inside rope_qkv_cache and the sandwich norms inside add_rms_norm (one launch each
+// instead of two, the same bits): on unless LLAISYS_NORM_FUSED=0 (an A/B knob, read once).
+static bool norms_fused() {
+    static const bool on = [] {
+        const char *e = std::getenv("LLAISYS_NORM_FUSED");
+        return e == nullptr || std::string(e) != "0";
+    }();
+    return on;
+}
+
 // h += delta (+ delta2); out = norm(h): one pass (LayerNorm: out2 = norm(h) with w2, b2 in the same one).
 // delta_w (Gemma's sandwich norm of the block that gave delta): h += rms_norm(delta, delta_w) in that pass.
 void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2,
@@ -56,7 +68,13 @@ void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, 
         return ops::add_layer_norm(out, h, delta, delta2, w, b, config_.norm_eps, out2, w2, b2);
     }
     LLAISYS_CHECK(!out2.defined(), std::logic_error, "model: a second norm output is a LayerNorm fusion");
-    ops::add_rms_norm(out, h, delta, w, config_.norm_eps, delta_w);
+    if (delta_w.defined() && !norms_fused()) {
+        Tensor normed = Tensor::empty(delta.shape(), dtype_, device_);
+        ops::rms_norm(normed, delta, delta_w, config_.norm_eps);
+        ops::add_rms_norm(out, h, normed, w, config_.norm_eps);
+    } else {
+        ops::add_rms_norm(out, h, delta, w, config_.norm_eps, delta_w);
+    }
     if (delta2.defined()) ops::add_rms_norm(out, h, delta2, w, config_.norm_eps); // (no family needs this today)
 }
 
@@ -71,9 +89,15 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
         project_in(qkv, in, L.wqkv, L.bqkv, false);
         // q/k norm (Qwen3, Gemma 3) inside the same launch: two norm launches a layer fewer, the same bits
+        const bool inside = config_.qk_norm && norms_fused();
+        if (config_.qk_norm && !inside) {
+            const Tensor heads = qkv.view({T, nh + 2 * nkvh, hd});
+            const Tensor qh = heads.slice(1, 0, nh), kh = heads.slice(1, nh, nh + nkvh);
+            ops::rms_norm(qh, qh, L.q_norm, config_.norm_eps);
+            ops::rms_norm(kh, kh, L.k_norm, config_.norm_eps);
+        }
         ops::rope_qkv_cache(q, kv.key_rows(l), kv.value_rows(l), qkv, b.pos, L.inv_freq, b.slots,
-                            config_.qk_norm ? L.q_norm : Tensor(), config_.qk_norm ? L.k_norm : Tensor(),
-                            config_.norm_eps);
+                            inside ? L.q_norm : Tensor(), inside ? L.k_norm : Tensor(), config_.norm_eps);
         return;
     }
     Tensor k = Tensor::empty({T, nkvh, hd}, dtype_, device_), v = Tensor::empty({T, nkvh, hd}, dtype_, device_);
