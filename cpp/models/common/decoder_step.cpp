@@ -49,17 +49,21 @@ void Decoder::norm(const Tensor &out, const Tensor &x, const Tensor &w, const Te
 }
 
 // Whether the q/k norms run inside rope_qkv_cache and the sandwich norms inside add_rms_norm (one launch each
-// instead of two, the same bits): on unless LLAISYS_NORM_FUSED=0 (an A/B knob, read once).
+// instead of two, the same bits): only with LLAISYS_NORM_FUSED=1 (read once). Off by default: on an H200 the
+// fused kernels took less device time (Gemma-3-1B, PDL off: 70 us a step less, 352 -> 222 launches), but the
+// one same-call A/B of batch-1 decode (PDL on, one run each) had both models slower fused (Gemma-3-1B 715 ->
+// 696 tok/s, Qwen3-0.6B 1,026 -> 943; bench/RESULTS.md, session 41), so it waits for repeated runs.
 static bool norms_fused() {
     static const bool on = [] {
         const char *e = std::getenv("LLAISYS_NORM_FUSED");
-        return e == nullptr || std::string(e) != "0";
+        return e != nullptr && std::string(e) == "1";
     }();
     return on;
 }
 
 // h += delta (+ delta2); out = norm(h): one pass (LayerNorm: out2 = norm(h) with w2, b2 in the same one).
-// delta_w (Gemma's sandwich norm of the block that gave delta): h += rms_norm(delta, delta_w) in that pass.
+// delta_w (Gemma's sandwich norm of the block that gave delta): h += rms_norm(delta, delta_w), in that pass
+// when norms_fused(), else a launch before it.
 void Decoder::add_norm(const Tensor &out, const Tensor &h, const Tensor &delta, const Tensor &delta2,
                        const Tensor &w, const Tensor &b, const Tensor &out2, const Tensor &w2, const Tensor &b2,
                        const Tensor &delta_w) {
@@ -88,7 +92,7 @@ void Decoder::qkv_rope_cache(const Layer &L, int l, const BlockIn &in, const Ten
     if (L.fused_qkv) {
         Tensor qkv = Tensor::empty({T, (nh + 2 * nkvh) * hd}, dtype_, device_);
         project_in(qkv, in, L.wqkv, L.bqkv, false);
-        // q/k norm (Qwen3, Gemma 3) inside the same launch: two norm launches a layer fewer, the same bits
+        // q/k norm (Qwen3, Gemma 3): inside rope_qkv_cache's launch (norms_fused), or on the head views first
         const bool inside = config_.qk_norm && norms_fused();
         if (config_.qk_norm && !inside) {
             const Tensor heads = qkv.view({T, nh + 2 * nkvh, hd});
@@ -187,8 +191,8 @@ Tensor Decoder::logits(const Tensor &x, const StepBatch &b, bool all_logits) {
     return out;
 }
 
-// Serial residual: h += attn(norm(h)); h += mlp(norm(h)) (Gemma: each block's output normed again first,
-// inside the add_rms_norm that adds it: a launch less per block).
+// Serial residual: h += attn(norm(h)); h += mlp(norm(h)) (Gemma: each block's output normed again first, by
+// add_norm's delta_w).
 void Decoder::forward_serial(Tensor &h, const Tensor &x, const StepBatch &b, const KVView &kv) {
     const int64_t T = b.num_tokens(), H = config_.hidden_size;
     Tensor h_next; // where a norm inside the projections writes the residual (it reads h meanwhile)

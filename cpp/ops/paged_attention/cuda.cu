@@ -1,6 +1,6 @@
 // Paged attention on CUDA: a split-KV ("flash-decoding") kernel on CUDA cores for prefill and chunked
-// steps, followed by a combine kernel when a sequence's keys were split, and decode kernels for steps of one
-// query per sequence, whose last block of each (sequence, kv head) merges the split partials itself. Every
+// steps, a decode kernel for steps of one query per sequence, each followed by a combine kernel when a
+// sequence's keys were split. Every
 // per-sequence number (query rows, length, block table) is read on the device, so the grid depends only
 // on (B, max_q_len, max_blocks) and one captured graph serves every decode step of a batch. Softmax runs
 // in base 2 (scores pre-multiplied by scale * log2 e) with f32 running max/sum, accumulation in f32.
@@ -21,9 +21,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <utility>
 
 namespace llaisys::ops::cuda {
 
@@ -33,7 +30,7 @@ using namespace paged; // PagedArgs, Seq and the per-sequence helpers
 using split_kv::kRows;
 using split_kv::kThreads;
 using split_kv::kTile;           // two tiles in flight here
-constexpr int kMaxSplits = 256;  // key chunks per sequence at most
+constexpr int kMaxSplits = 256;  // key chunks per sequence at most (the combine kernel's weights in smem)
 constexpr int kCombineWarps = 4; // output rows per combine block, one warp each
 constexpr int kCombineDims = 4;  // head dims per lane per pass of the combine kernel (hd 128 in one pass)
 // The decode kernel (one query per sequence): 4 warps a block, each taking 8 keys a step, so a block's
@@ -304,67 +301,6 @@ __device__ __forceinline__ int part_row(const PagedArgs<T> &a, int b, int t) {
     return a.select == kOneQuery ? b : t;
 }
 
-// One output row (query i of sequence b, head h) from its chunks' partials, by one warp: the chunks holding
-// keys the query sees (the same per-sequence split as the kernel that wrote them; later chunks, and with a
-// window earlier ones, hold nothing for it and may be unwritten) are weighted by 2^(m_c - max) and summed,
-// each dim over its chunks in order. Read through L2 (__ldcg): in merge_arrived other blocks of the running
-// grid wrote them.
-template <typename T, bool WINDOW>
-__device__ __forceinline__ void merge_chunks(const PagedArgs<T> &a, const Seq &s, int b, int i, int h, int lane) {
-    const int lim = i + s.kv - s.qlen, base = span_base<WINDOW>(s, a.window);
-    const int L = chunk_len(s.kv - base, a.nsplit, a.granule), used = (lim - base) / L + 1;
-    const int first = WINDOW ? (max(base, lim - a.window + 1) - base) / L : 0;
-    const int t = s.q0 + i;
-    const int64_t stride = int64_t(a.part_rows) * a.nh * (a.hd + 2); // between chunks
-    const float *p0 = a.part + (int64_t(part_row(a, b, t)) * a.nh + h) * (a.hd + 2);
-    float m = -INFINITY, l = 0.f;
-    for (int c = first + lane; c < used; c += 32) m = fmaxf(m, __ldcg(p0 + c * stride + a.hd));
-    m = warp_max(m);
-    for (int c = first + lane; c < used; c += 32) // a chunk with nothing visible (m = -inf) weighs 0
-        l += exp2f(__ldcg(p0 + c * stride + a.hd) - m) * __ldcg(p0 + c * stride + a.hd + 1);
-    const float inv = 1.f / warp_sum(l);
-    T *dst = a.out + t * a.o_s0 + h * a.o_s1;
-    for (int d0 = 0; d0 < a.hd; d0 += 32 * kCombineDims) { // one pass for hd <= 128
-        // dims d0 + lane + 32 j of every chunk: chunks outer, so each step's loads of all the lane's dims
-        // (and, unrolled, of several chunks) are in flight together
-        float acc[kCombineDims] = {};
-#pragma unroll 4
-        for (int c = first; c < used; ++c) {
-            const float *pc = p0 + c * stride;
-            const float w = exp2f(__ldcg(pc + a.hd) - m);
-#pragma unroll
-            for (int j = 0; j < kCombineDims; ++j)
-                if (d0 + lane + 32 * j < a.hd) acc[j] += w * __ldcg(pc + d0 + lane + 32 * j);
-        }
-#pragma unroll
-        for (int j = 0; j < kCombineDims; ++j)
-            if (d0 + lane + 32 * j < a.hd) dst[d0 + lane + 32 * j] = from_f32<T>(acc[j] * inv);
-    }
-}
-
-// The decode kernels' end with a.arrivals (nsplit > 1): every block of a (sequence, kv head) arrives once its
-// partials are written (a block holding no keys, at once), and the last to arrive merges the group's rows
-// from every chunk, so no combine kernel runs after the decode kernel (a launch of ~3-4.5 us a layer at batch
-// 1 on the H200). The last block resets the count: every block of the grid arrives, so each launch leaves it
-// at 0. Every thread of the block calls this (it has barriers).
-template <typename T, bool WINDOW, int WARPS>
-__device__ __forceinline__ void merge_arrived(const PagedArgs<T> &a, const DecodeChunk &ck) {
-    if (a.arrivals == nullptr) return;
-    __shared__ int last;
-    __threadfence(); // this thread's partials are visible to whichever block merges
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(a.arrivals + blockIdx.y, 1) == a.nsplit - 1;
-        if (last) atomicExch(a.arrivals + blockIdx.y, 0);
-    }
-    __syncthreads();
-    // a padded row (no query) or, in a kOneQuery launch, a sequence of several queries (the other launch's)
-    if (!last || ck.s.qlen != 1) return;
-    __threadfence();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < ck.group; r += WARPS) merge_chunks<T, WINDOW>(a, ck.s, ck.b, 0, ck.kvh * ck.group + r, lane);
-}
-
 // The decode kernels' last stage: the block's WARPS warps each hold (max, sum, acc) of the group's rows over
 // their own keys (wm, wl, wacc: HD = a.hd dims); merged per output element into out (one split) or into the
 // chunk's partials (row prow, part_row) for paged_combine_kernel.
@@ -442,7 +378,7 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
     const int settled_end = ck.s.kv - ck.s.qlen;
     load_keys(INT_MIN, settled_end);
     if (a.settled) pdl_wait();
-    if (ck.empty) return merge_arrived<T, WINDOW, kDecWarps>(a, ck);
+    if (ck.empty) return;
     load_keys(settled_end, INT_MAX);
     float q[kDecRows][DPL], acc[kDecRows][DPL];
 #pragma unroll
@@ -506,7 +442,6 @@ __global__ void __launch_bounds__(kDecWarps * 32) paged_decode_kernel(const Page
         for (int e = 0; e < DPL; ++e) wacc[warp][r][lane * DPL + e] = acc[r][e];
     __syncthreads();
     merge_warps(a, wm, wl, wacc, kvh, group, t, part_row(a, ck.b, t));
-    merge_arrived<T, WINDOW, kDecWarps>(a, ck);
 }
 
 // Decode steps on tensor cores (16-bit K/V, head dim 64 or 128, a GQA group of at most 16 query heads).
@@ -621,7 +556,7 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_pipe_kernel(const Pag
     if (a.settled) pdl_wait();
     if (ck.empty) {
         cp_async_wait_all();
-        return merge_arrived<T, WINDOW, WARPS>(a, ck);
+        return;
     }
     bool late = false; // the prologue's keys of this step (rare: a chunk of fewer than ~STAGES x 64 keys)
 #pragma unroll
@@ -738,21 +673,59 @@ __global__ void __launch_bounds__(WARPS * 32) paged_decode_pipe_kernel(const Pag
         for (int e = 0; e < 4; ++e) wacc[warp][g + 8 * (e >> 1)][(2 * c + (e & 1)) * (HD / 8) + d] = acc[d][e];
     __syncthreads();
     merge_warps(a, wm, wl, wacc, kvh, group, t, part_row(a, ck.b, t));
-    merge_arrived<T, WINDOW, WARPS>(a, ck);
 }
 
-// Merges the split partials of the output rows (the split kernel's, and the decode kernels' without
-// arrivals). Grid (ceil(max_q_len * nh / 4), B) (a kOneQuery launch: one query a sequence, its partials at the
-// sequence's row), 4 warps: warp w takes row (query i, head h) = blockIdx.x * 4 + w of sequence blockIdx.y.
+// Merges the split partials of the output rows. Grid (ceil(max_q_len * nh / 4), B) (a kOneQuery launch: one
+// query a sequence, its partials at the sequence's row), 4 warps: warp w takes row (query i, head h) =
+// blockIdx.x * 4 + w of sequence blockIdx.y. The chunks its query saw (the same
+// per-sequence split as the split kernel; later chunks, and with a window earlier ones, hold nothing for it
+// and may be unwritten) are weighted by 2^(m_c - max) and summed per dim.
 template <typename T, bool WINDOW>
 __global__ void __launch_bounds__(kCombineWarps * 32) paged_combine_kernel(const PagedArgs<T> a) {
+    __shared__ float wts[kCombineWarps][kMaxSplits], sums[kCombineWarps][kMaxSplits];
     pdl_trigger();
     pdl_wait();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, rho = blockIdx.x * kCombineWarps + warp;
     const Seq s = load_seq(a, blockIdx.y);
     const int i = rho / a.nh, h = rho % a.nh;
     if (i >= s.qlen || (a.select == kOneQuery && s.qlen != 1)) return; // whole warps return; only warp syncs follow
-    merge_chunks<T, WINDOW>(a, s, int(blockIdx.y), i, h, lane);
+    // the chunks holding keys this query sees: [first, used) of the span [base, kv)
+    const int lim = i + s.kv - s.qlen, base = span_base<WINDOW>(s, a.window);
+    const int L = chunk_len(s.kv - base, a.nsplit, a.granule), used = (lim - base) / L + 1;
+    const int first = WINDOW ? (max(base, lim - a.window + 1) - base) / L : 0;
+    const int t = s.q0 + i;
+    const int64_t stride = int64_t(a.part_rows) * a.nh * (a.hd + 2); // between chunks
+    const float *p0 = a.part + (int64_t(part_row(a, int(blockIdx.y), t)) * a.nh + h) * (a.hd + 2);
+    float *wt = wts[warp], *lt = sums[warp];
+    float m = -INFINITY, l = 0.f;
+    for (int c = first + lane; c < used; c += 32) { // each chunk's (m, l), read together
+        wt[c] = p0[c * stride + a.hd];
+        lt[c] = p0[c * stride + a.hd + 1];
+        m = fmaxf(m, wt[c]);
+    }
+    m = warp_max(m);
+    for (int c = first + lane; c < used; c += 32) {
+        wt[c] = exp2f(wt[c] - m); // a chunk with nothing visible (m = -inf) weighs 0
+        l += wt[c] * lt[c];
+    }
+    const float inv = 1.f / warp_sum(l);
+    __syncwarp();
+    T *dst = a.out + t * a.o_s0 + h * a.o_s1;
+    for (int d0 = 0; d0 < a.hd; d0 += 32 * kCombineDims) { // one pass for hd <= 128
+        // dims d0 + lane + 32 j of every chunk: chunks outer, so each step's loads of all the lane's dims
+        // (and, unrolled, of several chunks) are in flight together; each dim still sums its chunks in order
+        float acc[kCombineDims] = {};
+#pragma unroll 4
+        for (int c = first; c < used; ++c) {
+            const float w = wt[c], *pc = p0 + c * stride + d0 + lane;
+#pragma unroll
+            for (int j = 0; j < kCombineDims; ++j)
+                if (d0 + lane + 32 * j < a.hd) acc[j] += w * pc[32 * j];
+        }
+#pragma unroll
+        for (int j = 0; j < kCombineDims; ++j)
+            if (d0 + lane + 32 * j < a.hd) dst[d0 + lane + 32 * j] = from_f32<T>(acc[j] * inv);
+    }
 }
 
 // Splits each sequence's keys so that the GPU is busy: a large batch or a prefill has blocks enough
@@ -780,7 +753,7 @@ int plan_splits(int64_t blocks, int64_t capacity, int granule, int device, int r
 
 template <typename T, bool WINDOW>
 void launch_combine(const PagedArgs<T> &a, int B, Device device, cudaStream_t stream) {
-    if (a.nsplit == 1 || a.arrivals != nullptr) return; // (arrivals: the decode kernel merged them)
+    if (a.nsplit == 1) return;
     const int64_t rows = a.select == kOneQuery ? 1 : a.max_q_len; // query rows a sequence
     const dim3 grid(unsigned(ceil_div(rows * a.nh, kCombineWarps)), unsigned(B));
     launch_pdl(paged_combine_kernel<T, WINDOW>, grid, dim3(kCombineWarps * 32), 0, stream, device.index, a);
@@ -903,44 +876,6 @@ int decode_stages() {
     return stages;
 }
 
-// Whether the decode kernels merge their own split partials (merge_arrived) instead of a combine kernel after
-// them: on unless LLAISYS_PAGED_MERGE_ARRIVED=0 (an A/B knob, read once).
-bool merge_arrived_enabled() {
-    static const bool on = [] {
-        const char *e = std::getenv("LLAISYS_PAGED_MERGE_ARRIVED");
-        return e == nullptr || std::strcmp(e, "0") != 0;
-    }();
-    return on;
-}
-
-// merge_arrived's counts, one per (sequence, kv head) of a launch (B * nkvh <= 65535, checked by the op):
-// 64 Ki ints per (device, stream), zeroed when made and left at 0 by every launch, never freed (a captured
-// graph keeps the pointer). One set per stream: launches on one stream run one after another, so no two
-// share a count at once. Zeroed on a stream of its own and waited for: the first call may come while
-// `stream` is being captured into a graph, where a memset on it would only run at the graph's replays.
-int *arrival_counts(int device, cudaStream_t stream) {
-    constexpr size_t kBytes = 65536 * sizeof(int);
-    static std::mutex mu;
-    static auto *counts = new std::map<std::pair<int, cudaStream_t>, int *>(); // leaked: used at teardown
-    std::lock_guard<std::mutex> lock(mu);
-    int *&p = (*counts)[{device, stream}];
-    if (p == nullptr) {
-        int prev = 0;
-        CUDA_CHECK(cudaGetDevice(&prev));
-        CUDA_CHECK(cudaSetDevice(device));
-        int *made = nullptr;
-        cudaStream_t init = nullptr;
-        CUDA_CHECK(cudaMalloc(&made, kBytes));
-        CUDA_CHECK(cudaStreamCreateWithFlags(&init, cudaStreamNonBlocking));
-        CUDA_CHECK(cudaMemsetAsync(made, 0, kBytes, init));
-        CUDA_CHECK(cudaStreamSynchronize(init));
-        CUDA_CHECK(cudaStreamDestroy(init));
-        CUDA_CHECK(cudaSetDevice(prev));
-        p = made;
-    }
-    return p;
-}
-
 } // namespace
 
 void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, const Tensor &v_cache,
@@ -1006,9 +941,7 @@ void paged_attention(const Tensor &out, const Tensor &q, const Tensor &k_cache, 
                              out.stride(0), out.stride(1), int(tokens), int(nh), int(nkvh), int(hd),
                              int(k_cache.size(1)), int(block_tables.size(1)), int(k_cache.size(0)), int(mq), nsplit,
                              scale * 1.4426950408889634f, granule, settled_history ? 1 : 0, int(window),
-                             mixed ? kOneQuery : kAllSeqs, int(B), int(part_rows),
-                             nsplit > 1 && (decode || stages > 0) && merge_arrived_enabled()
-                                 ? arrival_counts(out.device().index, stream_of(out)) : nullptr};
+                             mixed ? kOneQuery : kAllSeqs, int(B), int(part_rows)};
         cudaStream_t stream = stream_of(out);
         const int bi = int(B);
         const auto go = [&](auto window) {

@@ -31,10 +31,6 @@ struct PagedArgs {
     int select;
     int batch;     // B: sequences (q_start holds B + 1 entries)
     int part_rows; // rows of the partials per split: tokens, or B where they are indexed by sequence
-    // The decode kernels with nsplit > 1: one count per (sequence, kv head) = blockIdx.y, 0 between launches;
-    // the last block of a (sequence, kv head) to write its partials merges them (merge_arrived in cuda.cu), so
-    // no combine kernel runs. nullptr: paged_combine_kernel merges them.
-    int *arrivals;
 };
 
 constexpr int kAllSeqs = 0, kOneQuery = 1, kManyQueries = 2;
