@@ -198,8 +198,12 @@ void rope_qkv_cache(const Tensor &q_out, const Tensor &k_cache, const Tensor &v_
                     const QkNorm<device_t<T>> n{dptr<T>(q_norm), dptr<T>(k_norm), eps,
                                                 heads_wide && is_aligned(q_norm.data(), 16),
                                                 heads_wide && is_aligned(k_norm.data(), 16)};
-                    // a warp per head, at most 8; each warp stages one normed head in shared memory
-                    const int64_t warps = std::min<int64_t>(8, d.nh + d.nkvh);
+                    // a warp per q/k head, up to 32 and what 48 KiB of staged heads allow (each warp stages one
+                    // normed head in shared memory): at batch 1 the token's one block does every head, and with 8
+                    // warps Qwen3-0.6B's 24 heads took three rounds (the first A/B, session 41, ran 8 warps; this
+                    // rule is not yet measured)
+                    const int64_t fit = std::max<int64_t>(1, (int64_t(48) << 10) / (hd * int64_t(sizeof(T))));
+                    const int64_t warps = std::min<int64_t>({32, d.nh + d.nkvh, fit});
                     launch_pdl(rope_qkv_cache_norm_kernel<device_t<T>, I, V>, unsigned(qkv.size(0)),
                                unsigned(32 * warps), size_t(warps * hd) * sizeof(T), stream_of(qkv),
                                qkv.device().index, dptr<T>(q_out), dptr<T>(k_cache), dptr<T>(v_cache), dptr<T>(qkv),
