@@ -79,9 +79,9 @@ def main() -> int:
     if args.prefill:
         return prefill_report(eng, args, requests(args.batch, args.context, args.context, eng.config.vocab_size,
                                                    seed=1)[0])
-    # one profiled call thrown away first: a one-time cost of the first (profiler start-up) fell into the 1-token
-    # run's wall and idle and made the difference negative (session 41, H200 x2: a 788 us "step" of 1,407 us of
-    # kernels, GPU idle -552 us)
+    # one profiled call thrown away first: session 41's breakdowns (H200 x2) printed a 788 us "step" of 1,407 us of
+    # kernels (GPU idle -552 us): the 1-token run's wall and idle held more than the longer run's, most likely a
+    # one-time cost of the first profiled call (the profiler's start-up); not yet confirmed on a GPU
     profiled(eng, prompts, 1, **gen_kw)
     base, wall0, idle0 = profiled(eng, prompts, 1, **gen_kw)
     full, wall1, idle1 = profiled(eng, prompts, 1 + args.steps, **gen_kw)
