@@ -3,7 +3,7 @@
 # Every log lands in $OUT (default ./gpu-out). Meant for a lent H100/H200 with torch, transformers, nanobind,
 # cmake and nvcc installed but no network: wheels/debs the image lacks are carried in .devdeps/
 # (gguf wheel; googletest and google-benchmark .debs, unpacked under /tmp).
-#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [opsab] [ncu] [bench] [sanitize]
+#   bash bench/gpu_check.sh [build] [test] [quant] [serving] [model] [steady] [stream] [structured] [tp] [nodes] [families] [ab] [breakdown] [opsab] [ncu] [bench] [sanitize] [pack]
 #   (default: all but steady, structured, tp, nodes, ab and families, in this order:
 #   most important first, so a run cut short still returns the tests and model numbers)
 # Per-step time limits (seconds) come from T_TEST, T_MODEL, T_BENCH, T_SAN.
@@ -254,13 +254,14 @@ if has tp; then # tensor parallelism (issue 30): the CUDA tests, then batch-1 de
   done
 fi
 if has families; then # batch-1 decode of every family's real shape, random bf16 weights (share of copy roofline)
-  # FAMILY_ENVS: space-separated settings (VAR=value, or - for the default), each run back to back per shape (an A/B)
+  # FAMILY_ENVS: space-separated settings (VAR=value, or - for the default), each run back to back per shape (an A/B);
+  # FAMILY_ROUNDS=N repeats them N times, alternating (single runs moved +-5% in session 41: one run settles nothing)
   for shape in ${FAMILY_SHAPES:-qwen2-0.5b qwen2-1.5b qwen3-0.6b llama-3.2-1b pythia-1.4b gemma-3-1b}; do
-    for setting in ${FAMILY_ENVS:--}; do
+    for setting in $(for r in $(seq ${FAMILY_ROUNDS:-1}); do echo ${FAMILY_ENVS:--}; done); do
       vars=$setting; [ "$vars" = - ] && vars=
       log "llaisys bench --shape $shape ${vars:-(default)}"
       env $vars timeout ${T_MODEL:-150} python3 -m llaisys bench --shape $shape --device cuda --prompt-len 128 \
-        --new-tokens 256 --json "$OUT/bench_${shape}_$(echo ${vars:-default} | tr -d ' =').json" 2>&1 | grep -v Warning |
+        --new-tokens 256 --json "$OUT/bench_${shape}_$(echo ${vars:-default} | tr -d ' =')_$(date +%s).json" 2>&1 | grep -v Warning |
         tail -2 | tee -a "$OUT/summary.txt"
     done
   done
@@ -359,3 +360,8 @@ if has sanitize; then
 fi
 
 log "done"
+if has pack; then # last: every file of $OUT into logs.tar.gz beside summary.txt (the device's `run` brings back at most 8
+  # files: in session 41 the summary itself was left out behind eight JSON files)
+  tar czf /tmp/logs.tar.gz -C "$OUT" --exclude summary.txt . && find "$OUT" -mindepth 1 ! -name summary.txt -delete &&
+    mv /tmp/logs.tar.gz "$OUT/logs.tar.gz"
+fi
