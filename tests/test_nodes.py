@@ -591,6 +591,25 @@ def test_a_failed_launch_already_answered_breaks_the_group_before_the_next_call_
     assert not ran
 
 
+@pytest.mark.parametrize("theirs", ["launch", "finish", None])
+def test_a_followers_late_error_names_the_call_it_failed_in(theirs):
+    """A follower's error that arrives while node 0 runs a later call (its launch is not answered before the
+    next call) names the follower's own call, and node 0's; an answer without a name (an older follower)
+    names node 0's call."""
+    from llaisys.engine.nodes import Node
+    node = Node(0, 2, 1, 2, timeout_s=5.0, progress=False)
+    node.GRACE_S = 0.05
+    node.begin("finish")
+    node._fail_fast(1, ["error", "RuntimeError: boom"] + ([theirs] if theirs else []))
+    deadline = time.monotonic() + 5
+    while not node.broken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if theirs == "launch":
+        assert node.broken == "node 1 failed in launch while node 0 still ran finish: RuntimeError: boom"
+    else:
+        assert node.broken == "node 1 failed in finish while node 0 still ran it: RuntimeError: boom"
+
+
 def test_node_0_dying_ends_the_follower_with_a_clear_error(tiny_qwen2, tmp_path):
     """Node 0 as the child (a script that loads, runs one request, then dies with os._exit), node 1 as a
     `llaisys.server` child too: node 1 exits non-zero saying its connection to node 0 closed."""

@@ -160,7 +160,8 @@ class NodeProxy:
             raise RuntimeError(f"tensor-parallel group is broken: {node.broken}") from None
         if msg is CLOSED:
             raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
-        if not (isinstance(msg, list) and len(msg) == 2 and msg[0] in ("ok", "error")):
+        if not (isinstance(msg, list) and (len(msg) == 2 and msg[0] in ("ok", "error") or
+                                           len(msg) == 3 and msg[0] == "error")):
             node.fail(f"node {k} answered {name} with {msg!r:.80}")
             raise RuntimeError(f"tensor-parallel group is broken: {node.broken}")
         return msg
@@ -205,4 +206,4 @@ def _run(node: Node, runner, name: str, args: list):
             node.end()
         return ["ok", result if isinstance(result, list) else None]
     except Exception as e:  # noqa: BLE001 - node 0 decides what it means
-        return ["error", describe(e)]
+        return ["error", describe(e), name]  # the call's name: node 0 may be in a later one (an unanswered launch)

@@ -201,9 +201,12 @@ class Node:
         if name is None:
             return
 
+        theirs = msg[2] if len(msg) > 2 else name  # the follower's call: an unanswered launch's error comes later
+
         def check():
             if self.running == (call, name):
-                self.fail(f"node {k} failed in {name} while node 0 still ran it: {msg[1]}")
+                ran = "it" if theirs == name else name
+                self.fail(f"node {k} failed in {theirs} while node 0 still ran {ran}: {msg[1]}")
         timer = threading.Timer(min(self.GRACE_S, self.timeout_s), check)
         timer.daemon = True
         timer.start()
