@@ -27,6 +27,25 @@ struct CacheRows {
     bool i64;
 };
 
+// Token blockIdx.x's cache row (its slot, or its position), with the cos/sin of its `half` angles staged in
+// cos_s/sin_s (rope's own evaluation, rope_math.cuh); -1 for a row outside [0, capacity): the error flag is set
+// and the block writes nothing. Every thread of the block calls it (a barrier), after pdl_wait.
+template <typename I>
+__device__ __forceinline__ int64_t token_row(const I *pos, const CacheRows &rows, const RopeFreqs &freqs,
+                                             const RopeQkvDims &d, int *error, float *cos_s, float *sin_s) {
+    const int64_t t = blockIdx.x;
+    const int64_t r = !rows.slots ? int64_t(pos[t])
+                      : rows.i64  ? static_cast<const int64_t *>(rows.slots)[t]
+                                  : int64_t(static_cast<const int32_t *>(rows.slots)[t]);
+    if (r < 0 || r >= d.capacity) {
+        if (threadIdx.x == 0) *error = kPositionOutOfRange;
+        return -1;
+    }
+    for (int i = threadIdx.x; i < d.half; i += blockDim.x) rope_cos_sin(float(pos[t]), freqs.v[i], cos_s[i], sin_s[i]);
+    __syncthreads();
+    return r;
+}
+
 // One block per token t, p = pos[t], cache row r = slots[t] (or p): the block stages cos/sin of the
 // `half` angles in shared memory (rope's own evaluation, rope_math.cuh), then its threads stride over (head,
 // VEC pairs) of the q and k heads (q_out[t] and k_cache[r] get the turned pairs), over (head, VEC
@@ -40,17 +59,9 @@ __global__ void rope_qkv_cache_kernel(T *q_out, T *k_cache, T *v_cache, const T 
     __shared__ float cos_s[kMaxRopePairs], sin_s[kMaxRopePairs];
     pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
     pdl_wait();
-    const int64_t t = blockIdx.x;
-    const int64_t r = !rows.slots ? int64_t(pos[t])
-                      : rows.i64  ? static_cast<const int64_t *>(rows.slots)[t]
-                                  : int64_t(static_cast<const int32_t *>(rows.slots)[t]);
-    if (r < 0 || r >= d.capacity) {
-        if (threadIdx.x == 0) *error = kPositionOutOfRange;
-        return;
-    }
+    const int64_t t = blockIdx.x, r = token_row(pos, rows, freqs, d, error, cos_s, sin_s);
+    if (r < 0) return;
     const int half = d.half;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(float(pos[t]), freqs.v[i], cos_s[i], sin_s[i]);
-    __syncthreads();
     const T *row = qkv + t * d.xs; // [nh + 2 nkvh, hd]: q heads, k heads, v heads
     const int chunks = half / VEC, turns = (d.nh + d.nkvh) * chunks, per_v = d.hd / VEC;
     const int per_pass = (d.hd - 2 * half) / VEC, pass_heads = d.q_pass ? d.nh + d.nkvh : d.nkvh;
@@ -125,17 +136,9 @@ __global__ void rope_qkv_cache_norm_kernel(T *q_out, T *k_cache, T *v_cache, con
     __shared__ float cos_s[kMaxRopePairs], sin_s[kMaxRopePairs];
     pdl_trigger(); // launched with PDL (cuda.cuh): nothing is read before the previous kernel is done
     pdl_wait();
-    const int64_t t = blockIdx.x;
-    const int64_t r = !rows.slots ? int64_t(pos[t])
-                      : rows.i64  ? static_cast<const int64_t *>(rows.slots)[t]
-                                  : int64_t(static_cast<const int32_t *>(rows.slots)[t]);
-    if (r < 0 || r >= d.capacity) {
-        if (threadIdx.x == 0) *error = kPositionOutOfRange;
-        return;
-    }
+    const int64_t t = blockIdx.x, r = token_row(pos, rows, freqs, d, error, cos_s, sin_s);
+    if (r < 0) return;
     const int half = d.half;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cos_sin(float(pos[t]), freqs.v[i], cos_s[i], sin_s[i]);
-    __syncthreads();
     const T *row = qkv + t * d.xs; // [nh + 2 nkvh, hd]: q heads, k heads, v heads
     const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32), warps = int(blockDim.x / 32);
     T *buf = reinterpret_cast<T *>(heads_s) + int64_t(warp) * d.hd; // 16-byte aligned whenever a wide path runs
